@@ -1,0 +1,39 @@
+# Two commands do all the set-up on a fresh machine:  make demo  and  make test.
+# Everything installs into .venv, created from nothing with python3.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Torch first, so the project's `torch>=...` requirement is already met and pip pulls no CUDA
+# wheels. On these machines `torch==2.13.0` is the local CPU build. On a GPU host pick your build:
+#   make test TORCH_SPEC="torch==2.11.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu130"
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+.PHONY: test demo install clean bench
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> installing $(TORCH_SPEC) into $(VENV)"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	@echo "==> installing lmcache-p2p with its test extras"
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $@
+
+install: $(VENV)/.installed
+
+# pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
+test: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(VENV)/.installed
+	@echo "make demo: the two-engine peer-hit demo is coming with the vLLM connector (issue 5)."
+	@echo "Meanwhile: $(VENV)/bin/lmcache-p2p --help"
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_keys.py
+	$(PY) benchmarks/bench_tiers.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
