@@ -1,0 +1,447 @@
+"""LMCache-compatible configuration.
+
+Users of the original LMCache P2P feature configure an instance with a YAML file named by
+``LMCACHE_CONFIG_FILE`` and/or ``LMCACHE_<KEY>`` environment variables (env wins). Their files
+must load here unchanged, so key names, defaults and value spellings follow LMCache; what we add
+is strictness that names the culprit: a bad value raises :class:`ConfigError` with the key, the
+value, where it came from (file path or env var) and what was expected.
+
+Keys of the original LMCache that we do not implement are accepted with a one-time warning and
+ignored, so a production file that sets e.g. ``remote_serde`` keeps working; a key nobody knows is
+an error with a "did you mean" suggestion, because a typo silently ignored is a cache that never
+hits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "LMCACHE_"
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+
+# 1 "GB" in LMCache's size keys is 1024**3 bytes.
+GB = 1024**3
+
+TRANSFER_CHANNELS = ("nixl", "tcp")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent.
+
+    The message always names the key, and for a bad value also the value, its source and what
+    was expected, so an operator can fix the right file or variable at once.
+    """
+
+    def __init__(self, key: str, message: str, value: Any = None, source: Optional[str] = None):
+        self.key = key
+        self.value = value
+        self.source = source
+        where = f" (from {source})" if source else ""
+        shown = f"{key}={value!r}" if value is not None else key
+        super().__init__(f"{shown}{where}: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Value parsers. Each takes the raw value (a YAML scalar/list/dict or an env-var string) and
+# returns the typed value or raises _Invalid with what was expected.
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _to_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str):
+        s = raw.strip().lower()
+        if s in ("true", "1", "yes", "on"):
+            return True
+        if s in ("false", "0", "no", "off"):
+            return False
+    raise _Invalid("expected a boolean: True/true/1 or False/false/0")
+
+
+def _to_int(raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise _Invalid("expected an integer, got a boolean")
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    if isinstance(raw, str):
+        try:
+            return int(raw.strip())
+        except ValueError:
+            pass
+    raise _Invalid("expected an integer")
+
+
+def _to_float(raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise _Invalid("expected a number, got a boolean")
+    if isinstance(raw, (int, float)):
+        return float(raw)
+    if isinstance(raw, str):
+        try:
+            return float(raw.strip())
+        except ValueError:
+            pass
+    raise _Invalid("expected a number")
+
+
+def _to_str(raw: Any) -> str:
+    if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+        s = str(raw).strip()
+        # Env values are sometimes written with quotes kept (LMCACHE_X='"a"').
+        if len(s) >= 2 and s[0] == s[-1] and s[0] in "\"'":
+            s = s[1:-1]
+        return s
+    raise _Invalid("expected a string")
+
+
+def _to_int_list(raw: Any) -> list[int]:
+    """Ports: a YAML list, a single int (one rank), or "8200,8202" / "[8200, 8202]" from env."""
+    if isinstance(raw, str):
+        s = raw.strip().strip("[]")
+        items: list[Any] = [p for p in (x.strip() for x in s.split(",")) if p]
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        items = [raw]
+    try:
+        out = [_to_int(x) for x in items]
+    except _Invalid:
+        raise _Invalid("expected an integer or a list of integers such as 8200,8202") from None
+    if not out:
+        raise _Invalid("expected at least one integer")
+    return out
+
+
+def _to_dict(raw: Any) -> dict:
+    if isinstance(raw, dict):
+        return dict(raw)
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as e:
+            raise _Invalid(f"expected a mapping or a JSON object string ({e.msg})") from None
+        if isinstance(value, dict):
+            return value
+    raise _Invalid("expected a mapping or a JSON object string")
+
+
+def _to_local_disk(raw: Any) -> str:
+    """``file:///path/`` as in LMCache; a plain absolute path is accepted too."""
+    s = _to_str(raw)
+    if s.startswith("file://"):
+        s = s[len("file://"):]
+    elif "://" in s:
+        raise _Invalid("expected a local path as file:///path/ (no other scheme is supported)")
+    if not s.startswith("/"):
+        raise _Invalid("expected an absolute path as file:///path/")
+    return s
+
+
+def _to_url(raw: Any) -> str:
+    """``host:port`` (LMCache's spelling) or ``tcp://host:port``."""
+    s = _to_str(raw)
+    hostport = s[len("tcp://"):] if s.startswith("tcp://") else s
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _Invalid("expected host:port such as localhost:8300")
+    return s
+
+
+def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def parse_optional(raw: Any) -> Any:
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
+            return None
+        return parse(raw)
+
+    return parse_optional
+
+
+def _key(parse: Callable[[Any], Any], default: Any, doc: str) -> Any:
+    """A config field: its parser and a one-line doc, kept in the dataclass metadata."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"parse": parse, "doc": doc})
+    return field(default=default, metadata={"parse": parse, "doc": doc})
+
+
+@dataclass
+class LMCacheConfig:
+    """One instance's settings; field names are the YAML keys and ``LMCACHE_<KEY>`` env names."""
+
+    # Tiers
+    chunk_size: int = _key(_to_int, 256, "tokens per chunk; a multiple of vLLM's block size")
+    local_cpu: bool = _key(_to_bool, True, "keep chunks in the CPU pool (LocalCPUBackend)")
+    max_local_cpu_size: float = _key(_to_float, 5.0, "CPU pool size in GB (1 GB = 1024**3 bytes)")
+    local_disk: Optional[str] = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
+    max_local_disk_size: float = _key(_to_float, 0.0, "disk tier size cap in GB")
+    enable_async_loading: bool = _key(_to_bool, False, "peer lookups do not block the scheduler")
+    # P2P
+    enable_p2p: bool = _key(_to_bool, False, "pull missing chunks from peers")
+    p2p_host: Optional[str] = _key(_optional(_to_str), None, "host peers reach this instance on")
+    p2p_init_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "handshake port per TP rank")
+    p2p_lookup_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "transfer request port per TP rank")
+    transfer_channel: Optional[str] = _key(_optional(_to_str), None, '"nixl" or "tcp"')
+    # Controller
+    enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
+    lmcache_instance_id: Optional[str] = _key(_optional(_to_str), None, "this instance's id at the controller")
+    controller_pull_url: Optional[str] = _key(_optional(_to_url), None, "controller PULL socket, host:port")
+    controller_reply_url: Optional[str] = _key(_optional(_to_url), None, "controller ROUTER socket, host:port")
+    lmcache_worker_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "command port per TP rank")
+    lmcache_worker_heartbeat_time: float = _key(_to_float, 5.0, "seconds between worker heartbeats")
+    extra_config: dict = _key(_optional(_to_dict), {}, "free-form extras, e.g. lookup_backoff_time")
+
+    # Where each non-default value came from ("env LMCACHE_X", a file path); for error messages.
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    # -- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, env: Optional[Mapping[str, str]] = None) -> "LMCacheConfig":
+        """The config an engine process sees: ``LMCACHE_CONFIG_FILE`` then ``LMCACHE_*`` env."""
+        env = os.environ if env is None else env
+        path = env.get(CONFIG_FILE_ENV)
+        raw: dict[str, tuple[Any, str]] = {}
+        if path:
+            raw.update(_read_yaml(path))
+        raw.update(_read_env(env))
+        return cls._from_raw(raw)
+
+    @classmethod
+    def from_file(cls, path: str) -> "LMCacheConfig":
+        return cls._from_raw(_read_yaml(path))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "dict") -> "LMCacheConfig":
+        return cls._from_raw({k: (v, source) for k, v in _fold_misplaced_extras(dict(values), source).items()})
+
+    @classmethod
+    def _from_raw(cls, raw: Mapping[str, tuple[Any, str]]) -> "LMCacheConfig":
+        fields = _config_fields()
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, (value, source) in raw.items():
+            name = _ALIASES.get(name, name)
+            if name in _IGNORED_LMCACHE_KEYS:
+                _warn_ignored_once(name, source)
+                continue
+            f = fields.get(name)
+            if f is None:
+                raise ConfigError(name, _unknown_key_hint(name), source=source)
+            try:
+                values[name] = f.metadata["parse"](value)
+            except _Invalid as e:
+                raise ConfigError(name, str(e), value=value, source=source) from None
+            sources[name] = source
+        if "extra_config" in values and values["extra_config"] is None:
+            values["extra_config"] = {}
+        cfg = cls(**values, sources=sources)
+        cfg.validate()
+        return cfg
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _err(self, key: str, message: str) -> ConfigError:
+        return ConfigError(key, message, value=getattr(self, key, None), source=self.sources.get(key, "default"))
+
+    def validate(self) -> None:
+        """Checks that need no knowledge of the engine (TP size comes later: validate_for_tp)."""
+        if self.chunk_size <= 0:
+            raise self._err("chunk_size", "expected a positive number of tokens (LMCache uses 256)")
+        if self.max_local_cpu_size < 0:
+            raise self._err("max_local_cpu_size", "expected a size in GB >= 0")
+        if self.max_local_disk_size < 0:
+            raise self._err("max_local_disk_size", "expected a size in GB >= 0")
+        if self.local_disk and self.max_local_disk_size <= 0:
+            raise self._err(
+                "max_local_disk_size",
+                f"local_disk is set ({self.local_disk}) but its size cap is 0; set max_local_disk_size in GB",
+            )
+        if self.lmcache_worker_heartbeat_time <= 0:
+            raise self._err("lmcache_worker_heartbeat_time", "expected seconds > 0")
+        if self.transfer_channel is not None and self.transfer_channel not in TRANSFER_CHANNELS:
+            raise self._err("transfer_channel", f"expected one of {', '.join(TRANSFER_CHANNELS)}")
+        backoff = self.extra_config.get("lookup_backoff_time")
+        if backoff is not None:
+            try:
+                ok = _to_float(backoff) >= 0
+            except _Invalid:
+                ok = False
+            if not ok:
+                raise ConfigError("extra_config.lookup_backoff_time", "expected seconds >= 0",
+                                  value=backoff, source=self.sources.get("extra_config"))
+        if self.enable_controller:
+            for key in ("lmcache_instance_id", "controller_pull_url", "controller_reply_url", "lmcache_worker_ports"):
+                if getattr(self, key) is None:
+                    raise self._err(key, "required when enable_controller is true")
+        if self.enable_p2p:
+            if not self.enable_controller:
+                raise self._err("enable_controller", "must be true when enable_p2p is true: peers are found through the controller")
+            for key in ("p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
+                if getattr(self, key) is None:
+                    raise self._err(key, "required when enable_p2p is true")
+
+    def validate_for_tp(self, tp_size: int) -> None:
+        """At engine start-up: every per-rank port list must cover every TP rank."""
+        keys = ["lmcache_worker_ports"] if self.enable_controller else []
+        if self.enable_p2p:
+            keys += ["p2p_init_ports", "p2p_lookup_ports"]
+        for key in keys:
+            ports = getattr(self, key)
+            if ports is not None and len(ports) < tp_size:
+                raise self._err(key, f"has {len(ports)} port(s) but tensor parallel size is {tp_size}: give one port per rank, e.g. 8200,8202")
+
+    # -- derived values -------------------------------------------------------------------------
+
+    @property
+    def lookup_backoff_time(self) -> float:
+        """Seconds between peer-lookup retries under enable_async_loading (seed 004: 0.001)."""
+        return float(self.extra_config.get("lookup_backoff_time", 0.001))
+
+    @property
+    def max_local_cpu_bytes(self) -> int:
+        return int(self.max_local_cpu_size * GB)
+
+    @property
+    def max_local_disk_bytes(self) -> int:
+        return int(self.max_local_disk_size * GB)
+
+    def port_for_rank(self, key: str, rank: int) -> int:
+        ports = getattr(self, key)
+        if ports is None or rank >= len(ports):
+            raise self._err(key, f"no port for TP rank {rank}")
+        return ports[rank]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading sources
+
+
+def _config_fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(LMCacheConfig) if "parse" in f.metadata}
+
+
+def _read_yaml(path: str) -> dict[str, tuple[Any, str]]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(CONFIG_FILE_ENV, "file not found", value=path) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(CONFIG_FILE_ENV, f"not valid YAML: {e}", value=path) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(CONFIG_FILE_ENV, "expected a mapping of keys to values at the top level", value=path)
+    return {str(k): (v, path) for k, v in _fold_misplaced_extras(data, path).items()}
+
+
+# Keys that belong under extra_config. Seed 004's published YAML lost its indentation, leaving
+# `extra_config:` empty and `lookup_backoff_time` at the top level; we accept that file as users
+# copied it, and move the key where it belongs.
+_EXTRA_CONFIG_KEYS = ("lookup_backoff_time",)
+
+
+def _fold_misplaced_extras(data: dict, source: str) -> dict:
+    misplaced = [k for k in _EXTRA_CONFIG_KEYS if k in data]
+    if not misplaced:
+        return data
+    data = dict(data)
+    extra = data.get("extra_config")
+    extra = dict(extra) if isinstance(extra, dict) else {}
+    for k in misplaced:
+        logger.warning("%s: %s belongs under extra_config; reading it as extra_config.%s", source, k, k)
+        extra.setdefault(k, data.pop(k))
+    data["extra_config"] = extra
+    return data
+
+
+# LMCACHE_* variables that are not config keys (LMCache's own switches): never an error.
+_NON_CONFIG_ENV = {"CONFIG_FILE", "LOG_LEVEL", "TRACK_USAGE", "USE_EXPERIMENTAL", "DISABLE_USAGE_STATS"}
+_NON_CONFIG_ENV_PREFIXES = ("EC_",)  # LMCache's extra-config variables
+
+
+def _read_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {}
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        suffix = var[len(ENV_PREFIX):]
+        if suffix in _NON_CONFIG_ENV or suffix.startswith(_NON_CONFIG_ENV_PREFIXES):
+            continue
+        out[suffix.lower()] = (value, f"env {var}")
+    return out
+
+
+# Old names LMCache still accepts for the same setting.
+_ALIASES = {
+    "controller_url": "controller_pull_url",
+    "lmcache_worker_port": "lmcache_worker_ports",
+}
+
+# Keys of the original LMCache (v0 and v1) that we accept and ignore, so users' files load.
+_IGNORED_LMCACHE_KEYS = frozenset(
+    """
+    local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding remote_url remote_serde
+    use_layerwise save_decode_cache pre_caching_hash_algorithm enable_blending
+    blend_recompute_ratios blend_thresholds blend_check_layers blend_min_tokens blend_special_str
+    retrieve_locations store_location mp_host mp_port lmcache_worker_ids
+    lmcache_worker_heartbeat_delay_time enable_pd pd_role pd_buffer_size pd_buffer_device
+    pd_peer_host pd_peer_init_port pd_peer_alloc_port pd_peer_query_port pd_proxy_host
+    pd_proxy_port pd_allocation_timeout_sec pd_shutdown_timeout_sec
+    pd_condition_poll_interval_sec pd_max_prefill_len pd_backend_mode pd_skip_proxy_notification
+    pd_bidirectional nixl_backends nixl_buffer_size nixl_buffer_device gds_path
+    gds_path_sharding gds_buffer_size maru_path maru_pool_size use_gds gds_backend
+    audit_actual_remote_url internal_api_server_host internal_api_server_enabled
+    internal_api_server_port_start internal_api_server_include_index_list
+    internal_api_server_socket_path_prefix save_unfull_chunk blocking_timeout_secs
+    external_lookup_client py_enable_gc cache_policy cost_aware_half_life_seconds
+    cost_aware_ewma_alpha numa_mode priority_limit runtime_plugin_locations storage_plugins
+    remote_storage_plugins lookup_timeout_ms min_retrieve_tokens hit_miss_ratio
+    lookup_server_worker_ids enable_scheduler_bypass_lookup script_allowed_imports
+    enable_lazy_memory_allocator lazy_memory_initial_ratio lazy_memory_expand_trigger_ratio
+    lazy_memory_step_ratio lazy_memory_safe_size enable_chunk_statistics
+    chunk_statistics_auto_start_statistics chunk_statistics_auto_exit_timeout_hours
+    chunk_statistics_auto_exit_target_unique_chunks chunk_statistics_strategy enable_kv_events
+    use_gpu_connector_v3 pin_timeout_sec pin_check_interval_sec remote_config_url app_id
+    enable_hidden_state_cache max_hidden_state_cpu_size hidden_state_layers
+    hidden_states_retrieve_mode enable_xpyd nixl_peer_host nixl_peer_init_port
+    nixl_peer_alloc_port nixl_proxy_host nixl_proxy_port nixl_role nixl_receiver_port
+    nixl_peer_port plugin_locations external_backends local_device pipelined_backend
+    """.split()
+)
+
+_warned_ignored: set[str] = set()
+
+
+def _warn_ignored_once(key: str, source: str) -> None:
+    if key in _warned_ignored:
+        return
+    _warned_ignored.add(key)
+    logger.warning("%s (from %s) is an LMCache setting that lmcache-p2p does not implement; ignored", key, source)
+
+
+def _unknown_key_hint(name: str) -> str:
+    candidates = list(_config_fields()) + list(_ALIASES) + sorted(_IGNORED_LMCACHE_KEYS)
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown configuration key{hint}"

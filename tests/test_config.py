@@ -1,0 +1,227 @@
+"""LMCacheConfig: the seeds' files load unchanged, env wins, and every bad value names its culprit."""
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from lmcache_p2p import config as config_mod
+from lmcache_p2p.config import ConfigError, LMCacheConfig
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def load(env: dict) -> LMCacheConfig:
+    return LMCacheConfig.load(env=env)
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# -- the seeds' files -------------------------------------------------------------------------
+
+
+def test_seed_004_example_files_load():
+    one = LMCacheConfig.from_file(str(CONFIGS / "example1.yaml"))
+    two = LMCacheConfig.from_file(str(CONFIGS / "example2.yaml"))
+    assert (one.chunk_size, one.local_cpu, one.max_local_cpu_size) == (256, True, 100.0)
+    assert one.enable_async_loading and one.enable_p2p and one.enable_controller
+    assert one.p2p_host == "localhost" and one.transfer_channel == "nixl"
+    assert (one.p2p_init_ports, one.p2p_lookup_ports, one.lmcache_worker_ports) == ([8200], [8201], [8500])
+    assert (two.p2p_init_ports, two.p2p_lookup_ports, two.lmcache_worker_ports) == ([8202], [8203], [8501])
+    assert one.controller_pull_url == "localhost:8300" and one.controller_reply_url == "localhost:8400"
+    assert (one.lmcache_instance_id, two.lmcache_instance_id) == ("lmcache_instance_1", "lmcache_instance_2")
+    assert one.extra_config == {"lookup_backoff_time": 0.001} and one.lookup_backoff_time == 0.001
+
+
+def test_seed_003_instance_files_load():
+    one = LMCacheConfig.from_file(str(CONFIGS / "instance1.yaml"))
+    two = LMCacheConfig.from_file(str(CONFIGS / "instance2.yaml"))
+    assert one.max_local_cpu_size == 5.0 and one.enable_p2p and one.transfer_channel == "nixl"
+    assert one.lmcache_worker_ports == [8500] and two.lmcache_worker_ports == [8501]
+    assert two.lmcache_instance_id == "lmcache_instance_2"
+
+
+def test_seed_002_offload_file_loads():
+    cfg = LMCacheConfig.from_file(str(CONFIGS / "lmcache_config.yaml"))
+    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size) == (256, True, 5.0)
+    assert not cfg.enable_controller and not cfg.enable_p2p
+
+
+# Seed 004 as published lost the indentation under extra_config; users copied it that way.
+SEED_004_AS_PUBLISHED = """\
+chunk_size: 256
+local_cpu: True
+max_local_cpu_size: 100
+enable_async_loading: True
+# P2P configurations
+enable_p2p: True
+p2p_host: "localhost"
+p2p_init_ports: 8200
+p2p_lookup_ports: 8201
+transfer_channel: "nixl"
+# Controller configurations
+enable_controller: True
+lmcache_instance_id: "lmcache_instance_1"
+controller_pull_url: "localhost:8300"
+controller_reply_url: "localhost:8400"
+lmcache_worker_ports: 8500
+extra_config:
+lookup_backoff_time: 0.001
+"""
+
+
+def test_seed_004_as_published_loads_with_backoff_moved_under_extra_config(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = load({"LMCACHE_CONFIG_FILE": write(tmp_path, SEED_004_AS_PUBLISHED)})
+    assert cfg.extra_config == {"lookup_backoff_time": 0.001}
+    assert "lookup_backoff_time belongs under extra_config" in caplog.text
+
+
+def test_defaults_match_lmcache():
+    cfg = load({})
+    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size) == (256, True, 5.0)
+    assert (cfg.local_disk, cfg.max_local_disk_size) == (None, 0.0)
+    assert not cfg.enable_p2p and not cfg.enable_controller and not cfg.enable_async_loading
+    assert cfg.max_local_cpu_bytes == 5 * 1024**3
+
+
+# -- environment ------------------------------------------------------------------------------
+
+
+def test_env_overrides_the_file(tmp_path):
+    path = str(CONFIGS / "example1.yaml")
+    cfg = load({"LMCACHE_CONFIG_FILE": path, "LMCACHE_CHUNK_SIZE": "512", "LMCACHE_P2P_INIT_PORTS": "8200,8202",
+                "LMCACHE_ENABLE_ASYNC_LOADING": "false"})
+    assert cfg.chunk_size == 512 and cfg.p2p_init_ports == [8200, 8202] and not cfg.enable_async_loading
+    assert cfg.sources["chunk_size"] == "env LMCACHE_CHUNK_SIZE" and cfg.sources["max_local_cpu_size"] == path
+
+
+def test_env_only_as_in_seeds_000_and_002():
+    cfg = load({"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_MAX_LOCAL_CPU_SIZE": "5.0"})
+    assert cfg.local_cpu is True and cfg.chunk_size == 256 and cfg.max_local_cpu_size == 5.0
+
+
+@pytest.mark.parametrize("raw,expected", [("True", True), ("true", True), ("1", True), ("False", False),
+                                          ("false", False), ("0", False)])
+def test_env_bools(raw, expected):
+    assert load({"LMCACHE_LOCAL_CPU": raw}).local_cpu is expected
+
+
+def test_env_lists_dicts_and_disk_url():
+    cfg = load({"LMCACHE_LMCACHE_WORKER_PORTS": "[8500, 8501]", "LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": 0.01}',
+                "LMCACHE_LOCAL_DISK": "file:///tmp/lmcache-disk/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "2"})
+    assert cfg.lmcache_worker_ports == [8500, 8501]
+    assert cfg.lookup_backoff_time == 0.01
+    assert cfg.local_disk == "/tmp/lmcache-disk/" and cfg.max_local_disk_bytes == 2 * 1024**3
+
+
+def test_yaml_lists_and_aliases(tmp_path):
+    cfg = load({"LMCACHE_CONFIG_FILE": write(tmp_path, "p2p_lookup_ports: [8201, 8203]\nlmcache_worker_port: 8500\n")})
+    assert cfg.p2p_lookup_ports == [8201, 8203] and cfg.lmcache_worker_ports == [8500]
+
+
+def test_lmcache_switches_that_are_not_config_keys_are_left_alone():
+    cfg = load({"LMCACHE_LOG_LEVEL": "DEBUG", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "128"})
+    assert cfg.chunk_size == 128
+
+
+# -- bad values name key, value, source and expectation ---------------------------------------
+
+
+def test_bad_env_value_names_key_value_and_variable():
+    with pytest.raises(ConfigError) as e:
+        load({"LMCACHE_CHUNK_SIZE": "big"})
+    msg = str(e.value)
+    assert "chunk_size='big'" in msg and "env LMCACHE_CHUNK_SIZE" in msg and "integer" in msg
+    assert e.value.key == "chunk_size" and e.value.source == "env LMCACHE_CHUNK_SIZE"
+
+
+def test_bad_file_value_names_the_file(tmp_path):
+    path = write(tmp_path, "local_cpu: maybe\n")
+    with pytest.raises(ConfigError) as e:
+        load({"LMCACHE_CONFIG_FILE": path})
+    assert "local_cpu='maybe'" in str(e.value) and path in str(e.value) and "boolean" in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-256"])
+def test_chunk_size_must_be_positive(value):
+    with pytest.raises(ConfigError, match=r"chunk_size=.*env LMCACHE_CHUNK_SIZE.*positive"):
+        load({"LMCACHE_CHUNK_SIZE": value})
+
+
+def test_p2p_without_controller(tmp_path):
+    path = write(tmp_path, "enable_p2p: true\np2p_host: localhost\np2p_init_ports: 8200\np2p_lookup_ports: 8201\n"
+                           "transfer_channel: nixl\n")
+    with pytest.raises(ConfigError, match=r"enable_controller.*must be true when enable_p2p"):
+        load({"LMCACHE_CONFIG_FILE": path})
+
+
+def test_p2p_without_ports(tmp_path):
+    text = (CONFIGS / "example1.yaml").read_text().replace("p2p_lookup_ports: 8201\n", "")
+    with pytest.raises(ConfigError, match=r"p2p_lookup_ports.*required when enable_p2p"):
+        load({"LMCACHE_CONFIG_FILE": write(tmp_path, text)})
+
+
+def test_controller_without_its_urls(tmp_path):
+    with pytest.raises(ConfigError, match=r"lmcache_instance_id.*required when enable_controller"):
+        load({"LMCACHE_ENABLE_CONTROLLER": "1"})
+
+
+def test_port_lists_must_cover_every_tp_rank():
+    cfg = LMCacheConfig.from_file(str(CONFIGS / "example1.yaml"))
+    cfg.validate_for_tp(1)
+    with pytest.raises(ConfigError) as e:
+        cfg.validate_for_tp(2)
+    assert "lmcache_worker_ports=[8500]" in str(e.value) and "tensor parallel size is 2" in str(e.value)
+    assert str(CONFIGS / "example1.yaml") in str(e.value)
+
+
+@pytest.mark.parametrize("env,key", [
+    ({"LMCACHE_TRANSFER_CHANNEL": "mooncake"}, "transfer_channel"),
+    ({"LMCACHE_CONTROLLER_PULL_URL": "localhost"}, "controller_pull_url"),
+    ({"LMCACHE_LOCAL_DISK": "s3://bucket/x"}, "local_disk"),
+    ({"LMCACHE_LOCAL_DISK": "file:///tmp/x"}, "max_local_disk_size"),
+    ({"LMCACHE_P2P_INIT_PORTS": "8200,eighty"}, "p2p_init_ports"),
+    ({"LMCACHE_EXTRA_CONFIG": "{not json"}, "extra_config"),
+    ({"LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": "soon"}'}, "extra_config.lookup_backoff_time"),
+    ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size"),
+])
+def test_each_bad_value_is_a_config_error_naming_the_key(env, key):
+    with pytest.raises(ConfigError) as e:
+        load(env)
+    assert e.value.key == key and str(e.value).startswith(key)
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path):
+    path = write(tmp_path, "chunk_sise: 256\n")
+    with pytest.raises(ConfigError) as e:
+        load({"LMCACHE_CONFIG_FILE": path})
+    assert "chunk_sise" in str(e.value) and "did you mean 'chunk_size'" in str(e.value) and path in str(e.value)
+
+
+def test_unknown_env_key_is_an_error_too():
+    with pytest.raises(ConfigError, match=r"max_local_cpu_sise.*env LMCACHE_MAX_LOCAL_CPU_SISE.*did you mean 'max_local_cpu_size'"):
+        load({"LMCACHE_MAX_LOCAL_CPU_SISE": "5"})
+
+
+def test_original_lmcache_keys_we_do_not_implement_warn_once_and_load(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(config_mod, "_warned_ignored", set())
+    path = write(tmp_path, "chunk_size: 256\nremote_serde: naive\nsave_unfull_chunk: false\n")
+    with caplog.at_level(logging.WARNING):
+        cfg = load({"LMCACHE_CONFIG_FILE": path})
+        load({"LMCACHE_CONFIG_FILE": path})
+    assert cfg.chunk_size == 256
+    assert caplog.text.count("remote_serde") == 1 and "does not implement" in caplog.text
+
+
+def test_missing_or_malformed_file(tmp_path):
+    with pytest.raises(ConfigError, match="LMCACHE_CONFIG_FILE.*file not found"):
+        load({"LMCACHE_CONFIG_FILE": str(tmp_path / "nope.yaml")})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load({"LMCACHE_CONFIG_FILE": write(tmp_path, "chunk_size: [256\n")})
+    with pytest.raises(ConfigError, match="mapping"):
+        load({"LMCACHE_CONFIG_FILE": write(tmp_path, "- 1\n- 2\n")})
