@@ -1,0 +1,305 @@
+"""StorageManager: one engine rank's chunk store across the CPU and disk tiers.
+
+It answers the scheduler's question ("how much of this prefix do we hold locally?"), hands out
+pinned chunk payloads (promoting disk hits into the CPU tier), writes CPU admits behind to disk,
+and emits an admit/evict :class:`StorageEvent` for every change of what a location holds: the
+worker forwards those to the controller, which is how the mesh knows who holds what.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional, Sequence
+
+import torch
+
+from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.keys import ChunkKey, ChunkSpan, LayoutFingerprint, TokenIds, chunk_spans
+from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
+from lmcache_p2p.storage.disk_tier import DiskTier
+from lmcache_p2p.storage.memory import PagePool
+
+logger = logging.getLogger(__name__)
+
+CPU = CpuTier.location
+DISK = DiskTier.location
+
+
+@dataclass(frozen=True, slots=True)
+class StorageEvent:
+    kind: Literal["admit", "evict"]
+    location: str  # "LocalCPUBackend" | "LocalDiskBackend", the names the controller API uses
+    key: ChunkKey
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The longest run of leading chunks held locally, and where each one is."""
+
+    locations: tuple[str, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.locations)
+
+
+Listener = Callable[[StorageEvent], None]
+
+
+class StorageManager:
+    def __init__(self, config: LMCacheConfig, layout: LayoutFingerprint,
+                 pin_memory: Optional[bool] = None, write_behind_depth: int = 100_000):
+        self.config = config
+        self.layout = layout
+        self.fingerprint = layout.digest
+        self.chunk_size = config.chunk_size
+        self.page_bytes = layout.bytes_per_token * config.chunk_size
+        self._listeners: list[Listener] = []
+
+        self.cpu: Optional[CpuTier] = None
+        if config.local_cpu:
+            pool = PagePool(self.page_bytes, config.max_local_cpu_bytes, pin_memory=pin_memory)
+            if pool.num_pages == 0:
+                logger.warning("max_local_cpu_size=%s GB holds no %.1f MiB chunk; the CPU tier is empty",
+                               config.max_local_cpu_size, self.page_bytes / 2**20)
+            self.cpu = CpuTier(pool, on_evict=lambda key: self._emit("evict", CPU, key))
+        self.disk: Optional[DiskTier] = None
+        self._writer: Optional[_DiskWriter] = None
+        if config.local_disk:
+            self.disk = DiskTier(config.local_disk, config.max_local_disk_bytes,
+                                 on_evict=lambda key: self._emit("evict", DISK, key))
+            if self.cpu is not None:
+                self._writer = _DiskWriter(self.cpu, self.disk, write_behind_depth, self._on_disk_written)
+        if self.cpu is None and self.disk is None:
+            logger.warning("neither local_cpu nor local_disk is enabled: this instance caches nothing locally")
+
+    # -- keys ------------------------------------------------------------------------------------
+
+    def spans(self, tokens: TokenIds) -> list[ChunkSpan]:
+        return chunk_spans(tokens, self.chunk_size)
+
+    def key(self, chunk_hash: int) -> ChunkKey:
+        return ChunkKey(self.fingerprint, chunk_hash)
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _emit(self, kind: Literal["admit", "evict"], location: str, key: ChunkKey) -> None:
+        event = StorageEvent(kind, location, key)
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not break the engine's store path
+                logger.exception("storage event listener failed on %s", event)
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def location_of(self, chunk_hash: int) -> Optional[str]:
+        key = self.key(chunk_hash)
+        if self.cpu is not None and self.cpu.contains(key):
+            return CPU
+        if self.disk is not None and self.disk.contains(key):
+            return DISK
+        return None
+
+    def lookup_prefix(self, chunk_hashes: Sequence[int]) -> PrefixHit:
+        """How many leading chunks we hold locally (the first miss ends the prefix)."""
+        found = []
+        for h in chunk_hashes:
+            where = self.location_of(h)
+            if where is None:
+                break
+            found.append(where)
+        return PrefixHit(tuple(found))
+
+    def held_keys(self, location: str) -> list[ChunkKey]:
+        tier = self._tier(location)
+        return tier.keys() if tier is not None else []
+
+    # -- store -----------------------------------------------------------------------------------
+
+    def put(self, chunk_hash: int, payload: torch.Tensor, checksum: Optional[int] = None) -> bool:
+        """Store one chunk's payload; True if it is newly held."""
+        key = self.key(chunk_hash)
+        if self.cpu is None:
+            if self.disk is None:
+                return False
+            stored = self.disk.write(key, payload.reshape(-1).view(torch.uint8).numpy(), checksum)
+            if stored:
+                self._emit("admit", DISK, key)
+            return stored
+        if not self.cpu.put(key, payload, checksum):
+            return False
+        self._after_cpu_admit(key)
+        return True
+
+    def reserve_page(self) -> Optional[tuple[int, torch.Tensor]]:
+        """A free CPU page for a producer that fills it in place (kernel gather, peer transfer)."""
+        if self.cpu is None:
+            return None
+        page = self.cpu.allocate()
+        return None if page is None else (page, self.cpu.pool.page(page))
+
+    def commit_page(self, chunk_hash: int, page: int, checksum: Optional[int] = None) -> bool:
+        """Index a page filled after :meth:`reserve_page`; the page is freed if the key is held."""
+        key = self.key(chunk_hash)
+        if not self.cpu.admit(key, page, checksum):
+            return False
+        self._after_cpu_admit(key)
+        return True
+
+    def abandon_page(self, page: int) -> None:
+        self.cpu.pool.free(page)
+
+    def _after_cpu_admit(self, key: ChunkKey) -> None:
+        self._emit("admit", CPU, key)
+        if self._writer is not None and not self.disk.contains(key):
+            self._writer.submit(key)
+
+    def _on_disk_written(self, key: ChunkKey) -> None:
+        self._emit("admit", DISK, key)
+
+    # -- retrieve --------------------------------------------------------------------------------
+
+    def pin(self, chunk_hash: int) -> Optional[PinnedChunk]:
+        """The chunk's payload held until released; disk hits are promoted into the CPU tier."""
+        key = self.key(chunk_hash)
+        if self.cpu is not None:
+            chunk = self.cpu.pin(key)
+            if chunk is not None:
+                return chunk
+        if self.disk is None or not self.disk.contains(key):
+            return None
+        reserved = self.reserve_page()
+        if reserved is None:  # no CPU tier, or every page pinned: read into a private buffer
+            data = torch.empty(self.page_bytes, dtype=torch.uint8)
+            checksum = self.disk.read_into(key, data.numpy())
+            return None if checksum is None else PinnedChunk(key, data, checksum=checksum)
+        page, data = reserved
+        checksum = self.disk.read_into(key, data.numpy())
+        if checksum is None:
+            self.abandon_page(page)
+            return None
+        if self.cpu.admit(key, page, checksum):
+            self._emit("admit", CPU, key)
+        return self.cpu.pin(key)
+
+    # -- removal ---------------------------------------------------------------------------------
+
+    def remove(self, chunk_hash: int, location: Optional[str] = None) -> list[str]:
+        """Drop a chunk from one location (or all); returns the locations it was dropped from."""
+        key = self.key(chunk_hash)
+        dropped = []
+        for loc in ([location] if location else [CPU, DISK]):
+            tier = self._tier(loc)
+            if tier is not None and tier.remove(key):
+                dropped.append(loc)
+                self._emit("evict", loc, key)
+        return dropped
+
+    def clear(self, location: Optional[str] = None) -> int:
+        """Drop everything from one location (or all); returns the number of chunks dropped."""
+        n = 0
+        for loc in ([location] if location else [CPU, DISK]):
+            tier = self._tier(loc)
+            if tier is None:
+                continue
+            for key in tier.clear():
+                self._emit("evict", loc, key)
+                n += 1
+        return n
+
+    def _tier(self, location: str):
+        if location == CPU:
+            return self.cpu
+        if location == DISK:
+            return self.disk
+        raise ValueError(f"unknown location {location!r}; expected {CPU!r} or {DISK!r}")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until queued disk writes are done (tests, shutdown)."""
+        return self._writer.flush(timeout) if self._writer is not None else True
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def stats(self) -> dict:
+        out: dict = {"chunk_size": self.chunk_size, "page_bytes": self.page_bytes}
+        if self.cpu is not None:
+            out["cpu"] = {"chunks": len(self.cpu), "capacity_chunks": self.cpu.pool.num_pages,
+                          "evictions": self.cpu.evictions, "rejected_puts": self.cpu.rejected_puts}
+        if self.disk is not None:
+            out["disk"] = {"chunks": len(self.disk), "used_bytes": self.disk.used_bytes,
+                           "evictions": self.disk.evictions, "corrupt_files": self.disk.corrupt_files}
+        if self._writer is not None:
+            out["disk_writes_dropped"] = self._writer.dropped
+            out["disk_writes_missed"] = self._writer.missed
+        return out
+
+
+class _DiskWriter:
+    """Write-behind of CPU admits to disk on one thread, so the engine's store path never waits
+    on the disk. The queue holds keys, not pins: a chunk is pinned only while it is written, so
+    a slow disk never ties up CPU pages. A chunk the CPU tier evicts before its turn is counted in
+    ``missed`` (the disk cannot keep up with the ingest rate); a full queue counts ``dropped``."""
+
+    def __init__(self, cpu: CpuTier, disk: DiskTier, depth: int, on_written: Callable[[ChunkKey], None]):
+        self.cpu = cpu
+        self.disk = disk
+        self.on_written = on_written
+        self.dropped = 0
+        self.missed = 0
+        self._queue: "queue.Queue[Optional[ChunkKey]]" = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="lmcache-disk-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: ChunkKey) -> None:
+        try:
+            self._queue.put_nowait(key)
+        except queue.Full:
+            self.dropped += 1
+            logger.debug("disk write-behind queue full; %s stays in CPU only", key)
+
+    def _run(self) -> None:
+        while True:
+            key = self._queue.get()
+            try:
+                if key is None:
+                    return
+                chunk = self.cpu.pin(key)
+                if chunk is None:
+                    self.missed += 1
+                    logger.debug("%s left the CPU tier before its disk write", key)
+                    continue
+                with chunk:
+                    t0 = time.perf_counter()
+                    if self.disk.write(key, chunk.data.numpy(), chunk.checksum):
+                        logger.debug("wrote %s to disk in %.2f ms", key, (time.perf_counter() - t0) * 1e3)
+                        self.on_written(key)
+            except Exception:
+                logger.exception("disk write-behind failed for %s", key)
+            finally:
+                self._queue.task_done()
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        self.flush(30.0)
+        self._queue.put(None)
+        self._thread.join(timeout=30)

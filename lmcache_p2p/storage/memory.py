@@ -1,0 +1,66 @@
+"""The CPU page pool: one buffer carved into fixed-size pages, one chunk payload per page.
+
+One allocation up front (instead of one tensor per chunk) gives a hard memory cap, no
+fragmentation, and a single region to register with NIXL so peers can read pages by offset.
+The buffer is pinned when CUDA is present (fast, async host<->GPU copies) and plain otherwise;
+plain memory is only touched as pages are written, so a large cap costs nothing until used.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class PagePool:
+    """``num_pages`` pages of ``page_bytes`` each in one uint8 buffer; thread-safe alloc/free."""
+
+    def __init__(self, page_bytes: int, capacity_bytes: int, pin_memory: Optional[bool] = None):
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        self.page_bytes = page_bytes
+        self.num_pages = capacity_bytes // page_bytes
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = pin_memory
+        self.buffer = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        # Pop from the end: low page indices are handed out first, which keeps the touched part
+        # of a plain (unpinned) buffer small when the pool is mostly empty.
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._lock = threading.Lock()
+        logger.info(
+            "CPU page pool: %d pages x %.2f MiB = %.2f GiB (%s)",
+            self.num_pages, page_bytes / 2**20, self.num_pages * page_bytes / 2**30,
+            "pinned" if pin_memory else "pageable",
+        )
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self) -> Optional[int]:
+        """A free page index, or None when every page is in use."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def free(self, page: int) -> None:
+        with self._lock:
+            self._free.append(page)
+
+    def page(self, page: int) -> torch.Tensor:
+        """The page as a uint8 tensor view (no copy)."""
+        start = page * self.page_bytes
+        return self.buffer[start:start + self.page_bytes]
+
+    def page_address(self, page: int) -> int:
+        """Host address of a page, for transfer descriptors (NIXL) and kernels."""
+        return self.buffer.data_ptr() + page * self.page_bytes
