@@ -1,0 +1,60 @@
+"""``lmcache-p2p``: operator tools that need no engine.
+
+    lmcache-p2p config [--tp-size N]     validate the LMCACHE_CONFIG_FILE / LMCACHE_* settings
+    lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.keys import chunk_spans
+
+
+def _config(args: argparse.Namespace) -> int:
+    try:
+        cfg = LMCacheConfig.from_file(args.file) if args.file else LMCacheConfig.load()
+        if args.tp_size:
+            cfg.validate_for_tp(args.tp_size)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 1
+    shown = {k: {"value": v, "from": cfg.sources.get(k, "default")} for k, v in cfg.to_dict().items()}
+    print(json.dumps(shown, indent=2))
+    return 0
+
+
+def _hash(args: argparse.Namespace) -> int:
+    text = args.tokens if args.tokens is not None else sys.stdin.read()
+    try:
+        tokens = json.loads(text)
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise ValueError
+    except ValueError:
+        print("hash: expected a JSON list of token ids, e.g. [128000, 849, 21435]", file=sys.stderr)
+        return 1
+    spans = chunk_spans(tokens, args.chunk_size)
+    print(json.dumps([{"start": s.start, "end": s.end, "hash": f"{s.chunk_hash:016x}"} for s in spans]))
+    return 0
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(prog="lmcache-p2p", description="lmcache-p2p operator tools (no engine needed)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("config", help="validate and show the effective configuration and where each value came from")
+    p.add_argument("--file", help="a YAML file (default: LMCACHE_CONFIG_FILE, then LMCACHE_* env)")
+    p.add_argument("--tp-size", type=int, default=0, help="also check per-rank port lists for this TP size")
+    p.set_defaults(run=_config)
+    p = sub.add_parser("hash", help="chained chunk hashes of a token-id list")
+    p.add_argument("tokens", nargs="?", help="JSON list of token ids (default: read stdin)")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.set_defaults(run=_hash)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
