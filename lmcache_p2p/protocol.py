@@ -1,0 +1,220 @@
+"""The wire protocol between workers and the controller (and peers' command sockets).
+
+Every message is a msgspec Struct in a tagged union, encoded as msgpack. Both sides import this
+module and nothing else to agree on the wire; it imports neither torch nor vLLM.
+
+Sockets (DESIGN.md §5):
+    pull  (controller PULL  <- worker PUSH)     KeyEvents, Deregister, CommandDone
+    reply (controller ROUTER <-> worker DEALER) Register, ResyncBatch, P2PLookup -> replies
+    heartbeat (ROUTER <-> DEALER)               Heartbeat -> HeartbeatReply (may ask for a resync)
+    worker command port (controller DEALER -> worker ROUTER)   Move/Copy/Clear/Pin/Health/Status
+Request/reply frames on ROUTER/DEALER pairs are ``[request_id, payload]`` so answers can be
+matched to questions; the PULL socket carries bare payloads.
+
+Chunk hashes travel packed as little-endian uint64 bytes (``pack_hashes``): decoding a batch of a
+million keys is then a zero-copy ``np.frombuffer`` rather than a million Python ints.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Sequence, Union
+
+import msgspec
+import numpy as np
+
+from lmcache_p2p.keys import LayoutFingerprint
+
+PROTOCOL_VERSION = 1
+
+HASH_DTYPE = np.dtype("<u8")
+
+
+def pack_hashes(hashes: Union[Sequence[int], np.ndarray]) -> bytes:
+    return np.asarray(hashes, dtype=HASH_DTYPE).tobytes()
+
+
+def unpack_hashes(data: bytes) -> np.ndarray:
+    if len(data) % 8:
+        raise ValueError(f"packed hashes must be a multiple of 8 bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=HASH_DTYPE)
+
+
+class _Msg(msgspec.Struct, kw_only=True, tag_field="type"):
+    pass
+
+
+# -- worker -> controller ----------------------------------------------------------------------
+
+
+class Register(_Msg, tag="register"):
+    """First message of a worker (one per engine rank), and again after a controller restart."""
+
+    version: int
+    instance_id: str
+    rank: int
+    host: str
+    worker_port: int  # the worker's command socket (ROUTER) the controller connects to
+    layout: LayoutFingerprint
+    chunk_size: int
+    locations: list[str]  # e.g. ["LocalCPUBackend", "LocalDiskBackend"]
+    p2p_init_port: Optional[int] = None
+    p2p_lookup_port: Optional[int] = None
+    transfer_channel: Optional[str] = None
+
+
+class RegisterReply(_Msg, tag="register_reply"):
+    ok: bool
+    error: Optional[str] = None
+    controller_epoch: str = ""
+    heartbeat_interval: float = 5.0
+    # Locations whose full key set the controller wants now (ResyncBatch); every location on a
+    # (re-)register, so a restarted controller or a restarted worker converges.
+    resync: list[str] = []
+
+
+class Deregister(_Msg, tag="deregister"):
+    instance_id: str
+    rank: int
+
+
+class KeyEvents(_Msg, tag="key_events"):
+    """A batch of admits and evicts at one location. ``seq`` counts batches per (worker, location)
+    from 1; a gap tells the controller it missed a batch and must ask for a resync."""
+
+    instance_id: str
+    rank: int
+    location: str
+    seq: int
+    admitted: bytes = b""  # pack_hashes
+    evicted: bytes = b""
+
+
+class ResyncBatch(_Msg, tag="resync"):
+    """One batch of a location's full key set, taken when the location's seq was ``snapshot_seq``.
+    Batches are numbered from 0; the one with ``last`` set replaces what the controller had."""
+
+    instance_id: str
+    rank: int
+    location: str
+    snapshot_seq: int
+    batch: int
+    last: bool
+    keys: bytes = b""
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    instance_id: str
+    rank: int
+    controller_epoch: str  # the epoch the worker registered with ("" if never)
+
+
+class HeartbeatReply(_Msg, tag="heartbeat_reply"):
+    # "ok"; or "unknown": the controller does not know this worker (it restarted, or reaped the
+    # worker): register again.
+    status: Literal["ok", "unknown"]
+    controller_epoch: str
+    resync: list[str] = []
+
+
+class P2PLookup(_Msg, tag="p2p_lookup"):
+    """Which peers hold a prefix of these chunk hashes (in prompt order)?"""
+
+    instance_id: str
+    rank: int
+    hashes: bytes
+
+
+class PeerHolder(msgspec.Struct, kw_only=True):
+    instance_id: str
+    rank: int
+    location: str
+    matched_chunks: int  # leading chunks of the asked hashes this holder has
+    host: str
+    p2p_init_port: Optional[int]
+    p2p_lookup_port: Optional[int]
+    transfer_channel: Optional[str]
+
+
+class P2PLookupReply(_Msg, tag="p2p_lookup_reply"):
+    holders: list[PeerHolder]  # longest prefix first; never the asking instance
+
+
+class CommandDone(_Msg, tag="command_done"):
+    """A worker finished an asynchronous command (move/copy) it had accepted."""
+
+    event_id: str
+    instance_id: str
+    rank: int
+    ok: bool
+    num_tokens: int = 0
+    error: Optional[str] = None
+
+
+class Ack(_Msg, tag="ack"):
+    ok: bool
+    error: Optional[str] = None
+
+
+# -- controller -> worker (command socket) -------------------------------------------------------
+
+
+class PeerAddress(msgspec.Struct, kw_only=True):
+    instance_id: str
+    rank: int
+    location: str
+    host: str
+    p2p_init_port: Optional[int]
+    p2p_lookup_port: Optional[int]
+
+
+class MoveCommand(_Msg, tag="move"):
+    """Send these chunks from ``location`` to ``destination``; evict them here unless ``copy``.
+    Accepted at once (CommandReply.pending), finished with a CommandDone."""
+
+    event_id: str
+    location: str
+    hashes: bytes
+    destination: PeerAddress
+    copy: bool = False
+
+
+class ClearCommand(_Msg, tag="clear"):
+    event_id: str
+    location: str
+
+
+class PinCommand(_Msg, tag="pin"):
+    event_id: str
+    location: str
+    hashes: bytes
+    unpin: bool = False
+
+
+class HealthCommand(_Msg, tag="health"):
+    event_id: str
+
+
+class StatusCommand(_Msg, tag="status"):
+    event_id: str
+
+
+class CommandReply(_Msg, tag="command_reply"):
+    event_id: str
+    ok: bool
+    pending: bool = False  # accepted; a CommandDone follows
+    num_tokens: int = 0
+    error: Optional[str] = None
+    detail: dict = {}
+
+
+WorkerMessage = Union[Register, Deregister, KeyEvents, ResyncBatch, Heartbeat, P2PLookup, CommandDone]
+ControllerReply = Union[RegisterReply, HeartbeatReply, P2PLookupReply, Ack]
+Command = Union[MoveCommand, ClearCommand, PinCommand, HealthCommand, StatusCommand]
+
+encode = msgspec.msgpack.Encoder().encode
+worker_message_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+controller_reply_decoder = msgspec.msgpack.Decoder(ControllerReply)
+command_decoder = msgspec.msgpack.Decoder(Command)
+command_reply_decoder = msgspec.msgpack.Decoder(CommandReply)
+
+DecodeError = (msgspec.DecodeError, msgspec.ValidationError)
