@@ -1,0 +1,194 @@
+"""The controller's HTTP API (DESIGN.md §6): LMCache-compatible bodies and answers, plus what the
+original lacked (/check_finish that works, all holders in /lookup, Prometheus metrics).
+
+Bodies are decoded with msgspec straight from the raw request (a 25,600-token /lookup body
+decodes in ~0.1 ms, several times faster than pydantic); their JSON schemas are handed to
+FastAPI so /openapi.json still documents every route. Errors are JSON ``{"error", "field"}``:
+422 names the bad field, 404 the unknown instance or event, 504 the worker that did not answer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Optional
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+
+from lmcache_p2p.controller.service import ApiError, Controller
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+class LookupRequest(msgspec.Struct):
+    tokens: list[TokenId]
+    model: Optional[str] = None
+
+
+class MoveRequest(msgspec.Struct):
+    old_position: tuple[str, str]  # (instance_id, location), e.g. ["lmcache_instance_1", "LocalCPUBackend"]
+    new_position: tuple[str, str]
+    tokens: Optional[list[TokenId]] = None  # omitted: every chunk the source holds at that location
+    copy: bool = False
+    should_copy: Optional[bool] = None  # LMCache's older spelling of copy
+
+
+class ClearRequest(msgspec.Struct):
+    instance_id: str
+    location: str = "LocalCPUBackend"
+
+
+class PinRequest(msgspec.Struct):
+    instance_id: str
+    location: str
+    tokens: list[TokenId]
+    unpin: bool = False
+
+
+class HealthRequest(msgspec.Struct):
+    instance_id: str
+
+
+class CheckFinishRequest(msgspec.Struct):
+    event_id: str
+
+
+class QueryWorkerInfoRequest(msgspec.Struct):
+    instance_id: str = "all"
+    worker_ids: Optional[list[int]] = None
+
+
+class QueryInstanceRequest(msgspec.Struct):
+    ip: str
+
+
+_FIELD_PATTERNS = (re.compile(r"field `([^`]+)`"), re.compile(r"at `\$\.([A-Za-z_]+)"))
+
+
+def _field_of(error: str) -> Optional[str]:
+    for pattern in _FIELD_PATTERNS:
+        m = pattern.search(error)
+        if m:
+            return m.group(1)
+    return None
+
+
+async def _decode(request: Request, body_type: type) -> Any:
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw, type=body_type)
+    except msgspec.ValidationError as e:
+        field = _field_of(str(e))
+        raise ApiError(422, f"invalid {body_type.__name__}: {e}", field) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(422, f"body is not valid JSON: {e}") from None
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _schema(body_type: type) -> dict:
+    (_,), components = msgspec.json.schema_components([body_type], ref_template="#/components/schemas/{name}")
+    schema = components[body_type.__name__]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def create_app(controller: Controller) -> FastAPI:
+    app = FastAPI(title="lmcache-p2p controller", version="1",
+                  description="Chunk index and commands for a mesh of vLLM instances sharing KV cache.")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"error": exc.message, "field": exc.field}, status_code=exc.status)
+
+    def post(path: str, body_type: type, summary: str):
+        return app.post(path, summary=summary, openapi_extra=_schema(body_type))
+
+    @post("/lookup", LookupRequest, "Which instances hold how much of this token prefix")
+    async def lookup(request: Request) -> Response:
+        body: LookupRequest = await _decode(request, LookupRequest)
+        return _json(controller.lookup(body.tokens, body.model))
+
+    @post("/move", MoveRequest, "Move (or copy) chunks between instances' locations")
+    async def move(request: Request) -> Response:
+        body: MoveRequest = await _decode(request, MoveRequest)
+        copy = body.copy or bool(body.should_copy)
+        return _json(await controller.move(body.old_position, body.new_position, body.tokens, copy))
+
+    @post("/copy", MoveRequest, "Copy chunks between instances' locations (move with copy=true)")
+    async def copy(request: Request) -> Response:
+        body: MoveRequest = await _decode(request, MoveRequest)
+        return _json(await controller.move(body.old_position, body.new_position, body.tokens, True))
+
+    @post("/clear", ClearRequest, "Drop every chunk an instance holds at a location")
+    async def clear(request: Request) -> Response:
+        body: ClearRequest = await _decode(request, ClearRequest)
+        return _json(await controller.clear(body.instance_id, body.location))
+
+    @post("/pin", PinRequest, "Pin (or unpin) the chunks of a token prefix against eviction")
+    async def pin(request: Request) -> Response:
+        body: PinRequest = await _decode(request, PinRequest)
+        return _json(await controller.pin(body.instance_id, body.location, body.tokens, body.unpin))
+
+    @post("/health", HealthRequest, "Ask every rank of an instance whether it is healthy")
+    async def health(request: Request) -> Response:
+        body: HealthRequest = await _decode(request, HealthRequest)
+        return _json(await controller.health(body.instance_id))
+
+    @post("/check_finish", CheckFinishRequest, "Status of a command by its event id")
+    async def check_finish(request: Request) -> Response:
+        body: CheckFinishRequest = await _decode(request, CheckFinishRequest)
+        event = controller.events.get(body.event_id)
+        if event is None:
+            raise ApiError(404, f"unknown event_id {body.event_id!r} (events are kept for the last "
+                                f"{controller.events.capacity} commands)", "event_id")
+        return _json({"event_id": event.event_id, "status": event.status, "num_tokens": event.num_tokens,
+                      "error": event.error})
+
+    @post("/query_worker_info", QueryWorkerInfoRequest, "Registered workers of one instance, or all")
+    async def query_worker_info(request: Request) -> Response:
+        body: QueryWorkerInfoRequest = await _decode(request, QueryWorkerInfoRequest)
+        if body.instance_id == "all":
+            records = list(controller.registry.workers.values())
+        else:
+            records = controller.instance_workers(body.instance_id, "instance_id")
+        if body.worker_ids is not None:
+            records = [r for r in records if r.info.rank in body.worker_ids]
+        return _json({"event_id": "query_worker_info", "worker_infos": [controller.describe_worker(r) for r in records]})
+
+    @post("/query_instance", QueryInstanceRequest, "The instance whose workers run on this host")
+    async def query_instance(request: Request) -> Response:
+        body: QueryInstanceRequest = await _decode(request, QueryInstanceRequest)
+        found = sorted({r.info.instance_id for r in controller.registry.workers.values() if r.info.host == body.ip})
+        if not found:
+            raise ApiError(404, f"no instance registered from host {body.ip!r}", "ip")
+        return _json({"event_id": "query_instance", "res": found[0], "instances": found})
+
+    @app.get("/controller/workers", summary="Every worker with status, ports, layout and keys")
+    async def workers() -> Response:
+        return _json({"workers": [controller.describe_worker(r) for r in controller.registry.workers.values()],
+                      "thresholds": controller.status_thresholds()})
+
+    @app.get("/controller/key-stats", summary="Keys held per instance and location")
+    async def key_stats() -> Response:
+        return _json(controller.key_stats())
+
+    @app.get("/controller/events", summary="Newest command events first")
+    async def events(limit: int = 100) -> Response:
+        return _json({"events": [e.to_json() for e in controller.events.newest(limit)]})
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(controller.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/", include_in_schema=False, response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        return HTMLResponse("<!doctype html><title>lmcache-p2p controller</title><h1>lmcache-p2p controller</h1>"
+                            "<p>The dashboard lands with the WebUI issue. JSON: <a href='/controller/workers'>workers</a>, "
+                            "<a href='/controller/key-stats'>key stats</a>, <a href='/metrics'>metrics</a>, "
+                            "<a href='/docs'>API docs</a>.</p>")
+
+    return app
+

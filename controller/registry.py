@@ -1,0 +1,213 @@
+"""Who is out there: instances, their workers (one per TP rank), and what each location holds.
+
+The registry owns the :class:`ChunkIndex` and every rule about keeping it true:
+
+* holder ids are stable per (instance, rank, location) for the controller's lifetime, so a
+  worker that re-registers keeps its keys until its re-sync replaces them;
+* each (worker, location) expects KeyEvents batches numbered 1, 2, 3...; a gap means a batch was
+  lost, and the registry asks that worker for a full re-sync of that location;
+* a re-sync is applied in one step, and events newer than its snapshot that arrived meanwhile on
+  the other socket are re-applied on top, so nothing is lost or resurrected;
+* a worker silent for ``worker_timeout`` is reaped, and its keys leave lookups at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from lmcache_p2p.controller.index import ChunkIndex
+from lmcache_p2p.protocol import KeyEvents, Register, ResyncBatch, unpack_hashes
+
+logger = logging.getLogger(__name__)
+
+WorkerKey = tuple[str, int]  # (instance_id, rank)
+
+
+@dataclass
+class _Resync:
+    """A full key set being received for one location, and the events to replay after it."""
+
+    snapshot_seq: int = -1
+    next_batch: int = 0
+    staged: list[np.ndarray] = field(default_factory=list)
+    # Bounded: a worker that never answers the re-sync request must not grow the controller.
+    replay: deque = field(default_factory=lambda: deque(maxlen=65536))
+
+
+@dataclass
+class LocationState:
+    holder: int
+    next_seq: int = 1
+    resync: Optional[_Resync] = None  # set while a full key set is wanted or arriving
+
+
+@dataclass
+class WorkerRecord:
+    info: Register
+    registered_at: float  # wall clock, for display
+    last_seen: float  # monotonic
+    locations: dict[str, LocationState]
+
+    @property
+    def key(self) -> WorkerKey:
+        return (self.info.instance_id, self.info.rank)
+
+    def wanted_resyncs(self) -> list[str]:
+        return [loc for loc, st in self.locations.items() if st.resync is not None and st.resync.snapshot_seq < 0]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.index = ChunkIndex()
+        self.workers: dict[WorkerKey, WorkerRecord] = {}
+        self._holder_ids: dict[tuple[str, int, str], int] = {}
+        self.holders: list[tuple[str, int, str]] = []  # holder id -> (instance, rank, location)
+        self.stats = {"seq_gaps": 0, "resyncs_requested": 0, "resyncs_applied": 0, "workers_reaped": 0,
+                      "events_from_unknown": 0, "keys_admitted": 0, "keys_evicted": 0}
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def holder_id(self, instance_id: str, rank: int, location: str) -> int:
+        ident = (instance_id, rank, location)
+        hid = self._holder_ids.get(ident)
+        if hid is None:
+            hid = self._holder_ids[ident] = len(self.holders)
+            self.holders.append(ident)
+        return hid
+
+    def register(self, msg: Register) -> WorkerRecord:
+        """Add or refresh a worker. Known keys stay; every location is asked for a full re-sync."""
+        old = self.workers.get((msg.instance_id, msg.rank))
+        locations = {}
+        for loc in msg.locations:
+            state = LocationState(self.holder_id(msg.instance_id, msg.rank, loc))
+            state.resync = _Resync()
+            locations[loc] = state
+        if old is not None:
+            for loc in set(old.locations) - set(msg.locations):  # a location it no longer has
+                self.index.drop_holder(old.locations[loc].holder)
+        record = WorkerRecord(msg, time.time(), time.monotonic(), locations)
+        self.workers[record.key] = record
+        self.stats["resyncs_requested"] += len(locations)
+        logger.info("worker %s rank %d registered from %s:%d (%s, tp=%d, chunk_size=%d)%s", msg.instance_id,
+                    msg.rank, msg.host, msg.worker_port, msg.layout.model, msg.layout.tp_size, msg.chunk_size,
+                    " again" if old else "")
+        return record
+
+    def remove_worker(self, key: WorkerKey, reason: str) -> Optional[WorkerRecord]:
+        record = self.workers.pop(key, None)
+        if record is None:
+            return None
+        dropped = sum(self.index.drop_holder(st.holder) for st in record.locations.values())
+        logger.warning("worker %s rank %d removed (%s); %d keys dropped from the index", key[0], key[1], reason, dropped)
+        return record
+
+    def touch(self, key: WorkerKey) -> Optional[WorkerRecord]:
+        record = self.workers.get(key)
+        if record is not None:
+            record.last_seen = time.monotonic()
+        return record
+
+    def reap(self, timeout: float) -> list[WorkerRecord]:
+        now = time.monotonic()
+        dead = [k for k, w in self.workers.items() if now - w.last_seen > timeout]
+        reaped = [r for r in (self.remove_worker(k, f"no message for {timeout:.1f}s") for k in dead) if r]
+        self.stats["workers_reaped"] += len(reaped)
+        return reaped
+
+    def instances(self) -> dict[str, list[WorkerRecord]]:
+        out: dict[str, list[WorkerRecord]] = {}
+        for record in self.workers.values():
+            out.setdefault(record.info.instance_id, []).append(record)
+        for records in out.values():
+            records.sort(key=lambda r: r.info.rank)
+        return out
+
+    # -- key events ------------------------------------------------------------------------------
+
+    def apply_events(self, msg: KeyEvents) -> None:
+        record = self.touch((msg.instance_id, msg.rank))
+        if record is None:
+            # The controller restarted or reaped this worker; its heartbeat will be told to
+            # register again, and the re-sync brings these keys back.
+            self.stats["events_from_unknown"] += 1
+            return
+        state = record.locations.get(msg.location)
+        if state is None:
+            state = record.locations[msg.location] = LocationState(
+                self.holder_id(msg.instance_id, msg.rank, msg.location))
+        if state.resync is not None:
+            # A full key set is wanted or arriving: apply now to keep lookups fresh, and replay
+            # on top of the snapshot if this batch is newer than it.
+            state.resync.replay.append(msg)
+            self._apply(state, msg)
+            return
+        if msg.seq < state.next_seq:
+            return  # a duplicate, or older than the last re-sync snapshot
+        if msg.seq > state.next_seq:
+            self.stats["seq_gaps"] += 1
+            logger.warning("%s rank %d %s: batches %d..%d missing; asking for a full re-sync", msg.instance_id,
+                           msg.rank, msg.location, state.next_seq, msg.seq - 1)
+            self._want_resync(state)
+            state.resync.replay.append(msg)
+        self._apply(state, msg)
+
+    def _apply(self, state: LocationState, msg: KeyEvents) -> None:
+        admitted, evicted = unpack_hashes(msg.admitted), unpack_hashes(msg.evicted)
+        self.index.add(state.holder, admitted)
+        self.index.remove(state.holder, evicted)
+        self.stats["keys_admitted"] += len(admitted)
+        self.stats["keys_evicted"] += len(evicted)
+        state.next_seq = msg.seq + 1
+
+    def _want_resync(self, state: LocationState) -> None:
+        if state.resync is None or state.resync.snapshot_seq >= 0:
+            state.resync = _Resync()
+            self.stats["resyncs_requested"] += 1
+
+    def apply_resync(self, msg: ResyncBatch) -> Optional[str]:
+        """Take one batch of a full key set; returns an error string for a batch out of order."""
+        record = self.touch((msg.instance_id, msg.rank))
+        if record is None:
+            return f"unknown worker {msg.instance_id} rank {msg.rank}: register first"
+        state = record.locations.get(msg.location)
+        if state is None:
+            state = record.locations[msg.location] = LocationState(
+                self.holder_id(msg.instance_id, msg.rank, msg.location))
+        resync = state.resync
+        if resync is None:
+            resync = state.resync = _Resync()  # an unasked re-sync is still the truth
+        if msg.batch == 0:
+            resync.snapshot_seq, resync.next_batch, resync.staged = msg.snapshot_seq, 0, []
+        if msg.batch != resync.next_batch or msg.snapshot_seq != resync.snapshot_seq:
+            error = f"re-sync batch {msg.batch} of snapshot {msg.snapshot_seq} out of order; start again from batch 0"
+            resync.snapshot_seq, resync.staged = -1, []
+            return error
+        resync.staged.append(unpack_hashes(msg.keys).copy())
+        resync.next_batch += 1
+        if msg.last:
+            keys = np.concatenate(resync.staged) if resync.staged else np.zeros(0, np.uint64)
+            self.index.replace_holder(state.holder, keys)
+            state.resync = None
+            state.next_seq = msg.snapshot_seq + 1
+            for event in sorted(resync.replay, key=lambda e: e.seq):
+                if event.seq >= state.next_seq:
+                    self._apply(state, event)
+            self.stats["resyncs_applied"] += 1
+            logger.info("%s rank %d %s: re-synced %d keys (snapshot seq %d, %d newer batches replayed)",
+                        msg.instance_id, msg.rank, msg.location, len(keys), msg.snapshot_seq,
+                        sum(1 for e in resync.replay if e.seq > msg.snapshot_seq))
+        return None
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def keys_at(self, key: WorkerKey, location: str) -> int:
+        record = self.workers.get(key)
+        state = record.locations.get(location) if record else None
+        return self.index.holder_count(state.holder) if state else 0
