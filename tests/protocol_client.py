@@ -1,0 +1,221 @@
+"""A test stand-in for one engine rank's worker, speaking the real protocol over real ZMQ sockets
+to a real ``lmcache_controller`` process. It does only what a test tells it to, so tests can
+create gaps, garbage, silence and restarts on purpose."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import httpx
+import zmq
+
+from lmcache_p2p.keys import LayoutFingerprint, chunk_hashes
+from lmcache_p2p.protocol import (
+    PROTOCOL_VERSION, CommandDone, CommandReply, Deregister, Heartbeat, KeyEvents, P2PLookup, Register, ResyncBatch,
+    command_decoder, controller_reply_decoder, encode, pack_hashes,
+)
+
+CPU = "LocalCPUBackend"
+DISK = "LocalDiskBackend"
+CHUNK = 16
+
+
+def layout(model: str = "tiny-llama", rank: int = 0, tp: int = 1) -> LayoutFingerprint:
+    return LayoutFingerprint(model=model, dtype="float16", block_size=16, block_shape=(2, 16, 2, 8),
+                             block_stride=(256, 16, 8, 1), num_layers=2, tp_size=tp, tp_rank=rank)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class ControllerProcess:
+    """``lmcache_controller`` as a user starts it, on free loopback ports."""
+
+    def __init__(self, *extra: str, ports: Optional[list[int]] = None):
+        self.http_port, self.pull, self.reply, self.heartbeat = ports or free_ports(4)
+        self.args = [sys.executable, "-m", "lmcache_p2p.controller.cli", "--host", "127.0.0.1",
+                     "--port", str(self.http_port), "--monitor-ports",
+                     f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}', *extra]
+        self.proc: Optional[subprocess.Popen] = None
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=10)
+
+    @property
+    def ports(self) -> list[int]:
+        return [self.http_port, self.pull, self.reply, self.heartbeat]
+
+    def start(self) -> "ControllerProcess":
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for(self._up, 15, "controller HTTP")
+        self.ready_after = time.monotonic() - self.started_at
+        return self
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"controller exited {self.proc.returncode}: {self.proc.stdout.read()}")
+        try:
+            return self.http.get("/controller/workers").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def stop(self) -> str:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stdout.read() if self.proc else ""
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def post(self, path: str, body) -> httpx.Response:
+        return self.http.post(path, json=body)
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.http.get("/metrics").text
+        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+        for line in text.splitlines():
+            if line.startswith(want + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+class FakeWorker:
+    """One rank: PUSH to pull, DEALER to reply and heartbeat, ROUTER for commands."""
+
+    def __init__(self, controller: ControllerProcess, instance_id: str, rank: int = 0, tp: int = 1,
+                 locations=(CPU,), model: str = "tiny-llama", answer_commands: bool = True):
+        self.controller = controller
+        self.instance_id, self.rank = instance_id, rank
+        self.layout = layout(model, rank, tp)
+        self.locations = list(locations)
+        self.ctx = zmq.Context()
+        self.seq = {loc: 0 for loc in self.locations}
+        self.epoch = ""
+        self.commands: list = []
+        self._request_id = 0
+        self.command_reply: Callable[[object], CommandReply] = lambda c: CommandReply(event_id=c.event_id, ok=True)
+        self.worker_port = free_ports(1)[0]
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{self.worker_port}")
+        self._connect()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_commands, daemon=True)
+        if answer_commands:
+            self._thread.start()
+
+    def _connect(self) -> None:
+        c = self.controller
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(f"tcp://127.0.0.1:{c.pull}")
+        self.req = self.ctx.socket(zmq.DEALER)
+        self.req.connect(f"tcp://127.0.0.1:{c.reply}")
+        self.hb = self.ctx.socket(zmq.DEALER)
+        self.hb.connect(f"tcp://127.0.0.1:{c.heartbeat}")
+        for s in (self.push, self.req, self.hb):
+            s.setsockopt(zmq.LINGER, 0)
+
+    def _ask(self, sock, msg, timeout: float = 5.0):
+        """Send a request and return the reply with the same request id (stale ones are skipped)."""
+        self._request_id += 1
+        rid = self._request_id.to_bytes(8, "little")
+        sock.send_multipart([rid, encode(msg)])
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000)):
+                raise AssertionError(f"no reply to {type(msg).__name__} within {timeout}s")
+            got_rid, payload = sock.recv_multipart()
+            if got_rid == rid:
+                return controller_reply_decoder.decode(payload)
+
+    def _serve_commands(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            identity, request_id, payload = self.router.recv_multipart()
+            command = command_decoder.decode(payload)
+            self.commands.append(command)
+            self.router.send_multipart([identity, request_id, encode(self.command_reply(command))])
+
+    # -- protocol actions --------------------------------------------------------------------------
+
+    def register(self):
+        reply = self._ask(self.req, Register(
+            version=PROTOCOL_VERSION, instance_id=self.instance_id, rank=self.rank, host="127.0.0.1",
+            worker_port=self.worker_port, layout=self.layout, chunk_size=CHUNK, locations=self.locations,
+            p2p_init_port=9100 + self.rank, p2p_lookup_port=9200 + self.rank, transfer_channel="tcp"))
+        self.epoch = reply.controller_epoch
+        return reply
+
+    def heartbeat(self):
+        return self._ask(self.hb, Heartbeat(instance_id=self.instance_id, rank=self.rank, controller_epoch=self.epoch))
+
+    def events(self, location: str = CPU, admitted=(), evicted=(), seq: Optional[int] = None) -> int:
+        self.seq[location] = seq if seq is not None else self.seq[location] + 1
+        self.push.send(encode(KeyEvents(instance_id=self.instance_id, rank=self.rank, location=location,
+                                        seq=self.seq[location], admitted=pack_hashes(list(admitted)),
+                                        evicted=pack_hashes(list(evicted)))))
+        return self.seq[location]
+
+    def admit_tokens(self, tokens, location: str = CPU) -> list[int]:
+        hashes = chunk_hashes(tokens, CHUNK)
+        self.events(location, admitted=hashes)
+        return hashes
+
+    def resync(self, location: str, keys, batch_size: int = 1000):
+        keys = list(keys)
+        batches = [keys[i:i + batch_size] for i in range(0, len(keys), batch_size)] or [[]]
+        reply = None
+        for i, batch in enumerate(batches):
+            reply = self._ask(self.req, ResyncBatch(instance_id=self.instance_id, rank=self.rank, location=location,
+                                                    snapshot_seq=self.seq[location], batch=i,
+                                                    last=i == len(batches) - 1, keys=pack_hashes(batch)))
+            assert reply.ok, reply.error
+        return reply
+
+    def p2p_lookup(self, hashes):
+        return self._ask(self.req, P2PLookup(instance_id=self.instance_id, rank=self.rank, hashes=pack_hashes(hashes)))
+
+    def done(self, event_id: str, ok: bool = True, num_tokens: int = 0, error: Optional[str] = None) -> None:
+        self.push.send(encode(CommandDone(event_id=event_id, instance_id=self.instance_id, rank=self.rank, ok=ok,
+                                          num_tokens=num_tokens, error=error)))
+
+    def deregister(self) -> None:
+        self.push.send(encode(Deregister(instance_id=self.instance_id, rank=self.rank)))
+
+    def send_raw(self, socket_name: str, payload: bytes) -> None:
+        {"pull": self.push, "reply": self.req, "heartbeat": self.hb}[socket_name].send_multipart(
+            [payload] if socket_name == "pull" else [b"garbage", payload])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2)
+        self.ctx.destroy(linger=0)

@@ -1,0 +1,376 @@
+"""The real ``lmcache_controller`` process over real ZMQ and HTTP, driven by protocol clients."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lmcache_p2p.keys import chunk_hashes
+from lmcache_p2p.protocol import CommandReply, MoveCommand, unpack_hashes
+from protocol_client import CHUNK, CPU, DISK, ControllerProcess, FakeWorker, free_ports, wait_for
+
+FAST = ("--health-check-interval", "0.1", "--worker-timeout", "1.0", "--command-timeout", "1.0")
+DOC = list(range(1000, 1000 + 10 * CHUNK))  # 10 chunks
+
+
+@pytest.fixture
+def controller():
+    c = ControllerProcess(*FAST).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def workers(controller):
+    made = []
+
+    def make(instance_id, **kw):
+        w = FakeWorker(controller, instance_id, **kw)
+        assert w.register().ok
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def lookup(controller, tokens, **extra):
+    r = controller.post("/lookup", {"tokens": tokens, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_lookup(controller, tokens, instance_id, tokens_expected, location=CPU):
+    return wait_for(lambda: lookup(controller, tokens)["layout_info"].get(instance_id) == [location, tokens_expected],
+                    5, f"{instance_id} to hold {tokens_expected} tokens at {location}")
+
+
+# -- start-up --------------------------------------------------------------------------------------
+
+
+def test_starts_as_the_seeds_start_it_without_torch(controller):
+    ready = controller.ready_after
+    maps = open(f"/proc/{controller.proc.pid}/maps").read()
+    assert "libtorch" not in maps and "vllm" not in maps, "the controller process must not load torch or vLLM"
+    assert controller.http.get("/controller/workers").json()["workers"] == []
+    print(f"controller HTTP up after {ready:.2f}s")  # the benchmark reports start-up; bounded here by start()
+
+
+def test_seed_003_monitor_ports_without_heartbeat_default_to_8082_and_config_file(tmp_path):
+    http, pull, reply, hb = free_ports(4)
+    cfg = tmp_path / "controller.yaml"
+    cfg.write_text(f"host: 127.0.0.1\nport: {http}\nmonitor_ports: {{pull: {pull}, reply: {reply}, heartbeat: {hb}}}\n"
+                   "worker_timeout: 12\nlog_level: debug\n")
+    c = ControllerProcess(ports=[http, pull, reply, hb])
+    c.args = [sys.executable, "-m", "lmcache_p2p.controller.cli", "--config", str(cfg)]
+    c.start()
+    try:
+        assert c.http.get("/controller/workers").json()["thresholds"]["reaped_after_s"] == 12
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("monitor_ports,expected", [
+    ('{"pull": 8300, "reply": ', "not valid JSON"),
+    ('{"reply": 8400}', "missing key 'pull'"),
+    ('{"pull": 8300, "reply": 8400, "hearbeat": 1}', "unknown key(s) ['hearbeat']"),
+    ('[8300, 8400]', "expected a JSON object"),
+])
+def test_bad_monitor_ports_exit_with_one_line(monitor_ports, expected):
+    out = subprocess.run([sys.executable, "-m", "lmcache_p2p.controller.cli", "--monitor-ports", monitor_ports],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and expected in out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("which", ["http", "pull"])
+def test_port_in_use_exits_with_one_line(controller, which):
+    other = ControllerProcess(*FAST)
+    taken = controller.http_port if which == "http" else controller.pull
+    if which == "http":
+        other.http_port = taken
+    else:
+        other.pull = taken
+    args = [sys.executable, "-m", "lmcache_p2p.controller.cli", "--host", "127.0.0.1", "--port", str(other.http_port),
+            "--monitor-ports", f'{{"pull": {other.pull}, "reply": {other.reply}, "heartbeat": {other.heartbeat}}}']
+    out = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and str(taken) in out.stderr and "in use" in out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.strip().count("\n") == 0
+
+
+# -- registration, events, lookup -------------------------------------------------------------------
+
+
+def test_admitted_chunks_are_found_by_lookup_with_all_holders(controller, workers):
+    a, b = workers("inst-a"), workers("inst-b", locations=(CPU, DISK))
+    a.admit_tokens(DOC)
+    b.admit_tokens(DOC[: 4 * CHUNK])
+    b.admit_tokens(DOC[: 6 * CHUNK], location=DISK)
+    wait_lookup(controller, DOC, "inst-b", 6 * CHUNK, DISK)
+    result = lookup(controller, DOC + [1, 2, 3])  # a partial tail chunk is never a hit
+    assert result["layout_info"] == {"inst-a": [CPU, 10 * CHUNK], "inst-b": [DISK, 6 * CHUNK]}
+    assert [(h["instance_id"], h["location"], h["matched_tokens"]) for h in result["holders"]] == [
+        ("inst-a", CPU, 160), ("inst-b", DISK, 96), ("inst-b", CPU, 64)]
+    assert result["event_id"]
+
+
+def test_partial_prefix_empty_tokens_and_model_filter(controller, workers):
+    a = workers("inst-a")
+    a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    diverged = DOC[: 3 * CHUNK + 5] + [7] * (7 * CHUNK - 5)
+    assert lookup(controller, diverged)["layout_info"] == {"inst-a": [CPU, 3 * CHUNK]}
+    empty = lookup(controller, [])
+    assert (empty["layout_info"], empty["holders"]) == ({}, [])
+    assert lookup(controller, DOC, model="another-model")["holders"] == []
+    assert lookup(controller, DOC, model="tiny-llama")["layout_info"] == {"inst-a": [CPU, 160]}
+
+
+def test_evictions_leave_lookups(controller, workers):
+    a = workers("inst-a")
+    hashes = a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    a.events(evicted=hashes[5:6])
+    wait_lookup(controller, DOC, "inst-a", 5 * CHUNK)
+
+
+def test_instance_prefix_needs_every_tp_rank(controller, workers):
+    r0, r1 = workers("inst-tp", rank=0, tp=2), workers("inst-tp", rank=1, tp=2)
+    r0.admit_tokens(DOC)
+    r1.admit_tokens(DOC[: 4 * CHUNK])
+    wait_lookup(controller, DOC, "inst-tp", 4 * CHUNK)
+    ranks = {h["worker_id"]: h["matched_tokens"] for h in lookup(controller, DOC)["holders"]}
+    assert ranks == {0: 160, 1: 64}
+
+
+def test_garbage_frames_are_counted_and_the_loops_go_on(controller, workers):
+    a = workers("inst-a")
+    a.send_raw("pull", b"\xff\x00garbage")
+    a.send_raw("reply", b"not msgpack at all")
+    a.send_raw("heartbeat", b"\x93\x01\x02")
+    a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    assert controller.metric("lmcache_controller_bad_frames_total", socket="pull") == 1
+    assert controller.metric("lmcache_controller_bad_frames_total", socket="reply") == 1
+    assert controller.metric("lmcache_controller_bad_frames_total", socket="heartbeat") == 1
+    assert a.heartbeat().status == "ok"
+
+
+def test_p2p_lookup_offers_peers_with_the_same_layout_never_itself(controller, workers):
+    a, b = workers("inst-a"), workers("inst-b")
+    other_model = workers("inst-c", model="other-model")
+    hashes = a.admit_tokens(DOC)
+    other_model.admit_tokens(DOC)
+    b.admit_tokens(DOC[:CHUNK])
+    wait_lookup(controller, DOC, "inst-c", 160)
+    holders = b.p2p_lookup(hashes).holders
+    assert [(h.instance_id, h.matched_chunks, h.p2p_lookup_port) for h in holders] == [("inst-a", 10, 9200)]
+
+
+# -- sequence gaps, re-sync, re-registration --------------------------------------------------------
+
+
+def test_a_sequence_gap_asks_for_a_full_resync_that_replaces_the_keys(controller, workers):
+    a = workers("inst-a")
+    a.resync(CPU, [])  # the re-sync every registration asks for
+    assert a.heartbeat().resync == []
+    hashes = a.admit_tokens(DOC[: 2 * CHUNK])
+    a.events(admitted=chunk_hashes(DOC, CHUNK)[2:4], seq=a.seq[CPU] + 2)  # batch 2 lost on the way
+    reply = wait_for(lambda: (r := a.heartbeat()).resync and r, 5, "a re-sync request in the heartbeat reply")
+    assert reply.resync == [CPU]
+    assert controller.metric("lmcache_controller_seq_gaps_total") == 1
+    full = chunk_hashes(DOC, CHUNK)[:6]  # what the worker really holds
+    a.resync(CPU, full, batch_size=4)
+    assert a.heartbeat().resync == []
+    wait_lookup(controller, DOC, "inst-a", 6 * CHUNK)
+    assert hashes == full[:2]
+
+
+def test_re_registering_keeps_keys_until_the_resync_replaces_them(controller, workers):
+    a = workers("inst-a")
+    a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    assert a.register().resync == [CPU]
+    assert lookup(controller, DOC)["layout_info"] == {"inst-a": [CPU, 160]}, "keys survive re-registration"
+    a.resync(CPU, chunk_hashes(DOC, CHUNK)[:3])
+    wait_lookup(controller, DOC, "inst-a", 3 * CHUNK)
+
+
+def test_events_newer_than_the_snapshot_survive_the_resync(controller, workers):
+    a = workers("inst-a")
+    hashes = chunk_hashes(DOC, CHUNK)
+    snapshot_seq = a.seq[CPU]
+    a.events(admitted=hashes[5:6])  # produced after the snapshot below was taken
+    wait_for(lambda: controller.http.get("/controller/key-stats").json()["total_keys"] == 1, 5, "the admit to land")
+    a.seq[CPU] = snapshot_seq
+    a.resync(CPU, hashes[:5])  # the snapshot does not include chunk 5
+    wait_lookup(controller, DOC, "inst-a", 6 * CHUNK)
+
+
+# -- liveness ---------------------------------------------------------------------------------------
+
+
+def test_a_silent_worker_is_reaped_and_its_keys_vanish(controller, workers):
+    a, b = workers("inst-a"), workers("inst-b")
+    a.admit_tokens(DOC)
+    b.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-b", 160)
+    deadline = time.monotonic() + 10
+    while "inst-a" in lookup(controller, DOC)["layout_info"]:
+        b.heartbeat()  # b stays alive; a says nothing
+        assert time.monotonic() < deadline, "inst-a was never reaped"
+        time.sleep(0.1)
+    assert lookup(controller, DOC)["layout_info"] == {"inst-b": [CPU, 160]}
+    assert a.heartbeat().status == "unknown", "a reaped worker is told to register again"
+    assert controller.metric("lmcache_controller_workers_reaped_total") == 1
+
+
+def test_deregister_removes_at_once(controller, workers):
+    a = workers("inst-a")
+    a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    a.deregister()
+    wait_for(lambda: lookup(controller, DOC)["holders"] == [], 5, "deregistered keys to vanish")
+
+
+def test_after_a_controller_restart_the_index_is_rebuilt_from_resyncs(controller):
+    a = FakeWorker(controller, "inst-a")
+    try:
+        a.register()
+        hashes = a.admit_tokens(DOC)
+        wait_lookup(controller, DOC, "inst-a", 160)
+        controller.kill()
+        controller.start()  # same ports, empty index, new epoch
+        assert lookup(controller, DOC)["holders"] == []
+        hb = wait_for(lambda: a.heartbeat(), 5, "heartbeat answer")
+        assert hb.status == "unknown"
+        reply = a.register()
+        assert reply.ok and reply.resync == [CPU] and reply.controller_epoch == hb.controller_epoch
+        a.resync(CPU, hashes)
+        wait_lookup(controller, DOC, "inst-a", 160)
+        assert a.heartbeat().status == "ok"
+    finally:
+        a.close()
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+def test_move_sends_the_held_prefix_and_check_finish_follows_completion(controller, workers):
+    src, dst = workers("lmcache_instance_1"), workers("lmcache_instance_2")
+    src.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=True, pending=isinstance(c, MoveCommand))
+    hashes = src.admit_tokens(DOC[: 4 * CHUNK])
+    wait_lookup(controller, DOC, "lmcache_instance_1", 4 * CHUNK)
+    r = controller.post("/move", {"old_position": ["lmcache_instance_1", CPU],
+                                  "new_position": ["lmcache_instance_2", CPU], "tokens": DOC})
+    assert r.status_code == 200, r.text
+    assert r.json()["num_tokens"] == 4 * CHUNK
+    event_id = r.json()["event_id"]
+    (cmd,) = src.commands
+    assert isinstance(cmd, MoveCommand) and not cmd.copy and cmd.location == CPU
+    assert unpack_hashes(cmd.hashes).tolist() == hashes
+    assert (cmd.destination.instance_id, cmd.destination.location, cmd.destination.p2p_lookup_port) == \
+        ("lmcache_instance_2", CPU, 9200)
+    assert controller.post("/check_finish", {"event_id": event_id}).json()["status"] == "pending"
+    src.done(event_id, ok=True, num_tokens=3 * CHUNK)  # one chunk could not be moved
+    status = wait_for(lambda: (s := controller.post("/check_finish", {"event_id": event_id}).json())["status"] != "pending" and s,
+                      5, "the move to finish")
+    assert status == {"event_id": event_id, "status": "done", "num_tokens": 3 * CHUNK, "error": None}
+    assert controller.metric("lmcache_controller_commands_total", kind="move", outcome="done") == 1
+
+
+def test_copy_without_tokens_sends_everything_and_reports_failure(controller, workers):
+    src, dst = workers("inst-a"), workers("inst-b")
+    src.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=True, pending=True)
+    hashes = src.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    r = controller.post("/copy", {"old_position": ["inst-a", CPU], "new_position": ["inst-b", CPU]})
+    assert r.json()["num_tokens"] == 160
+    (cmd,) = src.commands
+    assert cmd.copy and sorted(unpack_hashes(cmd.hashes).tolist()) == sorted(hashes)
+    src.done(r.json()["event_id"], ok=False, error="peer inst-b refused the transfer")
+    status = wait_for(lambda: (s := controller.post("/check_finish", {"event_id": r.json()["event_id"]}).json())["status"] == "failed" and s, 5)
+    assert "refused" in status["error"]
+
+
+def test_clear_pin_and_health_fan_out_to_every_rank(controller, workers):
+    r0, r1 = workers("inst-tp", rank=0, tp=2), workers("inst-tp", rank=1, tp=2)
+    for w in (r0, r1):
+        w.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=True, num_tokens=32)
+    r = controller.post("/clear", {"instance_id": "inst-tp", "location": CPU})
+    assert r.status_code == 200 and r.json()["num_tokens"] == 32
+    assert controller.post("/check_finish", {"event_id": r.json()["event_id"]}).json()["status"] == "done"
+    r = controller.post("/pin", {"instance_id": "inst-tp", "location": CPU, "tokens": DOC})
+    assert r.status_code == 200
+    assert unpack_hashes(r0.commands[-1].hashes).tolist() == chunk_hashes(DOC, CHUNK)
+    r = controller.post("/health", {"instance_id": "inst-tp"})
+    assert r.json()["error_codes"] == {"0": 0, "1": 0}
+    assert [type(c).__name__ for c in r1.commands] == ["ClearCommand", "PinCommand", "HealthCommand"]
+
+
+def test_error_codes_name_what_is_wrong(controller, workers):
+    workers("inst-a")
+    r = controller.post("/clear", {"instance_id": "nope", "location": CPU})
+    assert r.status_code == 404 and "'nope'" in r.json()["error"] and "inst-a" in r.json()["error"]
+    r = controller.post("/move", {"old_position": ["inst-a", CPU], "new_position": ["nope", CPU]})
+    assert r.status_code == 404 and r.json()["field"] == "new_position"
+    r = controller.post("/move", {"new_position": ["inst-a", CPU]})
+    assert r.status_code == 422 and r.json()["field"] == "old_position"
+    r = controller.post("/lookup", {"tokens": [1, "two"]})
+    assert r.status_code == 422 and r.json()["field"] == "tokens"
+    r = controller.http.post("/pin", content=b"{not json")
+    assert r.status_code == 422 and "not valid JSON" in r.json()["error"]
+    r = controller.post("/clear", {"instance_id": "inst-a", "location": "RedisBackend"})
+    assert r.status_code == 422 and r.json()["field"] == "location" and "RedisBackend" in r.json()["error"]
+    r = controller.post("/check_finish", {"event_id": "move-unknown"})
+    assert r.status_code == 404 and "move-unknown" in r.json()["error"]
+    r = controller.post("/query_instance", {"ip": "10.9.9.9"})
+    assert r.status_code == 404
+
+
+def test_a_worker_that_does_not_answer_is_a_504_within_the_timeout(controller, workers):
+    workers("inst-mute", answer_commands=False)
+    t0 = time.monotonic()
+    r = controller.post("/health", {"instance_id": "inst-mute"})
+    assert r.status_code == 504 and "inst-mute" in r.json()["error"] and "did not answer" in r.json()["error"]
+    assert time.monotonic() - t0 < 5, "bounded by --command-timeout (1s here)"
+    events = controller.http.get("/controller/events").json()["events"]
+    assert events[0]["status"] == "failed" and events[0]["kind"] == "health"
+
+
+def test_worker_views_and_key_stats(controller, workers):
+    a = workers("inst-a", locations=(CPU, DISK))
+    a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    (info,) = controller.post("/query_worker_info", {"instance_id": "inst-a"}).json()["worker_infos"]
+    assert info["status"] == "live" and info["keys"] == {CPU: 10, DISK: 0} and info["model"] == "tiny-llama"
+    assert controller.post("/query_instance", {"ip": "127.0.0.1"}).json()["res"] == "inst-a"
+    stats = controller.http.get("/controller/key-stats").json()
+    assert stats["total_keys"] == 10 and stats["instances"] == {"inst-a": {CPU: 10, DISK: 0}}
+    text = controller.http.get("/metrics").text
+    assert 'lmcache_controller_key_holders{instance_id="inst-a",location="LocalCPUBackend"} 10' in text
+    assert "lmcache_controller_workers 1" in text
+
+
+def test_openapi_describes_every_route(controller):
+    paths = controller.http.get("/openapi.json").json()["paths"]
+    for route in ("/lookup", "/move", "/copy", "/clear", "/pin", "/health", "/check_finish", "/query_worker_info",
+                  "/query_instance", "/controller/workers", "/controller/key-stats", "/metrics"):
+        assert route in paths, route
+    move_schema = paths["/move"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"old_position", "new_position", "tokens", "copy"} <= set(move_schema["properties"])
+
+
+def test_metrics_count_lookups_and_messages(controller, workers):
+    a = workers("inst-a")
+    a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    before = controller.metric("lmcache_controller_lookups_total")
+    lookup(controller, DOC)
+    assert controller.metric("lmcache_controller_lookups_total") == before + 1
+    assert controller.metric("lmcache_controller_messages_total", type="KeyEvents") >= 1
+    assert controller.metric("lmcache_controller_messages_total", type="Register") == 1
+    assert controller.metric("lmcache_controller_lookup_hit_tokens_total") >= 160
