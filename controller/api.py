@@ -9,14 +9,19 @@ FastAPI so /openapi.json still documents every route. Errors are JSON ``{"error"
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
 from typing import Annotated, Any, Optional
 
 import msgspec
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from lmcache_p2p.controller.service import ApiError, Controller
+
+logger = logging.getLogger("lmcache_p2p.controller")
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
@@ -24,6 +29,32 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
     model: Optional[str] = None
+
+
+class _LookupFastPath(msgspec.Struct):
+    tokens: msgspec.Raw
+    model: Optional[str] = None
+
+
+def parse_token_array(raw: bytes) -> Optional[np.ndarray]:
+    """A JSON array of token ids straight into int64, never building 25,600 Python ints (which
+    alone costs ~0.8 ms on a 2-vCPU host). None whenever the text is anything but plain
+    non-negative integers below 2**31: the strict decoder then produces the error message."""
+    text = raw.strip()
+    if text[:1] != b"[" or text[-1:] != b"]":
+        return None
+    inner = text[1:-1]
+    if not inner.strip():
+        return np.zeros(0, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy warns (instead of raising) on text it cannot parse
+        try:
+            tokens = np.fromstring(inner, dtype=np.int64, sep=",")
+        except (ValueError, DeprecationWarning):
+            return None
+    if len(tokens) != inner.count(b",") + 1 or tokens.min() < 0 or tokens.max() >= 2**31:
+        return None
+    return tokens
 
 
 class MoveRequest(msgspec.Struct):
@@ -103,13 +134,28 @@ def create_app(controller: Controller) -> FastAPI:
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse({"error": exc.message, "field": exc.field}, status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a bad request: logged with its traceback, answered as JSON, never a bare 500.
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return JSONResponse({"error": f"internal error in {request.url.path}: {type(exc).__name__}: {exc}",
+                             "field": None}, status_code=500)
+
     def post(path: str, body_type: type, summary: str):
         return app.post(path, summary=summary, openapi_extra=_schema(body_type))
 
     @post("/lookup", LookupRequest, "Which instances hold how much of this token prefix")
     async def lookup(request: Request) -> Response:
-        body: LookupRequest = await _decode(request, LookupRequest)
-        return _json(controller.lookup(body.tokens, body.model))
+        raw = await request.body()
+        try:
+            fast = msgspec.json.decode(raw, type=_LookupFastPath)
+            tokens = parse_token_array(bytes(fast.tokens))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            tokens = None
+        if tokens is None:
+            body: LookupRequest = await _decode(request, LookupRequest)
+            return _json(controller.lookup(body.tokens, body.model))
+        return _json(controller.lookup(tokens, fast.model))
 
     @post("/move", MoveRequest, "Move (or copy) chunks between instances' locations")
     async def move(request: Request) -> Response:

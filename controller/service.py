@@ -223,7 +223,7 @@ class Controller:
 
     # -- lookups -----------------------------------------------------------------------------------
 
-    def lookup(self, tokens: list[int], model: Optional[str] = None) -> dict:
+    def lookup(self, tokens: "list[int] | np.ndarray", model: Optional[str] = None) -> dict:
         """Every holder of a prefix of ``tokens`` with its matched tokens, and LMCache's per-instance
         ``layout_info`` ({instance: [location, tokens]}), counting a chunk for an instance only when
         all its TP ranks hold it."""
@@ -231,7 +231,7 @@ class Controller:
         self.metrics.inc("lmcache_controller_lookup_tokens_total", len(tokens))
         event_id = f"lookup-{next(self._lookup_ids)}"
         workers = [w for w in self.registry.workers.values() if model is None or w.info.layout.model == model]
-        if not tokens or not workers:
+        if not len(tokens) or not workers:
             return {"event_id": event_id, "layout_info": {}, "holders": []}
         token_array = np.asarray(tokens, dtype=np.int64)
         holders = []

