@@ -1,0 +1,156 @@
+"""Controller load: ingest over real ZMQ, /lookup latency over real HTTP, and RSS.
+
+    .venv/bin/python benchmarks/bench_controller.py [--max-keys 10000000]
+
+Starts a real ``lmcache_controller``, registers ``--instances`` x ``--ranks`` workers over ZMQ,
+pushes random chunk keys in ``--batch``-key KeyEvents batches until 100k, 1M (and ``--max-keys``)
+keys are held, and at each size times /lookup of 1k, 4k and 25.6k-token prompts (held by two
+instances, so lookups walk a multi-holder prefix) on one keep-alive HTTP connection. Prints one
+JSON object. Targets (issue 3): ingest >= 1M keys/s; /lookup of 25.6k tokens at 1M keys < 1 ms
+p50 and < 3 ms p99; RSS < 150 MB idle; <= 60 bytes per (key, holder) at 10M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from protocol_client import ControllerProcess, layout  # noqa: E402
+
+from lmcache_p2p.keys import chunk_hashes  # noqa: E402
+from lmcache_p2p.protocol import PROTOCOL_VERSION, KeyEvents, Register, encode, pack_hashes  # noqa: E402
+
+CHUNK = 256
+CPU = "LocalCPUBackend"
+
+
+def rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Load:
+    def __init__(self, controller: ControllerProcess, instances: int, ranks: int):
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.SNDHWM, 0)
+        self.push.connect(f"tcp://127.0.0.1:{controller.pull}")
+        self.workers = [(f"bench-inst-{i}", r) for i in range(instances) for r in range(ranks)]
+        self.seq = {w: 0 for w in self.workers}
+        req = self.ctx.socket(zmq.DEALER)
+        req.connect(f"tcp://127.0.0.1:{controller.reply}")
+        for n, (inst, rank) in enumerate(self.workers):
+            req.send_multipart([b"%d" % n, encode(Register(
+                version=PROTOCOL_VERSION, instance_id=inst, rank=rank, host="127.0.0.1", worker_port=1,
+                layout=layout("bench-model", rank, ranks), chunk_size=CHUNK, locations=[CPU]))])
+            assert req.poll(5000), "controller did not answer register"
+            req.recv_multipart()
+        req.close()
+
+    def admit(self, worker, keys: np.ndarray) -> None:
+        self.seq[worker] += 1
+        inst, rank = worker
+        self.push.send(encode(KeyEvents(instance_id=inst, rank=rank, location=CPU, seq=self.seq[worker],
+                                        admitted=pack_hashes(keys))), copy=False)
+
+
+def wait_keys(controller: ControllerProcess, expected: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while controller.http.get("/controller/key-stats").json()["total_keys"] < expected:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"controller did not reach {expected} keys in {timeout}s")
+        time.sleep(0.005)
+
+
+def ingest(controller: ControllerProcess, load: Load, rng: np.random.Generator, count: int, batch: int) -> dict:
+    before = controller.http.get("/controller/key-stats").json()["total_keys"]
+    keys = rng.integers(1, 2**63, size=count, dtype=np.int64).astype(np.uint64)
+    t0 = time.perf_counter()
+    for i, start in enumerate(range(0, count, batch)):
+        load.admit(load.workers[i % len(load.workers)], keys[start:start + batch])
+    wait_keys(controller, before + count)
+    seconds = time.perf_counter() - t0
+    return {"keys": count, "seconds": round(seconds, 3), "keys_per_s": round(count / seconds)}
+
+
+def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    out = {}
+    for name, tokens in prompts.items():
+        body = json.dumps({"tokens": tokens}).encode()
+        samples = []
+        for i in range(repeat + 20):
+            t0 = time.perf_counter()
+            conn.request("POST", "/lookup", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            if i >= 20:  # warm-up excluded
+                samples.append((time.perf_counter() - t0) * 1e3)
+        answer = json.loads(data)
+        samples.sort()
+        out[name] = {"p50_ms": round(statistics.median(samples), 3), "p99_ms": round(samples[int(len(samples) * 0.99) - 1], 3),
+                     "matched_tokens": max((v[1] for v in answer["layout_info"].values()), default=0),
+                     "holders": len(answer["holders"])}
+    conn.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--instances", type=int, default=16)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=10_000)
+    ap.add_argument("--repeat", type=int, default=300)
+    ap.add_argument("--max-keys", type=int, default=10_000_000, help="last size, for bytes per (key, holder)")
+    args = ap.parse_args()
+
+    controller = ControllerProcess("--log-level", "warning").start()
+    pid = controller.proc.pid
+    try:
+        time.sleep(1.0)  # let the interpreter settle before the idle reading
+        result: dict = {"bench": "controller", "startup_s": round(controller.ready_after, 3), "rss_idle_mb": round(rss_mb(pid), 1),
+                        "instances": args.instances, "ranks": args.ranks, "batch_keys": args.batch}
+        load = Load(controller, args.instances, args.ranks)
+        rng = np.random.default_rng(0)
+
+        # Query prompts, held by two instances (rank 0) so /lookup walks a two-holder prefix.
+        prompt_rng = np.random.default_rng(1)
+        prompts = {f"{n // 1000}k" if n % 1000 == 0 else f"{n / 1000:g}k": prompt_rng.integers(0, 128_000, n).tolist()
+                   for n in (1_000, 4_000, 25_600)}
+        for tokens in prompts.values():
+            hashes = np.asarray(chunk_hashes(tokens, CHUNK), dtype=np.uint64)
+            for rank in range(args.ranks):  # every TP rank holds its own part of each chunk
+                load.admit(("bench-inst-0", rank), hashes)
+                load.admit(("bench-inst-1", rank), hashes[: len(hashes) // 2])
+        held = 0
+        result["sizes"] = {}
+        for target in (100_000, 1_000_000, args.max_keys):
+            if target <= held:
+                continue
+            stats = ingest(controller, load, rng, target - held, args.batch)
+            held = target
+            rss = rss_mb(pid)
+            result["sizes"][str(target)] = {
+                "ingest": stats, "rss_mb": round(rss, 1),
+                "bytes_per_key_holder": round((rss - result["rss_idle_mb"]) * 2**20 / target, 1),
+                "lookup": time_lookups(controller.http_port, prompts, args.repeat) if target <= 1_000_000 else None,
+            }
+            print(f"{target} keys: {stats['keys_per_s']:,} keys/s, RSS {rss:.0f} MB", file=sys.stderr)
+        print(json.dumps(result))
+    finally:
+        controller.stop()
+
+
+if __name__ == "__main__":
+    main()
