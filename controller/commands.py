@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Optional
-
 import zmq
 import zmq.asyncio
 
@@ -103,9 +101,3 @@ class CommandBus:
             channel.close()
         self._channels.clear()
 
-
-def first_error(replies: list[Optional[CommandReply]]) -> Optional[str]:
-    for reply in replies:
-        if reply is not None and not reply.ok:
-            return reply.error or "failed"
-    return None

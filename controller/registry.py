@@ -204,10 +204,3 @@ class Registry:
                         msg.instance_id, msg.rank, msg.location, len(keys), msg.snapshot_seq,
                         sum(1 for e in resync.replay if e.seq > msg.snapshot_seq))
         return None
-
-    # -- queries ---------------------------------------------------------------------------------
-
-    def keys_at(self, key: WorkerKey, location: str) -> int:
-        record = self.workers.get(key)
-        state = record.locations.get(location) if record else None
-        return self.index.holder_count(state.holder) if state else 0
