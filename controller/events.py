@@ -56,8 +56,11 @@ class EventLog:
     def newest(self, limit: int = 100) -> list[CommandEvent]:
         return list(reversed(self._events.values()))[:limit]
 
+    def pending(self) -> list[CommandEvent]:
+        return [e for e in self._events.values() if e.status == "pending"]
+
     def in_flight(self) -> int:
-        return sum(1 for e in self._events.values() if e.status == "pending")
+        return len(self.pending())
 
     @staticmethod
     def rank_done(event: CommandEvent, rank: int, ok: bool, num_tokens: int, error: Optional[str]) -> None:

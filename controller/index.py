@@ -133,7 +133,9 @@ class ChunkIndex:
         if not len(keys):
             return 0
         self._reserve(len(keys))
-        return self._transition(holder, self._probe(keys, insert=True), self.sets.plus)
+        gained = self._transition(holder, self._probe(keys, insert=True), self.sets.plus)
+        self._holder_counts[holder] = self._holder_counts.get(holder, 0) + gained
+        return gained
 
     def remove(self, holder: int, keys: np.ndarray) -> int:
         """Record that ``holder`` no longer has ``keys``; returns how many it actually had."""
@@ -141,7 +143,9 @@ class ChunkIndex:
         if not len(keys):
             return 0
         slots = self._probe(keys, insert=False)
-        return -self._transition(holder, slots[slots >= 0], self.sets.minus)
+        lost = self._transition(holder, slots[slots >= 0], self.sets.minus)
+        self._holder_counts[holder] = self._holder_counts.get(holder, 0) - lost
+        return lost
 
     def drop_holder(self, holder: int) -> int:
         """Forget everything ``holder`` has (a reaped worker, a replaced key set). One pass."""
@@ -162,6 +166,8 @@ class ChunkIndex:
         self.add(holder, keys)
 
     def _transition(self, holder: int, slots: np.ndarray, step) -> int:
+        """Map the holder sets at ``slots`` through ``step`` (plus or minus ``holder``); returns
+        how many keys' sets changed."""
         if not len(slots):
             return 0
         slots = np.unique(slots)  # a key repeated in one batch counts once
@@ -170,11 +176,8 @@ class ChunkIndex:
         mapped = np.array([step(int(s), holder) for s in unique_old], dtype=np.uint32)
         new = mapped[inverse]
         self._set_ids[slots] = new
-        changed = int(np.count_nonzero(old != new))
-        delta = changed if step == self.sets.plus else -changed
-        self._holder_counts[holder] = self._holder_counts.get(holder, 0) + delta
         self.live_keys += int(np.count_nonzero(old == 0)) - int(np.count_nonzero(new == 0))
-        return delta
+        return int(np.count_nonzero(old != new))
 
     # -- the table -------------------------------------------------------------------------------
 

@@ -21,9 +21,6 @@ class Metrics:
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         self._counters[name][tuple(sorted(labels.items()))] += value
 
-    def get(self, name: str, **labels: str) -> float:
-        return self._counters[name].get(tuple(sorted(labels.items())), 0.0)
-
     def gauge(self, name: str, help_text: str, read: Callable[[], list[tuple[dict[str, str], float]]]) -> None:
         self._gauges.append((name, help_text, read))
 

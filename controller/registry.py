@@ -108,6 +108,13 @@ class Registry:
         logger.warning("worker %s rank %d removed (%s); %d keys dropped from the index", key[0], key[1], reason, dropped)
         return record
 
+    def _location(self, record: WorkerRecord, location: str) -> LocationState:
+        """A location's state; one the worker did not declare at registration is added on first use."""
+        state = record.locations.get(location)
+        if state is None:
+            state = record.locations[location] = LocationState(self.holder_id(*record.key, location))
+        return state
+
     def touch(self, key: WorkerKey) -> Optional[WorkerRecord]:
         record = self.workers.get(key)
         if record is not None:
@@ -138,10 +145,7 @@ class Registry:
             # register again, and the re-sync brings these keys back.
             self.stats["events_from_unknown"] += 1
             return
-        state = record.locations.get(msg.location)
-        if state is None:
-            state = record.locations[msg.location] = LocationState(
-                self.holder_id(msg.instance_id, msg.rank, msg.location))
+        state = self._location(record, msg.location)
         if state.resync is not None:
             # A full key set is wanted or arriving: apply now to keep lookups fresh, and replay
             # on top of the snapshot if this batch is newer than it.
@@ -176,10 +180,7 @@ class Registry:
         record = self.touch((msg.instance_id, msg.rank))
         if record is None:
             return f"unknown worker {msg.instance_id} rank {msg.rank}: register first"
-        state = record.locations.get(msg.location)
-        if state is None:
-            state = record.locations[msg.location] = LocationState(
-                self.holder_id(msg.instance_id, msg.rank, msg.location))
+        state = self._location(record, msg.location)
         resync = state.resync
         if resync is None:
             resync = state.resync = _Resync()  # an unasked re-sync is still the truth

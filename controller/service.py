@@ -23,7 +23,7 @@ from lmcache_p2p.controller.events import CommandEvent, EventLog
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.registry import Registry, WorkerRecord
 from lmcache_p2p.controller.settings import ControllerSettings, SettingsError
-from lmcache_p2p.keys import chunk_hashes
+from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION, Ack, ClearCommand, CommandDone, CommandReply, DecodeError, Deregister, HealthCommand,
     Heartbeat, HeartbeatReply, KeyEvents, MoveCommand, P2PLookup, P2PLookupReply, PeerAddress, PeerHolder,
@@ -158,7 +158,7 @@ class Controller:
         record = self.registry.register(msg)
         self.bus.connect(record.key, msg.host, msg.worker_port)
         return RegisterReply(ok=True, controller_epoch=self.epoch, resync=list(record.locations),
-                             heartbeat_interval=min(5.0, self.settings.worker_timeout / 6))
+                             heartbeat_interval=self.settings.heartbeat_interval)
 
     def _on_heartbeat(self, msg) -> HeartbeatReply:
         if not isinstance(msg, Heartbeat):
@@ -216,8 +216,8 @@ class Controller:
     def _forget_worker(self, record: WorkerRecord, reason: str) -> None:
         self.bus.disconnect(record.key)
         instance_id, rank = record.key
-        for event in self.events.newest(self.events.capacity):
-            if event.status == "pending" and event.instance_id == instance_id and rank in event.ranks:
+        for event in self.events.pending():
+            if event.instance_id == instance_id and rank in event.ranks:
                 self.events.fail(event, f"{instance_id} rank {rank} {reason}")
                 self._count_outcome(event)
 
@@ -230,40 +230,34 @@ class Controller:
         self.metrics.inc("lmcache_controller_lookups_total")
         self.metrics.inc("lmcache_controller_lookup_tokens_total", len(tokens))
         event_id = f"lookup-{next(self._lookup_ids)}"
-        workers = [w for w in self.registry.workers.values() if model is None or w.info.layout.model == model]
+        workers = {k: w for k, w in self.registry.workers.items() if model is None or w.info.layout.model == model}
         if not len(tokens) or not workers:
             return {"event_id": event_id, "layout_info": {}, "holders": []}
-        token_array = np.asarray(tokens, dtype=np.int64)
         holders = []
-        for chunk_size in sorted({w.info.chunk_size for w in workers}):
-            hashes = np.asarray(chunk_hashes(token_array, chunk_size), dtype=np.uint64)
+        by_instance: dict[tuple[str, str], dict[int, int]] = {}  # (instance, location) -> rank -> tokens
+        tp_sizes: dict[str, int] = {}
+        for chunk_size in sorted({w.info.chunk_size for w in workers.values()}):
+            hashes = chunk_hash_array(tokens, chunk_size)
             if not len(hashes):
                 continue
             for hid, matched in self.registry.index.prefix_holders(hashes).items():
                 instance_id, rank, location = self.registry.holders[hid]
-                worker = self.registry.workers.get((instance_id, rank))
-                if worker is None or worker.info.chunk_size != chunk_size or (model and worker.info.layout.model != model):
+                worker = workers.get((instance_id, rank))
+                if worker is None or worker.info.chunk_size != chunk_size:
                     continue
                 holders.append({"instance_id": instance_id, "worker_id": rank, "location": location,
                                 "matched_tokens": matched * chunk_size, "model": worker.info.layout.model})
-        layout_info = self._instance_prefixes(holders)
+                by_instance.setdefault((instance_id, location), {})[rank] = matched * chunk_size
+                tp_sizes[instance_id] = worker.info.layout.tp_size
+        layout_info: dict[str, list] = {}
+        for (instance_id, location), by_rank in by_instance.items():
+            matched_tokens = min(by_rank.get(r, 0) for r in range(tp_sizes[instance_id]))
+            if matched_tokens > layout_info.get(instance_id, [None, 0])[1]:
+                layout_info[instance_id] = [location, matched_tokens]
         best = max((v[1] for v in layout_info.values()), default=0)
         self.metrics.inc("lmcache_controller_lookup_hit_tokens_total", best)
         holders.sort(key=lambda h: (-h["matched_tokens"], h["instance_id"], h["worker_id"]))
         return {"event_id": event_id, "layout_info": layout_info, "holders": holders}
-
-    def _instance_prefixes(self, holders: list[dict]) -> dict[str, list]:
-        per: dict[tuple[str, str], dict[int, int]] = {}
-        for h in holders:
-            per.setdefault((h["instance_id"], h["location"]), {})[h["worker_id"]] = h["matched_tokens"]
-        instances = self.registry.instances()
-        layout_info: dict[str, list] = {}
-        for (instance_id, location), by_rank in per.items():
-            tp_size = instances[instance_id][0].info.layout.tp_size if instance_id in instances else 1
-            tokens = min(by_rank.get(r, 0) for r in range(tp_size))
-            if tokens > layout_info.get(instance_id, [None, 0])[1]:
-                layout_info[instance_id] = [location, tokens]
-        return layout_info
 
     # -- commands ----------------------------------------------------------------------------------
 
@@ -321,10 +315,10 @@ class Controller:
         return {"num_tokens": num_tokens, "event_id": event.event_id}
 
     def _chunks_to_move(self, sources: list[WorkerRecord], location: str, tokens: Optional[list[int]]) -> dict[int, np.ndarray]:
-        holders = {w.info.rank: self.registry.holder_id(w.info.instance_id, w.info.rank, location) for w in sources}
+        holders = {w.info.rank: w.locations[location].holder for w in sources}  # location checked by the caller
         if tokens is None:  # everything the source holds there
             return {rank: self.registry.index.holder_keys(hid) for rank, hid in holders.items()}
-        hashes = np.asarray(chunk_hashes(np.asarray(tokens, dtype=np.int64), sources[0].info.chunk_size), dtype=np.uint64)
+        hashes = chunk_hash_array(tokens, sources[0].info.chunk_size)
         held = self.registry.index.prefix_holders(hashes) if len(hashes) else {}
         count = min(held.get(hid, 0) for hid in holders.values())  # a chunk moves when every rank has it
         return {rank: hashes[:count] for rank in holders}
@@ -339,7 +333,7 @@ class Controller:
     async def pin(self, instance_id: str, location: str, tokens: list[int], unpin: bool) -> dict:
         workers = self.instance_workers(instance_id, "instance_id")
         self._check_location(workers, location, "location")
-        hashes = pack_hashes(chunk_hashes(np.asarray(tokens, dtype=np.int64), workers[0].info.chunk_size))
+        hashes = pack_hashes(chunk_hash_array(tokens, workers[0].info.chunk_size))
         event = self.events.create("unpin" if unpin else "pin", instance_id, {w.info.rank for w in workers}, location)
         await self._fan_out(event, workers, lambda w: PinCommand(event_id=event.event_id, location=location,
                                                                  hashes=hashes, unpin=unpin))
@@ -384,7 +378,7 @@ class Controller:
 
     def worker_status(self, record: WorkerRecord) -> tuple[str, float]:
         age = time.monotonic() - record.last_seen
-        live_within = 2 * min(5.0, self.settings.worker_timeout / 6)
+        live_within = self.status_thresholds()["live_within_s"]
         return ("live" if age <= live_within else "late" if age <= self.settings.worker_timeout else "dead"), age
 
     def describe_worker(self, record: WorkerRecord) -> dict:
@@ -400,7 +394,7 @@ class Controller:
                 "keys": {loc: self.registry.index.holder_count(st.holder) for loc, st in record.locations.items()}}
 
     def status_thresholds(self) -> dict:
-        return {"live_within_s": 2 * min(5.0, self.settings.worker_timeout / 6),
+        return {"live_within_s": 2 * self.settings.heartbeat_interval,
                 "reaped_after_s": self.settings.worker_timeout}
 
     def key_stats(self) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -32,6 +32,12 @@ class ControllerSettings:
     worker_timeout: float = DEFAULT_WORKER_TIMEOUT
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT
     log_level: str = "info"
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """What the controller tells workers to use: the worker default (5 s), or faster when
+        --worker-timeout is short, so a timeout always spans six beats."""
+        return min(5.0, self.worker_timeout / 6)
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:

@@ -322,12 +322,6 @@ class LMCacheConfig:
     def max_local_disk_bytes(self) -> int:
         return int(self.max_local_disk_size * GB)
 
-    def port_for_rank(self, key: str, rank: int) -> int:
-        ports = getattr(self, key)
-        if ports is None or rank >= len(ports):
-            raise self._err(key, f"no port for TP rank {rank}")
-        return ports[rank]
-
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
 

@@ -67,6 +67,11 @@ def chunk_hashes(tokens: TokenIds, chunk_size: int) -> list[int]:
     return [span.chunk_hash for span in iter_chunk_spans(tokens, chunk_size)]
 
 
+def chunk_hash_array(tokens: TokenIds, chunk_size: int) -> np.ndarray:
+    """The same hashes as a uint64 array, the form the controller's index and the wire take."""
+    return np.fromiter((s.chunk_hash for s in iter_chunk_spans(tokens, chunk_size)), dtype=np.uint64)
+
+
 def payload_checksum(payload) -> int:
     """Checksum carried with every stored or transferred chunk payload (any bytes-like)."""
     return _xxh3(payload)
@@ -99,6 +104,8 @@ class LayoutFingerprint(msgspec.Struct, frozen=True):
         elems = 1
         for d in self.block_shape:
             elems *= d
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"unknown KV cache dtype {self.dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
         return elems * _DTYPE_BYTES[self.dtype] * self.num_layers // self.block_size
 
 

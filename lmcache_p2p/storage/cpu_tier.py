@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -204,5 +204,3 @@ class CpuTier:
         with chunk:
             return chunk.data.numpy().tobytes()
 
-    def __iter__(self) -> Iterator[ChunkKey]:
-        return iter(self.keys())

@@ -118,10 +118,6 @@ class StorageManager:
             found.append(where)
         return PrefixHit(tuple(found))
 
-    def held_keys(self, location: str) -> list[ChunkKey]:
-        tier = self._tier(location)
-        return tier.keys() if tier is not None else []
-
     # -- store -----------------------------------------------------------------------------------
 
     def put(self, chunk_hash: int, payload: torch.Tensor, checksum: Optional[int] = None) -> bool:
