@@ -4,6 +4,7 @@ create gaps, garbage, silence and restarts on purpose."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from lmcache_p2p.protocol import (
     command_decoder, controller_reply_decoder, encode, pack_hashes,
 )
 
+# The installed console script, as a user runs it.
+CONTROLLER_SCRIPT = os.path.join(os.path.dirname(sys.executable), "lmcache_controller")
 CPU = "LocalCPUBackend"
 DISK = "LocalDiskBackend"
 CHUNK = 16
@@ -53,11 +56,12 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str =
 class ControllerProcess:
     """``lmcache_controller`` as a user starts it, on free loopback ports."""
 
-    def __init__(self, *extra: str, ports: Optional[list[int]] = None):
+    def __init__(self, *extra: str, ports: Optional[list[int]] = None, env: Optional[dict] = None,
+                 argv: Optional[list[str]] = None):
         self.http_port, self.pull, self.reply, self.heartbeat = ports or free_ports(4)
-        self.args = [sys.executable, "-m", "lmcache_p2p.controller.cli", "--host", "127.0.0.1",
-                     "--port", str(self.http_port), "--monitor-ports",
-                     f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}', *extra]
+        self.args = argv or [CONTROLLER_SCRIPT, "--host", "127.0.0.1", "--port", str(self.http_port), "--monitor-ports",
+                             f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}', *extra]
+        self.env = {**os.environ, **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=10)
 
@@ -67,7 +71,7 @@ class ControllerProcess:
 
     def start(self) -> "ControllerProcess":
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
         wait_for(self._up, 15, "controller HTTP")
         self.ready_after = time.monotonic() - self.started_at
         return self

@@ -84,3 +84,16 @@ def test_chunk_key_text_round_trip():
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_hashes(TOKENS, 0)
+
+
+def test_hash_array_is_the_same_chain_as_uint64():
+    from lmcache_p2p.keys import chunk_hash_array
+    arr = chunk_hash_array(TOKENS, 256)
+    assert arr.dtype == np.uint64 and arr.tolist() == chunk_hashes(TOKENS, 256)
+    assert chunk_hash_array(TOKENS[:10], 256).tolist() == []
+
+
+def test_unknown_dtype_is_named():
+    odd = LayoutFingerprint(**{**{f: getattr(LLAMA_8B, f) for f in LLAMA_8B.__struct_fields__}, "dtype": "int4"})
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
+        odd.bytes_per_token
