@@ -26,7 +26,9 @@ import zmq
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from protocol_client import ControllerProcess, layout  # noqa: E402
 
-from lmcache_p2p.keys import chunk_hashes  # noqa: E402
+from lmcache_p2p.controller.api import parse_token_array, _LookupFastPath  # noqa: E402
+from lmcache_p2p.controller.index import ChunkIndex  # noqa: E402
+from lmcache_p2p.keys import chunk_hash_array  # noqa: E402
 from lmcache_p2p.protocol import PROTOCOL_VERSION, KeyEvents, Register, encode, pack_hashes  # noqa: E402
 
 CHUNK = 256
@@ -106,6 +108,32 @@ def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int) -> dict:
     return out
 
 
+def lookup_breakdown(tokens: list[int], repeat: int) -> dict:
+    """Where a /lookup's server-side time goes, step by step, timed in this process with the
+    controller's own functions (the rest of the HTTP figure is uvicorn + FastAPI)."""
+    import msgspec
+
+    body = json.dumps({"tokens": tokens}).encode()
+    raw = bytes(msgspec.json.decode(body, type=_LookupFastPath).tokens)
+    array = parse_token_array(raw)
+    hashes = chunk_hash_array(array, CHUNK)
+    index = ChunkIndex()
+    index.add(1, hashes)
+    steps = {"extract_tokens_json": lambda: msgspec.json.decode(body, type=_LookupFastPath),
+             "parse_int64": lambda: parse_token_array(raw),
+             "hash_chunks": lambda: chunk_hash_array(array, CHUNK),
+             "index_prefix_walk": lambda: index.prefix_holders(hashes)}
+    out = {}
+    for name, step in steps.items():
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            step()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        out[name] = round(statistics.median(samples), 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--instances", type=int, default=16)
@@ -129,7 +157,7 @@ def main() -> None:
         prompts = {f"{n // 1000}k" if n % 1000 == 0 else f"{n / 1000:g}k": prompt_rng.integers(0, 128_000, n).tolist()
                    for n in (1_000, 4_000, 25_600)}
         for tokens in prompts.values():
-            hashes = np.asarray(chunk_hashes(tokens, CHUNK), dtype=np.uint64)
+            hashes = chunk_hash_array(tokens, CHUNK)
             for rank in range(args.ranks):  # every TP rank holds its own part of each chunk
                 load.admit(("bench-inst-0", rank), hashes)
                 load.admit(("bench-inst-1", rank), hashes[: len(hashes) // 2])
@@ -147,6 +175,7 @@ def main() -> None:
                 "lookup": time_lookups(controller.http_port, prompts, args.repeat) if target <= 1_000_000 else None,
             }
             print(f"{target} keys: {stats['keys_per_s']:,} keys/s, RSS {rss:.0f} MB", file=sys.stderr)
+        result["lookup_breakdown_25.6k_ms"] = lookup_breakdown(prompts["25.6k"], args.repeat)
         print(json.dumps(result))
     finally:
         controller.stop()
