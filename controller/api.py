@@ -183,6 +183,11 @@ def create_app(controller: Controller) -> FastAPI:
         body: HealthRequest = await _decode(request, HealthRequest)
         return _json(await controller.health(body.instance_id))
 
+    @post("/status", HealthRequest, "Ask every rank of an instance for its tiers, link and peer statistics")
+    async def status(request: Request) -> Response:
+        body: HealthRequest = await _decode(request, HealthRequest)
+        return _json(await controller.status(body.instance_id))
+
     @post("/check_finish", CheckFinishRequest, "Status of a command by its event id")
     async def check_finish(request: Request) -> Response:
         body: CheckFinishRequest = await _decode(request, CheckFinishRequest)

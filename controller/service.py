@@ -27,7 +27,7 @@ from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION, Ack, ClearCommand, CommandDone, CommandReply, DecodeError, Deregister, HealthCommand,
     Heartbeat, HeartbeatReply, KeyEvents, MoveCommand, P2PLookup, P2PLookupReply, PeerAddress, PeerHolder,
-    PinCommand, Register, RegisterReply, ResyncBatch, encode, pack_hashes, unpack_hashes, worker_message_decoder,
+    PinCommand, Register, StatusCommand, RegisterReply, ResyncBatch, encode, pack_hashes, unpack_hashes, worker_message_decoder,
 )
 
 logger = logging.getLogger("lmcache_p2p.controller")
@@ -158,7 +158,8 @@ class Controller:
         record = self.registry.register(msg)
         self.bus.connect(record.key, msg.host, msg.worker_port)
         return RegisterReply(ok=True, controller_epoch=self.epoch, resync=list(record.locations),
-                             heartbeat_interval=self.settings.heartbeat_interval)
+                             heartbeat_interval=self.settings.heartbeat_interval,
+                             heartbeat_port=self.settings.monitor_ports["heartbeat"])
 
     def _on_heartbeat(self, msg) -> HeartbeatReply:
         if not isinstance(msg, Heartbeat):
@@ -347,6 +348,14 @@ class Controller:
         return {"event_id": event.event_id,
                 "error_codes": {str(rank): 0 if r.ok else 1 for rank, r in replies.items()},
                 "errors": {str(rank): r.error for rank, r in replies.items() if not r.ok}}
+
+    async def status(self, instance_id: str) -> dict:
+        """Each rank's own account: tiers, controller link, peer traffic, pins."""
+        workers = self.instance_workers(instance_id, "instance_id")
+        event = self.events.create("status", instance_id, {w.info.rank for w in workers})
+        replies = await self._fan_out(event, workers, lambda w: StatusCommand(event_id=event.event_id),
+                                      raise_on_refusal=False)
+        return {"event_id": event.event_id, "workers": {str(rank): r.detail for rank, r in replies.items()}}
 
     async def _fan_out(self, event: CommandEvent, workers: list[WorkerRecord], make_command,
                        raise_on_refusal: bool = True) -> dict[int, CommandReply]:

@@ -296,6 +296,8 @@ class LMCacheConfig:
             for key in ("p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
                 if getattr(self, key) is None:
                     raise self._err(key, "required when enable_p2p is true")
+            if not self.local_cpu:
+                raise self._err("local_cpu", "must be true when enable_p2p is true: peer transfers land in the CPU tier")
 
     def validate_for_tp(self, tp_size: int) -> None:
         """At engine start-up: every per-rank port list must cover every TP rank."""

@@ -67,6 +67,7 @@ class RegisterReply(_Msg, tag="register_reply"):
     error: Optional[str] = None
     controller_epoch: str = ""
     heartbeat_interval: float = 5.0
+    heartbeat_port: int = 0  # the heartbeat socket, on the host of controller_reply_url
     # Locations whose full key set the controller wants now (ResyncBatch); every location on a
     # (re-)register, so a restarted controller or a restarted worker converges.
     resync: list[str] = []
@@ -207,6 +208,70 @@ class CommandReply(_Msg, tag="command_reply"):
     detail: dict = {}
 
 
+# -- peer <-> peer (p2p_init and p2p_lookup sockets) ---------------------------------------------
+#
+# The peer that wants chunks (the requester) opens a session on the holder's p2p_init port, then
+# asks for chunks on its p2p_lookup port. Over NIXL the holder WRITEs the payloads straight into
+# pages the requester reserved (named by page index in its registered pool); over TCP they ride
+# the reply as extra frames, one per chunk. Either way the reply carries each chunk's checksum.
+
+
+class ChannelHello(_Msg, tag="channel_hello"):
+    instance_id: str
+    rank: int
+    fingerprint: int  # the requester's layout digest; the holder refuses another layout
+    channel: str  # "nixl" | "tcp"
+    session: str  # unique per requester process (its NIXL agent name under "nixl")
+    agent_metadata: bytes = b""
+    pool_base: int = 0  # address of the requester's registered page pool
+    page_bytes: int = 0
+    num_pages: int = 0
+
+
+class ChannelHelloReply(_Msg, tag="channel_hello_reply"):
+    ok: bool
+    error: Optional[str] = None
+    channels: list[str] = []  # what this holder can serve
+
+
+class ChunkPull(_Msg, tag="chunk_pull"):
+    """Send me these chunks (in order). ``pages`` (uint32 LE, one per hash) are the requester's
+    pool pages to WRITE into under "nixl"; empty under "tcp"."""
+
+    session: str
+    fingerprint: int
+    hashes: bytes
+    pages: bytes = b""
+    timeout_s: float = 10.0  # how long the requester waits; the holder gives up sooner
+
+
+class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
+    """``served`` leading chunks were sent (the first one the holder lacks ends the run);
+    ``checksums`` has one uint64 per served chunk."""
+
+    ok: bool
+    served: int = 0
+    checksums: bytes = b""
+    error: Optional[str] = None
+
+
+class FetchChunks(_Msg, tag="fetch_chunks"):
+    """Move/copy, sent by the source's worker to the destination's p2p_lookup port: pull these
+    chunks from me into your ``location``."""
+
+    event_id: str
+    source: PeerAddress
+    location: str
+    hashes: bytes
+    fingerprint: int
+
+
+class FetchReply(_Msg, tag="fetch_reply"):
+    ok: bool
+    held: bytes = b""  # hashes the destination holds now (pulled, or held already)
+    error: Optional[str] = None
+
+
 WorkerMessage = Union[Register, Deregister, KeyEvents, ResyncBatch, Heartbeat, P2PLookup, CommandDone]
 ControllerReply = Union[RegisterReply, HeartbeatReply, P2PLookupReply, Ack]
 Command = Union[MoveCommand, ClearCommand, PinCommand, HealthCommand, StatusCommand]
@@ -216,5 +281,19 @@ worker_message_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 controller_reply_decoder = msgspec.msgpack.Decoder(ControllerReply)
 command_decoder = msgspec.msgpack.Decoder(Command)
 command_reply_decoder = msgspec.msgpack.Decoder(CommandReply)
+PeerRequest = Union[ChannelHello, ChunkPull, FetchChunks]
+PeerReply = Union[ChannelHelloReply, ChunkPullReply, FetchReply, Ack]
+peer_request_decoder = msgspec.msgpack.Decoder(PeerRequest)
+peer_reply_decoder = msgspec.msgpack.Decoder(PeerReply)
+
+
+def pack_pages(pages: Sequence[int]) -> bytes:
+    return np.asarray(pages, dtype="<u4").tobytes()
+
+
+def unpack_pages(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise ValueError(f"packed pages must be a multiple of 4 bytes, got {len(data)}")
+    return np.frombuffer(data, dtype="<u4")
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)

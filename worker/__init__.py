@@ -1,3 +1,7 @@
-"""The per-rank worker (installed as ``lmcache_p2p.worker``): registers with the controller,
-forwards the StorageManager's admit/evict events, heartbeats, executes commands, and serves
-peer pulls. Built in the Worker/P2P issue."""
+"""The per-rank worker (installed as ``lmcache_p2p.worker``): it registers its rank with the
+controller, reports admits and evicts, heartbeats, answers the controller's commands, serves
+chunks to peers and pulls chunks from them. See worker.py for how the pieces fit together."""
+
+from lmcache_p2p.worker.worker import Worker
+
+__all__ = ["Worker"]

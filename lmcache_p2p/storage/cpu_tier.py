@@ -77,6 +77,7 @@ class CpuTier:
         self._lock = threading.RLock()
         self.evictions = 0
         self.rejected_puts = 0  # every page pinned: nothing could be evicted
+        self.pins_held = 0  # pins not yet released, over all chunks (a leak shows here)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -178,6 +179,7 @@ class CpuTier:
                 return None
             self._entries.move_to_end(key)
             entry.pins += 1
+            self.pins_held += 1
         data = self.pool.page(entry.page)
         return PinnedChunk(key, data, entry.checksum, release=lambda: self._unpin(entry),
                            compute_checksum=lambda: self._checksum_of(entry, data))
@@ -193,6 +195,7 @@ class CpuTier:
     def _unpin(self, entry: _Entry) -> None:
         with self._lock:
             entry.pins -= 1
+            self.pins_held -= 1
             if entry.pins == 0 and entry.detached:
                 self.pool.free(entry.page)
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Sequence
 
+import numpy as np
 import torch
 
 from lmcache_p2p.config import LMCacheConfig
@@ -108,6 +109,21 @@ class StorageManager:
             return DISK
         return None
 
+    def held_hashes(self, location: str) -> np.ndarray:
+        """Every chunk hash of this layout held at ``location`` (a re-sync's full key set)."""
+        tier = self._tier(location)
+        if tier is None:
+            return np.zeros(0, dtype=np.uint64)
+        return np.fromiter((k.chunk_hash for k in tier.keys() if k.fingerprint == self.fingerprint), dtype=np.uint64)
+
+    @property
+    def locations(self) -> list[str]:
+        return [loc for loc, tier in ((CPU, self.cpu), (DISK, self.disk)) if tier is not None]
+
+    def holds(self, chunk_hash: int, location: str) -> bool:
+        tier = self._tier(location)
+        return tier is not None and tier.contains(self.key(chunk_hash))
+
     def lookup_prefix(self, chunk_hashes: Sequence[int]) -> PrefixHit:
         """How many leading chunks we hold locally (the first miss ends the prefix)."""
         found = []
@@ -142,9 +158,20 @@ class StorageManager:
         page = self.cpu.allocate()
         return None if page is None else (page, self.cpu.pool.page(page))
 
-    def commit_page(self, chunk_hash: int, page: int, checksum: Optional[int] = None) -> bool:
-        """Index a page filled after :meth:`reserve_page`; the page is freed if the key is held."""
+    def commit_page(self, chunk_hash: int, page: int, checksum: Optional[int] = None, location: str = CPU) -> bool:
+        """Index a page filled after :meth:`reserve_page`; False if the key was held already.
+        With ``location`` DISK the page is written to the disk tier and returned to the pool."""
         key = self.key(chunk_hash)
+        if location == DISK:
+            try:
+                if self.disk is None or self.disk.contains(key):
+                    return False
+                stored = self.disk.write(key, self.cpu.pool.page(page).numpy(), checksum)
+            finally:
+                self.abandon_page(page)
+            if stored:
+                self._emit("admit", DISK, key)
+            return stored
         if not self.cpu.admit(key, page, checksum):
             return False
         self._after_cpu_admit(key)
@@ -233,6 +260,7 @@ class StorageManager:
         out: dict = {"chunk_size": self.chunk_size, "page_bytes": self.page_bytes}
         if self.cpu is not None:
             out["cpu"] = {"chunks": len(self.cpu), "capacity_chunks": self.cpu.pool.num_pages,
+                          "free_pages": self.cpu.pool.free_pages, "pins_held": self.cpu.pins_held,
                           "evictions": self.cpu.evictions, "rejected_puts": self.cpu.rejected_puts}
         if self.disk is not None:
             out["disk"] = {"chunks": len(self.disk), "used_bytes": self.disk.used_bytes,

@@ -1,0 +1,173 @@
+"""A CPU stand-in for an engine rank: paged KV tensors of a real model's shape, a deterministic
+"prefill", and the real :class:`CacheEngine` on top. Tests and benchmarks run it as a process
+(``python -m lmcache_p2p.standin``) to exercise workers, the controller and P2P transfers
+without an inference engine; operators can use it to smoke-test a mesh.
+
+The KV of a chunk is a pure function of its chained hash (so of the whole prefix) and the TP
+rank: two instances that "prefill" the same prompt hold identical bytes, and a chunk that
+landed in the wrong rank or the wrong blocks is detected by :meth:`StandInKV.matches`.
+
+Process protocol: one JSON object per line on stdin, one JSON answer per line on stdout (logs go
+to stderr). Operations: ``prefill``, ``lookup``, ``retrieve``, ``status``, ``flush``, ``quit``;
+see :func:`serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lmcache_p2p.keys import LayoutFingerprint, chunk_spans
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    dtype: torch.dtype = torch.bfloat16
+    block_size: int = 16
+
+
+MODEL_SHAPES = {
+    "llama-3.1-8b": ModelShape("meta-llama/Llama-3.1-8B", num_layers=32, kv_heads=8, head_size=128),
+    "qwen2.5-0.5b": ModelShape("Qwen/Qwen2.5-0.5B", num_layers=24, kv_heads=2, head_size=64),
+}
+
+
+class StandInKV:
+    """Per-layer paged KV in vLLM's GPU flash layout ``[num_blocks, 2, block_size, heads, head_size]``."""
+
+    def __init__(self, shape: ModelShape, num_blocks: int, tp_size: int = 1, tp_rank: int = 0):
+        if shape.kv_heads % tp_size:
+            raise ValueError(f"{shape.kv_heads} KV heads do not split over tp_size={tp_size}")
+        self.shape = shape
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        block = (2, shape.block_size, shape.kv_heads // tp_size, shape.head_size)
+        self.layers = [torch.zeros(num_blocks, *block, dtype=shape.dtype) for _ in range(shape.num_layers)]
+
+    def layout(self) -> LayoutFingerprint:
+        first = self.layers[0]
+        return LayoutFingerprint(model=self.shape.name, dtype=str(first.dtype).removeprefix("torch."),
+                                 block_size=self.shape.block_size, block_shape=tuple(first.shape[1:]),
+                                 block_stride=tuple(first.stride()[1:]), num_layers=len(self.layers),
+                                 tp_size=self.tp_size, tp_rank=self.tp_rank)
+
+    @property
+    def chunk_bytes_per_token(self) -> int:
+        return self.layout().bytes_per_token
+
+    def chunk_payload(self, chunk_hash: int, chunk_size: int) -> torch.Tensor:
+        """The bytes a real prefill of this chunk would produce here (rank-specific)."""
+        nbytes = chunk_size * self.chunk_bytes_per_token
+        seed = (chunk_hash ^ (0x9E3779B97F4A7C15 * (self.tp_rank + 1))) & 0x7FFFFFFFFFFFFFFF
+        words = torch.arange(nbytes // 8, dtype=torch.int64).mul_(0x5DEECE66D).add_(seed)
+        return words.view(torch.uint8)
+
+    def _blocks(self, start: int, chunk_size: int, block_ids: Sequence[int]) -> list[int]:
+        first = start // self.shape.block_size
+        return list(block_ids[first:first + chunk_size // self.shape.block_size])
+
+    def prefill(self, tokens: Sequence[int], block_ids: Sequence[int], chunk_size: int) -> None:
+        from lmcache_p2p.gpu_ops import scatter_chunk
+        for span in chunk_spans(tokens, chunk_size):
+            scatter_chunk(self.chunk_payload(span.chunk_hash, chunk_size), self.layers,
+                          self._blocks(span.start, chunk_size, block_ids))
+
+    def matches(self, tokens: Sequence[int], block_ids: Sequence[int], chunk_size: int, num_tokens: int) -> bool:
+        """Whether the blocks of the first ``num_tokens`` hold exactly what prefill would put there."""
+        from lmcache_p2p.gpu_ops import gather_chunk
+        page = torch.empty(chunk_size * self.chunk_bytes_per_token, dtype=torch.uint8)
+        for span in chunk_spans(tokens, chunk_size):
+            if span.end > num_tokens:
+                break
+            gather_chunk(self.layers, self._blocks(span.start, chunk_size, block_ids), page)
+            if not torch.equal(page, self.chunk_payload(span.chunk_hash, chunk_size)):
+                return False
+        return True
+
+    def wipe(self) -> None:
+        for layer in self.layers:
+            layer.zero_()
+
+
+def serve(engine, kv: StandInKV, chunk_size: int, stdin=sys.stdin, stdout=sys.stdout) -> None:
+    """Answer JSON-line requests until ``quit`` or end of input."""
+    blocks = list(range(kv.layers[0].shape[0]))
+    for line in stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            op = request["op"]
+            tokens = request.get("tokens", [])
+            t0 = time.perf_counter()
+            if op == "prefill":
+                kv.prefill(tokens, blocks, chunk_size)
+                answer = {"stored": engine.store(tokens, kv.layers, blocks)}
+            elif op == "lookup":
+                answer = {"hit": engine.lookup(tokens, use_peers=request.get("peers", True))}
+            elif op == "retrieve":
+                kv.wipe()
+                n = engine.retrieve(tokens, kv.layers, blocks)
+                answer = {"retrieved": n, "exact": kv.matches(tokens, blocks, chunk_size, n)}
+            elif op == "status":
+                answer = engine.status()
+            elif op == "flush":
+                engine.storage.flush()
+                if engine.worker is not None:
+                    engine.worker.call(engine.worker.link.flush)
+                answer = {}
+            elif op == "quit":
+                break
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            answer["ms"] = (time.perf_counter() - t0) * 1e3
+            answer["ok"] = True
+        except Exception as e:  # answer and go on: the driving test reads the error
+            logging.getLogger(__name__).exception("stand-in request failed")
+            answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        stdout.write(json.dumps(answer) + "\n")
+        stdout.flush()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.standin", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per layer")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    # The answers own stdout: anything else that writes there (NIXL's logger, C libraries
+    # printing to fd 1) is sent to stderr instead.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from lmcache_p2p.cache_engine import CacheEngine
+    from lmcache_p2p.config import LMCacheConfig
+
+    config = LMCacheConfig.load()
+    kv = StandInKV(MODEL_SHAPES[args.model], args.num_blocks, args.tp_size, args.rank)
+    engine = CacheEngine(config, kv.layout(), rank=args.rank)
+    answers.write(json.dumps({"ok": True, "ready": True, "page_bytes": engine.storage.page_bytes}) + "\n")
+    answers.flush()
+    try:
+        serve(engine, kv, config.chunk_size, stdout=answers)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()

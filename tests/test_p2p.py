@@ -1,0 +1,272 @@
+"""Multi-process integration: a real ``lmcache_controller`` and instance processes running the real
+cache engine, worker and P2P transfer (NIXL over UCX, and TCP) on 127.0.0.1, each with a CPU
+stand-in for an engine's KV pages of Llama-3.1-8B's page shape (chunks of 32 tokens = 4 MiB)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from instances import InstanceProcess, instance_config, tokens, wait_until
+from protocol_client import ControllerProcess
+
+CHUNK = 32
+CPU = "LocalCPUBackend"
+CHANNELS = ["nixl", "tcp"]
+
+
+@pytest.fixture
+def controller():
+    # A short worker timeout makes the controller ask for 0.5 s heartbeats: restarts converge fast.
+    proc = ControllerProcess("--worker-timeout", "3", "--health-check-interval", "0.5").start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    started: list[InstanceProcess] = []
+
+    def start(config: dict, **kw) -> InstanceProcess:
+        proc = InstanceProcess(config, tmp_path, **kw).start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def api(controller, path: str, body: dict) -> dict:
+    response = controller.post(path, body)
+    assert response.status_code == 200, f"{path}: {response.status_code} {response.text}"
+    return response.json()
+
+
+def holders(controller, prompt) -> dict:
+    return api(controller, "/lookup", {"tokens": prompt})["layout_info"]
+
+
+def keys_at(controller, instance_id: str) -> int:
+    return controller.http.get("/controller/key-stats").json()["instances"].get(instance_id, {}).get(CPU, 0)
+
+
+def finish(controller, event_id: str, timeout: float = 30.0) -> dict:
+    def done():
+        state = api(controller, "/check_finish", {"event_id": event_id})
+        return state if state["status"] != "pending" else None
+    return wait_until(done, timeout, f"event {event_id}")
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
+    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    prompt = tokens(8 * CHUNK + 5)  # 8 full chunks and a partial tail, which is never a chunk
+    assert a.prefill(prompt) == 8 * CHUNK
+    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 8 * CHUNK], what="A's keys")
+
+    assert b.lookup(prompt, peers=False) == 0
+    assert b.lookup(prompt) == 8 * CHUNK
+    got = b.retrieve(prompt)
+    assert got["retrieved"] == 8 * CHUNK and got["exact"], got
+
+    pulled = b.status()["p2p_client"]
+    assert pulled["chunks_pulled"] == 8 and pulled["bytes_pulled"] == 8 * a.page_bytes
+    assert pulled["checksum_mismatches"] == 0 and pulled["pages_quarantined"] == 0
+    served = a.status()
+    assert served["p2p_server"]["chunks_served"] == 8
+    assert served["storage"]["cpu"]["pins_held"] == 0  # the holder released what it served
+    assert f"over {channel})" in b.log()
+    assert "Retrieved 256 out of total 256 tokens. size: 0.0336 gb, cost " in b.log()
+    # The pulled chunks are B's now too: the controller hears B's admits.
+    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_partial_prefix_pulls_only_the_missing_middle(controller, spawn, channel):
+    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    prompt = tokens(8 * CHUNK, seed=1)
+    a.prefill(prompt[:5 * CHUNK])  # A holds chunks 0-4
+    b.prefill(prompt[:2 * CHUNK])  # B holds chunks 0-1 itself
+    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 5 * CHUNK], what="A's keys")
+    assert b.lookup(prompt) == 5 * CHUNK  # 2 local + 3 from A; chunks 5-7 nobody has
+    assert b.status()["p2p_client"]["chunks_pulled"] == 3
+    got = b.retrieve(prompt)
+    assert got["retrieved"] == 5 * CHUNK and got["exact"], got
+    # A prompt that diverges after chunk 1 shares only those chunks with A.
+    other = prompt[:2 * CHUNK] + tokens(6 * CHUNK, seed=2)
+    assert b.lookup(other) == 2 * CHUNK
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_seed_003_move_flow(controller, spawn, channel):
+    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    prompt = tokens(6 * CHUNK + 7, seed=3)
+    a.prefill(prompt)
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
+    answer = api(controller, "/move", {"old_position": ["lmcache_instance_1", CPU],
+                                       "new_position": ["lmcache_instance_2", CPU],
+                                       "tokens": prompt, "copy": False})
+    assert answer["num_tokens"] == 6 * CHUNK
+    state = finish(controller, answer["event_id"])
+    assert state["status"] == "done" and state["num_tokens"] == 6 * CHUNK, state
+    # B has them locally (no peer needed); A evicted them; the index follows.
+    assert b.lookup(prompt, peers=False) == 6 * CHUNK
+    assert b.retrieve(prompt)["exact"]
+    assert a.lookup(prompt, peers=False) == 0
+    wait_until(lambda: holders(controller, prompt) == {"lmcache_instance_2": [CPU, 6 * CHUNK]}, what="index after move")
+    assert a.status()["storage"]["cpu"]["pins_held"] == 0
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_copy_of_everything_and_partial_copy(controller, spawn, channel):
+    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    one, two = tokens(3 * CHUNK, seed=4), tokens(2 * CHUNK, seed=5)
+    a.prefill(one)
+    a.prefill(two)
+    b.prefill(two[:CHUNK])  # B already holds one of the chunks
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 5, what="A's keys")
+    # tokens omitted: every chunk A holds at that location.
+    answer = api(controller, "/copy", {"old_position": ["lmcache_instance_1", CPU],
+                                       "new_position": ["lmcache_instance_2", CPU]})
+    state = finish(controller, answer["event_id"])
+    assert state["status"] == "done" and state["num_tokens"] == 5 * CHUNK, state
+    for prompt in (one, two):
+        assert a.lookup(prompt, peers=False) == len(prompt)  # copy keeps the source
+        assert b.lookup(prompt, peers=False) == len(prompt)
+        assert b.retrieve(prompt)["exact"]
+    # /move with copy: true is a copy too; a prompt A holds only partly copies that part.
+    longer = one + tokens(CHUNK, seed=6)
+    answer = api(controller, "/move", {"old_position": ["lmcache_instance_1", CPU],
+                                       "new_position": ["lmcache_instance_2", CPU], "tokens": longer, "copy": True})
+    assert answer["num_tokens"] == 3 * CHUNK
+    assert finish(controller, answer["event_id"])["status"] == "done"
+    assert a.lookup(one, peers=False) == 3 * CHUNK
+
+
+def test_move_to_an_instance_without_p2p_fails_cleanly(controller, spawn):
+    a = spawn(instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK))
+    plain = instance_config("lmcache_instance_3", controller, "tcp", chunk_size=CHUNK)
+    for key in ("enable_p2p", "p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
+        plain.pop(key)
+    c = spawn(plain)
+    prompt = tokens(2 * CHUNK, seed=7)
+    a.prefill(prompt)
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
+    response = controller.http.post("/move", json={"old_position": ["lmcache_instance_1", CPU],
+                                                   "new_position": ["lmcache_instance_3", CPU], "tokens": prompt})
+    assert response.status_code == 409
+    assert "no p2p_lookup port" in response.json()["error"]
+    assert a.lookup(prompt, peers=False) == 2 * CHUNK  # nothing lost
+    assert c.lookup(prompt) == 0
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_holder_dying_mid_transfer_is_a_miss_without_leaks(controller, spawn, channel):
+    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    prompt = tokens(8 * CHUNK, seed=8)
+    a.prefill(prompt)
+    b.prefill(prompt[:CHUNK])
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 8, what="A's keys")
+    free_before = b.status()["storage"]["cpu"]["free_pages"]
+
+    a.signal(signal.SIGSTOP)  # the holder freezes with B's request in flight...
+    t0 = time.monotonic()
+    import threading
+    threading.Timer(1.0, a.kill).start()  # ...and dies during it
+    assert b.lookup(prompt, timeout=30) == CHUNK  # only B's own chunk: the rest is a miss
+    assert time.monotonic() - t0 < 15
+    assert "the rest is a miss" in b.log()
+    # Pages reserved for the transfer all come back (after the grace period under NIXL).
+    wait_until(lambda: b.status()["storage"]["cpu"]["free_pages"] == free_before, 15, "B's pages back")
+    status = b.status()
+    assert status["p2p_client"]["pages_quarantined"] == 0 and status["storage"]["cpu"]["pins_held"] == 0
+    # B's engine is unharmed: it stores and loads as before.
+    assert b.prefill(tokens(2 * CHUNK, seed=9)) == 2 * CHUNK
+    assert b.retrieve(prompt)["retrieved"] == CHUNK
+
+
+def test_requester_dying_mid_transfer_releases_the_holders_pins(controller, spawn):
+    a = spawn(instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, "tcp", chunk_size=CHUNK))
+    prompt = tokens(16 * CHUNK, seed=10)
+    a.prefill(prompt)
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 16, what="A's keys")
+    b.proc.stdin.write('{"op": "lookup", "tokens": %s}\n' % prompt)
+    b.proc.stdin.flush()
+    time.sleep(0.15)
+    b.kill()
+    wait_until(lambda: a.status()["storage"]["cpu"]["pins_held"] == 0, 15, "A's pins released")
+    assert a.lookup(prompt, peers=False) == 16 * CHUNK
+
+
+def test_controller_restart_converges_without_admin_action(controller, spawn):
+    a = spawn(instance_config("lmcache_instance_1", controller, "nixl", chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, "nixl", chunk_size=CHUNK))
+    first, second = tokens(4 * CHUNK, seed=11), tokens(3 * CHUNK, seed=12)
+    a.prefill(first)
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 4, what="A's keys")
+
+    controller.kill()
+    # The controller is away: engines keep serving from their own tiers.
+    assert a.prefill(second) == 3 * CHUNK
+    assert a.lookup(second) == 3 * CHUNK
+    assert b.lookup(first) == 0  # no controller, no peers: a miss, not an error
+    controller.start()  # a new process, empty index, same ports
+    wait_until(lambda: holders(controller, first).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 15,
+               "A's keys after the restart")
+    assert holders(controller, second)["lmcache_instance_1"] == [CPU, 3 * CHUNK]  # stored while it was away
+    wait_until(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2, 15, "B registered")
+    assert b.lookup(first) == 4 * CHUNK
+    assert b.retrieve(first)["exact"]
+    assert "registered again" in a.log()
+
+
+def test_tp_ranks_never_receive_each_others_chunks(controller, spawn):
+    def instance(name):
+        config = instance_config(name, controller, "nixl", tp=2, chunk_size=CHUNK)
+        return [spawn(config, rank=r, tp=2, name=f"{name}-r{r}") for r in range(2)]
+
+    a_ranks, b_ranks = instance("lmcache_instance_1"), instance("lmcache_instance_2")
+    prompt = tokens(4 * CHUNK, seed=13)
+    for rank in a_ranks:  # each rank holds its own half of the heads: different bytes per rank
+        rank.prefill(prompt)
+    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], what="A's keys")
+    for rank in b_ranks:
+        assert rank.lookup(prompt) == 4 * CHUNK
+        got = rank.retrieve(prompt)
+        assert got["exact"], f"rank got bytes that are not its own: {got}"
+    for r, rank in enumerate(b_ranks):
+        assert rank.status()["p2p_client"]["chunks_pulled"] == 4
+        assert f"from lmcache_instance_1 rank {r} " in rank.log()
+        assert f"from lmcache_instance_1 rank {1 - r} " not in rank.log()
+
+
+def test_clear_pin_health_and_status_reach_the_worker(controller, spawn):
+    a = spawn(instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK))
+    prompt = tokens(3 * CHUNK, seed=14)
+    a.prefill(prompt)
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 3, what="A's keys")
+
+    assert api(controller, "/health", {"instance_id": "lmcache_instance_1"})["error_codes"] == {"0": 0}
+    status = api(controller, "/status", {"instance_id": "lmcache_instance_1"})["workers"]["0"]
+    assert status["registered"] and status["storage"]["cpu"]["chunks"] == 3 and status["channels"] == ["tcp"]
+
+    pinned = api(controller, "/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt})
+    assert pinned["num_tokens"] == 3 * CHUNK
+    assert a.status()["command_pins"] == 3
+    unpinned = api(controller, "/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt,
+                                        "unpin": True})
+    assert unpinned["num_tokens"] == 3 * CHUNK and a.status()["storage"]["cpu"]["pins_held"] == 0
+
+    cleared = api(controller, "/clear", {"instance_id": "lmcache_instance_1", "location": CPU})
+    assert cleared["num_tokens"] == 3 * CHUNK
+    assert a.lookup(prompt) == 0
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 0, what="index after clear")

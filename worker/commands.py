@@ -1,0 +1,214 @@
+"""The controller's commands to one rank: move, copy, clear, pin, health, status.
+
+The controller connects a DEALER to this rank's ROUTER (``lmcache_worker_ports[rank]``) and
+sends ``[request_id, command]``; every command is answered at once. Move and copy answer
+"pending" and finish in the background: this rank (the source) asks the destination rank to
+pull the chunks from it (FetchChunks on the destination's p2p_lookup port), evicts what the
+destination now holds (move only), and reports a CommandDone with the tokens that moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable, Optional
+
+import zmq
+import zmq.asyncio
+
+from lmcache_p2p.protocol import (
+    ClearCommand, CommandDone, CommandReply, DecodeError, FetchChunks, FetchReply, HealthCommand, MoveCommand,
+    PeerAddress, PinCommand, StatusCommand, command_decoder, encode, peer_reply_decoder, unpack_hashes,
+)
+from lmcache_p2p.storage.cpu_tier import PinnedChunk
+from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.worker.dealer import Dealer, RequestFailed
+from lmcache_p2p.worker.identity import WorkerIdentity
+from lmcache_p2p.worker.link import ControllerLink
+from lmcache_p2p.worker.p2p_client import BASE_TIMEOUT_S, SLOWEST_RATE_BPS
+
+logger = logging.getLogger(__name__)
+
+
+class CommandServer:
+    def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
+                 link: ControllerLink, serves_peers: bool, status: Callable[[], dict]):
+        self.ctx = ctx
+        self.me = identity
+        self.storage = storage
+        self.link = link
+        self.serves_peers = serves_peers
+        self.status = status
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.sock.bind(f"tcp://*:{identity.worker_port}")
+        except zmq.ZMQError as e:
+            self.sock.close(linger=0)
+            raise OSError(f"{identity.describe()}: cannot bind lmcache_worker_ports port {identity.worker_port}: "
+                          f"{e.strerror} (give one free port per TP rank)") from None
+        self._pins: dict[int, list[PinnedChunk]] = {}
+        self._destinations: dict[tuple[str, int], Dealer] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self._loop_task = asyncio.ensure_future(self._loop())
+
+    def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for dealer in self._destinations.values():
+            dealer.close()
+        for pins in self._pins.values():
+            for chunk in pins:
+                chunk.release()
+        self._pins.clear()
+        self.sock.close(linger=0)
+
+    async def _loop(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            if len(frames) != 3:
+                logger.warning("%s: command with %d frames dropped", self.me.describe(), len(frames))
+                continue
+            identity, request_id, payload = frames
+            try:
+                command = command_decoder.decode(payload)
+            except DecodeError as e:
+                logger.warning("%s: undecodable command: %s", self.me.describe(), e)
+                reply = CommandReply(event_id="", ok=False, error=f"undecodable command: {e}")
+            else:
+                try:
+                    reply = self._handle(command)
+                except Exception as e:
+                    logger.exception("%s: %s failed", self.me.describe(), type(command).__name__)
+                    reply = CommandReply(event_id=command.event_id, ok=False, error=f"worker error: {e}")
+            await self.sock.send_multipart([identity, request_id, encode(reply)])
+
+    def _handle(self, command) -> CommandReply:
+        if isinstance(command, MoveCommand):
+            return self._on_move(command)
+        if isinstance(command, ClearCommand):
+            return self._on_clear(command)
+        if isinstance(command, PinCommand):
+            return self._on_pin(command)
+        if isinstance(command, HealthCommand):
+            return CommandReply(event_id=command.event_id, ok=True, detail=self.storage.stats())
+        if isinstance(command, StatusCommand):
+            return CommandReply(event_id=command.event_id, ok=True, detail=self.status())
+        return CommandReply(event_id=getattr(command, "event_id", ""), ok=False,
+                            error=f"unsupported command {type(command).__name__}")
+
+    def _check_location(self, event_id: str, location: str) -> Optional[CommandReply]:
+        if location not in self.storage.locations:
+            return CommandReply(event_id=event_id, ok=False,
+                                error=f"{self.me.describe()} has no location {location!r} (it has {self.storage.locations})")
+        return None
+
+    # -- move and copy ---------------------------------------------------------------------------
+
+    def _on_move(self, command: MoveCommand) -> CommandReply:
+        refused = self._check_location(command.event_id, command.location)
+        if refused:
+            return refused
+        dest = command.destination
+        if not self.serves_peers:
+            return CommandReply(event_id=command.event_id, ok=False,
+                                error=f"{self.me.describe()} does not serve peers (enable_p2p is off)")
+        if not dest.p2p_lookup_port:
+            return CommandReply(event_id=command.event_id, ok=False,
+                                error=f"{dest.instance_id} rank {dest.rank} has no p2p_lookup port (enable_p2p is off there)")
+        task = asyncio.ensure_future(self._run_move(command))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return CommandReply(event_id=command.event_id, ok=True, pending=True)
+
+    async def _run_move(self, command: MoveCommand) -> None:
+        me, dest = self.me, command.destination
+        kind = "copy" if command.copy else "move"
+        hashes = unpack_hashes(command.hashes)
+        ok, tokens, error = False, 0, None
+        try:
+            dealer = self._destination(dest)
+            timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
+            source = PeerAddress(instance_id=me.instance_id, rank=me.rank, location=command.location, host=me.host,
+                                 p2p_init_port=me.p2p_init_port, p2p_lookup_port=me.p2p_lookup_port)
+            reply, _ = await dealer.request(FetchChunks(event_id=command.event_id, source=source, location=dest.location,
+                                                        hashes=command.hashes, fingerprint=self.storage.fingerprint),
+                                            timeout)
+            if not isinstance(reply, FetchReply) or not reply.ok:
+                error = getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
+            else:
+                held = unpack_hashes(reply.held)
+                if not command.copy:
+                    for h in held:
+                        self._unpin(int(h))
+                        self.storage.remove(int(h), command.location)
+                tokens = len(held) * self.storage.chunk_size
+                ok = len(held) > 0 or len(hashes) == 0
+                error = reply.error if not ok or len(held) < len(hashes) else None
+                logger.info("%s: %s %s: %d of %d chunk(s) now at %s/%s%s", me.describe(), kind, command.event_id,
+                            len(held), len(hashes), dest.instance_id, dest.location, f" ({error})" if error else "")
+        except RequestFailed as e:
+            error = f"destination {dest.instance_id} rank {dest.rank}: {e}"
+        except Exception as e:
+            logger.exception("%s: %s %s failed", me.describe(), kind, command.event_id)
+            error = f"worker error: {e}"
+        if error and not ok:
+            logger.warning("%s: %s %s failed: %s", me.describe(), kind, command.event_id, error)
+        self.link.send(CommandDone(event_id=command.event_id, instance_id=me.instance_id, rank=me.rank, ok=ok,
+                                   num_tokens=tokens, error=error))
+
+    def _destination(self, dest: PeerAddress) -> Dealer:
+        key = (dest.host, dest.p2p_lookup_port)
+        dealer = self._destinations.get(key)
+        if dealer is None:
+            dealer = self._destinations[key] = Dealer(self.ctx, f"tcp://{dest.host}:{dest.p2p_lookup_port}",
+                                                      peer_reply_decoder, f"{dest.instance_id} rank {dest.rank} p2p_lookup")
+        return dealer
+
+    # -- clear and pin ---------------------------------------------------------------------------
+
+    def _on_clear(self, command: ClearCommand) -> CommandReply:
+        refused = self._check_location(command.event_id, command.location)
+        if refused:
+            return refused
+        for chunk_hash in list(self._pins):
+            if self.storage.holds(chunk_hash, command.location):
+                self._unpin(chunk_hash)
+        dropped = self.storage.clear(command.location)
+        logger.info("%s: cleared %d chunk(s) from %s", self.me.describe(), dropped, command.location)
+        return CommandReply(event_id=command.event_id, ok=True, num_tokens=dropped * self.storage.chunk_size)
+
+    def _on_pin(self, command: PinCommand) -> CommandReply:
+        refused = self._check_location(command.event_id, command.location)
+        if refused:
+            return refused
+        hashes = [int(h) for h in unpack_hashes(command.hashes)]
+        count = 0
+        for chunk_hash in hashes:  # a prompt's chunks: the run ends at the first one not held
+            if command.unpin:
+                if not self._unpin(chunk_hash):
+                    break
+            else:
+                if not self.storage.holds(chunk_hash, command.location):
+                    break
+                chunk = self.storage.pin(chunk_hash)
+                if chunk is None:
+                    break
+                self._pins.setdefault(chunk_hash, []).append(chunk)
+            count += 1
+        return CommandReply(event_id=command.event_id, ok=True, num_tokens=count * self.storage.chunk_size)
+
+    def _unpin(self, chunk_hash: int) -> bool:
+        pins = self._pins.pop(chunk_hash, None)
+        for chunk in pins or ():
+            chunk.release()
+        return bool(pins)
+
+    @property
+    def pinned_chunks(self) -> int:
+        return len(self._pins)

@@ -1,0 +1,53 @@
+"""Who a worker is: one engine rank of one instance, and the addresses it is reached on."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.keys import LayoutFingerprint
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    instance_id: str
+    rank: int
+    host: str  # where the controller and peers reach this rank
+    worker_port: int
+    layout: LayoutFingerprint
+    chunk_size: int
+    p2p_init_port: Optional[int] = None
+    p2p_lookup_port: Optional[int] = None
+    transfer_channel: Optional[str] = None
+    session: str = ""  # unique per process: the NIXL agent name and the peer session id
+
+    @classmethod
+    def from_config(cls, config: LMCacheConfig, layout: LayoutFingerprint, rank: int) -> "WorkerIdentity":
+        config.validate_for_tp(rank + 1)
+        p2p = config.enable_p2p
+        host = config.p2p_host or _route_address(config.controller_reply_url)
+        return cls(instance_id=config.lmcache_instance_id, rank=rank, host=host,
+                   worker_port=config.lmcache_worker_ports[rank], layout=layout, chunk_size=config.chunk_size,
+                   p2p_init_port=config.p2p_init_ports[rank] if p2p else None,
+                   p2p_lookup_port=config.p2p_lookup_ports[rank] if p2p else None,
+                   transfer_channel=config.transfer_channel if p2p else None,
+                   session=f"{config.lmcache_instance_id}-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+    def describe(self) -> str:
+        return f"{self.instance_id} rank {self.rank}"
+
+
+def _route_address(url: Optional[str]) -> str:
+    """The local address that routes to the controller: what it should call us back on when
+    p2p_host is not set (no packet is sent; a UDP connect only picks the route)."""
+    host = (url or "127.0.0.1").rpartition(":")[0] or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"

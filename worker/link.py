@@ -1,0 +1,291 @@
+"""The worker's side of the controller protocol: register, key events, heartbeats, re-sync.
+
+* Storage events arrive from any thread (the engine's store path, the disk writer, peer pulls)
+  into an :class:`EventBatcher`, which keeps only the last event per key and location, so a
+  batch's admits and evicts can be applied in any order. Batches go out when
+  ``max_batch`` keys are waiting or every ``flush_interval`` seconds, numbered per location.
+* Heartbeats run from the start. An "unknown" answer (the controller restarted or reaped us) or
+  two missed answers mean: register again. Registering is retried until the controller is back;
+  meanwhile the engine keeps using its own tiers and events are dropped, because the re-sync
+  that follows every registration sends the full key set anyway.
+* A re-sync cuts the batch stream at a sequence number (``snapshot_seq``), then sends the
+  location's keys in batches; the controller replays newer batches on top.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from lmcache_p2p.protocol import (
+    PROTOCOL_VERSION, Ack, Deregister, Heartbeat, HeartbeatReply, KeyEvents, P2PLookup, P2PLookupReply, PeerHolder,
+    Register, RegisterReply, ResyncBatch, controller_reply_decoder, encode, pack_hashes,
+)
+from lmcache_p2p.storage.manager import StorageEvent, StorageManager
+from lmcache_p2p.worker.dealer import Dealer, RequestFailed
+from lmcache_p2p.worker.identity import WorkerIdentity
+
+logger = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 3.0
+RESYNC_BATCH_KEYS = 65536
+
+
+class EventBatcher:
+    """Admit/evict events per location, coalesced to the last event per key, thread-safe."""
+
+    def __init__(self, max_batch: int = 4096):
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self._pending: dict[str, dict[int, bool]] = {}  # location -> hash -> admitted?
+        self._count = 0
+        self.seq: dict[str, int] = {}  # last batch number sent per location
+        self.wake = None  # called (from any thread) when a full batch is waiting
+
+    def add(self, event: StorageEvent) -> None:
+        with self._lock:
+            self._pending.setdefault(event.location, {})[event.key.chunk_hash] = event.kind == "admit"
+            self._count += 1
+            full = self._count >= self.max_batch
+        if full and self.wake is not None:
+            self.wake()
+
+    def cut(self, instance_id: str, rank: int, only: Optional[str] = None) -> list[KeyEvents]:
+        """Everything waiting, as numbered batches (for one location or all)."""
+        out = []
+        with self._lock:
+            for location in ([only] if only else list(self._pending)):
+                events = self._pending.pop(location, None)
+                if not events:
+                    continue
+                self._count -= len(events)
+                seq = self.seq[location] = self.seq.get(location, 0) + 1
+                admitted = [h for h, admit in events.items() if admit]
+                evicted = [h for h, admit in events.items() if not admit]
+                out.append(KeyEvents(instance_id=instance_id, rank=rank, location=location, seq=seq,
+                                     admitted=pack_hashes(admitted), evicted=pack_hashes(evicted)))
+        return out
+
+    def drop(self) -> int:
+        with self._lock:
+            n, self._count = self._count, 0
+            self._pending.clear()
+            return n
+
+    def last_seq(self, location: str) -> int:
+        with self._lock:
+            return self.seq.get(location, 0)
+
+
+class ControllerLink:
+    def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
+                 pull_url: str, reply_url: str, heartbeat_time: float, flush_interval: float = 0.05):
+        self.ctx = ctx
+        self.me = identity
+        self.storage = storage
+        self.reply_host = reply_url.rpartition(":")[0]
+        self.reply = Dealer(ctx, f"tcp://{reply_url}", controller_reply_decoder, "controller reply socket")
+        self.heartbeat: Optional[Dealer] = None
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.setsockopt(zmq.IMMEDIATE, 1)
+        self.push.setsockopt(zmq.SNDHWM, 10000)
+        self.push.connect(f"tcp://{pull_url}")
+        self.heartbeat_time = heartbeat_time
+        self.interval = heartbeat_time
+        self.flush_interval = flush_interval
+        self.batcher = EventBatcher()
+        self.registered = False
+        self.epoch = ""
+        self._resyncing: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.stats = {"registrations": 0, "heartbeats": 0, "heartbeat_misses": 0, "batches_sent": 0,
+                      "events_dropped": 0, "resyncs_sent": 0, "p2p_lookups": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.batcher.wake = lambda: loop.call_soon_threadsafe(self._wake.set)
+        self.storage.subscribe(self.batcher.add)
+        self._tasks = [asyncio.ensure_future(self._liveness_loop()), asyncio.ensure_future(self._flush_loop())]
+
+    def close(self, deregister: bool = True) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if deregister and self.registered:
+            self.send(Deregister(instance_id=self.me.instance_id, rank=self.me.rank))
+        self.reply.close()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        self.push.close(linger=100 if deregister else 0)
+
+    def send(self, message) -> bool:
+        """Fire-and-forget on the pull socket; False when it could not be queued (controller away)."""
+        # On an asyncio socket a non-blocking send completes at once and reports failure (the
+        # queue is full or nobody is connected) through the returned future, not by raising.
+        sent = self.push.send(encode(message), flags=zmq.NOBLOCK)
+        return not (sent.done() and sent.exception() is not None)
+
+    # -- registration and heartbeats -------------------------------------------------------------
+
+    async def _liveness_loop(self) -> None:
+        away_since: Optional[float] = None  # when the controller stopped answering
+        warned = False  # said so in the log, once per absence
+        while True:
+            try:
+                if self.registered:
+                    await asyncio.sleep(self.interval)
+                    await self._beat()
+                    if not self.registered:
+                        away_since = time.monotonic()
+                    continue
+                if await self._register():
+                    if away_since is not None:
+                        logger.info("%s: controller back after %.1f s away; registered again", self.me.describe(),
+                                    time.monotonic() - away_since)
+                    away_since, warned = None, False
+                    continue
+                if not warned:
+                    away_since = away_since or time.monotonic()
+                    warned = True
+                    logger.warning("%s: controller at %s unreachable; serving from local tiers and retrying",
+                                   self.me.describe(), self.reply.address)
+                await asyncio.sleep(min(1.0, self.interval))
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise
+                logger.warning("%s: a controller request was cancelled under the liveness loop", self.me.describe())
+            except Exception:
+                logger.exception("%s: controller liveness loop error; retrying", self.me.describe())
+                await asyncio.sleep(1.0)
+
+    async def _register(self) -> bool:
+        me = self.me
+        message = Register(version=PROTOCOL_VERSION, instance_id=me.instance_id, rank=me.rank, host=me.host,
+                           worker_port=me.worker_port, layout=me.layout, chunk_size=me.chunk_size,
+                           locations=self.storage.locations, p2p_init_port=me.p2p_init_port,
+                           p2p_lookup_port=me.p2p_lookup_port, transfer_channel=me.transfer_channel)
+        try:
+            reply, _ = await self.reply.request(message, REQUEST_TIMEOUT_S)
+        except RequestFailed as e:
+            logger.debug("%s: register: %s", me.describe(), e)
+            return False
+        if not isinstance(reply, RegisterReply) or not reply.ok:
+            logger.error("%s: controller refused registration: %s", me.describe(),
+                         getattr(reply, "error", None) or type(reply).__name__)
+            await asyncio.sleep(5.0)
+            return False
+        self.epoch = reply.controller_epoch
+        self.interval = min(self.heartbeat_time, reply.heartbeat_interval or self.heartbeat_time)
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        self.heartbeat = Dealer(self.ctx, f"tcp://{self.reply_host}:{reply.heartbeat_port or 8082}",
+                                controller_reply_decoder, "controller heartbeat socket")
+        dropped = self.batcher.drop()  # the re-sync below carries their effect
+        self.registered = True
+        self.stats["registrations"] += 1
+        logger.info("%s registered with the controller (epoch %s, heartbeat every %.2f s, %d queued events "
+                    "superseded by re-sync of %s)", me.describe(), self.epoch, self.interval, dropped, reply.resync)
+        for location in reply.resync:
+            self._start_resync(location)
+        return True
+
+    async def _beat(self) -> None:
+        try:
+            reply, _ = await self.heartbeat.request(
+                Heartbeat(instance_id=self.me.instance_id, rank=self.me.rank, controller_epoch=self.epoch),
+                timeout=max(1.0, 2 * self.interval))
+        except RequestFailed as e:
+            self.stats["heartbeat_misses"] += 1
+            logger.warning("%s: heartbeat unanswered (%s); the controller looks away, serving locally",
+                           self.me.describe(), e)
+            self.registered = False
+            return
+        self.stats["heartbeats"] += 1
+        if not isinstance(reply, HeartbeatReply) or reply.status != "ok" or reply.controller_epoch != self.epoch:
+            logger.info("%s: controller does not know us (epoch %s -> %s); registering again", self.me.describe(),
+                        self.epoch, getattr(reply, "controller_epoch", "?"))
+            self.registered = False
+            return
+        for location in reply.resync:
+            self._start_resync(location)
+
+    # -- events and re-sync ----------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.registered:
+            self.stats["events_dropped"] += self.batcher.drop()
+            return
+        for batch in self.batcher.cut(self.me.instance_id, self.me.rank):
+            if self.send(batch):
+                self.stats["batches_sent"] += 1
+            else:  # the controller sees the sequence gap and asks for a re-sync
+                self.stats["events_dropped"] += 1
+
+    def _start_resync(self, location: str) -> None:
+        if location in self._resyncing:
+            return
+        self._resyncing.add(location)
+        task = asyncio.ensure_future(self._resync(location))
+        task.add_done_callback(lambda _: self._resyncing.discard(location))
+
+    async def _resync(self, location: str) -> None:
+        me = self.me
+        for batch in self.batcher.cut(me.instance_id, me.rank, only=location):
+            self.send(batch)
+        snapshot_seq = self.batcher.last_seq(location)
+        try:
+            keys = self.storage.held_hashes(location)
+        except ValueError:  # a location this rank does not have
+            keys = np.zeros(0, dtype=np.uint64)
+        t0 = time.perf_counter()
+        count = max(1, -(-len(keys) // RESYNC_BATCH_KEYS))
+        for i in range(count):
+            part = keys[i * RESYNC_BATCH_KEYS:(i + 1) * RESYNC_BATCH_KEYS]
+            message = ResyncBatch(instance_id=me.instance_id, rank=me.rank, location=location,
+                                  snapshot_seq=snapshot_seq, batch=i, last=i == count - 1, keys=pack_hashes(part))
+            try:
+                reply, _ = await self.reply.request(message, REQUEST_TIMEOUT_S)
+            except RequestFailed as e:
+                logger.warning("%s: re-sync of %s stopped at batch %d: %s", me.describe(), location, i, e)
+                return
+            if isinstance(reply, Ack) and not reply.ok:
+                logger.warning("%s: controller rejected re-sync batch %d of %s: %s", me.describe(), i, location,
+                               reply.error)
+                return
+        self.stats["resyncs_sent"] += 1
+        logger.info("%s: re-synced %d keys of %s with the controller in %.1f ms (snapshot seq %d)", me.describe(),
+                    len(keys), location, (time.perf_counter() - t0) * 1e3, snapshot_seq)
+
+    # -- peer lookup -----------------------------------------------------------------------------
+
+    async def p2p_lookup(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> list[PeerHolder]:
+        """Holders of a prefix of ``hashes`` (longest first); none when the controller is away."""
+        if not self.registered or not len(hashes):
+            return []
+        self.stats["p2p_lookups"] += 1
+        try:
+            reply, _ = await self.reply.request(
+                P2PLookup(instance_id=self.me.instance_id, rank=self.me.rank, hashes=pack_hashes(hashes)), timeout)
+        except RequestFailed as e:
+            logger.warning("%s: peer lookup failed: %s", self.me.describe(), e)
+            return []
+        return reply.holders if isinstance(reply, P2PLookupReply) else []

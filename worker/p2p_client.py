@@ -1,0 +1,251 @@
+"""Pulling chunks from peers into this rank's tiers.
+
+A pull reserves pages in our CPU pool, asks the holder (ChunkPull on its p2p_lookup port) to
+fill them, verifies every payload's checksum, and commits the verified leading run. Anything
+else (the holder lacks a chunk, a checksum differs, a timeout, a dead peer) ends the run: those
+chunks are a miss, logged with the reason, and their pages go back to the pool. Nothing here
+raises into the engine.
+
+Over NIXL the holder writes into our pages directly, so pages of a request that timed out are
+kept out of the pool until the holder's late answer arrives (or a grace period passes): a slow
+holder must never write into a page that already holds another chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import zmq.asyncio
+
+from lmcache_p2p.keys import payload_checksum
+from lmcache_p2p.protocol import (
+    ChannelHelloReply, ChunkPull, ChunkPullReply, pack_hashes, pack_pages, peer_reply_decoder, unpack_hashes,
+)
+from lmcache_p2p.storage.manager import CPU, StorageManager
+from lmcache_p2p.transfer import Transport, TransferError
+from lmcache_p2p.worker.dealer import Dealer, RequestFailed
+from lmcache_p2p.worker.identity import WorkerIdentity
+from lmcache_p2p.worker.link import ControllerLink
+
+logger = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 3.0
+MAX_CHUNKS_PER_REQUEST = 64
+# A pull may take this long plus its bytes at this slowest acceptable rate; then it is a miss.
+BASE_TIMEOUT_S = 2.0
+SLOWEST_RATE_BPS = 0.25e9
+
+
+@dataclass(frozen=True)
+class Peer:
+    instance_id: str
+    rank: int
+    host: str
+    init_port: int
+    lookup_port: int
+
+    def describe(self) -> str:
+        return f"{self.instance_id} rank {self.rank} ({self.host}:{self.lookup_port})"
+
+
+@dataclass
+class PullResult:
+    held: list[int] = field(default_factory=list)  # hashes now held here (in order of the request)
+    error: Optional[str] = None  # why the run ended early, if it did
+
+
+class _Connection:
+    """One peer's sockets and the channel agreed with it at hello."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, peer: Peer):
+        self.init = Dealer(ctx, f"tcp://{peer.host}:{peer.init_port}", peer_reply_decoder, f"{peer.describe()} p2p_init")
+        self.lookup = Dealer(ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder,
+                             f"{peer.describe()} p2p_lookup")
+        self.channel: Optional[str] = None
+
+    def close(self) -> None:
+        self.init.close()
+        self.lookup.close()
+
+
+class P2PClient:
+    def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
+                 link: ControllerLink, transports: dict[str, Transport], preferred: str):
+        self.ctx = ctx
+        self.me = identity
+        self.storage = storage
+        self.link = link
+        self.transports = transports
+        self.preferred = preferred if preferred in transports else "tcp"
+        self._connections: dict[tuple[str, int], _Connection] = {}
+        self.stats = {"pulls": 0, "chunks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
+                      "checksum_mismatches": 0, "pages_quarantined": 0}
+
+    # -- the engine's question: pull the rest of this prefix -------------------------------------
+
+    async def fetch_prefix(self, hashes: np.ndarray) -> int:
+        """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds;
+        returns how many leading chunks are now held locally."""
+        holders = [h for h in await self.link.p2p_lookup(hashes)
+                   if h.p2p_lookup_port and h.p2p_init_port and h.matched_chunks > 0]
+        if not holders:
+            return 0
+        best = max(h.matched_chunks for h in holders)
+        # Longest prefix first; among equals the peer we have the fewest requests in flight to.
+        holder = min((h for h in holders if h.matched_chunks == best),
+                     key=lambda h: self._busy((h.host, h.p2p_lookup_port)))
+        peer = Peer(holder.instance_id, holder.rank, holder.host, holder.p2p_init_port, holder.p2p_lookup_port)
+        result = await self.pull(peer, hashes[:best], CPU)
+        return len(result.held)
+
+    def _busy(self, key: tuple[str, int]) -> int:
+        conn = self._connections.get(key)
+        return conn.lookup.in_flight if conn else 0
+
+    # -- pulls -----------------------------------------------------------------------------------
+
+    async def pull(self, peer: Peer, hashes: np.ndarray, location: str, skip_missing: bool = False) -> PullResult:
+        """Pull ``hashes`` from ``peer`` into ``location``, in order. The run ends at the first
+        failure; with ``skip_missing`` (move/copy of an arbitrary key set) a chunk the holder
+        merely lacks is skipped instead."""
+        result = PullResult()
+        t0 = time.perf_counter()
+        nbytes = 0
+        todo = [int(h) for h in hashes]
+        channel = "?"
+        while todo:
+            try:
+                conn = await self._connect(peer)
+            except (RequestFailed, TransferError) as e:
+                result.error = str(e)
+                break
+            channel = conn.channel
+            batch = todo[:MAX_CHUNKS_PER_REQUEST]
+            held, served_ok, error = await self._pull_batch(conn, peer, batch, location)
+            result.held += held
+            nbytes += len(held) * self.storage.page_bytes
+            if error is not None:
+                result.error = error
+                if not served_ok:
+                    self._drop(peer)
+                if not (skip_missing and served_ok):
+                    break
+                todo = batch[len(held) + 1:] + todo[len(batch):]  # skip the one it lacked
+            else:
+                todo = todo[len(batch):]
+        elapsed = time.perf_counter() - t0
+        self.stats["pulls"] += 1
+        self.stats["chunks_pulled"] += len(result.held)
+        self.stats["bytes_pulled"] += nbytes
+        tokens = len(result.held) * self.me.chunk_size
+        if result.held:
+            logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
+                        "(from %s over %s)", tokens, len(hashes) * self.me.chunk_size, nbytes / 1e9, elapsed * 1e3,
+                        nbytes / 1e9 / max(elapsed, 1e-9), peer.describe(), channel)
+        if result.error:
+            self.stats["pull_failures"] += 1
+            logger.warning("peer pull from %s: %d of %d chunks; the rest is a miss: %s", peer.describe(),
+                           len(result.held), len(hashes), result.error)
+        return result
+
+    async def _connect(self, peer: Peer) -> _Connection:
+        key = (peer.host, peer.lookup_port)
+        conn = self._connections.get(key)
+        if conn is not None and conn.channel is not None:
+            return conn
+        if conn is None:
+            conn = self._connections[key] = _Connection(self.ctx, peer)
+        for channel in dict.fromkeys([self.preferred, "tcp"]):
+            hello = self.transports[channel].hello(self.me.instance_id, self.me.rank, self.storage.fingerprint)
+            reply, _ = await conn.init.request(hello, HELLO_TIMEOUT_S)
+            if isinstance(reply, ChannelHelloReply) and reply.ok:
+                conn.channel = channel
+                if channel != self.preferred:
+                    logger.info("%s serves %s only; pulling from it over tcp", peer.describe(), reply.channels)
+                return conn
+            error = getattr(reply, "error", None) or type(reply).__name__
+            if not isinstance(reply, ChannelHelloReply) or "tcp" not in reply.channels:
+                break
+        self._drop(peer)
+        raise TransferError(f"{peer.describe()} refused the {self.preferred} session: {error}")
+
+    def _drop(self, peer: Peer) -> None:
+        conn = self._connections.pop((peer.host, peer.lookup_port), None)
+        if conn is not None:
+            conn.close()
+
+    async def _pull_batch(self, conn: _Connection, peer: Peer, hashes: list[int],
+                          location: str) -> tuple[list[int], bool, Optional[str]]:
+        """One ChunkPull: (hashes committed, whether the holder answered, why the run ended)."""
+        transport = self.transports[conn.channel]
+        pages = []
+        for _ in hashes:
+            reserved = self.storage.reserve_page()
+            if reserved is None:
+                break
+            pages.append(reserved[0])
+        if not pages:
+            return [], False, "no free page in the CPU pool (every page is pinned)"
+        hashes = hashes[:len(pages)]
+        direct = conn.channel != "tcp"  # the holder writes into our pages itself
+        timeout = BASE_TIMEOUT_S + len(pages) * self.storage.page_bytes / SLOWEST_RATE_BPS
+        request = ChunkPull(session=transport.session, fingerprint=self.storage.fingerprint, hashes=pack_hashes(hashes),
+                            pages=pack_pages(pages) if direct else b"", timeout_s=timeout)
+
+        def release_late(reply, frames) -> None:
+            # The holder answered (or the grace period ended): it will not write any more.
+            for page in pages:
+                self.storage.abandon_page(page)
+            self.stats["pages_quarantined"] -= len(pages)
+
+        try:
+            reply, frames = await conn.lookup.request(request, timeout, on_late=release_late if direct else None)
+        except RequestFailed as e:
+            if direct:
+                self.stats["pages_quarantined"] += len(pages)
+            else:
+                self._abandon(pages)
+            return [], False, str(e)
+        if not isinstance(reply, ChunkPullReply) or not reply.ok:
+            self._abandon(pages)
+            return [], False, getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
+        served = min(reply.served, len(pages))
+        try:
+            transport.land(frames, pages[:served])
+            checksums = unpack_hashes(reply.checksums)
+            good = await asyncio.to_thread(self._verify, pages[:served], checksums)
+        except (TransferError, ValueError) as e:
+            self._abandon(pages)
+            return [], False, str(e)
+        held = []
+        for i in range(good):
+            self.storage.commit_page(hashes[i], pages[i], int(checksums[i]), location)
+            held.append(hashes[i])
+        self._abandon(pages[good:])
+        if good < served:
+            self.stats["checksum_mismatches"] += 1
+            return held, True, f"checksum mismatch on chunk {good} ({hashes[good]:016x})"
+        if served < len(hashes):
+            return held, True, f"{peer.instance_id} does not hold chunk {served} ({hashes[served]:016x})"
+        return held, True, None
+
+    def _verify(self, pages: list[int], checksums: np.ndarray) -> int:
+        """How many leading pages match their checksums."""
+        for i, page in enumerate(pages):
+            if i >= len(checksums) or payload_checksum(self.storage.cpu.pool.page(page).numpy()) != int(checksums[i]):
+                return i
+        return len(pages)
+
+    def _abandon(self, pages: list[int]) -> None:
+        for page in pages:
+            self.storage.abandon_page(page)
+
+    def close(self) -> None:
+        for conn in self._connections.values():
+            conn.close()
+        self._connections.clear()

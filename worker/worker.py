@@ -1,0 +1,186 @@
+"""The per-rank worker: one background thread with one asyncio loop that owns every socket.
+
+The engine calls in from its own thread (store, lookup, retrieve); everything that talks to the
+network (controller link, command server, P2P server and client) runs on the worker's loop, so
+no ZMQ socket or NIXL agent is ever used from two threads. Engine-facing calls submit a
+coroutine to the loop and wait with a timeout; they never raise: a failure is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+import zmq.asyncio
+
+from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.keys import LayoutFingerprint
+from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.transfer import TcpTransport, Transport, TransferError, make_transport
+from lmcache_p2p.worker.commands import CommandServer
+from lmcache_p2p.worker.identity import WorkerIdentity
+from lmcache_p2p.worker.link import ControllerLink
+from lmcache_p2p.worker.p2p_client import P2PClient
+from lmcache_p2p.worker.p2p_server import PeerServer
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 30.0
+
+
+class Worker:
+    def __init__(self, config: LMCacheConfig, storage: StorageManager, layout: LayoutFingerprint, rank: int):
+        self.config = config
+        self.storage = storage
+        self.identity = WorkerIdentity.from_config(config, layout, rank)
+        self.started_at = time.time()
+        self.link: Optional[ControllerLink] = None
+        self.client: Optional[P2PClient] = None
+        self.server: Optional[PeerServer] = None
+        self.commands: Optional[CommandServer] = None
+        self.transports: dict[str, Transport] = {}
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._start_error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=f"lmcache-worker-r{rank}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(START_TIMEOUT_S):
+            raise RuntimeError(f"{self.identity.describe()}: worker did not start within {START_TIMEOUT_S:.0f}s")
+        if self._start_error is not None:
+            self._thread.join(5)
+            raise self._start_error
+
+    # -- the loop thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as e:
+            self._start_error = e
+            self._ready.set()
+            self._loop.close()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _start(self) -> None:
+        config, me = self.config, self.identity
+        self.ctx = zmq.asyncio.Context()
+        self.link = ControllerLink(self.ctx, me, self.storage, config.controller_pull_url, config.controller_reply_url,
+                                   config.lmcache_worker_heartbeat_time)
+        try:
+            if config.enable_p2p:
+                self.transports = self._make_transports()
+                self.client = P2PClient(self.ctx, me, self.storage, self.link, self.transports, config.transfer_channel)
+                self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client)
+            self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.server is not None, self.status)
+        except BaseException:
+            self._shutdown(deregister=False)
+            raise
+        self.link.start()
+        if self.server is not None:
+            self.server.start()
+        self.commands.start()
+        logger.info("worker %s up: commands on %d%s, controller %s", me.describe(), me.worker_port,
+                    f", p2p init/lookup {me.p2p_init_port}/{me.p2p_lookup_port} ({', '.join(self.transports)})"
+                    if self.server else "", config.controller_reply_url)
+
+    def _make_transports(self) -> dict[str, Transport]:
+        pool, session = self.storage.cpu.pool, self.identity.session
+        transports: dict[str, Transport] = {}
+        if self.config.transfer_channel != "tcp":
+            try:
+                transports[self.config.transfer_channel] = make_transport(self.config.transfer_channel, pool, session)
+            except TransferError as e:
+                logger.warning("%s: transfer_channel %s unavailable (%s); peers will use tcp", self.identity.describe(),
+                               self.config.transfer_channel, e)
+        transports["tcp"] = TcpTransport(pool, session)
+        return transports
+
+    def _shutdown(self, deregister: bool) -> None:
+        for part in (self.commands, self.server, self.client):
+            if part is not None:
+                part.close()
+        if self.link is not None:
+            self.link.close(deregister=deregister)
+        for transport in self.transports.values():
+            try:
+                transport.close()
+            except Exception as e:
+                logger.debug("closing %s transport: %s", transport.name, e)
+        self.ctx.destroy(linger=100 if deregister else 0)
+
+    # -- engine-facing calls (any thread) --------------------------------------------------------
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def fetch_prefix_async(self, hashes: np.ndarray) -> Optional[concurrent.futures.Future]:
+        """Start pulling the chunks of ``hashes`` a peer holds; the future gives the number of
+        leading chunks now held locally. None when P2P is off."""
+        if self.client is None or not len(hashes):
+            return None
+        return self.submit(self.client.fetch_prefix(np.asarray(hashes, dtype=np.uint64)))
+
+    def fetch_prefix(self, hashes: np.ndarray, timeout: float) -> int:
+        future = self.fetch_prefix_async(hashes)
+        if future is None:
+            return 0
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            logger.warning("%s: peer fetch of %d chunk(s) took over %.1f s; treating as a miss",
+                           self.identity.describe(), len(hashes), timeout)
+        except Exception:
+            logger.exception("%s: peer fetch failed; treating as a miss", self.identity.describe())
+        return 0
+
+    def call(self, fn, timeout: float = 10.0):
+        """Run ``fn()`` on the worker's loop (for state that lives there) and return its result."""
+        async def run():
+            return fn()
+        return self.submit(run()).result(timeout)
+
+    def status(self) -> dict:
+        me = self.identity
+        out = {"instance_id": me.instance_id, "rank": me.rank, "host": me.host, "uptime_s": time.time() - self.started_at,
+               "registered": self.link.registered if self.link else False,
+               "controller_epoch": self.link.epoch if self.link else "", "storage": self.storage.stats()}
+        if self.link:
+            out["link"] = dict(self.link.stats)
+        if self.client:
+            out["p2p_client"] = dict(self.client.stats)
+        if self.server:
+            out["p2p_server"] = dict(self.server.stats)
+            out["channels"] = list(self.transports)
+        if self.commands:
+            out["command_pins"] = self.commands.pinned_chunks
+        return out
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def stop():
+            self.link.flush()
+            self._shutdown(deregister=True)
+            # Let every cancelled task finish before the loop stops.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        try:
+            self.submit(stop()).result(10)
+        except Exception as e:
+            logger.warning("%s: worker shutdown: %s", self.identity.describe(), e)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
