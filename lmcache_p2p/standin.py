@@ -8,7 +8,7 @@ rank: two instances that "prefill" the same prompt hold identical bytes, and a c
 landed in the wrong rank or the wrong blocks is detected by :meth:`StandInKV.matches`.
 
 Process protocol: one JSON object per line on stdin, one JSON answer per line on stdout (logs go
-to stderr). Operations: ``prefill``, ``lookup``, ``retrieve``, ``status``, ``flush``, ``quit``;
+to stderr). Operations: ``prefill``, ``fill``, ``lookup``, ``retrieve``, ``clear``, ``status``, ``flush``, ``quit``;
 see :func:`serve`.
 """
 
@@ -114,6 +114,12 @@ def serve(engine, kv: StandInKV, chunk_size: int, stdin=sys.stdin, stdout=sys.st
             if op == "prefill":
                 kv.prefill(tokens, blocks, chunk_size)
                 answer = {"stored": engine.store(tokens, kv.layers, blocks)}
+            elif op == "fill":  # store the chunks' payloads with no KV tensors involved (benchmarks)
+                spans = chunk_spans(tokens, chunk_size)
+                answer = {"stored": chunk_size * sum(
+                    engine.storage.put(s.chunk_hash, kv.chunk_payload(s.chunk_hash, chunk_size)) for s in spans)}
+            elif op == "clear":
+                answer = {"dropped": engine.storage.clear()}
             elif op == "lookup":
                 answer = {"hit": engine.lookup(tokens, use_peers=request.get("peers", True))}
             elif op == "retrieve":

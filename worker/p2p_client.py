@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,7 +36,8 @@ from lmcache_p2p.worker.link import ControllerLink
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 3.0
-MAX_CHUNKS_PER_REQUEST = 64
+BATCH_CHUNKS = 8  # chunks per request
+PIPELINE_DEPTH = 3  # requests in flight per pull
 # A pull may take this long plus its bytes at this slowest acceptable rate; then it is a miss.
 BASE_TIMEOUT_S = 2.0
 SLOWEST_RATE_BPS = 0.25e9
@@ -57,6 +59,21 @@ class Peer:
 class PullResult:
     held: list[int] = field(default_factory=list)  # hashes now held here (in order of the request)
     error: Optional[str] = None  # why the run ended early, if it did
+
+
+@dataclass
+class _Batch:
+    hashes: list[int]
+    pages: list[int] = field(default_factory=list)  # reserved here; committed or abandoned later
+    good: int = 0  # leading chunks landed with matching checksums
+    checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    answered: bool = False  # the holder replied (a miss inside a batch is not a broken peer)
+    error: Optional[str] = None
+    rest: list[int] = field(default_factory=list)  # hashes after the failed one (skip_missing)
+
+
+def _split(items: list[int], size: int) -> list[list[int]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 class _Connection:
@@ -84,7 +101,8 @@ class P2PClient:
         self.preferred = preferred if preferred in transports else "tcp"
         self._connections: dict[tuple[str, int], _Connection] = {}
         self.stats = {"pulls": 0, "chunks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
-                      "checksum_mismatches": 0, "pages_quarantined": 0}
+                      "checksum_mismatches": 0, "pages_quarantined": 0,
+                      "transfer_ms": 0.0, "verify_ms": 0.0}
 
     # -- the engine's question: pull the rest of this prefix -------------------------------------
 
@@ -109,49 +127,58 @@ class P2PClient:
 
     # -- pulls -----------------------------------------------------------------------------------
 
-    async def pull(self, peer: Peer, hashes: np.ndarray, location: str, skip_missing: bool = False) -> PullResult:
+    async def pull(self, peer: Peer, hashes, location: str, skip_missing: bool = False) -> PullResult:
         """Pull ``hashes`` from ``peer`` into ``location``, in order. The run ends at the first
         failure; with ``skip_missing`` (move/copy of an arbitrary key set) a chunk the holder
-        merely lacks is skipped instead."""
+        merely lacks is skipped instead.
+
+        Requests of BATCH_CHUNKS chunks are pipelined, PIPELINE_DEPTH in flight: checksums of
+        one batch are verified while the next is on the wire. Batches are committed in order."""
         result = PullResult()
         t0 = time.perf_counter()
-        nbytes = 0
-        todo = [int(h) for h in hashes]
+        todo = deque(_split([int(h) for h in hashes], BATCH_CHUNKS))
         channel = "?"
-        while todo:
-            try:
-                conn = await self._connect(peer)
-            except (RequestFailed, TransferError) as e:
-                result.error = str(e)
-                break
+        try:
+            conn = await self._connect(peer)
             channel = conn.channel
-            batch = todo[:MAX_CHUNKS_PER_REQUEST]
-            held, served_ok, error = await self._pull_batch(conn, peer, batch, location)
-            result.held += held
-            nbytes += len(held) * self.storage.page_bytes
-            if error is not None:
-                result.error = error
-                if not served_ok:
-                    self._drop(peer)
-                if not (skip_missing and served_ok):
-                    break
-                todo = batch[len(held) + 1:] + todo[len(batch):]  # skip the one it lacked
-            else:
-                todo = todo[len(batch):]
-        elapsed = time.perf_counter() - t0
+        except (RequestFailed, TransferError) as e:
+            result.error, todo = str(e), deque()
+        window: deque[asyncio.Task] = deque()
+        stopped = False
+        while todo or window:
+            while todo and not stopped and len(window) < PIPELINE_DEPTH:
+                window.append(asyncio.ensure_future(self._fetch(conn, peer, todo.popleft())))
+            batch = await window.popleft()
+            if stopped:  # an earlier batch failed: what follows it is a miss
+                self._abandon(batch.pages)
+                continue
+            result.held += self._commit(batch, location)
+            if batch.error is None:
+                continue
+            result.error = batch.error
+            if not batch.answered:
+                self._drop(peer)
+            if skip_missing and batch.answered and batch.rest:
+                todo.appendleft(batch.rest)  # go on after the chunk the holder lacked
+            elif not skip_missing or not batch.answered:
+                stopped = True
+                todo.clear()
+        self._report(peer, channel, len(hashes), result, time.perf_counter() - t0)
+        return result
+
+    def _report(self, peer: Peer, channel: str, asked: int, result: PullResult, elapsed: float) -> None:
+        nbytes = len(result.held) * self.storage.page_bytes
         self.stats["pulls"] += 1
         self.stats["chunks_pulled"] += len(result.held)
         self.stats["bytes_pulled"] += nbytes
-        tokens = len(result.held) * self.me.chunk_size
         if result.held:
             logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
-                        "(from %s over %s)", tokens, len(hashes) * self.me.chunk_size, nbytes / 1e9, elapsed * 1e3,
-                        nbytes / 1e9 / max(elapsed, 1e-9), peer.describe(), channel)
+                        "(from %s over %s)", len(result.held) * self.me.chunk_size, asked * self.me.chunk_size,
+                        nbytes / 1e9, elapsed * 1e3, nbytes / 1e9 / max(elapsed, 1e-9), peer.describe(), channel)
         if result.error:
             self.stats["pull_failures"] += 1
             logger.warning("peer pull from %s: %d of %d chunks; the rest is a miss: %s", peer.describe(),
-                           len(result.held), len(hashes), result.error)
-        return result
+                           len(result.held), asked, result.error)
 
     async def _connect(self, peer: Peer) -> _Connection:
         key = (peer.host, peer.lookup_port)
@@ -179,60 +206,72 @@ class P2PClient:
         if conn is not None:
             conn.close()
 
-    async def _pull_batch(self, conn: _Connection, peer: Peer, hashes: list[int],
-                          location: str) -> tuple[list[int], bool, Optional[str]]:
-        """One ChunkPull: (hashes committed, whether the holder answered, why the run ended)."""
-        transport = self.transports[conn.channel]
-        pages = []
+    async def _fetch(self, conn: _Connection, peer: Peer, hashes: list[int]) -> "_Batch":
+        """One ChunkPull into freshly reserved pages, landed and verified, not yet committed."""
+        batch = _Batch(hashes)
         for _ in hashes:
             reserved = self.storage.reserve_page()
             if reserved is None:
                 break
-            pages.append(reserved[0])
-        if not pages:
-            return [], False, "no free page in the CPU pool (every page is pinned)"
-        hashes = hashes[:len(pages)]
+            batch.pages.append(reserved[0])
+        if not batch.pages:
+            batch.error = "no free page in the CPU pool (every page is pinned)"
+            return batch
+        hashes = hashes[:len(batch.pages)]
+        transport = self.transports[conn.channel]
         direct = conn.channel != "tcp"  # the holder writes into our pages itself
-        timeout = BASE_TIMEOUT_S + len(pages) * self.storage.page_bytes / SLOWEST_RATE_BPS
+        timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
         request = ChunkPull(session=transport.session, fingerprint=self.storage.fingerprint, hashes=pack_hashes(hashes),
-                            pages=pack_pages(pages) if direct else b"", timeout_s=timeout)
+                            pages=pack_pages(batch.pages) if direct else b"", timeout_s=timeout)
+        pages = list(batch.pages)
 
         def release_late(reply, frames) -> None:
-            # The holder answered (or the grace period ended): it will not write any more.
-            for page in pages:
-                self.storage.abandon_page(page)
+            # The holder answered after all (or the grace period ended): it writes no more.
+            self._abandon(pages)
             self.stats["pages_quarantined"] -= len(pages)
 
+        t0 = time.perf_counter()
+        transport.prepare(pages)
         try:
             reply, frames = await conn.lookup.request(request, timeout, on_late=release_late if direct else None)
         except RequestFailed as e:
-            if direct:
+            if direct:  # the pages stay out of the pool until release_late
                 self.stats["pages_quarantined"] += len(pages)
-            else:
-                self._abandon(pages)
-            return [], False, str(e)
+                batch.pages = []
+            batch.error = str(e)
+            return batch
         if not isinstance(reply, ChunkPullReply) or not reply.ok:
-            self._abandon(pages)
-            return [], False, getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
-        served = min(reply.served, len(pages))
+            batch.error = getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
+            return batch
+        batch.answered = True
+        served = min(reply.served, len(hashes))
+        t1 = time.perf_counter()
         try:
-            transport.land(frames, pages[:served])
-            checksums = unpack_hashes(reply.checksums)
-            good = await asyncio.to_thread(self._verify, pages[:served], checksums)
+            transport.land(frames, batch.pages[:served])
+            batch.checksums = unpack_hashes(reply.checksums)
+            batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
-            self._abandon(pages)
-            return [], False, str(e)
-        held = []
-        for i in range(good):
-            self.storage.commit_page(hashes[i], pages[i], int(checksums[i]), location)
-            held.append(hashes[i])
-        self._abandon(pages[good:])
-        if good < served:
+            batch.good, batch.answered, batch.error = 0, False, str(e)
+            return batch
+        self.stats["transfer_ms"] += (t1 - t0) * 1e3
+        self.stats["verify_ms"] += (time.perf_counter() - t1) * 1e3
+        if batch.good < served:
             self.stats["checksum_mismatches"] += 1
-            return held, True, f"checksum mismatch on chunk {good} ({hashes[good]:016x})"
-        if served < len(hashes):
-            return held, True, f"{peer.instance_id} does not hold chunk {served} ({hashes[served]:016x})"
-        return held, True, None
+            batch.error = f"checksum mismatch on chunk {hashes[batch.good]:016x}"
+        elif served < len(batch.hashes):
+            batch.error = f"{peer.instance_id} does not hold chunk {batch.hashes[served]:016x}"
+        if batch.error:
+            batch.rest = batch.hashes[batch.good + 1:]
+        return batch
+
+    def _commit(self, batch: "_Batch", location: str) -> list[int]:
+        """Index the verified leading pages of a batch; the rest go back to the pool."""
+        held = []
+        for i in range(batch.good):
+            self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)
+            held.append(batch.hashes[i])
+        self._abandon(batch.pages[batch.good:])
+        return held
 
     def _verify(self, pages: list[int], checksums: np.ndarray) -> int:
         """How many leading pages match their checksums."""

@@ -32,6 +32,9 @@ class PagePool:
         # Pop from the end: low page indices are handed out first, which keeps the touched part
         # of a plain (unpinned) buffer small when the pool is mostly empty.
         self._free = list(range(self.num_pages - 1, -1, -1))
+        # Pages whose memory the OS has mapped (written once). A pinned buffer is resident from
+        # the start; a pageable one is faulted in on first write (see make_resident).
+        self._resident = bytearray([1 if pin_memory else 0]) * self.num_pages
         self._lock = threading.Lock()
         logger.info(
             "CPU page pool: %d pages x %.2f MiB = %.2f GiB (%s)",
@@ -60,6 +63,18 @@ class PagePool:
         """The page as a uint8 tensor view (no copy)."""
         start = page * self.page_bytes
         return self.buffer[start:start + self.page_bytes]
+
+    def make_resident(self, pages) -> int:
+        """Write-touch pages that were never written, so another process can write into them
+        (NIXL/UCX through CMA) without faulting them in from there: a remote fault costs about
+        7x a local one on the machines we measured (0.25 vs 1.8 GB/s). Returns pages touched."""
+        touched = 0
+        for page in pages:
+            if not self._resident[page]:
+                self.page(page)[::4096] = 0
+                self._resident[page] = 1
+                touched += 1
+        return touched
 
     def page_address(self, page: int) -> int:
         """Host address of a page, for transfer descriptors (NIXL) and kernels."""

@@ -28,6 +28,9 @@ class Transport:
         return ChannelHello(instance_id=instance_id, rank=rank, fingerprint=fingerprint, channel=self.name,
                             session=self.session, page_bytes=self.pool.page_bytes, num_pages=self.pool.num_pages)
 
+    def prepare(self, pages: Sequence[int]) -> None:
+        """Get ``pages`` ready to be written by the holder (before the request goes out)."""
+
     def land(self, frames: list, pages: Sequence[int]) -> None:
         """Place what arrived with the reply into ``pages`` (nothing to do when the holder wrote
         into them directly)."""

@@ -88,6 +88,9 @@ class NixlTransport(Transport):
         hello.pool_base = self.base
         return hello
 
+    def prepare(self, pages: Sequence[int]) -> None:
+        self.pool.make_resident(pages)
+
     # -- holder side -----------------------------------------------------------------------------
 
     async def accept(self, hello: ChannelHello) -> None:
