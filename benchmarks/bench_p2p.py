@@ -6,7 +6,7 @@ for the prompt and pulls them (controller lookup + transfer + checksum verificat
 for N = 1, 8, 64, over nixl and over tcp. In the same run, two bare NIXL agents in two processes
 WRITE the same bytes page by page (the same descriptor shape our channel uses): the ceiling.
 
-    python benchmarks/bench_p2p.py            # prints one JSON object
+    python benchmarks/bench_p2p.py [--batches 1,8,64] [--reps 7]   # prints one JSON object
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ PAGE_BYTES = CHUNK_TOKENS * 32 * 2 * 8 * 128 * 2  # Llama-3.1-8B bf16: 128 KiB p
 # -- raw NIXL ceiling --------------------------------------------------------------------------------
 
 def _raw_agent(name: str, pages: int, fill: int, conn) -> None:
+    os.dup2(2, 1)  # NIXL logs to stdout; the bench's stdout is its JSON
     import numpy as np
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
@@ -48,8 +49,8 @@ def _raw_agent(name: str, pages: int, fill: int, conn) -> None:
     if name == "writer":
         local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
         remote = agent.prep_xfer_dlist(peer, peer_descs, "DRAM")
-        results = {}
-        for n, reps in conn.recv():
+        while (job := conn.recv()) is not None:
+            n, reps = job
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
@@ -60,34 +61,42 @@ def _raw_agent(name: str, pages: int, fill: int, conn) -> None:
                 times.append(time.perf_counter() - t0)
                 handle.release()
                 assert state == "DONE", state
-            results[n] = n * PAGE_BYTES / statistics.median(times) / 1e9
-        conn.send(results)
-    conn.recv()  # stay alive until the writer is done
+            conn.send(n * PAGE_BYTES / statistics.median(times) / 1e9)
+    else:
+        conn.recv()  # stay alive until the writer is done
 
 
-def raw_nixl(batches: list[tuple[int, int]]) -> dict[int, float]:
-    ctx = mp.get_context("spawn")
-    pages = max(n for n, _ in batches)
-    (w_conn, w_child), (r_conn, r_child) = ctx.Pipe(), ctx.Pipe()
-    writer = ctx.Process(target=_raw_agent, args=("writer", pages, 1, w_child))
-    reader = ctx.Process(target=_raw_agent, args=("reader", pages, 0, r_child))
-    writer.start()
-    reader.start()
-    w_info, r_info = w_conn.recv(), r_conn.recv()
-    w_conn.send(r_info)
-    r_conn.send(w_info)
-    w_conn.send([(1, 3)] + batches)  # the first (1, 3) warms the connection up
-    results = w_conn.recv()
-    w_conn.send(None)
-    r_conn.send(None)
-    writer.join(60)
-    reader.join(60)
-    return {n: results[n] for n, _ in batches}
+class RawNixl:
+    """Two bare NIXL agents in two processes; ``measure(n, reps)`` WRITEs n pages, median GB/s."""
+
+    def __init__(self, pages: int):
+        ctx = mp.get_context("spawn")
+        (self.conn, w_child), (self.r_conn, r_child) = ctx.Pipe(), ctx.Pipe()
+        self.procs = [ctx.Process(target=_raw_agent, args=("writer", pages, 1, w_child)),
+                      ctx.Process(target=_raw_agent, args=("reader", pages, 0, r_child))]
+        for proc in self.procs:
+            proc.start()
+        w_info, r_info = self.conn.recv(), self.r_conn.recv()
+        self.conn.send(r_info)
+        self.r_conn.send(w_info)
+        self.measure(1, 3)  # connection warm-up
+
+    def measure(self, n: int, reps: int) -> float:
+        self.conn.send((n, reps))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.r_conn.send(None)
+        for proc in self.procs:
+            proc.join(60)
 
 
 # -- our P2P pull -----------------------------------------------------------------------------------
 
-def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path) -> dict[int, dict]:
+def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = None) -> dict[int, dict]:
+    """Median pull time per batch size; with ``raw``, the raw NIXL figure for the same bytes is
+    measured right before each one (same minute, same host noise)."""
     pool_gb = (max(n for n, _ in batches) + 2) * PAGE_BYTES / 2**30
     controller = ControllerProcess().start()
     procs = []
@@ -111,7 +120,7 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path) -> dict[int, di
                     < n * CHUNK_TOKENS and time.monotonic() < deadline:
                 time.sleep(0.02)
             times = []
-            for _ in range(reps):
+            for _ in range(reps if seed else 1):
                 puller.request("clear")
                 answer = puller.request("lookup", tokens=prompt, timeout=120)
                 assert answer["hit"] == n * CHUNK_TOKENS, answer
@@ -119,6 +128,9 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path) -> dict[int, di
             if seed:
                 t = statistics.median(times)
                 out[n] = {"GB/s": round(n * PAGE_BYTES / t / 1e9, 3), "ms": round(t * 1e3, 2)}
+                if raw is not None:
+                    out[n]["raw_nixl_GB/s"] = round(raw.measure(n, reps), 3)
+                    out[n]["vs_raw"] = round(out[n]["GB/s"] / out[n]["raw_nixl_GB/s"], 3)
             holder.request("clear")
         return out
     finally:
@@ -130,21 +142,23 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path) -> dict[int, di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,64", help="chunks per pull")
-    parser.add_argument("--reps", type=int, default=5, help="pulls per batch size (median reported)")
+    parser.add_argument("--reps", type=int, default=7, help="pulls per batch size (median reported)")
     args = parser.parse_args()
-    batches = [(int(n), args.reps if int(n) < 64 else max(3, args.reps // 2)) for n in args.batches.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = raw_nixl(batches)
-        nixl = p2p("nixl", batches, Path(tmp))
-        tcp = p2p("tcp", batches, Path(tmp))
+    batches = [(int(n), args.reps) for n in args.batches.split(",")]
     largest = max(n for n, _ in batches)
+    raw = RawNixl(largest)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            nixl = p2p("nixl", batches, Path(tmp), raw)
+            tcp = p2p("tcp", batches, Path(tmp))
+    finally:
+        raw.close()
     print(json.dumps({
-        "chunk_tokens": CHUNK_TOKENS, "chunk_bytes": PAGE_BYTES, "shape": "Llama-3.1-8B bf16",
-        "raw_nixl_GBps": {n: round(v, 3) for n, v in raw.items()},
-        "p2p_nixl": nixl, "p2p_tcp": tcp,
-        f"nixl_vs_raw_at_{largest}": round(nixl[largest]["GB/s"] / raw[largest], 3),
-        "note": "p2p times are the requester's lookup call: controller lookup + transfer + checksum + admit",
-    }, indent=1))
+        "bench": "p2p", "chunk_tokens": CHUNK_TOKENS, "chunk_bytes": PAGE_BYTES, "shape": "Llama-3.1-8B bf16",
+        "p2p_nixl": nixl, "p2p_tcp": tcp, f"nixl_vs_raw_at_{largest}": nixl[largest]["vs_raw"],
+        "note": "p2p = the requester's lookup call (controller lookup + transfer + checksum + admit); "
+                "raw = two bare NIXL agents writing the same pages, measured just before",
+    }))
 
 
 if __name__ == "__main__":

@@ -270,3 +270,36 @@ def test_clear_pin_health_and_status_reach_the_worker(controller, spawn):
     assert cleared["num_tokens"] == 3 * CHUNK
     assert a.lookup(prompt) == 0
     wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 0, what="index after clear")
+
+
+def test_bad_frames_and_foreign_layouts_do_not_hurt_a_holder(controller, spawn):
+    import zmq
+    from lmcache_p2p.protocol import ChannelHello, encode, peer_reply_decoder
+
+    config = instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK)
+    a = spawn(config)
+    b = spawn(instance_config("lmcache_instance_2", controller, "tcp", chunk_size=CHUNK))
+    ctx = zmq.Context()
+    try:
+        for port in (config["p2p_init_ports"][0], config["p2p_lookup_ports"][0], config["lmcache_worker_ports"][0]):
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart([b"1", b"\xc1 not msgpack"])
+            sock.send_multipart([b"only one frame"])
+            sock.close(linger=500)
+        hello = ctx.socket(zmq.DEALER)
+        hello.connect(f"tcp://127.0.0.1:{config['p2p_init_ports'][0]}")
+        hello.send_multipart([b"7", encode(ChannelHello(instance_id="other", rank=0, fingerprint=12345, channel="tcp",
+                                                        session="s"))])
+        assert hello.poll(5000)
+        request_id, payload = hello.recv_multipart()
+        reply = peer_reply_decoder.decode(payload)
+        assert request_id == b"7" and not reply.ok and "layout mismatch" in reply.error
+        hello.close(linger=0)
+    finally:
+        ctx.term()
+    prompt = tokens(2 * CHUNK, seed=15)
+    a.prefill(prompt)
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
+    assert b.lookup(prompt) == 2 * CHUNK and b.retrieve(prompt)["exact"]
+    assert a.status()["p2p_server"]["bad_frames"] >= 2
