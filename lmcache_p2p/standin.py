@@ -8,7 +8,7 @@ rank: two instances that "prefill" the same prompt hold identical bytes, and a c
 landed in the wrong rank or the wrong blocks is detected by :meth:`StandInKV.matches`.
 
 Process protocol: one JSON object per line on stdin, one JSON answer per line on stdout (logs go
-to stderr). Operations: ``prefill``, ``fill``, ``lookup``, ``retrieve``, ``clear``, ``status``, ``flush``, ``quit``;
+to stderr). Operations: ``prefill``, ``fill``, ``lookup``, ``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``;
 see :func:`serve`.
 """
 
@@ -118,6 +118,13 @@ def serve(engine, kv: StandInKV, chunk_size: int, stdin=sys.stdin, stdout=sys.st
                 spans = chunk_spans(tokens, chunk_size)
                 answer = {"stored": chunk_size * sum(
                     engine.storage.put(s.chunk_hash, kv.chunk_payload(s.chunk_hash, chunk_size)) for s in spans)}
+            elif op == "corrupt":  # flip one byte of a stored chunk after its checksum (fault tests)
+                span = chunk_spans(tokens, chunk_size)[request["chunk"]]
+                chunk = engine.storage.pin(span.chunk_hash)
+                with chunk:
+                    _ = chunk.checksum  # the stored checksum keeps describing the good bytes
+                    chunk.data[12345] ^= 0xFF
+                answer = {}
             elif op == "clear":
                 answer = {"dropped": engine.storage.clear()}
             elif op == "lookup":

@@ -303,3 +303,19 @@ def test_bad_frames_and_foreign_layouts_do_not_hurt_a_holder(controller, spawn):
     wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
     assert b.lookup(prompt) == 2 * CHUNK and b.retrieve(prompt)["exact"]
     assert a.status()["p2p_server"]["bad_frames"] >= 2
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_a_checksum_mismatch_is_a_miss_from_that_chunk_on(controller, spawn, channel):
+    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    prompt = tokens(6 * CHUNK, seed=16)
+    a.prefill(prompt)
+    a.request("corrupt", tokens=prompt, chunk=3)  # A's copy of chunk 3 rots in memory
+    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
+    assert b.lookup(prompt) == 3 * CHUNK  # chunks 0-2 verified; 3 and after are a miss
+    status = b.status()
+    assert status["p2p_client"]["checksum_mismatches"] == 1 and status["storage"]["cpu"]["chunks"] == 3
+    assert "checksum mismatch" in b.log()
+    got = b.retrieve(prompt)
+    assert got["retrieved"] == 3 * CHUNK and got["exact"]
