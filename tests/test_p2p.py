@@ -319,3 +319,19 @@ def test_a_checksum_mismatch_is_a_miss_from_that_chunk_on(controller, spawn, cha
     assert "checksum mismatch" in b.log()
     got = b.retrieve(prompt)
     assert got["retrieved"] == 3 * CHUNK and got["exact"]
+
+
+def test_a_port_in_use_stops_the_engine_with_a_message_naming_it(controller, tmp_path):
+    import socket
+
+    config = instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK)
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", config["p2p_lookup_ports"][0]))
+    taken.listen()
+    try:
+        proc = InstanceProcess(config, tmp_path)
+        with pytest.raises(AssertionError, match="exited"):
+            proc.start(timeout=30)
+        assert f"cannot bind p2p_lookup port {config['p2p_lookup_ports'][0]}" in proc.log()
+    finally:
+        taken.close()

@@ -43,6 +43,8 @@ class PeerServer:
         self._sessions: dict[str, Transport] = {}
         self._pull_slots = asyncio.Semaphore(max_concurrent_pulls)
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._requests: set[asyncio.Task] = set()
         for name, port in (("p2p_init", identity.p2p_init_port), ("p2p_lookup", identity.p2p_lookup_port)):
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -54,8 +56,6 @@ class PeerServer:
                 raise OSError(f"{identity.describe()}: cannot bind {name} port {port}: {e.strerror} "
                               f"(set {name}_ports to free ports, one per TP rank)") from None
             self._sockets[name] = sock
-        self._tasks: list[asyncio.Task] = []
-        self._requests: set[asyncio.Task] = set()
         self.stats = {"sessions": 0, "pulls_served": 0, "chunks_served": 0, "bytes_served": 0, "pulls_refused": 0,
                       "bad_frames": 0}
 
