@@ -25,20 +25,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from instances import InstanceProcess, instance_config, tokens  # noqa: E402
 from protocol_client import ControllerProcess  # noqa: E402
 
+from lmcache_p2p.standin import MODEL_SHAPES  # noqa: E402
+from lmcache_p2p.storage.memory import PagePool  # noqa: E402
+
 CHUNK_TOKENS = 256
-PAGE_BYTES = CHUNK_TOKENS * 32 * 2 * 8 * 128 * 2  # Llama-3.1-8B bf16: 128 KiB per token -> 32 MiB
+SHAPE = MODEL_SHAPES["llama-3.1-8b"]
+PAGE_BYTES = CHUNK_TOKENS * SHAPE.num_layers * 2 * SHAPE.kv_heads * SHAPE.head_size * SHAPE.dtype.itemsize  # 32 MiB
+FRESH_PAGES = 8  # pages per first-touch measurement
 
 
 # -- raw NIXL ceiling --------------------------------------------------------------------------------
 
 def _raw_agent(name: str, pages: int, fill: int, conn) -> None:
+    """The writer's buffer holds ``pages`` pages; the reader's holds ``pages`` written ones and
+    FRESH_PAGES never written (the first-touch measurement)."""
     os.dup2(2, 1)  # NIXL logs to stdout; the bench's stdout is its JSON
     import numpy as np
     import torch
     from nixl._api import nixl_agent, nixl_agent_config
 
     agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-    buf = torch.full((pages * PAGE_BYTES,), fill, dtype=torch.uint8)
+    if name == "reader":
+        pages += FRESH_PAGES
+    buf = torch.empty((pages * PAGE_BYTES,), dtype=torch.uint8)
+    buf[:(pages - (FRESH_PAGES if name == "reader" else 0)) * PAGE_BYTES].fill_(fill)
     agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
     descs = np.zeros((pages, 3), dtype=np.uint64)
     descs[:, 0] = buf.data_ptr() + np.arange(pages, dtype=np.uint64) * np.uint64(PAGE_BYTES)
@@ -49,12 +59,17 @@ def _raw_agent(name: str, pages: int, fill: int, conn) -> None:
     if name == "writer":
         local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "DRAM")
         remote = agent.prep_xfer_dlist(peer, peer_descs, "DRAM")
+        fresh = len(peer_descs) - FRESH_PAGES
         while (job := conn.recv()) is not None:
             n, reps = job
+            if n == "fresh":  # once: into reader pages nobody has written yet
+                n, reps, dst = FRESH_PAGES, 1, list(range(fresh, fresh + FRESH_PAGES))
+            else:
+                dst = list(range(n))
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                handle = agent.make_prepped_xfer("WRITE", local, list(range(n)), remote, list(range(n)))
+                handle = agent.make_prepped_xfer("WRITE", local, list(range(n)), remote, dst)
                 state = agent.transfer(handle)
                 while state == "PROC":
                     state = agent.check_xfer_state(handle)
@@ -85,11 +100,26 @@ class RawNixl:
         self.conn.send((n, reps))
         return self.conn.recv()
 
+    def measure_fresh(self) -> float:
+        """A WRITE into FRESH_PAGES pages the reader never wrote: the reader's page faults are
+        taken by the writer's copy, from the other process."""
+        self.conn.send(("fresh", 1))
+        return self.conn.recv()
+
     def close(self) -> None:
         self.conn.send(None)
         self.r_conn.send(None)
         for proc in self.procs:
             proc.join(60)
+
+
+def local_first_touch() -> float:
+    """GB/s of PagePool.make_resident on never-written pages (what a requester does before a
+    peer writes into them)."""
+    pool = PagePool(PAGE_BYTES, FRESH_PAGES * PAGE_BYTES, pin_memory=False)
+    t0 = time.perf_counter()
+    pool.make_resident(range(FRESH_PAGES))
+    return FRESH_PAGES * PAGE_BYTES / (time.perf_counter() - t0) / 1e9
 
 
 # -- our P2P pull -----------------------------------------------------------------------------------
@@ -147,6 +177,8 @@ def main() -> None:
     batches = [(int(n), args.reps) for n in args.batches.split(",")]
     largest = max(n for n, _ in batches)
     raw = RawNixl(largest)
+    first_touch = {"remote_nixl_write_GB/s": round(raw.measure_fresh(), 3),
+                   "local_make_resident_GB/s": round(local_first_touch(), 3)}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             nixl = p2p("nixl", batches, Path(tmp), raw)
@@ -156,6 +188,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "p2p", "chunk_tokens": CHUNK_TOKENS, "chunk_bytes": PAGE_BYTES, "shape": "Llama-3.1-8B bf16",
         "p2p_nixl": nixl, "p2p_tcp": tcp, f"nixl_vs_raw_at_{largest}": nixl[largest]["vs_raw"],
+        "first_touch": first_touch,
         "note": "p2p = the requester's lookup call (controller lookup + transfer + checksum + admit); "
                 "raw = two bare NIXL agents writing the same pages, measured just before",
     }))

@@ -19,12 +19,11 @@ import logging
 import time
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import ConfigError, LMCacheConfig
-from lmcache_p2p.keys import LayoutFingerprint, TokenIds
+from lmcache_p2p.keys import LayoutFingerprint, TokenIds, chunk_hash_array
 from lmcache_p2p.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
@@ -81,24 +80,24 @@ class CacheEngine:
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def _hashes(self, tokens: TokenIds) -> np.ndarray:
-        return np.fromiter((s.chunk_hash for s in self.storage.spans(tokens)), dtype=np.uint64)
+    def _local_hit(self, tokens: TokenIds) -> tuple[list[int], int]:
+        """The prompt's chunk hashes, and how many leading chunks the local tiers hold."""
+        hashes = chunk_hash_array(tokens, self.chunk_size).tolist()
+        return hashes, self.storage.lookup_prefix(hashes).num_chunks
 
     def lookup(self, tokens: TokenIds, use_peers: bool = True) -> int:
         """Leading tokens of ``tokens`` that :meth:`retrieve` can load now (pulling from a peer
         first when P2P is on and the local prefix ends early)."""
-        hashes = self._hashes(tokens)
-        hit = self.storage.lookup_prefix(hashes.tolist()).num_chunks
-        if use_peers and hit < len(hashes) and self.worker is not None and self.worker.client is not None:
+        hashes, hit = self._local_hit(tokens)
+        if use_peers and hit < len(hashes) and self.worker is not None:
             if self.worker.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S):
-                hit = self.storage.lookup_prefix(hashes.tolist()).num_chunks
+                hit = self.storage.lookup_prefix(hashes).num_chunks
         return hit * self.chunk_size
 
     def lookup_async(self, tokens: TokenIds) -> tuple[int, Optional[concurrent.futures.Future]]:
         """The local hit now, and a future for the peer pull of the rest (None when there is
         nothing to pull); for schedulers that must not wait (``enable_async_loading``)."""
-        hashes = self._hashes(tokens)
-        hit = self.storage.lookup_prefix(hashes.tolist()).num_chunks
+        hashes, hit = self._local_hit(tokens)
         future = None
         if hit < len(hashes) and self.worker is not None:
             future = self.worker.fetch_prefix_async(hashes[hit:])

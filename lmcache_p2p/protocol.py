@@ -29,14 +29,34 @@ PROTOCOL_VERSION = 1
 HASH_DTYPE = np.dtype("<u8")
 
 
+PAGE_DTYPE = np.dtype("<u4")
+
+
+def _pack(values: Union[Sequence[int], np.ndarray], dtype: np.dtype) -> bytes:
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def _unpack(data: bytes, dtype: np.dtype, what: str) -> np.ndarray:
+    if len(data) % dtype.itemsize:
+        raise ValueError(f"packed {what} must be a multiple of {dtype.itemsize} bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=dtype)
+
+
 def pack_hashes(hashes: Union[Sequence[int], np.ndarray]) -> bytes:
-    return np.asarray(hashes, dtype=HASH_DTYPE).tobytes()
+    return _pack(hashes, HASH_DTYPE)
 
 
 def unpack_hashes(data: bytes) -> np.ndarray:
-    if len(data) % 8:
-        raise ValueError(f"packed hashes must be a multiple of 8 bytes, got {len(data)}")
-    return np.frombuffer(data, dtype=HASH_DTYPE)
+    return _unpack(data, HASH_DTYPE, "hashes")
+
+
+def pack_pages(pages: Sequence[int]) -> bytes:
+    """Pool page indices (ChunkPull.pages) as little-endian uint32."""
+    return _pack(pages, PAGE_DTYPE)
+
+
+def unpack_pages(data: bytes) -> np.ndarray:
+    return _unpack(data, PAGE_DTYPE, "pages")
 
 
 class _Msg(msgspec.Struct, kw_only=True, tag_field="type"):
@@ -285,15 +305,5 @@ PeerRequest = Union[ChannelHello, ChunkPull, FetchChunks]
 PeerReply = Union[ChannelHelloReply, ChunkPullReply, FetchReply, Ack]
 peer_request_decoder = msgspec.msgpack.Decoder(PeerRequest)
 peer_reply_decoder = msgspec.msgpack.Decoder(PeerReply)
-
-
-def pack_pages(pages: Sequence[int]) -> bytes:
-    return np.asarray(pages, dtype="<u4").tobytes()
-
-
-def unpack_pages(data: bytes) -> np.ndarray:
-    if len(data) % 4:
-        raise ValueError(f"packed pages must be a multiple of 4 bytes, got {len(data)}")
-    return np.frombuffer(data, dtype="<u4")
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)

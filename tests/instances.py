@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Optional
 
 import yaml
@@ -123,13 +122,3 @@ class InstanceProcess:
 def tokens(n: int, seed: int = 0) -> list[int]:
     """A deterministic prompt of ``n`` token ids."""
     return [(seed * 7919 + i * 104729) % 32000 for i in range(n)]
-
-
-def wait_until(predicate, timeout: float = 15.0, what: str = "condition", step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

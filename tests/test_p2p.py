@@ -5,12 +5,13 @@ stand-in for an engine's KV pages of Llama-3.1-8B's page shape (chunks of 32 tok
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
 
-from instances import InstanceProcess, instance_config, tokens, wait_until
-from protocol_client import ControllerProcess
+from instances import InstanceProcess, instance_config, tokens
+from protocol_client import ControllerProcess, wait_for
 
 CHUNK = 32
 CPU = "LocalCPUBackend"
@@ -39,6 +40,12 @@ def spawn(tmp_path):
         proc.stop()
 
 
+def two_instances(controller, spawn, channel: str) -> tuple[InstanceProcess, InstanceProcess]:
+    """lmcache_instance_1 and lmcache_instance_2, as in the seeds, on free ports."""
+    return tuple(spawn(instance_config(f"lmcache_instance_{i}", controller, channel, chunk_size=CHUNK))
+                 for i in (1, 2))
+
+
 def api(controller, path: str, body: dict) -> dict:
     response = controller.post(path, body)
     assert response.status_code == 200, f"{path}: {response.status_code} {response.text}"
@@ -57,16 +64,15 @@ def finish(controller, event_id: str, timeout: float = 30.0) -> dict:
     def done():
         state = api(controller, "/check_finish", {"event_id": event_id})
         return state if state["status"] != "pending" else None
-    return wait_until(done, timeout, f"event {event_id}")
+    return wait_for(done, timeout, f"event {event_id}")
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
-    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    a, b = two_instances(controller, spawn, channel)
     prompt = tokens(8 * CHUNK + 5)  # 8 full chunks and a partial tail, which is never a chunk
     assert a.prefill(prompt) == 8 * CHUNK
-    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 8 * CHUNK], what="A's keys")
+    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 8 * CHUNK], what="A's keys")
 
     assert b.lookup(prompt, peers=False) == 0
     assert b.lookup(prompt) == 8 * CHUNK
@@ -82,17 +88,16 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     assert f"over {channel})" in b.log()
     assert "Retrieved 256 out of total 256 tokens. size: 0.0336 gb, cost " in b.log()
     # The pulled chunks are B's now too: the controller hears B's admits.
-    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
+    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_partial_prefix_pulls_only_the_missing_middle(controller, spawn, channel):
-    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    a, b = two_instances(controller, spawn, channel)
     prompt = tokens(8 * CHUNK, seed=1)
     a.prefill(prompt[:5 * CHUNK])  # A holds chunks 0-4
     b.prefill(prompt[:2 * CHUNK])  # B holds chunks 0-1 itself
-    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 5 * CHUNK], what="A's keys")
+    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 5 * CHUNK], what="A's keys")
     assert b.lookup(prompt) == 5 * CHUNK  # 2 local + 3 from A; chunks 5-7 nobody has
     assert b.status()["p2p_client"]["chunks_pulled"] == 3
     got = b.retrieve(prompt)
@@ -104,11 +109,10 @@ def test_partial_prefix_pulls_only_the_missing_middle(controller, spawn, channel
 
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_seed_003_move_flow(controller, spawn, channel):
-    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    a, b = two_instances(controller, spawn, channel)
     prompt = tokens(6 * CHUNK + 7, seed=3)
     a.prefill(prompt)
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
     answer = api(controller, "/move", {"old_position": ["lmcache_instance_1", CPU],
                                        "new_position": ["lmcache_instance_2", CPU],
                                        "tokens": prompt, "copy": False})
@@ -119,19 +123,18 @@ def test_seed_003_move_flow(controller, spawn, channel):
     assert b.lookup(prompt, peers=False) == 6 * CHUNK
     assert b.retrieve(prompt)["exact"]
     assert a.lookup(prompt, peers=False) == 0
-    wait_until(lambda: holders(controller, prompt) == {"lmcache_instance_2": [CPU, 6 * CHUNK]}, what="index after move")
+    wait_for(lambda: holders(controller, prompt) == {"lmcache_instance_2": [CPU, 6 * CHUNK]}, what="index after move")
     assert a.status()["storage"]["cpu"]["pins_held"] == 0
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_copy_of_everything_and_partial_copy(controller, spawn, channel):
-    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    a, b = two_instances(controller, spawn, channel)
     one, two = tokens(3 * CHUNK, seed=4), tokens(2 * CHUNK, seed=5)
     a.prefill(one)
     a.prefill(two)
     b.prefill(two[:CHUNK])  # B already holds one of the chunks
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 5, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 5, what="A's keys")
     # tokens omitted: every chunk A holds at that location.
     answer = api(controller, "/copy", {"old_position": ["lmcache_instance_1", CPU],
                                        "new_position": ["lmcache_instance_2", CPU]})
@@ -158,7 +161,7 @@ def test_move_to_an_instance_without_p2p_fails_cleanly(controller, spawn):
     c = spawn(plain)
     prompt = tokens(2 * CHUNK, seed=7)
     a.prefill(prompt)
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
     response = controller.http.post("/move", json={"old_position": ["lmcache_instance_1", CPU],
                                                    "new_position": ["lmcache_instance_3", CPU], "tokens": prompt})
     assert response.status_code == 409
@@ -169,23 +172,21 @@ def test_move_to_an_instance_without_p2p_fails_cleanly(controller, spawn):
 
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_holder_dying_mid_transfer_is_a_miss_without_leaks(controller, spawn, channel):
-    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    a, b = two_instances(controller, spawn, channel)
     prompt = tokens(8 * CHUNK, seed=8)
     a.prefill(prompt)
     b.prefill(prompt[:CHUNK])
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 8, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 8, what="A's keys")
     free_before = b.status()["storage"]["cpu"]["free_pages"]
 
     a.signal(signal.SIGSTOP)  # the holder freezes with B's request in flight...
     t0 = time.monotonic()
-    import threading
     threading.Timer(1.0, a.kill).start()  # ...and dies during it
     assert b.lookup(prompt, timeout=30) == CHUNK  # only B's own chunk: the rest is a miss
     assert time.monotonic() - t0 < 15
     assert "the rest is a miss" in b.log()
     # Pages reserved for the transfer all come back (after the grace period under NIXL).
-    wait_until(lambda: b.status()["storage"]["cpu"]["free_pages"] == free_before, 15, "B's pages back")
+    wait_for(lambda: b.status()["storage"]["cpu"]["free_pages"] == free_before, 15, "B's pages back")
     status = b.status()
     assert status["p2p_client"]["pages_quarantined"] == 0 and status["storage"]["cpu"]["pins_held"] == 0
     # B's engine is unharmed: it stores and loads as before.
@@ -194,25 +195,26 @@ def test_holder_dying_mid_transfer_is_a_miss_without_leaks(controller, spawn, ch
 
 
 def test_requester_dying_mid_transfer_releases_the_holders_pins(controller, spawn):
-    a = spawn(instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, "tcp", chunk_size=CHUNK))
-    prompt = tokens(16 * CHUNK, seed=10)
-    a.prefill(prompt)
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 16, what="A's keys")
+    a, b = two_instances(controller, spawn, "tcp")
+    prompt = tokens(48 * CHUNK, seed=10)  # 192 MiB: long enough to catch the holder sending
+    a.request("fill", tokens=prompt)  # more chunks than the stand-in's KV blocks: store payloads directly
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 48, what="A's keys")
     b.proc.stdin.write('{"op": "lookup", "tokens": %s}\n' % prompt)
     b.proc.stdin.flush()
-    time.sleep(0.15)
-    b.kill()
-    wait_until(lambda: a.status()["storage"]["cpu"]["pins_held"] == 0, 15, "A's pins released")
-    assert a.lookup(prompt, peers=False) == 16 * CHUNK
+    wait_for(lambda: a.status()["storage"]["cpu"]["pins_held"] > 0, 15, "A serving B")
+    b.signal(signal.SIGSTOP)  # B stops reading: A's send cannot finish...
+    time.sleep(0.5)
+    assert a.status()["storage"]["cpu"]["pins_held"] > 0, "A should be stuck mid-send to a frozen B"
+    b.kill()  # ...and B dies with it unfinished
+    wait_for(lambda: a.status()["storage"]["cpu"]["pins_held"] == 0, 15, "A's pins released")
+    assert a.lookup(prompt, peers=False) == 48 * CHUNK
 
 
 def test_controller_restart_converges_without_admin_action(controller, spawn):
-    a = spawn(instance_config("lmcache_instance_1", controller, "nixl", chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, "nixl", chunk_size=CHUNK))
+    a, b = two_instances(controller, spawn, "nixl")
     first, second = tokens(4 * CHUNK, seed=11), tokens(3 * CHUNK, seed=12)
     a.prefill(first)
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 4, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 4, what="A's keys")
 
     controller.kill()
     # The controller is away: engines keep serving from their own tiers.
@@ -220,10 +222,10 @@ def test_controller_restart_converges_without_admin_action(controller, spawn):
     assert a.lookup(second) == 3 * CHUNK
     assert b.lookup(first) == 0  # no controller, no peers: a miss, not an error
     controller.start()  # a new process, empty index, same ports
-    wait_until(lambda: holders(controller, first).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 15,
+    wait_for(lambda: holders(controller, first).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 15,
                "A's keys after the restart")
     assert holders(controller, second)["lmcache_instance_1"] == [CPU, 3 * CHUNK]  # stored while it was away
-    wait_until(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2, 15, "B registered")
+    wait_for(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2, 15, "B registered")
     assert b.lookup(first) == 4 * CHUNK
     assert b.retrieve(first)["exact"]
     assert "registered again" in a.log()
@@ -238,7 +240,7 @@ def test_tp_ranks_never_receive_each_others_chunks(controller, spawn):
     prompt = tokens(4 * CHUNK, seed=13)
     for rank in a_ranks:  # each rank holds its own half of the heads: different bytes per rank
         rank.prefill(prompt)
-    wait_until(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], what="A's keys")
+    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], what="A's keys")
     for rank in b_ranks:
         assert rank.lookup(prompt) == 4 * CHUNK
         got = rank.retrieve(prompt)
@@ -253,7 +255,7 @@ def test_clear_pin_health_and_status_reach_the_worker(controller, spawn):
     a = spawn(instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK))
     prompt = tokens(3 * CHUNK, seed=14)
     a.prefill(prompt)
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 3, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 3, what="A's keys")
 
     assert api(controller, "/health", {"instance_id": "lmcache_instance_1"})["error_codes"] == {"0": 0}
     status = api(controller, "/status", {"instance_id": "lmcache_instance_1"})["workers"]["0"]
@@ -269,7 +271,7 @@ def test_clear_pin_health_and_status_reach_the_worker(controller, spawn):
     cleared = api(controller, "/clear", {"instance_id": "lmcache_instance_1", "location": CPU})
     assert cleared["num_tokens"] == 3 * CHUNK
     assert a.lookup(prompt) == 0
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 0, what="index after clear")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 0, what="index after clear")
 
 
 def test_bad_frames_and_foreign_layouts_do_not_hurt_a_holder(controller, spawn):
@@ -300,19 +302,18 @@ def test_bad_frames_and_foreign_layouts_do_not_hurt_a_holder(controller, spawn):
         ctx.term()
     prompt = tokens(2 * CHUNK, seed=15)
     a.prefill(prompt)
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
     assert b.lookup(prompt) == 2 * CHUNK and b.retrieve(prompt)["exact"]
     assert a.status()["p2p_server"]["bad_frames"] >= 2
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_a_checksum_mismatch_is_a_miss_from_that_chunk_on(controller, spawn, channel):
-    a = spawn(instance_config("lmcache_instance_1", controller, channel, chunk_size=CHUNK))
-    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    a, b = two_instances(controller, spawn, channel)
     prompt = tokens(6 * CHUNK, seed=16)
     a.prefill(prompt)
     a.request("corrupt", tokens=prompt, chunk=3)  # A's copy of chunk 3 rots in memory
-    wait_until(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
     assert b.lookup(prompt) == 3 * CHUNK  # chunks 0-2 verified; 3 and after are a miss
     status = b.status()
     assert status["p2p_client"]["checksum_mismatches"] == 1 and status["storage"]["cpu"]["chunks"] == 3

@@ -18,26 +18,25 @@ import zmq.asyncio
 
 from lmcache_p2p.protocol import (
     ClearCommand, CommandDone, CommandReply, DecodeError, FetchChunks, FetchReply, HealthCommand, MoveCommand,
-    PeerAddress, PinCommand, StatusCommand, command_decoder, encode, peer_reply_decoder, unpack_hashes,
+    PeerAddress, PinCommand, StatusCommand, command_decoder, encode, unpack_hashes,
 )
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.worker.dealer import Dealer, RequestFailed
+from lmcache_p2p.worker.dealer import RequestFailed
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
-from lmcache_p2p.worker.p2p_client import BASE_TIMEOUT_S, SLOWEST_RATE_BPS
+from lmcache_p2p.worker.p2p_client import BASE_TIMEOUT_S, SLOWEST_RATE_BPS, P2PClient, Peer
 
 logger = logging.getLogger(__name__)
 
 
 class CommandServer:
     def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
-                 link: ControllerLink, serves_peers: bool, status: Callable[[], dict]):
-        self.ctx = ctx
+                 link: ControllerLink, peers: Optional[P2PClient], status: Callable[[], dict]):
         self.me = identity
         self.storage = storage
         self.link = link
-        self.serves_peers = serves_peers
+        self.peers = peers  # None when enable_p2p is off: this rank can be no move/copy source
         self.status = status
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -48,7 +47,6 @@ class CommandServer:
             raise OSError(f"{identity.describe()}: cannot bind lmcache_worker_ports port {identity.worker_port}: "
                           f"{e.strerror} (give one free port per TP rank)") from None
         self._pins: dict[int, list[PinnedChunk]] = {}
-        self._destinations: dict[tuple[str, int], Dealer] = {}
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: Optional[asyncio.Task] = None
 
@@ -60,8 +58,6 @@ class CommandServer:
             self._loop_task.cancel()
         for task in self._tasks:
             task.cancel()
-        for dealer in self._destinations.values():
-            dealer.close()
         for pins in self._pins.values():
             for chunk in pins:
                 chunk.release()
@@ -115,7 +111,7 @@ class CommandServer:
         if refused:
             return refused
         dest = command.destination
-        if not self.serves_peers:
+        if self.peers is None:
             return CommandReply(event_id=command.event_id, ok=False,
                                 error=f"{self.me.describe()} does not serve peers (enable_p2p is off)")
         if not dest.p2p_lookup_port:
@@ -132,7 +128,8 @@ class CommandServer:
         hashes = unpack_hashes(command.hashes)
         ok, tokens, error = False, 0, None
         try:
-            dealer = self._destination(dest)
+            dealer = self.peers.lookup_socket(Peer(dest.instance_id, dest.rank, dest.host, dest.p2p_init_port,
+                                                   dest.p2p_lookup_port))
             timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
             source = PeerAddress(instance_id=me.instance_id, rank=me.rank, location=command.location, host=me.host,
                                  p2p_init_port=me.p2p_init_port, p2p_lookup_port=me.p2p_lookup_port)
@@ -161,14 +158,6 @@ class CommandServer:
             logger.warning("%s: %s %s failed: %s", me.describe(), kind, command.event_id, error)
         self.link.send(CommandDone(event_id=command.event_id, instance_id=me.instance_id, rank=me.rank, ok=ok,
                                    num_tokens=tokens, error=error))
-
-    def _destination(self, dest: PeerAddress) -> Dealer:
-        key = (dest.host, dest.p2p_lookup_port)
-        dealer = self._destinations.get(key)
-        if dealer is None:
-            dealer = self._destinations[key] = Dealer(self.ctx, f"tcp://{dest.host}:{dest.p2p_lookup_port}",
-                                                      peer_reply_decoder, f"{dest.instance_id} rank {dest.rank} p2p_lookup")
-        return dealer
 
     # -- clear and pin ---------------------------------------------------------------------------
 

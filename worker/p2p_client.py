@@ -180,13 +180,21 @@ class P2PClient:
             logger.warning("peer pull from %s: %d of %d chunks; the rest is a miss: %s", peer.describe(),
                            len(result.held), asked, result.error)
 
-    async def _connect(self, peer: Peer) -> _Connection:
+    def _connection(self, peer: Peer) -> _Connection:
         key = (peer.host, peer.lookup_port)
         conn = self._connections.get(key)
-        if conn is not None and conn.channel is not None:
-            return conn
         if conn is None:
             conn = self._connections[key] = _Connection(self.ctx, peer)
+        return conn
+
+    def lookup_socket(self, peer: Peer) -> Dealer:
+        """The peer's p2p_lookup socket, for requests that need no channel session (FetchChunks)."""
+        return self._connection(peer).lookup
+
+    async def _connect(self, peer: Peer) -> _Connection:
+        conn = self._connection(peer)
+        if conn.channel is not None:
+            return conn
         for channel in dict.fromkeys([self.preferred, "tcp"]):
             hello = self.transports[channel].hello(self.me.instance_id, self.me.rank, self.storage.fingerprint)
             reply, _ = await conn.init.request(hello, HELLO_TIMEOUT_S)
@@ -220,7 +228,9 @@ class P2PClient:
         hashes = hashes[:len(batch.pages)]
         transport = self.transports[conn.channel]
         direct = conn.channel != "tcp"  # the holder writes into our pages itself
-        timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
+        # The holder sends a session's requests one after another, so this one may wait behind
+        # the others in flight: allow for the whole window's bytes.
+        timeout = BASE_TIMEOUT_S + PIPELINE_DEPTH * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
         request = ChunkPull(session=transport.session, fingerprint=self.storage.fingerprint, hashes=pack_hashes(hashes),
                             pages=pack_pages(batch.pages) if direct else b"", timeout_s=timeout)
         pages = list(batch.pages)

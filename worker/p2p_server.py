@@ -194,10 +194,10 @@ class PeerServer:
         src = request.source
         if not src.p2p_init_port or not src.p2p_lookup_port:
             return FetchReply(ok=False, error=f"source {src.instance_id} rank {src.rank} has no p2p ports")
-        hashes = unpack_hashes(request.hashes)
-        have = [int(h) for h in hashes if self.storage.holds(int(h), request.location)]
+        hashes = unpack_hashes(request.hashes).tolist()
+        have = [h for h in hashes if self.storage.holds(h, request.location)]
         have_set = set(have)
-        wanted = [int(h) for h in hashes if int(h) not in have_set]
+        wanted = [h for h in hashes if h not in have_set]
         peer = Peer(src.instance_id, src.rank, src.host, src.p2p_init_port, src.p2p_lookup_port)
         result = await self.client.pull(peer, wanted, request.location, skip_missing=True) if wanted else None
         held = have + (result.held if result else [])

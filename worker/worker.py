@@ -80,7 +80,7 @@ class Worker:
                 self.transports = self._make_transports()
                 self.client = P2PClient(self.ctx, me, self.storage, self.link, self.transports, config.transfer_channel)
                 self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client)
-            self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.server is not None, self.status)
+            self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.client, self.status)
         except BaseException:
             self._shutdown(deregister=False)
             raise
