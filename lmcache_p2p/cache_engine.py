@@ -45,6 +45,8 @@ class CacheEngine:
         self.chunk_size = config.chunk_size
         self.blocks_per_chunk = config.chunk_size // layout.block_size
         self.storage = StorageManager(config, layout, pin_memory=pin_memory)
+        # Totals since start, in tokens: what status() reports and tests and dashboards read.
+        self.counters = {"stored_tokens": 0, "retrieved_tokens": 0, "retrieves": 0}
         self.worker = None
         if config.enable_controller:
             from lmcache_p2p.worker import Worker  # the network side only when asked for
@@ -70,7 +72,9 @@ class CacheEngine:
             gpu_ops.gather_chunk(layers, blocks, data)
             if self.storage.commit_page(span.chunk_hash, page):
                 stored += self.chunk_size
-        logger.info("Storing KV cache for %d out of %d tokens", stored, len(tokens))
+        self.counters["stored_tokens"] += stored
+        logger.log(logging.INFO if stored else logging.DEBUG,
+                   "Storing KV cache for %d out of %d tokens", stored, len(tokens))
         return stored
 
     def _blocks(self, block_ids: Sequence[int], start: int) -> Optional[list[int]]:
@@ -105,36 +109,81 @@ class CacheEngine:
 
     # -- retrieve --------------------------------------------------------------------------------
 
+    def pin_prefix(self, tokens: TokenIds, max_tokens: Optional[int] = None) -> "PinnedPrefix":
+        """Hold the leading chunks of ``tokens`` the local tiers have (up to ``max_tokens``)
+        against eviction until released: what a lookup promised stays loadable."""
+        chunks = []
+        for span in self.storage.spans(tokens):
+            if max_tokens is not None and span.start >= max_tokens:
+                break
+            chunk = self.storage.pin(span.chunk_hash)
+            if chunk is None:
+                break
+            chunks.append(chunk)
+        return PinnedPrefix(chunks, self.chunk_size)
+
+    def load(self, prefix: "PinnedPrefix", layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+             start: int = 0, end: Optional[int] = None, total_tokens: Optional[int] = None) -> int:
+        """Scatter the pinned chunks covering tokens ``[start, end)`` into ``block_ids`` (the
+        request's blocks from token 0). Blocks before ``start`` are left alone: the engine computed
+        them already. Returns the end of what was loaded (``start`` when nothing was)."""
+        end = prefix.num_tokens if end is None else min(end, prefix.num_tokens)
+        block_size = self.layout.block_size
+        start -= start % block_size
+        t0 = time.perf_counter()
+        loaded_to, nbytes = start, 0
+        for index in range(start // self.chunk_size, -(-end // self.chunk_size)):
+            chunk_start = index * self.chunk_size
+            blocks = self._blocks(block_ids, chunk_start)
+            if blocks is None:
+                break
+            skip = (max(start, chunk_start) - chunk_start) // block_size
+            gpu_ops.scatter_chunk(prefix.chunks[index].data, layers, blocks, first_block=skip)
+            nbytes += self.storage.page_bytes * (len(blocks) - skip) // len(blocks)
+            loaded_to = min(chunk_start + self.chunk_size, end)
+        elapsed = time.perf_counter() - t0
+        self.counters["retrieved_tokens"] += loaded_to - start
+        self.counters["retrieves"] += 1
+        logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s",
+                    loaded_to - start, total_tokens if total_tokens is not None else end, nbytes / 1e9, elapsed * 1e3,
+                    nbytes / 1e9 / max(elapsed, 1e-9))
+        return loaded_to
+
     def retrieve(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
                  max_tokens: Optional[int] = None) -> int:
         """Load the held leading chunks of ``tokens`` into ``block_ids``; returns tokens loaded."""
-        t0 = time.perf_counter()
-        spans = self.storage.spans(tokens)
-        if max_tokens is not None:
-            spans = [s for s in spans if s.end <= max_tokens]
-        loaded = 0
-        for span in spans:
-            blocks = self._blocks(block_ids, span.start)
-            chunk = self.storage.pin(span.chunk_hash) if blocks is not None else None
-            if chunk is None:
-                break
-            with chunk:
-                gpu_ops.scatter_chunk(chunk.data, layers, blocks)
-            loaded += 1
-        elapsed = time.perf_counter() - t0
-        nbytes = loaded * self.storage.page_bytes
-        logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s",
-                    loaded * self.chunk_size, len(tokens), nbytes / 1e9, elapsed * 1e3,
-                    nbytes / 1e9 / max(elapsed, 1e-9))
-        return loaded * self.chunk_size
+        with self.pin_prefix(tokens, max_tokens) as prefix:
+            end = prefix.num_tokens if max_tokens is None else min(prefix.num_tokens, max_tokens)
+            return self.load(prefix, layers, block_ids, 0, end, total_tokens=len(tokens))
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def status(self) -> dict:
-        return self.worker.status() if self.worker is not None else {"storage": self.storage.stats()}
+        out = self.worker.status() if self.worker is not None else {"storage": self.storage.stats()}
+        out["engine"] = dict(self.counters)
+        return out
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
         self.storage.close()
+
+
+class PinnedPrefix:
+    """The leading chunks of a prompt held in the local tiers, pinned until :meth:`release`."""
+
+    def __init__(self, chunks: list, chunk_size: int):
+        self.chunks = chunks
+        self.num_tokens = len(chunks) * chunk_size
+
+    def release(self) -> None:
+        chunks, self.chunks = self.chunks, []
+        for chunk in chunks:
+            chunk.release()
+
+    def __enter__(self) -> "PinnedPrefix":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -45,9 +45,14 @@ def gather_chunk(layers: Sequence[torch.Tensor], block_ids, page: torch.Tensor) 
         torch.index_select(layer, 0, ids, out=view[i])
 
 
-def scatter_chunk(page: torch.Tensor, layers: Sequence[torch.Tensor], block_ids) -> None:
-    """Copy a chunk page into the given blocks of every layer."""
+def scatter_chunk(page: torch.Tensor, layers: Sequence[torch.Tensor], block_ids, first_block: int = 0) -> None:
+    """Copy a chunk page into the given blocks of every layer.
+
+    ``block_ids`` are all the chunk's blocks; with ``first_block`` only ``block_ids[first_block:]``
+    are written (the engine already computed the leading ones, and they may be shared)."""
     ids = _block_index(block_ids, layers)
     view = _page_view(page, layers, ids.numel())
+    if first_block:
+        ids, view = ids[first_block:], view[:, first_block:]
     for i, layer in enumerate(layers):
         layer.index_copy_(0, ids, view[i])

@@ -1,0 +1,1 @@
+"""Integrations of the cache engine into serving engines (vLLM)."""

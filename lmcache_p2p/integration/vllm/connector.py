@@ -1,0 +1,90 @@
+"""``LMCacheConnectorV1``: the vLLM KV connector, loaded with
+
+    --kv-transfer-config '{"kv_connector": "LMCacheConnectorV1",
+                           "kv_connector_module_path": "lmcache_p2p.integration.vllm",
+                           "kv_role": "kv_both"}'
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one per worker process
+(role WORKER). Each delegates to its half, :class:`SchedulerSide` or :class:`WorkerSide`; this
+class only adapts vLLM's interface (0.25 to 0.27; later additions have defaults in the base
+class). Both halves read the same LMCache configuration: ``LMCACHE_CONFIG_FILE`` and the
+``LMCACHE_*`` variables, which vLLM's worker processes inherit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from lmcache_p2p import logs
+from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LMCacheConnectorV1(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        logs.ensure_handler()
+        config = LMCacheConfig.load()
+        config.validate()
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
+            self._scheduler = SchedulerSide(vllm_config, config)
+        else:
+            from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+            self._worker = WorkerSide(vllm_config, config, kv_cache_config)
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, P2PConnectorMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # wait_for_save stores whole chunks across all layers in one pass
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, P2PConnectorMetadata):
+            self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

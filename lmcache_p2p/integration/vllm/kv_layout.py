@@ -1,0 +1,62 @@
+"""vLLM's paged KV tensors seen as *block planes*, and the layout fingerprint they imply.
+
+A block plane is a tensor whose first dimension is vLLM's block id, so one block's bytes in that
+plane are ``plane[block_id]``. Chunk pages are built from planes (``gpu_ops``), so the connector
+does not need to know an attention backend's in-block layout, only where the block dimension is:
+
+* ``[num_blocks, ...]`` (GPU flash ``[num_blocks, 2, block, heads, dim]``; CPU
+  ``[num_blocks, heads, block, 2*dim]``): the tensor is one plane;
+* ``[2, num_blocks, ...]`` (K and V stored apart): one plane per leading index.
+
+Anything else is refused with the tensor's shape in the message rather than guessed at.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from lmcache_p2p.keys import LayoutFingerprint
+
+
+class UnsupportedKVLayout(ValueError):
+    pass
+
+
+def block_planes(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """Every layer's planes, in layer order then plane order."""
+    planes: list[torch.Tensor] = []
+    for name, tensor in kv_caches.items():
+        if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
+            planes.append(tensor)
+        elif tensor.dim() >= 3 and tensor.shape[1] == num_blocks:
+            planes.extend(tensor.unbind(0))
+        else:
+            raise UnsupportedKVLayout(
+                f"KV cache of layer {name!r} has shape {tuple(tensor.shape)}; expected the block "
+                f"dimension ({num_blocks} blocks) first or second")
+    if not planes:
+        raise UnsupportedKVLayout("vLLM registered no KV cache tensors")
+    first = planes[0]
+    for plane in planes[1:]:
+        if plane.shape[1:] != first.shape[1:] or plane.dtype != first.dtype:
+            raise UnsupportedKVLayout(
+                f"layers differ in block shape or dtype ({tuple(first.shape[1:])} {first.dtype} vs "
+                f"{tuple(plane.shape[1:])} {plane.dtype}); hybrid models are not supported")
+    return planes
+
+
+def fingerprint(planes: list[torch.Tensor], model: str, block_size: int, tp_size: int,
+                tp_rank: int) -> LayoutFingerprint:
+    first = planes[0]
+    return LayoutFingerprint(
+        model=model,
+        dtype=str(first.dtype).removeprefix("torch."),
+        block_size=block_size,
+        block_shape=tuple(first.shape[1:]),
+        block_stride=tuple(first.stride()[1:]),
+        num_layers=len(planes),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )

@@ -1,0 +1,169 @@
+"""The lookup channel between vLLM's scheduler process and its worker processes.
+
+vLLM asks "how many tokens of this prompt can you load" in the scheduler (EngineCore) process,
+but the KV pages, the tiers and the peer client live in each TP rank's worker process. The
+scheduler side sends a :class:`LookupRequest` to every rank over a local ZMQ ``ipc://`` socket
+and takes the smallest answer (every rank must be able to load the prefix).
+
+A rank answers at once from its local tiers, or, when the prefix continues on a peer, after the
+pull: within ``wait_s`` it answers the hit, past it it answers ``pending`` and keeps pulling, so a
+scheduler with ``enable_async_loading`` is never held up for longer than its backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from typing import Callable, Optional
+
+import msgspec
+import numpy as np
+import zmq
+
+logger = logging.getLogger(__name__)
+
+
+class LookupRequest(msgspec.Struct, tag="lookup"):
+    seq: int
+    req_id: str
+    tokens: bytes  # the prompt's token ids as little-endian int32
+    use_peers: bool
+    wait_s: float  # how long the rank may wait for a peer pull before answering pending
+
+
+class LookupReply(msgspec.Struct, tag="lookup_reply"):
+    seq: int
+    req_id: str
+    hit_tokens: int = 0
+    pending: bool = False
+    error: str = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(LookupRequest)
+_reply_decoder = msgspec.msgpack.Decoder(LookupReply)
+
+
+def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> str:
+    """One ipc path per (engine, DP rank, TP rank); short enough for the 107-byte sun_path."""
+    tag = "".join(c for c in engine_id if c.isalnum())[:16] or "engine"
+    return os.path.join(tempfile.gettempdir(), f"lmcache-p2p-{tag}-dp{dp_rank}-tp{tp_rank}.ipc")
+
+
+class LookupServer:
+    """Answers lookups on one rank, on its own thread, with ``handler(request) -> reply``."""
+
+    def __init__(self, path: str, handler: Callable[[LookupRequest], LookupReply]):
+        self.path = path
+        self._handler = handler
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if os.path.exists(path):
+            os.unlink(path)  # left by a process that died; ipc bind would fail on it
+        self._sock.bind(f"ipc://{path}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lmcache-lookup-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                ident, payload = self._sock.recv_multipart()
+            except ValueError:
+                logger.warning("lookup server: dropped a frame that is not [identity, payload]")
+                continue
+            except zmq.ZMQError:
+                break
+            try:
+                request = _request_decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                logger.warning("lookup server: dropped a bad lookup request (%d bytes): %s", len(payload), exc)
+                continue
+            try:
+                reply = self._handler(request)
+            except Exception as exc:  # a lookup problem is a miss, never a dead lookup thread
+                logger.exception("lookup of request %s failed; answering a miss", request.req_id)
+                reply = LookupReply(seq=request.seq, req_id=request.req_id, error=str(exc))
+            try:
+                self._sock.send_multipart([ident, _encoder.encode(reply)])
+            except zmq.ZMQError as exc:
+                logger.warning("lookup server: could not answer request %s: %s", request.req_id, exc)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(0)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class LookupClient:
+    """Asks every TP rank of this engine; used by the scheduler-side connector."""
+
+    def __init__(self, paths: list[str]):
+        self._ctx = zmq.Context.instance()
+        self._socks = []
+        for path in paths:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"ipc://{path}")
+            self._socks.append(sock)
+        self._poller = zmq.Poller()
+        for sock in self._socks:
+            self._poller.register(sock, zmq.POLLIN)
+        self._seq = 0
+
+    def lookup(self, req_id: str, tokens: np.ndarray, use_peers: bool, wait_s: float,
+               timeout_s: float) -> Optional[int]:
+        """Tokens every rank can load, or None while a rank is still pulling from a peer.
+        A rank that does not answer within ``timeout_s`` makes it a miss (0)."""
+        self._seq += 1
+        seq = self._seq
+        payload = _encoder.encode(LookupRequest(seq=seq, req_id=req_id,
+                                                tokens=np.asarray(tokens, dtype="<i4").tobytes(),
+                                                use_peers=use_peers, wait_s=wait_s))
+        for sock in self._socks:
+            sock.send(payload, copy=False)
+        answers: dict[int, LookupReply] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < len(self._socks):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                missing = [r for r in range(len(self._socks)) if r not in answers]
+                logger.warning("lookup of request %s: TP rank(s) %s did not answer within %.1f s; "
+                               "treating it as a miss", req_id, missing, timeout_s)
+                return 0
+            for sock, _ in self._poller.poll(left_ms):
+                reply = self._decode(sock.recv())
+                if reply is not None and reply.seq == seq:  # older seqs: answers we gave up on
+                    answers[self._socks.index(sock)] = reply
+        if any(a.pending for a in answers.values()):
+            return None
+        for rank, answer in answers.items():
+            if answer.error:
+                logger.warning("lookup of request %s: rank %d failed (%s); treating it as a miss",
+                               req_id, rank, answer.error)
+                return 0
+        return min(a.hit_tokens for a in answers.values())
+
+    @staticmethod
+    def _decode(payload: bytes) -> Optional[LookupReply]:
+        try:
+            return _reply_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            logger.warning("lookup client: dropped a bad reply (%d bytes): %s", len(payload), exc)
+            return None
+
+    def close(self) -> None:
+        for sock in self._socks:
+            sock.close(0)

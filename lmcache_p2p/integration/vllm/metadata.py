@@ -1,0 +1,40 @@
+"""What the scheduler-side connector tells the worker-side connectors for one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+try:  # the base class vLLM's model runner expects; absent only where vLLM is not installed
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # pragma: no cover - unit tests of the plain data
+    KVConnectorMetadata = object
+
+
+@dataclass
+class LoadSpec:
+    """Load the request's tokens ``[start, end)`` from the local tiers into its blocks."""
+
+    req_id: str
+    tokens: np.ndarray  # the prompt, int32
+    block_ids: list[int]  # the request's blocks from token 0
+    start: int
+    end: int
+
+
+@dataclass
+class StoreSpec:
+    """Store the full chunks of ``tokens`` (computed by the end of this step) from its blocks."""
+
+    req_id: str
+    tokens: np.ndarray  # the prompt's first ``end`` tokens, a whole number of chunks
+    block_ids: list[int]
+
+
+@dataclass
+class P2PConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)
+    # Requests whose lookup pins the ranks may drop (finished, or scheduled with nothing to load).
+    released: list[str] = field(default_factory=list)

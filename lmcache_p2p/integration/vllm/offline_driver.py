@@ -1,0 +1,137 @@
+"""An offline vLLM engine (``vllm.LLM``) with our connector, driven by JSON lines.
+
+The vLLM end-to-end tests and ``benchmarks/bench_vllm_cpu.py`` run it as a process:
+
+    python -m lmcache_p2p.integration.vllm.offline_driver MODEL_DIR [--no-connector]
+
+The engine runs in this process (scheduler and worker alike), so the connector's cache engine is
+reachable through :func:`live_engines` for ``status`` and ``corrupt``. The LMCache configuration
+comes from ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*`` as for any engine.
+
+One JSON request per line on stdin, one answer per line on stdout (everything else goes to
+stderr). Operations:
+
+* ``{"op": "generate", "prompt_ids": [...], "max_tokens": 16}`` -> ``token_ids``, ``ttft_s``
+  (arrival to first token) and ``total_s``;
+* ``{"op": "corrupt"}`` negates every value of every chunk held in the CPU tier (a wrong but finite
+  KV, to prove a hit really feeds the model) -> ``chunks``;
+* ``{"op": "status"}`` -> the cache engine's status (tiers, counters, worker);
+* ``{"op": "flush"}`` waits for disk writes and the controller reports;
+* ``{"op": "quit"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+
+def _engine():
+    from lmcache_p2p.integration.vllm import live_engines
+
+    engines = list(live_engines().values())
+    if not engines:
+        raise RuntimeError("no lmcache-p2p cache engine in this process (started with --no-connector?)")
+    return engines[0]
+
+
+def _corrupt(engine) -> int:
+    import torch
+
+    dtype = getattr(torch, engine.layout.dtype)
+    hashes = engine.storage.held_hashes("LocalCPUBackend")
+    for chunk_hash in hashes.tolist():
+        chunk = engine.storage.pin(int(chunk_hash))
+        if chunk is not None:
+            with chunk:
+                chunk.data.view(dtype).neg_()
+    return len(hashes)
+
+
+def _generate(llm, request: dict) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(request.get("max_tokens", 16)), ignore_eos=True)
+    t0 = time.perf_counter()
+    output = llm.generate([{"prompt_token_ids": list(request["prompt_ids"])}], params, use_tqdm=False)[0]
+    total = time.perf_counter() - t0
+    answer = {"token_ids": list(output.outputs[0].token_ids), "total_s": total}
+    metrics = getattr(output, "metrics", None)
+    first = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+    answer["ttft_s"] = float(first) if first else None
+    return answer
+
+
+def serve(llm, stdin, stdout) -> None:
+    for line in stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            op = request["op"]
+            if op == "generate":
+                answer = _generate(llm, request)
+            elif op == "corrupt":
+                answer = {"chunks": _corrupt(_engine())}
+            elif op == "status":
+                answer = _engine().status()
+            elif op == "flush":
+                engine = _engine()
+                engine.storage.flush()
+                if engine.worker is not None:
+                    engine.worker.call(engine.worker.link.flush)
+                answer = {}
+            elif op == "quit":
+                break
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            answer["ok"] = True
+        except Exception as exc:  # answer and go on: the driving test reads the error
+            logging.getLogger(__name__).exception("offline driver request failed")
+            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        stdout.write(json.dumps(answer, default=str) + "\n")
+        stdout.flush()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.integration.vllm.offline_driver",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--no-connector", action="store_true", help="plain vLLM, for baselines")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-mib", type=int, default=256)
+    parser.add_argument("--kv-role", default="kv_both")
+    args = parser.parse_args(argv)
+
+    answers = os.fdopen(os.dup(1), "w")  # answers own stdout; everything else writes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    # One process: the scheduler's and the worker's connector halves live here with the engine.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv_transfer = None
+    if not args.no_connector:
+        kv_transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1",
+                                       kv_connector_module_path="lmcache_p2p.integration.vllm",
+                                       kv_role=args.kv_role)
+    llm = LLM(args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
+              enable_prefix_caching=False, kv_cache_memory_bytes=args.kv_cache_mib << 20,
+              distributed_executor_backend="uni", kv_transfer_config=kv_transfer, seed=0,
+              disable_log_stats=False)
+    answers.write(json.dumps({"ok": True, "ready": True}) + "\n")
+    answers.flush()
+    try:
+        serve(llm, sys.stdin, answers)
+    finally:
+        del llm
+
+
+if __name__ == "__main__":
+    main()

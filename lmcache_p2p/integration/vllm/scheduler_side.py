@@ -1,0 +1,183 @@
+"""The connector's scheduler half: decides, per request, what to load and what to store.
+
+It runs in vLLM's scheduler (EngineCore) process and never touches KV itself: it asks the ranks
+how much of a prompt they can load (:mod:`lookup_channel`), follows each request's blocks through
+the scheduler's outputs, and hands the ranks a :class:`P2PConnectorMetadata` every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, socket_path
+from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata, StoreSpec
+
+logger = logging.getLogger(__name__)
+
+# A synchronous lookup may wait this long for a peer pull (the pull has its own, shorter limits).
+SYNC_LOOKUP_WAIT_S = 30.0
+# Beyond the wait, how long a rank may take to answer at all before the lookup is a miss.
+LOOKUP_REPLY_SLACK_S = 10.0
+
+
+@dataclass
+class _Request:
+    tokens: np.ndarray  # prompt token ids, int32
+    hit: Optional[int] = None  # tokens the ranks can load; None until they all answered
+    next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
+    logged_need: Optional[int] = None
+    load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
+    block_ids: list[int] = field(default_factory=list)
+    saved_upto: int = 0  # prompt tokens already handed to the ranks to store
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, config: LMCacheConfig):
+        self.config = config
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.chunk_size = config.chunk_size
+        if self.chunk_size % self.block_size:
+            raise ConfigError("chunk_size", f"must be a multiple of vLLM's KV block size ({self.block_size}); "
+                              f"set chunk_size to a multiple of it or start vLLM with --block-size dividing it",
+                              value=self.chunk_size, source=config.sources.get("chunk_size"))
+        transfer = vllm_config.kv_transfer_config
+        self.loads = bool(getattr(transfer, "is_kv_consumer", True))
+        self.stores = bool(getattr(transfer, "is_kv_producer", True))
+        parallel = vllm_config.parallel_config
+        if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+            raise ConfigError("pipeline_parallel_size", "lmcache-p2p supports tensor parallelism only",
+                              value=parallel.pipeline_parallel_size)
+        dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        paths = [socket_path(str(transfer.engine_id), dp_rank, r) for r in range(parallel.tensor_parallel_size)]
+        self.client = LookupClient(paths)
+        self.use_peers = config.enable_p2p
+        self.async_loading = config.enable_async_loading
+        self.backoff_s = config.lookup_backoff_time
+        self._requests: dict[str, _Request] = {}
+        self._released: list[str] = []
+        logger.info("lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
+                    "async loading %s (backoff %.3f s)", self.chunk_size, self.block_size, len(paths),
+                    "on" if self.use_peers else "off", "on" if self.async_loading else "off", self.backoff_s)
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        if not self.loads:
+            return 0, False
+        req_id = request.request_id
+        state = self._requests.get(req_id)
+        if state is None:
+            state = _Request(np.asarray(request.prompt_token_ids or [], dtype=np.int32))
+            self._requests[req_id] = state
+        if len(state.tokens) < self.chunk_size:
+            return 0, False
+        if state.hit is None:
+            if not self._ask(req_id, state):
+                return None, False
+        # vLLM must compute at least the prompt's last token to sample from it.
+        usable = min(state.hit, len(state.tokens) - 1)
+        need = max(0, usable - num_computed_tokens)
+        if need != state.logged_need:
+            state.logged_need = need
+            logger.info("Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d",
+                        req_id, len(state.tokens), state.hit, need)
+        return need, False
+
+    def _ask(self, req_id: str, state: _Request) -> bool:
+        """Ask the ranks; True once ``state.hit`` is known."""
+        now = time.monotonic()
+        if self.async_loading:
+            if now < state.next_poll:
+                return False
+            wait_s = self.backoff_s
+        else:
+            wait_s = SYNC_LOOKUP_WAIT_S
+        hit = self.client.lookup(req_id, state.tokens, self.use_peers, wait_s, wait_s + LOOKUP_REPLY_SLACK_S)
+        if hit is None:
+            state.next_poll = time.monotonic() + self.backoff_s
+            return False
+        state.hit = hit
+        return True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        state.load_tokens = num_external_tokens
+        if num_external_tokens == 0 and state.hit:
+            self._released.append(request.request_id)  # nothing to load: the ranks may unpin
+
+    # -- per step --------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
+        meta = P2PConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                state = _Request(np.asarray(new.prompt_token_ids or [], dtype=np.int32))
+                self._requests[new.req_id] = state
+            state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._add_load(meta, new.req_id, state, new.num_computed_tokens)
+            self._add_store(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = self._resumed(cached)
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:  # preempted: its old blocks were freed; these replace them
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[i]
+            self._add_load(meta, req_id, state, computed)
+            self._add_store(meta, req_id, state, computed + scheduled.get(req_id, 0))
+
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None:  # it will be looked up again when it is rescheduled
+                state.hit, state.logged_need, state.load_tokens = None, None, 0
+        meta.released, self._released = self._released, []
+        return meta
+
+    @staticmethod
+    def _resumed(cached: Any) -> set:
+        ids = getattr(cached, "resumed_req_ids", None)  # vLLM >= 0.26
+        if ids is not None:
+            return set(ids)
+        flags = getattr(cached, "resumed_from_preemption", None) or []  # vLLM 0.25
+        return {req_id for req_id, flag in zip(cached.req_ids, flags) if flag}
+
+    def _add_load(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
+        # ``computed`` already counts the external tokens the scheduler granted us.
+        if state.load_tokens:
+            meta.loads.append(LoadSpec(req_id, state.tokens, list(state.block_ids),
+                                       start=computed - state.load_tokens, end=computed))
+            state.load_tokens = 0
+
+    def _add_store(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed_after: int) -> None:
+        if not self.stores:
+            return
+        end = min(computed_after, len(state.tokens)) // self.chunk_size * self.chunk_size
+        # Chunks the lookup found are held already; storing starts after them.
+        if end <= max(state.saved_upto, state.hit or 0) or len(state.block_ids) * self.block_size < end:
+            return
+        meta.stores.append(StoreSpec(req_id, state.tokens[:end], state.block_ids[:end // self.block_size]))
+        state.saved_upto = end
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict]]:
+        if self._requests.pop(request.request_id, None) is not None:
+            self._released.append(request.request_id)
+        return False, None
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,196 @@
+"""The connector's worker half: one per TP rank, inside vLLM's worker process.
+
+It owns the rank's :class:`CacheEngine` (tiers, controller worker, peer client), answers the
+scheduler's lookups (pulling from a peer first when P2P is on), and moves KV between vLLM's paged
+cache and the CPU tier: loads before the forward pass (``start_load_kv``), stores after it
+(``wait_for_save``), whole chunks of whole blocks as opaque pages (DESIGN.md §4).
+
+Chunks a lookup promised are pinned until the load (or the request's end), so an eviction in
+between cannot turn a promised hit into garbage; should a load still come up short, the blocks it
+did not fill are reported to vLLM, which recomputes them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from lmcache_p2p.cache_engine import CacheEngine, PinnedPrefix
+from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.integration.vllm import kv_layout
+from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, LookupServer, socket_path
+from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
+
+logger = logging.getLogger(__name__)
+
+# Pins of a lookup whose request never came back (scheduler gone, a lost release) are dropped.
+LOOKUP_PIN_TTL_S = 300.0
+
+# The explicit registry of live cache engines in this process (DESIGN.md §9), by
+# (instance id, TP rank): what an operator's debug shell or an in-process test reaches them by.
+_live_engines: dict[tuple[str, int], CacheEngine] = {}
+_live_lock = threading.Lock()
+
+
+def live_engines() -> dict[tuple[str, int], CacheEngine]:
+    with _live_lock:
+        return dict(_live_engines)
+
+
+@dataclass
+class _Lookup:
+    tokens: np.ndarray
+    future: Optional[concurrent.futures.Future]
+    started: float
+    prefix: Optional[PinnedPrefix] = None
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, config: LMCacheConfig, kv_cache_config: Any = None):
+        self.vllm_config = vllm_config
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.engine: Optional[CacheEngine] = None
+        self.planes: list[torch.Tensor] = []
+        self.server: Optional[LookupServer] = None
+        self._lookups: dict[str, _Lookup] = {}
+        self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
+        self._load_errors: set[int] = set()
+        self.tp_rank, self.tp_size = self._tp_rank_and_size()
+
+    def _tp_rank_and_size(self) -> tuple[int, int]:
+        size = int(self.vllm_config.parallel_config.tensor_parallel_size)
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            return int(get_tensor_model_parallel_rank()), size
+        except Exception:  # not initialised (single process): rank 0
+            return 0, size
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        num_blocks = getattr(self.kv_cache_config, "num_blocks", None) or int(first.shape[0])
+        self.planes = kv_layout.block_planes(kv_caches, num_blocks)
+        block_size = int(self.vllm_config.cache_config.block_size)
+        model = str(self.vllm_config.model_config.model)
+        layout = kv_layout.fingerprint(self.planes, model, block_size, self.tp_size, self.tp_rank)
+        self.engine = CacheEngine(self.config, layout, rank=self.tp_rank, pin_memory=first.is_cuda)
+        with _live_lock:
+            _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
+        parallel = self.vllm_config.parallel_config
+        path = socket_path(str(self.vllm_config.kv_transfer_config.engine_id),
+                           int(getattr(parallel, "data_parallel_rank", 0) or 0), self.tp_rank)
+        self.server = LookupServer(path, self._on_lookup)
+        logger.info("lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
+                    "on %s; chunk %d tokens = %.2f MiB", self.tp_rank, self.tp_size, len(kv_caches),
+                    len(self.planes), tuple(self.planes[0].shape[1:]), layout.dtype, num_blocks, block_size,
+                    first.device, self.config.chunk_size, self.engine.storage.page_bytes / 2**20)
+
+    # -- lookups (lookup thread) -----------------------------------------------------------------
+
+    def _on_lookup(self, request: LookupRequest) -> LookupReply:
+        self._expire_lookups()
+        with self._lock:
+            state = self._lookups.get(request.req_id)
+        if state is None:
+            tokens = np.frombuffer(request.tokens, dtype="<i4").astype(np.int32)
+            future = None
+            if request.use_peers:
+                _, future = self.engine.lookup_async(tokens)
+            state = _Lookup(tokens, future, time.monotonic())
+            with self._lock:
+                self._lookups[request.req_id] = state
+        if state.prefix is None:
+            if state.future is not None:
+                try:
+                    state.future.result(timeout=request.wait_s)
+                except concurrent.futures.TimeoutError:
+                    return LookupReply(seq=request.seq, req_id=request.req_id, pending=True)
+                except Exception:
+                    logger.exception("peer pull for request %s failed; using the local hit", request.req_id)
+            state.prefix = self.engine.pin_prefix(state.tokens)
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
+
+    def _take_lookup(self, req_id: str) -> Optional[_Lookup]:
+        with self._lock:
+            return self._lookups.pop(req_id, None)
+
+    def _expire_lookups(self) -> None:
+        cutoff = time.monotonic() - LOOKUP_PIN_TTL_S
+        with self._lock:
+            stale = [r for r, s in self._lookups.items() if s.started < cutoff]
+            states = [self._lookups.pop(r) for r in stale]
+        for req_id, state in zip(stale, states):
+            logger.warning("request %s: dropping its lookup pins after %.0f s unclaimed", req_id, LOOKUP_PIN_TTL_S)
+            self._release(state)
+
+    @staticmethod
+    def _release(state: _Lookup) -> None:
+        if state.future is not None:
+            state.future.cancel()
+        if state.prefix is not None:
+            state.prefix.release()
+
+    # -- per step (model runner thread) ----------------------------------------------------------
+
+    def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
+        for req_id in meta.released:
+            state = self._take_lookup(req_id)
+            if state is not None:
+                self._release(state)
+        for spec in meta.loads:
+            state = self._take_lookup(spec.req_id)
+            prefix = state.prefix if state is not None and state.prefix is not None else None
+            if prefix is None:  # the lookup was answered in another life of this rank
+                prefix = self.engine.pin_prefix(spec.tokens, spec.end)
+            try:
+                loaded_to = self.engine.load(prefix, self.planes, spec.block_ids, spec.start, spec.end,
+                                             total_tokens=len(spec.tokens))
+            except Exception:
+                logger.exception("request %s: loading tokens [%d, %d) failed", spec.req_id, spec.start, spec.end)
+                loaded_to = spec.start
+            finally:
+                prefix.release()
+            if loaded_to < spec.end:
+                self._report_short_load(spec, loaded_to)
+
+    def _report_short_load(self, spec, loaded_to: int) -> None:
+        block_size = self.engine.layout.block_size
+        first, last = loaded_to // block_size, -(-spec.end // block_size)
+        failed = spec.block_ids[first:last]
+        self._load_errors.update(failed)
+        logger.warning("request %s: loaded tokens [%d, %d) of the promised [%d, %d); %d block(s) will be "
+                       "recomputed", spec.req_id, spec.start, loaded_to, spec.start, spec.end, len(failed))
+
+    def wait_for_save(self, meta: P2PConnectorMetadata) -> None:
+        for spec in meta.stores:
+            try:
+                self.engine.store(spec.tokens, self.planes, spec.block_ids)
+            except Exception:  # a failed store is a future miss, never a failed request
+                logger.exception("request %s: storing %d tokens failed", spec.req_id, len(spec.tokens))
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        with self._lock:
+            states, self._lookups = list(self._lookups.values()), {}
+        for state in states:
+            self._release(state)
+        if self.engine is not None:
+            with _live_lock:
+                _live_engines.pop((self.config.lmcache_instance_id or "", self.tp_rank), None)
+            self.engine.close()
+            self.engine = None

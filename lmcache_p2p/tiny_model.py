@@ -1,0 +1,104 @@
+"""A tiny random-weight Llama and its own tokenizer, built locally (no hub access).
+
+The tests, the demo and the CPU benchmark run real vLLM on this model. Two properties matter:
+
+* it is built deterministically from a seed, so two engines built from the same call are the
+  same model (their KV pages are interchangeable, which is what peers rely on);
+* its greedy output depends on the whole context, so KV loaded wrongly (or corrupted) changes
+  what it generates. The weights are drawn wider than a trained model's so attention is peaked
+  rather than uniform.
+
+    python -m lmcache_p2p.tiny_model /tmp/tiny-llama      # prints the directory when done
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+MODEL_NAME = "tiny-llama"
+
+# Words the tokenizer learns from and the demo's documents are written in.
+_WORDS = (
+    "the cache holds keys and values for every token of a prompt so that an engine does not "
+    "compute them twice when many requests share a prefix such as a system prompt a document "
+    "or a long chat history peers pull chunks from each other over the network instead of "
+    "recomputing them and the controller knows which instance holds which chunk river mountain "
+    "engine memory disk tier page block layer head model token transfer latency throughput "
+    "question answer summary report market weather garden library station energy signal "
+    "forest harbor planet circuit theory method result sample figure table section chapter"
+).split()
+
+
+def sample_text(num_words: int, seed: int) -> str:
+    """Deterministic pseudo-English text: the demo's and benchmarks' long documents."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
+def _train_tokenizer(out_dir: str, vocab_size: int) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [sample_text(200, seed) for seed in range(200)]
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=16384)
+    fast.save_pretrained(out_dir)
+    return tokenizer.get_vocab_size()
+
+
+def build(out_dir: str, seed: int = 0, num_layers: int = 2, hidden_size: int = 128,
+          num_heads: int = 2, num_kv_heads: int = 2, vocab_size: int = 1024,
+          max_positions: int = 8192) -> str:
+    """Write the model and tokenizer into ``out_dir`` (skipped when already built there)."""
+    marker = os.path.join(out_dir, "lmcache_p2p_tiny_model.json")
+    recipe = dict(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, vocab_size=vocab_size, max_positions=max_positions)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == recipe:
+                return out_dir
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    real_vocab = _train_tokenizer(out_dir, vocab_size)
+    config = LlamaConfig(
+        vocab_size=real_vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, torch_dtype="float32", initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Never stop early on EOS: the tests compare fixed-length greedy outputs.
+    with torch.no_grad():
+        model.lm_head.weight[config.eos_token_id].fill_(0.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    with open(marker, "w") as f:
+        json.dump(recipe, f)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(build(args.out_dir, seed=args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
