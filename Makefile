@@ -35,9 +35,11 @@ install: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Controller + two vLLM CPU engines on the seeds' ports; Ctrl-C stops them. DEMO_ARGS=--no-wait
+# stops after the report.
+DEMO_ARGS ?=
 demo: $(VENV)/.installed
-	@echo "make demo: the two-engine peer-hit demo is coming with the vLLM connector (issue 5)."
-	@echo "Meanwhile: $(VENV)/bin/lmcache-p2p --help"
+	$(PY) -m lmcache_p2p.demo $(DEMO_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_keys.py

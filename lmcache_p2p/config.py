@@ -198,6 +198,7 @@ class LMCacheConfig:
     p2p_init_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "handshake port per TP rank")
     p2p_lookup_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "transfer request port per TP rank")
     transfer_channel: Optional[str] = _key(_optional(_to_str), None, '"nixl" or "tcp"')
+    nixl_progress_delay_us: int = _key(_to_int, 200, "pause between NIXL progress-thread rounds; 0 spins a core")
     # Controller
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
     lmcache_instance_id: Optional[str] = _key(_optional(_to_str), None, "this instance's id at the controller")

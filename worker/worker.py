@@ -97,7 +97,8 @@ class Worker:
         transports: dict[str, Transport] = {}
         if self.config.transfer_channel != "tcp":
             try:
-                transports[self.config.transfer_channel] = make_transport(self.config.transfer_channel, pool, session)
+                transports[self.config.transfer_channel] = make_transport(
+                    self.config.transfer_channel, pool, session, self.config.nixl_progress_delay_us)
             except TransferError as e:
                 logger.warning("%s: transfer_channel %s unavailable (%s); peers will use tcp", self.identity.describe(),
                                self.config.transfer_channel, e)

@@ -16,11 +16,11 @@ from lmcache_p2p.transfer.tcp_transport import TcpTransport
 __all__ = ["Transport", "TransferError", "TcpTransport", "make_transport"]
 
 
-def make_transport(channel: str, pool, session: str) -> Transport:
+def make_transport(channel: str, pool, session: str, nixl_progress_delay_us: int = 200) -> Transport:
     """The transport for ``channel``; raises TransferError if it cannot run here."""
     if channel == "tcp":
         return TcpTransport(pool, session)
     if channel == "nixl":
         from lmcache_p2p.transfer.nixl_transport import NixlTransport
-        return NixlTransport(pool, session)
+        return NixlTransport(pool, session, progress_delay_us=nixl_progress_delay_us)
     raise TransferError(f"unknown transfer_channel {channel!r}; expected 'nixl' or 'tcp'")

@@ -14,6 +14,7 @@ the worker's event loop, and completion is polled with a growing sleep rather th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,10 +49,37 @@ def _page_descs(base: int, num_pages: int, page_bytes: int) -> np.ndarray:
     return descs
 
 
+# NIXL's progress thread drives UCX for transfers this agent is the target of (a holder WRITEs
+# into our pages; over UCX's tcp transport that needs our side's progress), so it must run. NIXL's
+# Python API starts it with no pause between rounds, and an idle agent then burns a whole core:
+# on a small host, next to a CPU engine, that starved the holder's own P2P thread (hellos and pulls
+# past their timeouts). A short pause (config nixl_progress_delay_us, default 200 us) keeps it
+# responsive: a 32 MiB chunk takes ~10 ms at 3 GB/s.
+
+
+@contextlib.contextmanager
+def _progress_thread_delay(delay_us: int):
+    """Build NIXL agents with ``pthrDelay = delay_us``: nixl_agent hard-codes 0 before handing its
+    config to the bindings, so the bindings' constructor is wrapped for the duration."""
+    from nixl._api import nixlBind
+
+    real = nixlBind.nixlAgent
+
+    def make_agent(name, config):
+        config.pthrDelay = delay_us
+        return real(name, config)
+
+    nixlBind.nixlAgent = make_agent
+    try:
+        yield
+    finally:
+        nixlBind.nixlAgent = real
+
+
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, pool: PagePool, session: str):
+    def __init__(self, pool: PagePool, session: str, progress_delay_us: int = 200):
         super().__init__(pool, session)
         if pool.num_pages == 0:
             raise TransferError("the CPU page pool is empty: nothing to register with NIXL")
@@ -61,7 +89,8 @@ class NixlTransport(Transport):
             raise TransferError(f"NIXL is not importable here ({e}); install nixl or use transfer_channel: tcp") from None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="lmcache-nixl")
         try:
-            self.agent = nixl_agent(session, nixl_agent_config(backends=["UCX"]))
+            with _progress_thread_delay(progress_delay_us):
+                self.agent = nixl_agent(session, nixl_agent_config(backends=["UCX"]))
         except Exception as e:
             raise TransferError(f"NIXL agent could not start: {e}") from None
         if "UCX" not in self.agent.backends:

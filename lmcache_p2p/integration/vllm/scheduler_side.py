@@ -24,6 +24,13 @@ logger = logging.getLogger(__name__)
 SYNC_LOOKUP_WAIT_S = 30.0
 # Beyond the wait, how long a rank may take to answer at all before the lookup is a miss.
 LOOKUP_REPLY_SLACK_S = 10.0
+# With enable_async_loading, while the last step ran nothing, a pending lookup waits up to this
+# long for the pull instead of lookup_backoff_time: there is no other request to hold up, and
+# answering "not yet" makes vLLM run empty steps through its workers, whose shared-memory busy loop
+# (1 s of spinning after each step) then starves the very thread doing the pull of the GIL: on a
+# 2-core host, first pulls missed their 2-3 s timeouts. A request that arrives meanwhile waits
+# until the pull is done, at most this long.
+IDLE_LOOKUP_WAIT_S = 1.0
 
 
 @dataclass
@@ -61,6 +68,7 @@ class SchedulerSide:
         self.backoff_s = config.lookup_backoff_time
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
+        self._engine_busy = False  # did the last step schedule any tokens?
         logger.info("lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
                     "async loading %s (backoff %.3f s)", self.chunk_size, self.block_size, len(paths),
                     "on" if self.use_peers else "off", "on" if self.async_loading else "off", self.backoff_s)
@@ -95,7 +103,7 @@ class SchedulerSide:
         if self.async_loading:
             if now < state.next_poll:
                 return False
-            wait_s = self.backoff_s
+            wait_s = self.backoff_s if self._engine_busy else max(self.backoff_s, IDLE_LOOKUP_WAIT_S)
         else:
             wait_s = SYNC_LOOKUP_WAIT_S
         hit = self.client.lookup(req_id, state.tokens, self.use_peers, wait_s, wait_s + LOOKUP_REPLY_SLACK_S)
@@ -118,6 +126,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
         meta = P2PConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
+        self._engine_busy = scheduler_output.total_num_scheduled_tokens > 0
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:

