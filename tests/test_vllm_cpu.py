@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from instances import InstanceProcess, instance_config
-from protocol_client import ControllerProcess, wait_for
+from protocol_client import ControllerProcess, free_ports, wait_for
 
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks and a tail vLLM computes itself
@@ -122,3 +122,79 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         assert f"over {channel}" in b.log()
     finally:
         controller.stop()
+
+
+def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_model):
+    """Seed 003 with two real OpenAI servers: a request on A, /tokenize, POST /move A -> B,
+    then the same request on B loads the moved KV and gives A's output."""
+    import httpx
+    import yaml
+
+    from lmcache_p2p.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, ServedProcess, stream_completion, vllm_server_command
+    from lmcache_p2p.tiny_model import sample_text
+
+    controller = ControllerProcess().start()
+    engines = []
+    try:
+        ports = {}
+        for name in ("lmcache_instance_1", "lmcache_instance_2"):
+            config = instance_config(name, controller, channel="nixl", chunk_size=CHUNK, cpu_gb=0.25)
+            path = tmp_path / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            port = free_ports(1)[0]
+            env = {**CPU_ENGINE_ENV, **ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)}
+            engines.append(ServedProcess(name, vllm_server_command(tiny_model, port, *CPU_ENGINE_ARGS,
+                                                                   "--no-enable-prefix-caching"),
+                                         tmp_path / f"{name}.log", env).start())
+            ports[name] = port
+        for engine in engines:
+            engine.wait_http(f"http://127.0.0.1:{ports[engine.name]}/health", timeout=300)
+        a_url, b_url = (f"http://127.0.0.1:{ports[n]}" for n in ("lmcache_instance_1", "lmcache_instance_2"))
+        prompt = sample_text(PROMPT_TOKENS, seed=3)
+
+        on_a = stream_completion(a_url, tiny_model, prompt)
+        tokens = httpx.post(f"{a_url}/tokenize", json={"model": tiny_model, "prompt": prompt}).json()["tokens"]
+        assert len(tokens) > 2 * CHUNK
+        wait_for(lambda: controller.post("/lookup", {"tokens": tokens}).json()["layout_info"],
+                 timeout=10, what="the controller to index engine A's chunks")
+
+        moved = controller.post("/move", {"old_position": ["lmcache_instance_1", "LocalCPUBackend"],
+                                          "new_position": ["lmcache_instance_2", "LocalCPUBackend"],
+                                          "tokens": tokens}).json()
+        assert moved["num_tokens"] == 2 * CHUNK
+        state = wait_for(lambda: (s := controller.post("/check_finish", {"event_id": moved["event_id"]}).json())
+                         ["status"] != "pending" and s, timeout=30, what="the move")
+        assert state["status"] == "done", state
+        wait_for(lambda: list(controller.post("/lookup", {"tokens": tokens}).json()["layout_info"])
+                 == ["lmcache_instance_2"], timeout=10, what="only engine B to hold the chunks")
+
+        pulls_before = engines[1].log().count("(from lmcache_instance_1")
+        on_b = stream_completion(b_url, tiny_model, prompt)
+        log_b = engines[1].log()
+        assert on_b["text"] == on_a["text"]
+        assert f"LMCache hit tokens: {2 * CHUNK}, need to load: {2 * CHUNK}" in log_b
+        assert f"Retrieved {2 * CHUNK} out of total {len(tokens)} tokens" in log_b
+        assert log_b.count("(from lmcache_instance_1") == pulls_before, "B pulled again instead of using the move"
+    finally:
+        for engine in engines:
+            engine.terminate()
+        for engine in engines:
+            engine.stop()
+        controller.stop()
+
+
+def test_make_demo_shows_a_peer_hit_and_stops_everything_it_started(tmp_path):
+    import socket
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "lmcache_p2p.demo", "--no-wait", "--workdir", str(tmp_path)],
+                          cwd=repo, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **ENGINE_ENV})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "engine 2 pulled" in done.stdout and "over nixl" in done.stdout, done.stdout
+    assert "same output on both engines: True" in done.stdout
+    assert "WebUI: http://localhost:9000/" in done.stdout
+    for port in (9000, 8010, 8011, 8200, 8202, 8300):  # nothing left listening
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still in use after the demo"
