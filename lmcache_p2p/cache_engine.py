@@ -37,7 +37,7 @@ class CacheEngine:
         config.validate()
         config.validate_for_tp(layout.tp_size)
         if config.chunk_size % layout.block_size:
-            raise ConfigError("chunk_size", f"must be a multiple of the engine's KV block size {layout.block_size}",
+            raise ConfigError("chunk_size", f"must be a multiple of the engine's KV block size ({layout.block_size})",
                               value=config.chunk_size, source=config.sources.get("chunk_size"))
         self.config = config
         self.layout = layout

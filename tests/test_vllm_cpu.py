@@ -198,3 +198,18 @@ def test_make_demo_shows_a_peer_hit_and_stops_everything_it_started(tmp_path):
     for port in (9000, 8010, 8011, 8200, 8202, 8300):  # nothing left listening
         with socket.socket() as sock:
             assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still in use after the demo"
+
+
+def test_a_chunk_size_that_is_not_a_multiple_of_the_vllm_block_size_stops_the_engine_clearly(tmp_path, tiny_model):
+    import subprocess
+
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"chunk_size": 200, "local_cpu": True, "max_local_cpu_size": 0.25}))
+    done = subprocess.run([sys.executable, "-m", "lmcache_p2p.integration.vllm.offline_driver", tiny_model],
+                          input="", capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)})
+    assert done.returncode != 0
+    assert "chunk_size=200" in done.stderr and "must be a multiple of the engine's KV block size (128)" in done.stderr, \
+        done.stderr[-3000:]

@@ -50,8 +50,8 @@ class SchedulerSide:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.chunk_size = config.chunk_size
         if self.chunk_size % self.block_size:
-            raise ConfigError("chunk_size", f"must be a multiple of vLLM's KV block size ({self.block_size}); "
-                              f"set chunk_size to a multiple of it or start vLLM with --block-size dividing it",
+            raise ConfigError("chunk_size", f"must be a multiple of the engine's KV block size ({self.block_size}); "
+                              f"change chunk_size, or vLLM's --block-size",
                               value=self.chunk_size, source=config.sources.get("chunk_size"))
         transfer = vllm_config.kv_transfer_config
         self.loads = bool(getattr(transfer, "is_kv_consumer", True))

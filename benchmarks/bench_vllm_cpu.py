@@ -1,0 +1,132 @@
+"""Real vLLM on CPU with the connector: time to first token of a long prompt, cold vs. CPU-tier hit
+vs. peer hit, and what the connector costs on a miss. Prints one JSON object.
+
+    .venv/bin/python benchmarks/bench_vllm_cpu.py [--prompt-tokens 3000] [--prompts 6]
+
+Engines are the offline driver (``lmcache_p2p.integration.vllm.offline_driver``: vLLM's ``LLM``
+in one process, TTFT from vLLM's own request metrics) on the tiny local Llama, one OpenMP thread
+each. Runs, each over the same distinct prompts, median reported:
+
+* ``off``: vLLM with no connector (the baseline);
+* ``cold``: engine A with the connector, seed-004 config (controller, P2P over NIXL, async
+  lookups), nothing cached: every lookup misses locally and at the controller, then stores;
+* ``cpu_hit``: the same prompts again on A (CPU tier);
+* ``peer_hit``: the same prompts on engine B, which pulls A's chunks.
+
+Both engines' CPU pools are small (``--pool-pages``) and first cycled by a warm-up pass of other
+prompts, so the figures are the steady state of a pool in use. The warm-up pass itself (stores
+into pages never written before) is reported as ``cold_fresh_pool``: on this VM a first write to
+a page costs ~0.25 GB/s (see bench_p2p's first_touch), which a long-running engine pays once.
+
+The tiny model computes a prefill in ~0.1 s, so the connector's fixed costs weigh far more here,
+relative to the prefill, than they do on a real model on a GPU (issue 8 measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from instances import InstanceProcess, instance_config  # noqa: E402
+from protocol_client import ControllerProcess  # noqa: E402
+
+ENV = {"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+CHUNK = 256
+
+
+def driver(model: str, config: dict, tmp: Path, name: str, connector: bool = True) -> InstanceProcess:
+    command = [sys.executable, "-m", "lmcache_p2p.integration.vllm.offline_driver", model,
+               "--max-model-len", "8192", "--kv-cache-mib", "512"]
+    if not connector:
+        command.append("--no-connector")
+    return InstanceProcess(config, tmp, name=name, command=command, env=ENV).start(timeout=300)
+
+
+def ttfts(engine: InstanceProcess, prompts: list[list[int]]) -> list[float]:
+    return [engine.request("generate", prompt_ids=p, max_tokens=1, timeout=300)["ttft_s"] for p in prompts]
+
+
+def summary(values: list[float], baseline: float = None) -> dict:
+    out = {"median_ms": round(statistics.median(values) * 1e3, 2), "min_ms": round(min(values) * 1e3, 2),
+           "max_ms": round(max(values) * 1e3, 2)}
+    if baseline:
+        out["vs_off"] = round(statistics.median(values) / baseline, 3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=3000)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--model-dir", default=None, help="reuse a built tiny model")
+    parser.add_argument("--pool-pages", type=int, default=80, help="CPU pool size in chunk pages")
+    args = parser.parse_args()
+
+    from tokenizers import Tokenizer
+
+    from lmcache_p2p.tiny_model import build, sample_text
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
+    model = build(args.model_dir or str(tmp / "tiny-llama"))
+    tokenizer = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+    # One extra prompt warms each engine up (first-request costs) and is left out of the figures.
+    chunks_per_prompt = args.prompt_tokens // CHUNK
+    cycle = args.pool_pages // chunks_per_prompt + 1  # prompts that write every page of a pool once
+
+    def texts(first_seed: int, n: int) -> list[list[int]]:
+        return [tokenizer.encode(sample_text(2 * args.prompt_tokens, seed=first_seed + i)).ids[:args.prompt_tokens]
+                for i in range(n)]
+
+    prompts = texts(100, args.prompts)
+    warm_a, warm_b = texts(1000, cycle), texts(2000, cycle)
+    print(f"bench_vllm_cpu: {args.prompts} prompts of {args.prompt_tokens} tokens, work dir {tmp}", file=sys.stderr)
+
+    off_engine = driver(model, {}, tmp, "off", connector=False)
+    ttfts(off_engine, warm_a[:1])
+    off = ttfts(off_engine, prompts)
+    off_engine.stop(timeout=60)
+
+    controller = ControllerProcess().start()
+    try:
+        page_mib = 0.5  # one 256-token chunk of the tiny model: 2 layers x 2 x 256 x 2 heads x 64 x 4 B
+        seed_004 = dict(chunk_size=CHUNK, channel="nixl", cpu_gb=args.pool_pages * page_mib / 1024,
+                        enable_async_loading=True,
+                        extra_config={"lookup_backoff_time": 0.001})
+        a = driver(model, instance_config("bench_a", controller, **seed_004), tmp, "a")
+        b = driver(model, instance_config("bench_b", controller, **seed_004), tmp, "b")
+        cold_fresh = ttfts(a, warm_a)[1:]  # the first request of an engine also pays start-up costs
+        ttfts(b, warm_b)
+        cold = ttfts(a, prompts)
+        cpu_hit = ttfts(a, prompts)
+        a.request("flush")
+        peer_hit = ttfts(b, prompts)
+        pulled = b.status()["p2p_client"]
+        a.stop(timeout=60)
+        b.stop(timeout=60)
+    finally:
+        controller.stop()
+
+    base = statistics.median(off)
+    held = args.prompt_tokens // CHUNK * CHUNK
+    print(json.dumps({
+        "bench": "vllm_cpu", "model": "tiny-llama (2 layers, hidden 128, fp32)", "prompt_tokens": args.prompt_tokens,
+        "prompts": args.prompts, "chunk_tokens": CHUNK, "tokens_loadable": min(held, args.prompt_tokens - 1),
+        "pool_pages": args.pool_pages,
+        "ttft": {"off": summary(off), "cold_fresh_pool": summary(cold_fresh, base), "cold": summary(cold, base),
+                 "cpu_hit": summary(cpu_hit, base),
+                 "peer_hit": summary(peer_hit, base)},
+        "miss_overhead_pct": round((statistics.median(cold) / base - 1) * 100, 1),
+        "peer_chunks_pulled": pulled["chunks_pulled"],
+        "note": "TTFT from vLLM's request metrics (arrival to first token), median over the prompts; "
+                "cold = connector on with nothing cached (local miss + controller lookup + store)",
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The vLLM connector's parts that need no engine: KV layouts and the lookup channel (real ZMQ)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from lmcache_p2p import gpu_ops
+from lmcache_p2p.integration.vllm.kv_layout import UnsupportedKVLayout, block_planes, fingerprint
+from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, LookupReply, LookupServer, socket_path
+
+
+def test_block_first_caches_are_one_plane_per_layer_and_kv_first_caches_two():
+    cpu_layout = {f"layer.{i}": torch.zeros(10, 2, 128, 128) for i in range(3)}  # [blocks, heads, block, 2*dim]
+    assert len(block_planes(cpu_layout, 10)) == 3
+    kv_first = {f"layer.{i}": torch.zeros(2, 10, 16, 2, 64) for i in range(3)}
+    planes = block_planes(kv_first, 10)
+    assert len(planes) == 6 and planes[0].shape == (10, 16, 2, 64)
+    layout = fingerprint(planes, "m", 16, 1, 0)
+    assert layout.num_layers == 6 and layout.block_shape == (16, 2, 64) and layout.dtype == "float32"
+    # a page holds every plane's blocks: its size is what the fingerprint says a chunk weighs
+    assert layout.bytes_per_token * 16 == 6 * 16 * 2 * 64 * 4
+
+
+def test_an_unknown_kv_layout_is_refused_with_the_layer_and_shape():
+    with pytest.raises(UnsupportedKVLayout, match=r"layer 'model.layers.0.attn'.*\(7, 3, 5\)"):
+        block_planes({"model.layers.0.attn": torch.zeros(7, 3, 5)}, 10)
+
+
+def test_a_partial_scatter_leaves_the_blocks_the_engine_computed_alone():
+    planes = [torch.arange(8 * 4, dtype=torch.float32).view(8, 4) for _ in range(2)]
+    page = torch.empty(2 * 4 * 4 * 4, dtype=torch.uint8)
+    gpu_ops.gather_chunk(planes, [0, 1, 2, 3], page)
+    target = [torch.full((8, 4), -1.0) for _ in range(2)]
+    gpu_ops.scatter_chunk(page, target, [4, 5, 6, 7], first_block=2)
+    for plane, source in zip(target, planes):
+        assert (plane[4:6] == -1).all()  # skipped: already computed by the engine
+        assert torch.equal(plane[6:8], source[2:4])
+
+
+@pytest.fixture
+def engine_id():
+    return uuid.uuid4().hex
+
+
+def test_the_scheduler_gets_the_smallest_answer_of_all_ranks_once_none_is_pending(engine_id):
+    calls = {0: 0, 1: 0}
+
+    def rank(r, hit):
+        def handle(request):
+            calls[r] += 1
+            pending = r == 1 and calls[r] == 1  # rank 1 is still pulling at the first ask
+            return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=hit, pending=pending)
+        return LookupServer(socket_path(engine_id, 0, r), handle)
+
+    servers = [rank(0, 512), rank(1, 256)]
+    client = LookupClient([socket_path(engine_id, 0, r) for r in range(2)])
+    try:
+        tokens = np.arange(600, dtype=np.int32)
+        assert client.lookup("req-1", tokens, True, 0.001, 5.0) is None
+        assert client.lookup("req-1", tokens, True, 0.001, 5.0) == 256
+    finally:
+        client.close()
+        for server in servers:
+            server.close()
+
+
+def test_a_rank_that_does_not_answer_is_a_miss_and_its_late_answer_is_ignored(engine_id):
+    def slow(request):
+        time.sleep(0.5 if request.req_id == "slow" else 0)
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=256)
+
+    server = LookupServer(socket_path(engine_id, 0, 0), slow)
+    client = LookupClient([socket_path(engine_id, 0, 0)])
+    try:
+        assert client.lookup("slow", np.arange(300, dtype=np.int32), False, 0.0, 0.2) == 0
+        # the late answer to "slow" must not be taken for this one's
+        assert client.lookup("next", np.arange(300, dtype=np.int32), False, 0.0, 2.0) == 256
+    finally:
+        client.close()
+        server.close()
+
+
+def test_the_lookup_server_survives_garbage_and_a_failing_handler(engine_id):
+    def handle(request):
+        if request.req_id == "boom":
+            raise RuntimeError("tier exploded")
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=256)
+
+    path = socket_path(engine_id, 0, 0)
+    server = LookupServer(path, handle)
+    client = LookupClient([path])
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(f"ipc://{path}")
+    try:
+        raw.send(b"\x00not msgpack")
+        raw.send_multipart([b"a", b"b"])
+        assert client.lookup("boom", np.arange(300, dtype=np.int32), False, 0.0, 2.0) == 0  # a miss, logged
+        assert client.lookup("fine", np.arange(300, dtype=np.int32), False, 0.0, 2.0) == 256
+    finally:
+        raw.close(0)
+        client.close()
+        server.close()
