@@ -163,6 +163,12 @@ class CacheEngine:
         out["engine"] = dict(self.counters)
         return out
 
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for disk write-behind and for the worker to send its queued admit/evict reports."""
+        self.storage.flush(timeout)
+        if self.worker is not None:
+            self.worker.call(self.worker.link.flush)
+
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()

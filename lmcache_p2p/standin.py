@@ -7,17 +7,15 @@ The KV of a chunk is a pure function of its chained hash (so of the whole prefix
 rank: two instances that "prefill" the same prompt hold identical bytes, and a chunk that
 landed in the wrong rank or the wrong blocks is detected by :meth:`StandInKV.matches`.
 
-Process protocol: one JSON object per line on stdin, one JSON answer per line on stdout (logs go
+Process protocol (:mod:`lmcache_p2p.jsonlines`): one JSON object per line on stdin, one JSON answer per line on stdout (logs go
 to stderr). Operations: ``prefill``, ``fill``, ``lookup``, ``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``;
-see :func:`serve`.
+see :func:`handler`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from lmcache_p2p import jsonlines
 from lmcache_p2p.keys import LayoutFingerprint, chunk_spans
 
 
@@ -100,57 +99,47 @@ class StandInKV:
             layer.zero_()
 
 
-def serve(engine, kv: StandInKV, chunk_size: int, stdin=sys.stdin, stdout=sys.stdout) -> None:
-    """Answer JSON-line requests until ``quit`` or end of input."""
+def handler(engine, kv: StandInKV, chunk_size: int):
+    """The stand-in's operations, for :func:`lmcache_p2p.jsonlines.serve`."""
     blocks = list(range(kv.layers[0].shape[0]))
-    for line in stdin:
-        if not line.strip():
-            continue
-        try:
-            request = json.loads(line)
-            op = request["op"]
-            tokens = request.get("tokens", [])
-            t0 = time.perf_counter()
-            if op == "prefill":
-                kv.prefill(tokens, blocks, chunk_size)
-                answer = {"stored": engine.store(tokens, kv.layers, blocks)}
-            elif op == "fill":  # store the chunks' payloads with no KV tensors involved (benchmarks)
-                spans = chunk_spans(tokens, chunk_size)
-                answer = {"stored": chunk_size * sum(
-                    engine.storage.put(s.chunk_hash, kv.chunk_payload(s.chunk_hash, chunk_size)) for s in spans)}
-            elif op == "corrupt":  # flip one byte of a stored chunk after its checksum (fault tests)
-                span = chunk_spans(tokens, chunk_size)[request["chunk"]]
-                chunk = engine.storage.pin(span.chunk_hash)
-                with chunk:
-                    _ = chunk.checksum  # the stored checksum keeps describing the good bytes
-                    chunk.data[12345] ^= 0xFF
-                answer = {}
-            elif op == "clear":
-                answer = {"dropped": engine.storage.clear()}
-            elif op == "lookup":
-                answer = {"hit": engine.lookup(tokens, use_peers=request.get("peers", True))}
-            elif op == "retrieve":
-                kv.wipe()
-                n = engine.retrieve(tokens, kv.layers, blocks)
-                answer = {"retrieved": n, "exact": kv.matches(tokens, blocks, chunk_size, n)}
-            elif op == "status":
-                answer = engine.status()
-            elif op == "flush":
-                engine.storage.flush()
-                if engine.worker is not None:
-                    engine.worker.call(engine.worker.link.flush)
-                answer = {}
-            elif op == "quit":
-                break
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            answer["ms"] = (time.perf_counter() - t0) * 1e3
-            answer["ok"] = True
-        except Exception as e:  # answer and go on: the driving test reads the error
-            logging.getLogger(__name__).exception("stand-in request failed")
-            answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        stdout.write(json.dumps(answer) + "\n")
-        stdout.flush()
+
+    def handle(request: dict) -> dict:
+        op = request["op"]
+        tokens = request.get("tokens", [])
+        t0 = time.perf_counter()
+        if op == "prefill":
+            kv.prefill(tokens, blocks, chunk_size)
+            answer = {"stored": engine.store(tokens, kv.layers, blocks)}
+        elif op == "fill":  # store the chunks' payloads with no KV tensors involved (benchmarks)
+            spans = chunk_spans(tokens, chunk_size)
+            answer = {"stored": chunk_size * sum(
+                engine.storage.put(s.chunk_hash, kv.chunk_payload(s.chunk_hash, chunk_size)) for s in spans)}
+        elif op == "corrupt":  # flip one byte of a stored chunk after its checksum (fault tests)
+            span = chunk_spans(tokens, chunk_size)[request["chunk"]]
+            chunk = engine.storage.pin(span.chunk_hash)
+            with chunk:
+                _ = chunk.checksum  # the stored checksum keeps describing the good bytes
+                chunk.data[12345] ^= 0xFF
+            answer = {}
+        elif op == "clear":
+            answer = {"dropped": engine.storage.clear()}
+        elif op == "lookup":
+            answer = {"hit": engine.lookup(tokens, use_peers=request.get("peers", True))}
+        elif op == "retrieve":
+            kv.wipe()
+            n = engine.retrieve(tokens, kv.layers, blocks)
+            answer = {"retrieved": n, "exact": kv.matches(tokens, blocks, chunk_size, n)}
+        elif op == "status":
+            answer = engine.status()
+        elif op == "flush":
+            engine.flush()
+            answer = {}
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        answer["ms"] = (time.perf_counter() - t0) * 1e3
+        return answer
+
+    return handle
 
 
 def main(argv=None) -> None:
@@ -161,11 +150,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    # The answers own stdout: anything else that writes there (NIXL's logger, C libraries
-    # printing to fd 1) is sent to stderr instead.
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    answers = jsonlines.claim_stdout()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from lmcache_p2p.cache_engine import CacheEngine
@@ -174,10 +159,9 @@ def main(argv=None) -> None:
     config = LMCacheConfig.load()
     kv = StandInKV(MODEL_SHAPES[args.model], args.num_blocks, args.tp_size, args.rank)
     engine = CacheEngine(config, kv.layout(), rank=args.rank)
-    answers.write(json.dumps({"ok": True, "ready": True, "page_bytes": engine.storage.page_bytes}) + "\n")
-    answers.flush()
+    jsonlines.answer(answers, {"ok": True, "ready": True, "page_bytes": engine.storage.page_bytes})
     try:
-        serve(engine, kv, config.chunk_size, stdout=answers)
+        jsonlines.serve(handler(engine, kv, config.chunk_size), sys.stdin, answers)
     finally:
         engine.close()
 

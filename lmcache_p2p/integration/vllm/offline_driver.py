@@ -23,11 +23,11 @@ stderr). Operations:
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import sys
 import time
+
+from lmcache_p2p import jsonlines
 
 
 def _engine():
@@ -66,35 +66,20 @@ def _generate(llm, request: dict) -> dict:
     return answer
 
 
-def serve(llm, stdin, stdout) -> None:
-    for line in stdin:
-        if not line.strip():
-            continue
-        try:
-            request = json.loads(line)
-            op = request["op"]
-            if op == "generate":
-                answer = _generate(llm, request)
-            elif op == "corrupt":
-                answer = {"chunks": _corrupt(_engine())}
-            elif op == "status":
-                answer = _engine().status()
-            elif op == "flush":
-                engine = _engine()
-                engine.storage.flush()
-                if engine.worker is not None:
-                    engine.worker.call(engine.worker.link.flush)
-                answer = {}
-            elif op == "quit":
-                break
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            answer["ok"] = True
-        except Exception as exc:  # answer and go on: the driving test reads the error
-            logging.getLogger(__name__).exception("offline driver request failed")
-            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        stdout.write(json.dumps(answer, default=str) + "\n")
-        stdout.flush()
+def handler(llm):
+    def handle(request: dict) -> dict:
+        op = request["op"]
+        if op == "generate":
+            return _generate(llm, request)
+        if op == "corrupt":
+            return {"chunks": _corrupt(_engine())}
+        if op == "status":
+            return _engine().status()
+        if op == "flush":
+            _engine().flush()
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+    return handle
 
 
 def main(argv=None) -> None:
@@ -107,9 +92,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-role", default="kv_both")
     args = parser.parse_args(argv)
 
-    answers = os.fdopen(os.dup(1), "w")  # answers own stdout; everything else writes to stderr
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    answers = jsonlines.claim_stdout()
     # One process: the scheduler's and the worker's connector halves live here with the engine.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -125,10 +108,9 @@ def main(argv=None) -> None:
               enable_prefix_caching=False, kv_cache_memory_bytes=args.kv_cache_mib << 20,
               distributed_executor_backend="uni", kv_transfer_config=kv_transfer, seed=0,
               disable_log_stats=False)
-    answers.write(json.dumps({"ok": True, "ready": True}) + "\n")
-    answers.flush()
+    jsonlines.answer(answers, {"ok": True, "ready": True})
     try:
-        serve(llm, sys.stdin, answers)
+        jsonlines.serve(handler(llm), sys.stdin, answers)
     finally:
         del llm
 
