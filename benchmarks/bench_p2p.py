@@ -5,6 +5,7 @@ chunks = 32 MiB) and a real controller on 127.0.0.1. Instance 1 holds N chunks; 
 for the prompt and pulls them (controller lookup + transfer + checksum verification + admit),
 for N = 1, 8, 64, over nixl and over tcp. In the same run, two bare NIXL agents in two processes
 WRITE the same bytes page by page (the same descriptor shape our channel uses): the ceiling.
+Last, the CPU an idle nixl instance burns with NIXL's progress thread unpaused (0 us) and paused (200 us).
 
     python benchmarks/bench_p2p.py [--batches 1,8,64] [--reps 7]   # prints one JSON object
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from instances import InstanceProcess, instance_config, tokens  # noqa: E402
-from protocol_client import ControllerProcess  # noqa: E402
+from protocol_client import ControllerProcess, wait_for  # noqa: E402
 
 from lmcache_p2p.standin import MODEL_SHAPES  # noqa: E402
 from lmcache_p2p.storage.memory import PagePool  # noqa: E402
@@ -145,10 +146,8 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = 
             prompt = tokens(n * CHUNK_TOKENS, seed=1000 + seed)
             assert holder.request("fill", tokens=prompt)["stored"] == n * CHUNK_TOKENS
             holder.request("flush")
-            deadline = time.monotonic() + 10
-            while controller.post("/lookup", {"tokens": prompt}).json()["layout_info"].get("bench_holder", [0, 0])[1] \
-                    < n * CHUNK_TOKENS and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_for(lambda: controller.holders(prompt).get("bench_holder", [0, 0])[1] == n * CHUNK_TOKENS,
+                     timeout=10, what="the controller to index the holder's chunks")
             times = []
             for _ in range(reps if seed else 1):
                 puller.request("clear")
@@ -169,6 +168,32 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = 
         controller.stop()
 
 
+def idle_cpu(tmp: Path, delays_us=(0, 200), seconds: float = 3.0) -> dict[str, float]:
+    """CPU (% of one core) an idle nixl instance burns, per NIXL progress-thread pause
+    (config nixl_progress_delay_us; NIXL's own Python API uses 0)."""
+    out = {}
+    controller = ControllerProcess().start()
+    try:
+        for delay in delays_us:
+            proc = InstanceProcess(instance_config(f"idle_{delay}", controller, "nixl", chunk_size=CHUNK_TOKENS,
+                                                   cpu_gb=2 * PAGE_BYTES / 2**30, nixl_progress_delay_us=delay),
+                                   tmp, num_blocks=16, env={"OMP_NUM_THREADS": "1"}).start()
+            try:
+                def cpu_ticks() -> int:  # utime + stime of every thread of the process
+                    fields = open(f"/proc/{proc.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+                    return int(fields[11]) + int(fields[12])
+                time.sleep(1.0)  # past start-up
+                before = cpu_ticks()
+                time.sleep(seconds)
+                out[f"progress_delay_{delay}us"] = round(
+                    (cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds * 100, 1)
+            finally:
+                proc.stop()
+    finally:
+        controller.stop()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,64", help="chunks per pull")
@@ -183,12 +208,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             nixl = p2p("nixl", batches, Path(tmp), raw)
             tcp = p2p("tcp", batches, Path(tmp))
+            idle = idle_cpu(Path(tmp))
     finally:
         raw.close()
     print(json.dumps({
         "bench": "p2p", "chunk_tokens": CHUNK_TOKENS, "chunk_bytes": PAGE_BYTES, "shape": "Llama-3.1-8B bf16",
         "p2p_nixl": nixl, "p2p_tcp": tcp, f"nixl_vs_raw_at_{largest}": nixl[largest]["vs_raw"],
-        "first_touch": first_touch,
+        "first_touch": first_touch, "idle_instance_cpu_pct": idle,
         "note": "p2p = the requester's lookup call (controller lookup + transfer + checksum + admit); "
                 "raw = two bare NIXL agents writing the same pages, measured just before",
     }))

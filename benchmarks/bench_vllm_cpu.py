@@ -36,15 +36,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from instances import InstanceProcess, instance_config  # noqa: E402
 from protocol_client import ControllerProcess  # noqa: E402
 
-ENV = {"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+from lmcache_p2p.demo import CPU_ENGINE_ENV  # noqa: E402
+from lmcache_p2p.integration.vllm import offline_driver  # noqa: E402
+
+ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
 CHUNK = 256
 
 
 def driver(model: str, config: dict, tmp: Path, name: str, connector: bool = True) -> InstanceProcess:
-    command = [sys.executable, "-m", "lmcache_p2p.integration.vllm.offline_driver", model,
-               "--max-model-len", "8192", "--kv-cache-mib", "512"]
-    if not connector:
-        command.append("--no-connector")
+    command = offline_driver.command(model, "--max-model-len", "8192", "--kv-cache-mib", "512", connector=connector)
     return InstanceProcess(config, tmp, name=name, command=command, env=ENV).start(timeout=300)
 
 
@@ -68,23 +68,15 @@ def main() -> None:
     parser.add_argument("--pool-pages", type=int, default=80, help="CPU pool size in chunk pages")
     args = parser.parse_args()
 
-    from tokenizers import Tokenizer
-
-    from lmcache_p2p.tiny_model import build, sample_text
+    from lmcache_p2p.tiny_model import build, sample_prompts
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
     model = build(args.model_dir or str(tmp / "tiny-llama"))
-    tokenizer = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-    # One extra prompt warms each engine up (first-request costs) and is left out of the figures.
-    chunks_per_prompt = args.prompt_tokens // CHUNK
-    cycle = args.pool_pages // chunks_per_prompt + 1  # prompts that write every page of a pool once
-
-    def texts(first_seed: int, n: int) -> list[list[int]]:
-        return [tokenizer.encode(sample_text(2 * args.prompt_tokens, seed=first_seed + i)).ids[:args.prompt_tokens]
-                for i in range(n)]
-
-    prompts = texts(100, args.prompts)
-    warm_a, warm_b = texts(1000, cycle), texts(2000, cycle)
+    # Warm-up prompts: enough to write every page of a pool once (their own seeds, never measured).
+    cycle = args.pool_pages // (args.prompt_tokens // CHUNK) + 1
+    prompts = sample_prompts(model, args.prompt_tokens, range(100, 100 + args.prompts))
+    warm_a = sample_prompts(model, args.prompt_tokens, range(1000, 1000 + cycle))
+    warm_b = sample_prompts(model, args.prompt_tokens, range(2000, 2000 + cycle))
     print(f"bench_vllm_cpu: {args.prompts} prompts of {args.prompt_tokens} tokens, work dir {tmp}", file=sys.stderr)
 
     off_engine = driver(model, {}, tmp, "off", connector=False)

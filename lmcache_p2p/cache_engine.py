@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from lmcache_p2p import gpu_ops
-from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import LayoutFingerprint, TokenIds, chunk_hash_array
 from lmcache_p2p.storage.manager import StorageManager
 
@@ -36,9 +36,7 @@ class CacheEngine:
                  pin_memory: Optional[bool] = None):
         config.validate()
         config.validate_for_tp(layout.tp_size)
-        if config.chunk_size % layout.block_size:
-            raise ConfigError("chunk_size", f"must be a multiple of the engine's KV block size ({layout.block_size})",
-                              value=config.chunk_size, source=config.sources.get("chunk_size"))
+        config.validate_for_block_size(layout.block_size)
         self.config = config
         self.layout = layout
         self.rank = rank

@@ -310,6 +310,12 @@ class LMCacheConfig:
             if ports is not None and len(ports) < tp_size:
                 raise self._err(key, f"has {len(ports)} port(s) but tensor parallel size is {tp_size}: give one port per rank, e.g. 8200,8202")
 
+    def validate_for_block_size(self, block_size: int) -> None:
+        """At engine start-up: chunks are whole KV blocks (DESIGN.md §4)."""
+        if self.chunk_size % block_size:
+            raise self._err("chunk_size", f"must be a multiple of the engine's KV block size ({block_size}); "
+                                          f"change chunk_size, or vLLM's --block-size")
+
     # -- derived values -------------------------------------------------------------------------
 
     @property

@@ -153,6 +153,16 @@ def _config_ports(path: str) -> list[int]:
     return ports
 
 
+def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str, timeout: float = 10.0) -> None:
+    """Until the controller knows a holder of the prompt's chunks (workers report in batches)."""
+    tokens = httpx.post(f"{engine_url}/tokenize", json={"model": model, "prompt": prompt}, timeout=30).json()["tokens"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.post(f"{controller_url}/lookup", json={"tokens": tokens}, timeout=5).json()["layout_info"]:
+            return
+        time.sleep(0.05)
+
+
 P2P_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: .* throughput: ([\d.]+) GB/s "
                       r"\(from (.+) over (\w+)\)")
 
@@ -216,7 +226,7 @@ def main(argv=None) -> int:
         prompt = f"{document}\nQuestion: what is this document about? Answer:"
         print(f"==> sending a {args.document_words}-word document to engine 1, then the same to engine 2", flush=True)
         first = stream_completion(f"http://localhost:{engine_ports[0]}", model, prompt)
-        time.sleep(0.5)  # let engine 1's worker report its new chunks (batched every 50 ms)
+        _wait_indexed(f"http://localhost:{engine_ports[0]}", f"http://localhost:{args.controller_port}", model, prompt)
         second = stream_completion(f"http://localhost:{engine_ports[1]}", model, prompt)
 
         pulls = P2P_LINE.findall(engines[1].log())

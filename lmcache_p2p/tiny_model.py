@@ -39,6 +39,20 @@ def sample_text(num_words: int, seed: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(num_words))
 
 
+def sample_prompts(model_dir: str, num_tokens: int, seeds) -> list[list[int]]:
+    """For each seed, ``num_tokens`` token ids of :func:`sample_text` under the model's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    prompts = []
+    for seed in seeds:
+        ids = tokenizer.encode(sample_text(2 * num_tokens, seed)).ids  # a word is at most one token
+        if len(ids) < num_tokens:
+            raise ValueError(f"sample text {seed} gave {len(ids)} tokens, fewer than {num_tokens}")
+        prompts.append(ids[:num_tokens])
+    return prompts
+
+
 def _train_tokenizer(out_dir: str, vocab_size: int) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

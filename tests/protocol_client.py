@@ -101,6 +101,23 @@ class ControllerProcess:
     def post(self, path: str, body) -> httpx.Response:
         return self.http.post(path, json=body)
 
+    def api(self, path: str, body) -> dict:
+        """POST and return the JSON answer, which must be a 200."""
+        response = self.post(path, body)
+        assert response.status_code == 200, f"{path}: {response.status_code} {response.text}"
+        return response.json()
+
+    def holders(self, tokens) -> dict:
+        """``/lookup``'s layout_info: {instance: [location, tokens held]}."""
+        return self.api("/lookup", {"tokens": list(tokens)})["layout_info"]
+
+    def finish(self, event_id: str, timeout: float = 30.0) -> dict:
+        """The command event once it is no longer pending."""
+        def done():
+            state = self.api("/check_finish", {"event_id": event_id})
+            return state if state["status"] != "pending" else None
+        return wait_for(done, timeout, f"event {event_id}")
+
     def metric(self, name: str, **labels: str) -> float:
         text = self.http.get("/metrics").text
         want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")

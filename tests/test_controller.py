@@ -37,9 +37,7 @@ def workers(controller):
 
 
 def lookup(controller, tokens, **extra):
-    r = controller.post("/lookup", {"tokens": tokens, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()
+    return controller.api("/lookup", {"tokens": tokens, **extra})
 
 
 def wait_lookup(controller, tokens, instance_id, tokens_expected, location=CPU):

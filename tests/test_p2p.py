@@ -46,25 +46,8 @@ def two_instances(controller, spawn, channel: str) -> tuple[InstanceProcess, Ins
                  for i in (1, 2))
 
 
-def api(controller, path: str, body: dict) -> dict:
-    response = controller.post(path, body)
-    assert response.status_code == 200, f"{path}: {response.status_code} {response.text}"
-    return response.json()
-
-
-def holders(controller, prompt) -> dict:
-    return api(controller, "/lookup", {"tokens": prompt})["layout_info"]
-
-
 def keys_at(controller, instance_id: str) -> int:
     return controller.http.get("/controller/key-stats").json()["instances"].get(instance_id, {}).get(CPU, 0)
-
-
-def finish(controller, event_id: str, timeout: float = 30.0) -> dict:
-    def done():
-        state = api(controller, "/check_finish", {"event_id": event_id})
-        return state if state["status"] != "pending" else None
-    return wait_for(done, timeout, f"event {event_id}")
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
@@ -72,7 +55,7 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     a, b = two_instances(controller, spawn, channel)
     prompt = tokens(8 * CHUNK + 5)  # 8 full chunks and a partial tail, which is never a chunk
     assert a.prefill(prompt) == 8 * CHUNK
-    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 8 * CHUNK], what="A's keys")
+    wait_for(lambda: controller.holders(prompt).get("lmcache_instance_1") == [CPU, 8 * CHUNK], what="A's keys")
 
     assert b.lookup(prompt, peers=False) == 0
     assert b.lookup(prompt) == 8 * CHUNK
@@ -88,7 +71,7 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     assert f"over {channel})" in b.log()
     assert "Retrieved 256 out of total 256 tokens. size: 0.0336 gb, cost " in b.log()
     # The pulled chunks are B's now too: the controller hears B's admits.
-    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
+    wait_for(lambda: controller.holders(prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
@@ -97,7 +80,7 @@ def test_partial_prefix_pulls_only_the_missing_middle(controller, spawn, channel
     prompt = tokens(8 * CHUNK, seed=1)
     a.prefill(prompt[:5 * CHUNK])  # A holds chunks 0-4
     b.prefill(prompt[:2 * CHUNK])  # B holds chunks 0-1 itself
-    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 5 * CHUNK], what="A's keys")
+    wait_for(lambda: controller.holders(prompt).get("lmcache_instance_1") == [CPU, 5 * CHUNK], what="A's keys")
     assert b.lookup(prompt) == 5 * CHUNK  # 2 local + 3 from A; chunks 5-7 nobody has
     assert b.status()["p2p_client"]["chunks_pulled"] == 3
     got = b.retrieve(prompt)
@@ -113,17 +96,17 @@ def test_seed_003_move_flow(controller, spawn, channel):
     prompt = tokens(6 * CHUNK + 7, seed=3)
     a.prefill(prompt)
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
-    answer = api(controller, "/move", {"old_position": ["lmcache_instance_1", CPU],
+    answer = controller.api("/move", {"old_position": ["lmcache_instance_1", CPU],
                                        "new_position": ["lmcache_instance_2", CPU],
                                        "tokens": prompt, "copy": False})
     assert answer["num_tokens"] == 6 * CHUNK
-    state = finish(controller, answer["event_id"])
+    state = controller.finish(answer["event_id"])
     assert state["status"] == "done" and state["num_tokens"] == 6 * CHUNK, state
     # B has them locally (no peer needed); A evicted them; the index follows.
     assert b.lookup(prompt, peers=False) == 6 * CHUNK
     assert b.retrieve(prompt)["exact"]
     assert a.lookup(prompt, peers=False) == 0
-    wait_for(lambda: holders(controller, prompt) == {"lmcache_instance_2": [CPU, 6 * CHUNK]}, what="index after move")
+    wait_for(lambda: controller.holders(prompt) == {"lmcache_instance_2": [CPU, 6 * CHUNK]}, what="index after move")
     assert a.status()["storage"]["cpu"]["pins_held"] == 0
 
 
@@ -136,9 +119,9 @@ def test_copy_of_everything_and_partial_copy(controller, spawn, channel):
     b.prefill(two[:CHUNK])  # B already holds one of the chunks
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 5, what="A's keys")
     # tokens omitted: every chunk A holds at that location.
-    answer = api(controller, "/copy", {"old_position": ["lmcache_instance_1", CPU],
+    answer = controller.api("/copy", {"old_position": ["lmcache_instance_1", CPU],
                                        "new_position": ["lmcache_instance_2", CPU]})
-    state = finish(controller, answer["event_id"])
+    state = controller.finish(answer["event_id"])
     assert state["status"] == "done" and state["num_tokens"] == 5 * CHUNK, state
     for prompt in (one, two):
         assert a.lookup(prompt, peers=False) == len(prompt)  # copy keeps the source
@@ -146,10 +129,10 @@ def test_copy_of_everything_and_partial_copy(controller, spawn, channel):
         assert b.retrieve(prompt)["exact"]
     # /move with copy: true is a copy too; a prompt A holds only partly copies that part.
     longer = one + tokens(CHUNK, seed=6)
-    answer = api(controller, "/move", {"old_position": ["lmcache_instance_1", CPU],
+    answer = controller.api("/move", {"old_position": ["lmcache_instance_1", CPU],
                                        "new_position": ["lmcache_instance_2", CPU], "tokens": longer, "copy": True})
     assert answer["num_tokens"] == 3 * CHUNK
-    assert finish(controller, answer["event_id"])["status"] == "done"
+    assert controller.finish(answer["event_id"])["status"] == "done"
     assert a.lookup(one, peers=False) == 3 * CHUNK
 
 
@@ -222,9 +205,9 @@ def test_controller_restart_converges_without_admin_action(controller, spawn):
     assert a.lookup(second) == 3 * CHUNK
     assert b.lookup(first) == 0  # no controller, no peers: a miss, not an error
     controller.start()  # a new process, empty index, same ports
-    wait_for(lambda: holders(controller, first).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 15,
+    wait_for(lambda: controller.holders(first).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 15,
                "A's keys after the restart")
-    assert holders(controller, second)["lmcache_instance_1"] == [CPU, 3 * CHUNK]  # stored while it was away
+    assert controller.holders(second)["lmcache_instance_1"] == [CPU, 3 * CHUNK]  # stored while it was away
     wait_for(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2, 15, "B registered")
     assert b.lookup(first) == 4 * CHUNK
     assert b.retrieve(first)["exact"]
@@ -240,7 +223,7 @@ def test_tp_ranks_never_receive_each_others_chunks(controller, spawn):
     prompt = tokens(4 * CHUNK, seed=13)
     for rank in a_ranks:  # each rank holds its own half of the heads: different bytes per rank
         rank.prefill(prompt)
-    wait_for(lambda: holders(controller, prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], what="A's keys")
+    wait_for(lambda: controller.holders(prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], what="A's keys")
     for rank in b_ranks:
         assert rank.lookup(prompt) == 4 * CHUNK
         got = rank.retrieve(prompt)
@@ -257,18 +240,18 @@ def test_clear_pin_health_and_status_reach_the_worker(controller, spawn):
     a.prefill(prompt)
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 3, what="A's keys")
 
-    assert api(controller, "/health", {"instance_id": "lmcache_instance_1"})["error_codes"] == {"0": 0}
-    status = api(controller, "/status", {"instance_id": "lmcache_instance_1"})["workers"]["0"]
+    assert controller.api("/health", {"instance_id": "lmcache_instance_1"})["error_codes"] == {"0": 0}
+    status = controller.api("/status", {"instance_id": "lmcache_instance_1"})["workers"]["0"]
     assert status["registered"] and status["storage"]["cpu"]["chunks"] == 3 and status["channels"] == ["tcp"]
 
-    pinned = api(controller, "/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt})
+    pinned = controller.api("/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt})
     assert pinned["num_tokens"] == 3 * CHUNK
     assert a.status()["command_pins"] == 3
-    unpinned = api(controller, "/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt,
+    unpinned = controller.api("/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt,
                                         "unpin": True})
     assert unpinned["num_tokens"] == 3 * CHUNK and a.status()["storage"]["cpu"]["pins_held"] == 0
 
-    cleared = api(controller, "/clear", {"instance_id": "lmcache_instance_1", "location": CPU})
+    cleared = controller.api("/clear", {"instance_id": "lmcache_instance_1", "location": CPU})
     assert cleared["num_tokens"] == 3 * CHUNK
     assert a.lookup(prompt) == 0
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 0, what="index after clear")

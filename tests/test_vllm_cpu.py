@@ -13,11 +13,13 @@ import sys
 import pytest
 
 from instances import InstanceProcess, instance_config
+from lmcache_p2p.demo import CPU_ENGINE_ENV
+from lmcache_p2p.integration.vllm import offline_driver
 from protocol_client import ControllerProcess, free_ports, wait_for
 
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks and a tail vLLM computes itself
-ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 @pytest.fixture(scope="session")
@@ -28,12 +30,8 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def prompt(tiny_model) -> list[int]:
-    from tokenizers import Tokenizer
-    from lmcache_p2p.tiny_model import sample_text
-    tokenizer = Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
-    ids = tokenizer.encode(sample_text(2 * PROMPT_TOKENS, seed=11)).ids
-    assert len(ids) >= PROMPT_TOKENS
-    return ids[:PROMPT_TOKENS]
+    from lmcache_p2p.tiny_model import sample_prompts
+    return sample_prompts(tiny_model, PROMPT_TOKENS, seeds=[11])[0]
 
 
 @pytest.fixture
@@ -41,10 +39,8 @@ def engine(tmp_path, tiny_model):
     started: list[InstanceProcess] = []
 
     def start(config: dict, name: str = "engine", connector: bool = True) -> InstanceProcess:
-        command = [sys.executable, "-m", "lmcache_p2p.integration.vllm.offline_driver", tiny_model]
-        if not connector:
-            command.append("--no-connector")
-        proc = InstanceProcess(config, tmp_path, name=name, command=command, env=ENGINE_ENV).start(timeout=240)
+        proc = InstanceProcess(config, tmp_path, name=name, command=offline_driver.command(tiny_model, connector=connector),
+                               env=ENGINE_ENV).start(timeout=240)
         started.append(proc)
         return proc
 
@@ -112,8 +108,7 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         b = engine(instance_config("lmcache_instance_2", controller, **seed_004), name="b")
         cold = generate(a, prompt)
         a.request("flush")
-        wait_for(lambda: controller.post("/lookup", {"tokens": prompt}).json()["layout_info"],
-                 timeout=10, what="the controller to index engine A's chunks")
+        wait_for(lambda: controller.holders(prompt), timeout=10, what="the controller to index engine A's chunks")
 
         assert generate(b, prompt) == cold
         b_counts = counters(b)
@@ -130,7 +125,7 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
     import httpx
     import yaml
 
-    from lmcache_p2p.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, ServedProcess, stream_completion, vllm_server_command
+    from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, stream_completion, vllm_server_command
     from lmcache_p2p.tiny_model import sample_text
 
     controller = ControllerProcess().start()
@@ -142,7 +137,7 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
             path = tmp_path / f"{name}.yaml"
             path.write_text(yaml.safe_dump(config))
             port = free_ports(1)[0]
-            env = {**CPU_ENGINE_ENV, **ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)}
+            env = {**ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)}
             engines.append(ServedProcess(name, vllm_server_command(tiny_model, port, *CPU_ENGINE_ARGS,
                                                                    "--no-enable-prefix-caching"),
                                          tmp_path / f"{name}.log", env).start())
@@ -155,18 +150,16 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
         on_a = stream_completion(a_url, tiny_model, prompt)
         tokens = httpx.post(f"{a_url}/tokenize", json={"model": tiny_model, "prompt": prompt}).json()["tokens"]
         assert len(tokens) > 2 * CHUNK
-        wait_for(lambda: controller.post("/lookup", {"tokens": tokens}).json()["layout_info"],
-                 timeout=10, what="the controller to index engine A's chunks")
+        wait_for(lambda: controller.holders(tokens), timeout=10, what="the controller to index engine A's chunks")
 
-        moved = controller.post("/move", {"old_position": ["lmcache_instance_1", "LocalCPUBackend"],
-                                          "new_position": ["lmcache_instance_2", "LocalCPUBackend"],
-                                          "tokens": tokens}).json()
+        moved = controller.api("/move", {"old_position": ["lmcache_instance_1", "LocalCPUBackend"],
+                                         "new_position": ["lmcache_instance_2", "LocalCPUBackend"],
+                                         "tokens": tokens})
         assert moved["num_tokens"] == 2 * CHUNK
-        state = wait_for(lambda: (s := controller.post("/check_finish", {"event_id": moved["event_id"]}).json())
-                         ["status"] != "pending" and s, timeout=30, what="the move")
+        state = controller.finish(moved["event_id"])
         assert state["status"] == "done", state
-        wait_for(lambda: list(controller.post("/lookup", {"tokens": tokens}).json()["layout_info"])
-                 == ["lmcache_instance_2"], timeout=10, what="only engine B to hold the chunks")
+        wait_for(lambda: list(controller.holders(tokens)) == ["lmcache_instance_2"],
+                 timeout=10, what="only engine B to hold the chunks")
 
         pulls_before = engines[1].log().count("(from lmcache_instance_1")
         on_b = stream_completion(b_url, tiny_model, prompt)
@@ -207,7 +200,7 @@ def test_a_chunk_size_that_is_not_a_multiple_of_the_vllm_block_size_stops_the_en
 
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"chunk_size": 200, "local_cpu": True, "max_local_cpu_size": 0.25}))
-    done = subprocess.run([sys.executable, "-m", "lmcache_p2p.integration.vllm.offline_driver", tiny_model],
+    done = subprocess.run(offline_driver.command(tiny_model),
                           input="", capture_output=True, text=True, timeout=300,
                           env={**os.environ, **ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)})
     assert done.returncode != 0

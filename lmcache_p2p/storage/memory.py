@@ -75,7 +75,3 @@ class PagePool:
                 self._resident[page] = 1
                 touched += 1
         return touched
-
-    def page_address(self, page: int) -> int:
-        """Host address of a page, for transfer descriptors (NIXL) and kernels."""
-        return self.buffer.data_ptr() + page * self.page_bytes

@@ -53,6 +53,12 @@ def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"lmcache-p2p-{tag}-dp{dp_rank}-tp{tp_rank}.ipc")
 
 
+def engine_socket_path(vllm_config, tp_rank: int) -> str:
+    """The path for ``tp_rank`` of the engine ``vllm_config`` describes (both halves derive it)."""
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    return socket_path(str(vllm_config.kv_transfer_config.engine_id), dp_rank, tp_rank)
+
+
 class LookupServer:
     """Answers lookups on one rank, on its own thread, with ``handler(request) -> reply``."""
 

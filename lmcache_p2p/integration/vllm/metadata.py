@@ -6,10 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-try:  # the base class vLLM's model runner expects; absent only where vLLM is not installed
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-except ImportError:  # pragma: no cover - unit tests of the plain data
-    KVConnectorMetadata = object
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
 @dataclass

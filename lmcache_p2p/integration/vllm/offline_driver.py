@@ -30,6 +30,12 @@ import time
 from lmcache_p2p import jsonlines
 
 
+def command(model: str, *args: str, connector: bool = True) -> list[str]:
+    """The command line that runs this driver on ``model`` (tests, benchmarks)."""
+    module = "lmcache_p2p.integration.vllm.offline_driver"
+    return [sys.executable, "-m", module, model, *args, *(() if connector else ("--no-connector",))]
+
+
 def _engine():
     from lmcache_p2p.integration.vllm import live_engines
 

@@ -15,13 +15,12 @@ from typing import Any, Optional
 import numpy as np
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
-from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, socket_path
+from lmcache_p2p.cache_engine import PEER_FETCH_TIMEOUT_S
+from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata, StoreSpec
 
 logger = logging.getLogger(__name__)
 
-# A synchronous lookup may wait this long for a peer pull (the pull has its own, shorter limits).
-SYNC_LOOKUP_WAIT_S = 30.0
 # Beyond the wait, how long a rank may take to answer at all before the lookup is a miss.
 LOOKUP_REPLY_SLACK_S = 10.0
 # With enable_async_loading, while the last step ran nothing, a pending lookup waits up to this
@@ -46,13 +45,9 @@ class _Request:
 
 class SchedulerSide:
     def __init__(self, vllm_config: Any, config: LMCacheConfig):
-        self.config = config
         self.block_size = int(vllm_config.cache_config.block_size)
+        config.validate_for_block_size(self.block_size)
         self.chunk_size = config.chunk_size
-        if self.chunk_size % self.block_size:
-            raise ConfigError("chunk_size", f"must be a multiple of the engine's KV block size ({self.block_size}); "
-                              f"change chunk_size, or vLLM's --block-size",
-                              value=self.chunk_size, source=config.sources.get("chunk_size"))
         transfer = vllm_config.kv_transfer_config
         self.loads = bool(getattr(transfer, "is_kv_consumer", True))
         self.stores = bool(getattr(transfer, "is_kv_producer", True))
@@ -60,8 +55,7 @@ class SchedulerSide:
         if getattr(parallel, "pipeline_parallel_size", 1) > 1:
             raise ConfigError("pipeline_parallel_size", "lmcache-p2p supports tensor parallelism only",
                               value=parallel.pipeline_parallel_size)
-        dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
-        paths = [socket_path(str(transfer.engine_id), dp_rank, r) for r in range(parallel.tensor_parallel_size)]
+        paths = [engine_socket_path(vllm_config, r) for r in range(parallel.tensor_parallel_size)]
         self.client = LookupClient(paths)
         self.use_peers = config.enable_p2p
         self.async_loading = config.enable_async_loading
@@ -105,7 +99,7 @@ class SchedulerSide:
                 return False
             wait_s = self.backoff_s if self._engine_busy else max(self.backoff_s, IDLE_LOOKUP_WAIT_S)
         else:
-            wait_s = SYNC_LOOKUP_WAIT_S
+            wait_s = PEER_FETCH_TIMEOUT_S  # what a synchronous engine lookup waits for a peer
         hit = self.client.lookup(req_id, state.tokens, self.use_peers, wait_s, wait_s + LOOKUP_REPLY_SLACK_S)
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s

@@ -25,7 +25,7 @@ import torch
 from lmcache_p2p.cache_engine import CacheEngine, PinnedPrefix
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
-from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, LookupServer, socket_path
+from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, LookupServer, engine_socket_path
 from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,7 @@ class WorkerSide:
         self.engine = CacheEngine(self.config, layout, rank=self.tp_rank, pin_memory=first.is_cuda)
         with _live_lock:
             _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
-        parallel = self.vllm_config.parallel_config
-        path = socket_path(str(self.vllm_config.kv_transfer_config.engine_id),
-                           int(getattr(parallel, "data_parallel_rank", 0) or 0), self.tp_rank)
-        self.server = LookupServer(path, self._on_lookup)
+        self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
         logger.info("lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
                     "on %s; chunk %d tokens = %.2f MiB", self.tp_rank, self.tp_size, len(kv_caches),
                     len(self.planes), tuple(self.planes[0].shape[1:]), layout.dtype, num_blocks, block_size,
@@ -148,8 +145,8 @@ class WorkerSide:
                 self._release(state)
         for spec in meta.loads:
             state = self._take_lookup(spec.req_id)
-            prefix = state.prefix if state is not None and state.prefix is not None else None
-            if prefix is None:  # the lookup was answered in another life of this rank
+            prefix = state.prefix if state is not None else None
+            if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = self.engine.pin_prefix(spec.tokens, spec.end)
             try:
                 loaded_to = self.engine.load(prefix, self.planes, spec.block_ids, spec.start, spec.end,
