@@ -31,9 +31,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# The WebUI tests drive Debian's chromium, headless (playwright-python talks to it; no browser
+# download). Installed here where missing; point CHROMIUM at another binary to use that one.
+CHROMIUM ?= /usr/bin/chromium
+APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
+
+$(CHROMIUM):
+	@echo "==> installing Debian's chromium (the WebUI tests run it headless)"
+	@command -v apt-get >/dev/null || { echo "chromium is missing and there is no apt-get: install a chromium and run make test CHROMIUM=/path/to/chromium"; exit 1; }
+	$(APT_GET) update -qq
+	$(APT_GET) install -y -qq chromium >/dev/null
+
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
-test: $(VENV)/.installed
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: $(VENV)/.installed $(CHROMIUM)
+	LMCACHE_CHROMIUM=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
 
 # Controller + two vLLM CPU engines on the seeds' ports; Ctrl-C stops them. DEMO_ARGS=--no-wait
 # stops after the report.

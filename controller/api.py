@@ -18,6 +18,9 @@ import msgspec
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from lmcache_p2p import webui
 
 from lmcache_p2p.controller.service import ApiError, Controller
 
@@ -234,12 +237,19 @@ def create_app(controller: Controller) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(controller.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.get("/controller/dashboard", summary="Everything the WebUI shows: overview, rates, instances, events")
+    async def dashboard(events: int = 50) -> Response:
+        return _json(controller.dashboard(events_limit=max(0, min(events, 1000))))
+
+    templates = webui.environment()
+    version = webui.asset_version()
+    app.mount("/static", StaticFiles(directory=webui.STATIC_DIR), name="static")
+
     @app.get("/", include_in_schema=False, response_class=HTMLResponse)
     async def index() -> HTMLResponse:
-        return HTMLResponse("<!doctype html><title>lmcache-p2p controller</title><h1>lmcache-p2p controller</h1>"
-                            "<p>The dashboard lands with the WebUI issue. JSON: <a href='/controller/workers'>workers</a>, "
-                            "<a href='/controller/key-stats'>key stats</a>, <a href='/metrics'>metrics</a>, "
-                            "<a href='/docs'>API docs</a>.</p>")
+        page = templates.get_template("index.html").render(state=controller.dashboard(), version=version,
+                                                           poll_ms=2000)
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     return app
 

@@ -21,6 +21,10 @@ class Metrics:
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         self._counters[name][tuple(sorted(labels.items()))] += value
 
+    def total(self, name: str) -> float:
+        """A counter summed over all its labels."""
+        return sum(self._counters.get(name, {}).values())
+
     def gauge(self, name: str, help_text: str, read: Callable[[], list[tuple[dict[str, str], float]]]) -> None:
         self._gauges.append((name, help_text, read))
 

@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from typing import Optional
 
 import numpy as np
@@ -23,6 +24,7 @@ from lmcache_p2p.controller.events import CommandEvent, EventLog
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.registry import Registry, WorkerRecord
 from lmcache_p2p.controller.settings import ControllerSettings, SettingsError
+from lmcache_p2p.controller.traffic import FleetTraffic
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION, Ack, ClearCommand, CommandDone, CommandReply, DecodeError, Deregister, HealthCommand,
@@ -55,6 +57,10 @@ class Controller:
         self._tasks: list[asyncio.Task] = []
         self._lookup_ids = itertools.count(1)
         self.metrics = self._make_metrics()
+        self.traffic = FleetTraffic(self.started_at)
+        # Workers that left (reaped or deregistered), newest last, so the dashboard can show
+        # an operator what went away and why instead of a row that silently vanished.
+        self.departed: deque[dict] = deque(maxlen=100)
 
     # -- start and stop ----------------------------------------------------------------------------
 
@@ -79,7 +85,7 @@ class Controller:
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(c) for c in (
             self._pull_loop(), self._router_loop("reply", self._on_request),
-            self._router_loop("heartbeat", self._on_heartbeat), self._reaper_loop())]
+            self._router_loop("heartbeat", self._on_heartbeat), self._reaper_loop(), self._sampler_loop())]
 
     def close(self) -> None:
         for task in self._tasks:
@@ -167,6 +173,8 @@ class Controller:
         record = self.registry.touch((msg.instance_id, msg.rank))
         if record is None or msg.controller_epoch != self.epoch:
             return HeartbeatReply(status="unknown", controller_epoch=self.epoch)
+        if msg.traffic is not None:
+            self.traffic.report(record.key, msg.traffic)
         return HeartbeatReply(status="ok", controller_epoch=self.epoch, resync=record.wanted_resyncs())
 
     def _on_p2p_lookup(self, msg: P2PLookup) -> P2PLookupReply:
@@ -205,9 +213,17 @@ class Controller:
             await asyncio.sleep(self.settings.health_check_interval)
             try:
                 for record in self.registry.reap(self.settings.worker_timeout):
-                    self._forget_worker(record, "reaped: no heartbeat")
+                    self._forget_worker(record, f"reaped: no heartbeat for {self.settings.worker_timeout:g} s")
             except Exception:
                 logger.exception("liveness sweep failed")
+
+    async def _sampler_loop(self) -> None:
+        while True:
+            try:
+                self.traffic.sample({"peer_lookups": self.metrics.total("lmcache_controller_p2p_lookups_total")})
+            except Exception:
+                logger.exception("traffic sample failed")
+            await asyncio.sleep(self.traffic.sample_every_s)
 
     def _remove_worker(self, key: tuple[str, int], reason: str) -> None:
         record = self.registry.remove_worker(key, reason)
@@ -217,6 +233,8 @@ class Controller:
     def _forget_worker(self, record: WorkerRecord, reason: str) -> None:
         self.bus.disconnect(record.key)
         instance_id, rank = record.key
+        self.departed.append({"instance_id": instance_id, "worker_id": rank, "host": record.info.host,
+                              "reason": reason, "at": time.time()})
         for event in self.events.pending():
             if event.instance_id == instance_id and rank in event.ranks:
                 self.events.fail(event, f"{instance_id} rank {rank} {reason}")
@@ -414,6 +432,50 @@ class Controller:
                 per[loc] = per.get(loc, 0) + self.registry.index.holder_count(st.holder)
         return {"total_keys": self.registry.index.live_keys, "instances": instances,
                 "index_capacity": self.registry.index.capacity, "index_bytes": self.registry.index.nbytes}
+
+    def dashboard(self, events_limit: int = 50) -> dict:
+        """Everything the WebUI shows, in one answer (it polls this every 2 s)."""
+        order = {"live": 0, "late": 1, "dead": 2}
+        instances = []
+        for instance_id, records in sorted(self.registry.instances().items()):
+            workers = [self.describe_worker(r) for r in records]
+            keys: dict[str, int] = {}
+            for w in workers:
+                for loc, n in w["keys"].items():
+                    keys[loc] = keys.get(loc, 0) + n
+            first = workers[0]
+            instances.append({
+                "instance_id": instance_id, "workers": workers, "keys": keys,
+                "status": max((w["status"] for w in workers), key=order.__getitem__),
+                "hosts": sorted({w["host"] for w in workers}),
+                "locations": [loc for loc in records[0].info.locations if all(loc in r.info.locations for r in records)],
+                "last_heartbeat_ago_s": max(w["last_heartbeat_ago_s"] for w in workers),
+                **{k: first[k] for k in ("model", "dtype", "tp_size", "chunk_size", "fingerprint")}})
+        by_status = {s: 0 for s in order}
+        keys_by_location: dict[str, int] = {}
+        for inst in instances:
+            for w in inst["workers"]:
+                by_status[w["status"]] += 1
+            for loc, n in inst["keys"].items():
+                keys_by_location[loc] = keys_by_location.get(loc, 0) + n
+        registered = set(self.registry.workers)
+        return {
+            "controller": {"epoch": self.epoch, "started_at": self.started_at, "uptime_s": time.time() - self.started_at,
+                           "heartbeat_interval_s": self.settings.heartbeat_interval,
+                           "sample_every_s": self.traffic.sample_every_s,
+                           "rate_window_s": self.traffic.rate_window * self.traffic.sample_every_s},
+            "thresholds": self.status_thresholds(),
+            "overview": {"instances": len(instances), "workers": len(self.registry.workers), "workers_by_status": by_status,
+                         "total_keys": self.registry.index.live_keys, "keys_by_location": keys_by_location,
+                         "commands_in_flight": self.events.in_flight(),
+                         "bad_frames": self.metrics.total("lmcache_controller_bad_frames_total"),
+                         "http_lookups": self.metrics.total("lmcache_controller_lookups_total"),
+                         "traffic_totals": dict(self.traffic.totals), **self.traffic.current()},
+            "series": self.traffic.series(),
+            "instances": instances,
+            "departed": [d for d in reversed(self.departed) if (d["instance_id"], d["worker_id"]) not in registered],
+            "events": [e.to_json() for e in self.events.newest(events_limit)],
+        }
 
     # -- metrics -----------------------------------------------------------------------------------
 

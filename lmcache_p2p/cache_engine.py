@@ -44,11 +44,13 @@ class CacheEngine:
         self.blocks_per_chunk = config.chunk_size // layout.block_size
         self.storage = StorageManager(config, layout, pin_memory=pin_memory)
         # Totals since start, in tokens: what status() reports and tests and dashboards read.
-        self.counters = {"stored_tokens": 0, "retrieved_tokens": 0, "retrieves": 0}
+        # The lookup totals also travel to the controller with every heartbeat (Traffic).
+        self.counters = {"stored_tokens": 0, "retrieved_tokens": 0, "retrieves": 0,
+                         "lookups": 0, "lookup_tokens": 0, "local_hit_tokens": 0}
         self.worker = None
         if config.enable_controller:
             from lmcache_p2p.worker import Worker  # the network side only when asked for
-            self.worker = Worker(config, self.storage, layout, rank)
+            self.worker = Worker(config, self.storage, layout, rank, engine_counters=self.counters)
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -83,9 +85,14 @@ class CacheEngine:
     # -- lookup ----------------------------------------------------------------------------------
 
     def _local_hit(self, tokens: TokenIds) -> tuple[list[int], int]:
-        """The prompt's chunk hashes, and how many leading chunks the local tiers hold."""
+        """The prompt's chunk hashes, and how many leading chunks the local tiers hold; counted
+        as one lookup (peer hits are counted by the P2P client as they arrive)."""
         hashes = chunk_hash_array(tokens, self.chunk_size).tolist()
-        return hashes, self.storage.lookup_prefix(hashes).num_chunks
+        hit = self.storage.lookup_prefix(hashes).num_chunks
+        self.counters["lookups"] += 1
+        self.counters["lookup_tokens"] += len(tokens)
+        self.counters["local_hit_tokens"] += hit * self.chunk_size
+        return hashes, hit
 
     def lookup(self, tokens: TokenIds, use_peers: bool = True) -> int:
         """Leading tokens of ``tokens`` that :meth:`retrieve` can load now (pulling from a peer

@@ -123,10 +123,27 @@ class ResyncBatch(_Msg, tag="resync"):
     keys: bytes = b""
 
 
+class Traffic(msgspec.Struct, kw_only=True):
+    """A rank's totals since it started, sent with every heartbeat. The controller turns the
+    differences between heartbeats into the fleet's rates (lookups/s, hit ratio, P2P bytes/s);
+    a new ``started_at`` means the rank restarted and its totals began again."""
+
+    started_at: float = 0.0  # wall clock when these totals began (the worker's start)
+    lookups: int = 0  # prefix lookups the engine asked this rank
+    lookup_tokens: int = 0  # prompt tokens those lookups covered
+    local_hit_tokens: int = 0  # of those, found in this rank's own tiers
+    peer_hit_tokens: int = 0  # pulled from peers
+    pulls: int = 0  # peer pulls that brought chunks
+    pull_failures: int = 0
+    pulled_bytes: int = 0
+    served_bytes: int = 0  # sent to peers that pulled from this rank
+
+
 class Heartbeat(_Msg, tag="heartbeat"):
     instance_id: str
     rank: int
     controller_epoch: str  # the epoch the worker registered with ("" if never)
+    traffic: Optional[Traffic] = None  # None from senders that keep no totals
 
 
 class HeartbeatReply(_Msg, tag="heartbeat_reply"):

@@ -17,7 +17,7 @@ import zmq
 
 from lmcache_p2p.keys import LayoutFingerprint, chunk_hashes
 from lmcache_p2p.protocol import (
-    PROTOCOL_VERSION, CommandDone, CommandReply, Deregister, Heartbeat, KeyEvents, P2PLookup, Register, ResyncBatch,
+    PROTOCOL_VERSION, CommandDone, CommandReply, Deregister, Heartbeat, KeyEvents, P2PLookup, Register, ResyncBatch, Traffic,
     command_decoder, controller_reply_decoder, encode, pack_hashes,
 )
 
@@ -63,7 +63,8 @@ class ControllerProcess:
                              f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}', *extra]
         self.env = {**os.environ, **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=10)
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.http = httpx.Client(base_url=self.url, timeout=10)
 
     @property
     def ports(self) -> list[int]:
@@ -195,8 +196,9 @@ class FakeWorker:
         self.epoch = reply.controller_epoch
         return reply
 
-    def heartbeat(self):
-        return self._ask(self.hb, Heartbeat(instance_id=self.instance_id, rank=self.rank, controller_epoch=self.epoch))
+    def heartbeat(self, traffic: Optional[Traffic] = None):
+        return self._ask(self.hb, Heartbeat(instance_id=self.instance_id, rank=self.rank, controller_epoch=self.epoch,
+                                            traffic=traffic))
 
     def events(self, location: str = CPU, admitted=(), evicted=(), seq: Optional[int] = None) -> int:
         self.seq[location] = seq if seq is not None else self.seq[location] + 1

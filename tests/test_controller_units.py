@@ -1,5 +1,5 @@
-"""Controller parts in-process: the chunk index against a reference model, and the /lookup fast
-path against the strict decoder."""
+"""Controller parts in-process: the chunk index against a reference model, the /lookup fast path
+against the strict decoder, and the dashboard's traffic rates."""
 
 import json
 
@@ -9,6 +9,8 @@ import pytest
 
 from lmcache_p2p.controller.api import LookupRequest, parse_token_array
 from lmcache_p2p.controller.index import ChunkIndex
+from lmcache_p2p.controller.traffic import FleetTraffic
+from lmcache_p2p.protocol import Traffic
 
 
 def test_index_matches_a_reference_model_under_random_updates():
@@ -71,3 +73,36 @@ def test_lookup_fast_path_agrees_with_the_strict_decoder(tokens):
                                   "{}", "[[1]]", "[1 2]"])
 def test_lookup_fast_path_declines_whatever_the_strict_decoder_should_judge(text):
     assert parse_token_array(text.encode()) is None
+
+
+# -- fleet traffic (the dashboard's rates) -----------------------------------------------------------
+
+def test_traffic_rates_from_heartbeat_totals():
+    fleet = FleetTraffic(started_at=100.0, sample_every_s=2.0, rate_window_s=4.0)
+    assert fleet.current()["hit_ratio"] is None  # nothing asked yet: no ratio, not 0%
+    fleet.sample({}, now=100.0)
+    fleet.report(("a", 0), Traffic(started_at=101.0, lookups=4, lookup_tokens=1000, local_hit_tokens=600,
+                                   peer_hit_tokens=200, pulls=2, pulled_bytes=8_000_000))
+    fleet.sample({}, now=102.0)
+    fleet.sample({}, now=104.0)  # no heartbeat in between: the window still spans the traffic
+    now = fleet.current()
+    assert now["lookups_per_s"] == 1.0 and now["hit_ratio"] == 0.8
+    assert now["p2p_bytes_per_s"] == 2_000_000 and now["p2p_transfers_per_s"] == 0.5
+    fleet.sample({}, now=108.0)  # the window has moved past it
+    assert fleet.current()["lookups_per_s"] == 0 and fleet.current()["hit_ratio"] is None
+    assert len(fleet.series()) == 3
+
+
+def test_traffic_baseline_for_older_workers_and_restarts():
+    fleet = FleetTraffic(started_at=100.0)
+    # Running since before the controller: its first totals are history, not traffic now.
+    fleet.report(("old", 0), Traffic(started_at=50.0, lookups=1_000_000, pulled_bytes=10**12))
+    assert fleet.totals["lookups"] == 0
+    fleet.report(("old", 0), Traffic(started_at=50.0, lookups=1_000_010, pulled_bytes=10**12 + 5))
+    assert fleet.totals["lookups"] == 10 and fleet.totals["pulled_bytes"] == 5
+    # The same worker restarted: its totals began again, all of them are new.
+    fleet.report(("old", 0), Traffic(started_at=150.0, lookups=3))
+    assert fleet.totals["lookups"] == 13 and fleet.totals["pulled_bytes"] == 5
+    # A worker that started after the controller: everything it reports counts.
+    fleet.report(("new", 0), Traffic(started_at=120.0, lookups=7))
+    assert fleet.totals["lookups"] == 20

@@ -18,14 +18,14 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
 from lmcache_p2p.protocol import (
-    PROTOCOL_VERSION, Ack, Deregister, Heartbeat, HeartbeatReply, KeyEvents, P2PLookup, P2PLookupReply, PeerHolder,
+    PROTOCOL_VERSION, Ack, Deregister, Heartbeat, Traffic, HeartbeatReply, KeyEvents, P2PLookup, P2PLookupReply, PeerHolder,
     Register, RegisterReply, ResyncBatch, controller_reply_decoder, encode, pack_hashes,
 )
 from lmcache_p2p.storage.manager import StorageEvent, StorageManager
@@ -86,8 +86,10 @@ class EventBatcher:
 
 class ControllerLink:
     def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
-                 pull_url: str, reply_url: str, heartbeat_time: float, flush_interval: float = 0.05):
+                 pull_url: str, reply_url: str, heartbeat_time: float, flush_interval: float = 0.05,
+                 traffic: Optional[Callable[[], Traffic]] = None):
         self.ctx = ctx
+        self.traffic = traffic  # this rank's totals, for the controller's dashboard
         self.me = identity
         self.storage = storage
         self.reply_host = reply_url.rpartition(":")[0]
@@ -202,7 +204,8 @@ class ControllerLink:
     async def _beat(self) -> None:
         try:
             reply, _ = await self.heartbeat.request(
-                Heartbeat(instance_id=self.me.instance_id, rank=self.me.rank, controller_epoch=self.epoch),
+                Heartbeat(instance_id=self.me.instance_id, rank=self.me.rank, controller_epoch=self.epoch,
+                          traffic=self.traffic() if self.traffic else None),
                 timeout=max(1.0, 2 * self.interval))
         except RequestFailed as e:
             self.stats["heartbeat_misses"] += 1

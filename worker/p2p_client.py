@@ -100,7 +100,7 @@ class P2PClient:
         self.transports = transports
         self.preferred = preferred if preferred in transports else "tcp"
         self._connections: dict[tuple[str, int], _Connection] = {}
-        self.stats = {"pulls": 0, "chunks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
+        self.stats = {"pulls": 0, "chunks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0, "prefix_hit_chunks": 0,
                       "checksum_mismatches": 0, "pages_quarantined": 0,
                       "transfer_ms": 0.0, "verify_ms": 0.0}
 
@@ -119,6 +119,7 @@ class P2PClient:
                      key=lambda h: self._busy((h.host, h.p2p_lookup_port)))
         peer = Peer(holder.instance_id, holder.rank, holder.host, holder.p2p_init_port, holder.p2p_lookup_port)
         result = await self.pull(peer, hashes[:best], CPU)
+        self.stats["prefix_hit_chunks"] += len(result.held)  # pulled for the engine (not for a move)
         return len(result.held)
 
     def _busy(self, key: tuple[str, int]) -> int:

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import LayoutFingerprint
+from lmcache_p2p.protocol import Traffic
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TcpTransport, Transport, TransferError, make_transport
 from lmcache_p2p.worker.commands import CommandServer
@@ -34,9 +35,11 @@ START_TIMEOUT_S = 30.0
 
 
 class Worker:
-    def __init__(self, config: LMCacheConfig, storage: StorageManager, layout: LayoutFingerprint, rank: int):
+    def __init__(self, config: LMCacheConfig, storage: StorageManager, layout: LayoutFingerprint, rank: int,
+                 engine_counters: Optional[dict] = None):
         self.config = config
         self.storage = storage
+        self.engine_counters = engine_counters if engine_counters is not None else {}  # the engine's lookup totals
         self.identity = WorkerIdentity.from_config(config, layout, rank)
         self.started_at = time.time()
         self.link: Optional[ControllerLink] = None
@@ -74,7 +77,7 @@ class Worker:
         config, me = self.config, self.identity
         self.ctx = zmq.asyncio.Context()
         self.link = ControllerLink(self.ctx, me, self.storage, config.controller_pull_url, config.controller_reply_url,
-                                   config.lmcache_worker_heartbeat_time)
+                                   config.lmcache_worker_heartbeat_time, traffic=self.traffic)
         try:
             if config.enable_p2p:
                 self.transports = self._make_transports()
@@ -149,6 +152,17 @@ class Worker:
         async def run():
             return fn()
         return self.submit(run()).result(timeout)
+
+    def traffic(self) -> Traffic:
+        """This rank's totals for the controller's dashboard (sent with each heartbeat)."""
+        engine = self.engine_counters
+        client = self.client.stats if self.client else {}
+        server = self.server.stats if self.server else {}
+        return Traffic(started_at=self.started_at, lookups=engine.get("lookups", 0), lookup_tokens=engine.get("lookup_tokens", 0),
+                       local_hit_tokens=engine.get("local_hit_tokens", 0),
+                       peer_hit_tokens=client.get("prefix_hit_chunks", 0) * self.config.chunk_size,
+                       pulls=client.get("pulls", 0), pull_failures=client.get("pull_failures", 0),
+                       pulled_bytes=client.get("bytes_pulled", 0), served_bytes=server.get("bytes_served", 0))
 
     def status(self) -> dict:
         me = self.identity
