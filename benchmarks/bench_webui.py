@@ -38,7 +38,7 @@ def progress(message: str) -> None:
 
 def make_traffic(controller, a: InstanceProcess, b: InstanceProcess, seconds: float) -> dict:
     rounds = pulled = 0
-    old = None
+    old = pinned = None
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         rounds += 1
@@ -54,7 +54,13 @@ def make_traffic(controller, a: InstanceProcess, b: InstanceProcess, seconds: fl
             event = controller.api("/copy", {"old_position": ["lmcache_instance_1", CPU],
                                              "new_position": ["lmcache_instance_2", CPU], "tokens": prompt})
             controller.finish(event["event_id"])
+            # One pinned prompt at a time: pins outlive eviction, and a pool full of them
+            # refuses every pull ("no free page in the CPU pool (every page is pinned)").
+            if pinned is not None:
+                controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": pinned,
+                                        "unpin": True})
             controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": prompt})
+            pinned = prompt
         time.sleep(0.5)
     return {"rounds": rounds, "tokens_pulled": pulled}
 
@@ -104,13 +110,14 @@ def main() -> None:
     try:
         progress(f"{args.traffic_s:.0f} s of traffic between two instances")
         traffic = make_traffic(controller, *instances, args.traffic_s)
+        overview = controller.http.get("/controller/dashboard").json()["overview"]
         url = controller.url + "/"
         if args.screenshot:
-            page, _ = chromium.open(url)
+            page, _ = chromium.open(url, width=1400, height=1300)
             page.wait_for_selector("#refreshed:not(:empty)")
             page.locator("tr.instance[data-instance=lmcache_instance_2]").click()
             args.screenshot.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(args.screenshot), full_page=True)
+            page.screenshot(path=str(args.screenshot))  # the first screenful: overview to the newest events
             page.close()
             progress(f"screenshot saved to {args.screenshot}")
         progress(f"{args.loads} page loads, {args.calls} dashboard calls")
@@ -125,10 +132,10 @@ def main() -> None:
         wait_for(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2 + args.fake_workers,
                  what="fake workers registered")
         many = time_dashboard(controller, args.calls)
-        dashboard = controller.http.get("/controller/dashboard").json()["overview"]
         print(json.dumps({
             "bench": "webui", "traffic": traffic,
-            "overview_after_traffic": {k: dashboard[k] for k in ("hit_ratio", "traffic_totals")},
+            "overview_after_traffic": {k: overview[k] for k in ("hit_ratio", "lookups_per_s", "p2p_bytes_per_s",
+                                                                "traffic_totals")},
             "page": loads,
             "dashboard_endpoint": {"workers_2": two, f"workers_{2 + args.fake_workers}": many},
         }, indent=2))
