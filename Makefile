@@ -44,7 +44,7 @@ $(CHROMIUM):
 
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
 test: $(VENV)/.installed $(CHROMIUM)
-	LMCACHE_CHROMIUM=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
 
 # Controller + two vLLM CPU engines on the seeds' ports; Ctrl-C stops them. DEMO_ARGS=--no-wait
 # stops after the report.

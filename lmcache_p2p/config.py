@@ -378,8 +378,10 @@ def _fold_misplaced_extras(data: dict, source: str) -> dict:
     return data
 
 
-# LMCACHE_* variables that are not config keys (LMCache's own switches): never an error.
-_NON_CONFIG_ENV = {"CONFIG_FILE", "LOG_LEVEL", "TRACK_USAGE", "USE_EXPERIMENTAL", "DISABLE_USAGE_STATS"}
+# LMCACHE_* variables that are not config keys (LMCache's own switches, and ours for the log level
+# and the CUDA kernels' build, see kv_kernels): never an error.
+_NON_CONFIG_ENV = {"CONFIG_FILE", "LOG_LEVEL", "TRACK_USAGE", "USE_EXPERIMENTAL", "DISABLE_USAGE_STATS",
+                   "KV_KERNELS", "KERNEL_CACHE"}
 _NON_CONFIG_ENV_PREFIXES = ("EC_",)  # LMCache's extra-config variables
 
 

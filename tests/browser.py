@@ -11,17 +11,18 @@ from pathlib import Path
 
 from playwright.sync_api import Browser, Page, sync_playwright
 
-CHROMIUM = os.environ.get("LMCACHE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = os.environ.get("CHROMIUM_BIN", "/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run"]
-# Screenshots and other test output; gitignored.
-ARTIFACTS = Path(os.environ.get("LMCACHE_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / ".artifacts"))
+# Screenshots and other test output; gitignored. (Test-only variables stay out of LMCACHE_*:
+# every LMCACHE_* variable is read as engine configuration.)
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR", Path(__file__).resolve().parent.parent / ".artifacts"))
 
 
 def chromium_path() -> str:
     if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
         raise RuntimeError(f"Chromium not found at {CHROMIUM}: `make test` installs Debian's chromium "
-                           "(apt-get install -y chromium), or set LMCACHE_CHROMIUM to a chromium binary")
+                           "(apt-get install -y chromium), or set CHROMIUM_BIN to a chromium binary")
     return CHROMIUM
 
 

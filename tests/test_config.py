@@ -125,7 +125,8 @@ def test_yaml_lists_and_aliases(tmp_path):
 
 
 def test_lmcache_switches_that_are_not_config_keys_are_left_alone():
-    cfg = load({"LMCACHE_LOG_LEVEL": "DEBUG", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "128"})
+    cfg = load({"LMCACHE_LOG_LEVEL": "DEBUG", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "128",
+                "LMCACHE_KV_KERNELS": "torch", "LMCACHE_KERNEL_CACHE": "/tmp/k"})
     assert cfg.chunk_size == 128
 
 
