@@ -57,9 +57,9 @@ class CacheEngine:
     def store(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> int:
         """Save the full chunks of ``tokens`` whose KV sits in ``block_ids`` (one block id per
         ``block_size`` tokens, in order); returns the tokens newly stored."""
-        spans = self.storage.spans(tokens)
-        stored = 0
-        for span in spans:
+        # Reserve a page for every new chunk first, so the whole batch is one gather.
+        batch: list[tuple[int, list[int], int, torch.Tensor]] = []  # (hash, blocks, page, page data)
+        for span in self.storage.spans(tokens):
             if self.storage.location_of(span.chunk_hash) is not None:
                 continue
             blocks = self._blocks(block_ids, span.start)
@@ -68,10 +68,14 @@ class CacheEngine:
             reserved = self.storage.reserve_page()
             if reserved is None:
                 break  # every page pinned: nothing more can be stored now
-            page, data = reserved
-            gpu_ops.gather_chunk(layers, blocks, data)
-            if self.storage.commit_page(span.chunk_hash, page):
-                stored += self.chunk_size
+            batch.append((span.chunk_hash, blocks, *reserved))
+        try:
+            gpu_ops.gather_chunks(layers, [b[1] for b in batch], [b[3] for b in batch])
+        except BaseException:
+            for _, _, page, _ in batch:
+                self.storage.abandon_page(page)
+            raise
+        stored = sum(self.chunk_size for chunk_hash, _, page, _ in batch if self.storage.commit_page(chunk_hash, page))
         self.counters["stored_tokens"] += stored
         logger.log(logging.INFO if stored else logging.DEBUG,
                    "Storing KV cache for %d out of %d tokens", stored, len(tokens))
@@ -136,6 +140,7 @@ class CacheEngine:
         block_size = self.layout.block_size
         start -= start % block_size
         t0 = time.perf_counter()
+        pages, chunk_blocks, skips = [], [], []
         loaded_to, nbytes = start, 0
         for index in range(start // self.chunk_size, -(-end // self.chunk_size)):
             chunk_start = index * self.chunk_size
@@ -143,9 +148,12 @@ class CacheEngine:
             if blocks is None:
                 break
             skip = (max(start, chunk_start) - chunk_start) // block_size
-            gpu_ops.scatter_chunk(prefix.chunks[index].data, layers, blocks, first_block=skip)
+            pages.append(prefix.chunks[index].data)
+            chunk_blocks.append(blocks)
+            skips.append(skip)
             nbytes += self.storage.page_bytes * (len(blocks) - skip) // len(blocks)
             loaded_to = min(chunk_start + self.chunk_size, end)
+        gpu_ops.scatter_chunks(pages, layers, chunk_blocks, skips)  # one batch; returns when complete
         elapsed = time.perf_counter() - t0
         self.counters["retrieved_tokens"] += loaded_to - start
         self.counters["retrieves"] += 1

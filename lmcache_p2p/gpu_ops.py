@@ -1,4 +1,4 @@
-"""Moving one chunk's KV between an engine's paged cache and a contiguous chunk page.
+"""Moving KV chunks between an engine's paged cache and contiguous chunk pages.
 
 A chunk page holds, for every layer in order, the chunk's blocks in order, each block as the
 engine stores it (opaque bytes; DESIGN.md §4):
@@ -7,52 +7,186 @@ engine stores it (opaque bytes; DESIGN.md §4):
 
 ``layers`` is the engine's cache: one tensor per layer whose first dimension is the block index
 (vLLM's GPU flash layout ``[num_blocks, 2, block_size, heads, head_size]``, or any other per-block
-shape). This module is the torch implementation, used on CPU and wherever the CUDA kernels of
-csrc/ are not built; it writes straight into the page (``index_select(out=...)``) with no
-temporary copy.
+shape). A batch of chunks moves in one call:
+
+* on CUDA, with the kernels of csrc/ (``kv_kernels``): one launch for every chunk, layer and
+  block of the batch, writing pages in GPU memory or straight into pinned host memory;
+* elsewhere (CPU engines, no CUDA, pages in pageable memory), with torch indexing.
+
+Inputs are checked before anything is launched, and errors name the argument, chunk and value.
+Calls return when the copy is complete: a page is only indexed, or released to be reused, once
+its bytes are final.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+import math
+from collections import OrderedDict
+from typing import Optional, Sequence
 
 import torch
 
+from lmcache_p2p import kv_kernels
 
-def _page_view(page: torch.Tensor, layers: Sequence[torch.Tensor], num_blocks: int) -> torch.Tensor:
-    first = layers[0]
-    block_elems = first[0].numel()
-    need = len(layers) * num_blocks * block_elems * first.element_size()
-    if page.dtype != torch.uint8 or page.numel() != need:
-        raise ValueError(f"chunk page is {page.numel()} {page.dtype} elements; {len(layers)} layers x "
-                         f"{num_blocks} blocks of {tuple(first.shape[1:])} {first.dtype} need {need} uint8")
-    return page.view(first.dtype).view(len(layers), num_blocks, *first.shape[1:])
+logger = logging.getLogger(__name__)
 
+# What a KV cache is stored as. The copy itself is byte-wise, so this only guards against
+# handing it something that is not a KV cache.
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32,
+             *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+               if hasattr(torch, name)))
 
-def _block_index(block_ids, layers: Sequence[torch.Tensor]) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.long, device=layers[0].device)
-    num_blocks = layers[0].shape[0]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise IndexError(f"block ids must be in [0, {num_blocks}); got {ids.tolist()}")
-    return ids
+_layer_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()  # layer addresses on the device, per cache
 
 
-def gather_chunk(layers: Sequence[torch.Tensor], block_ids, page: torch.Tensor) -> None:
-    """Copy the chunk's blocks from every layer into ``page``."""
-    ids = _block_index(block_ids, layers)
-    view = _page_view(page, layers, ids.numel())
-    for i, layer in enumerate(layers):
-        torch.index_select(layer, 0, ids, out=view[i])
+class _Batch:
+    """A validated batch: the cache's geometry and each chunk's block ids."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
+                 pages: Sequence[torch.Tensor], first_blocks: Optional[Sequence[int]]):
+        if not layers:
+            raise ValueError("layers is empty: expected one KV cache tensor per layer")
+        first = layers[0]
+        for i, layer in enumerate(layers):
+            if layer.dtype not in KV_DTYPES:
+                raise TypeError(f"layers[{i}] is {layer.dtype}; a KV cache is one of {[str(d) for d in KV_DTYPES]}")
+            if layer.dtype != first.dtype or layer.shape != first.shape or layer.device != first.device:
+                raise ValueError(f"layers[{i}] is {layer.dtype} {tuple(layer.shape)} on {layer.device}; layers[0] is "
+                                 f"{first.dtype} {tuple(first.shape)} on {first.device}: all layers must match")
+        if len(block_ids) != len(pages):
+            raise ValueError(f"{len(block_ids)} block id lists for {len(pages)} pages: one list per chunk")
+        self.layers, self.pages = list(layers), list(pages)
+        self.num_blocks = first.shape[0]
+        self.block_bytes = first[0].numel() * first.element_size() if self.num_blocks else 0
+        self.blocks_per_chunk = len(block_ids[0]) if block_ids else 0
+        self.block_ids: list[list[int]] = []
+        for c, ids in enumerate(block_ids):
+            ids = [int(b) for b in ids]
+            if len(ids) != self.blocks_per_chunk or not ids:
+                raise ValueError(f"chunk {c} has {len(ids)} block ids; every chunk of a batch needs "
+                                 f"{self.blocks_per_chunk or 'at least one'}")
+            bad = [b for b in ids if not 0 <= b < self.num_blocks]
+            if bad:
+                raise IndexError(f"chunk {c}: block ids {bad} out of range [0, {self.num_blocks})")
+            self.block_ids.append(ids)
+        self.first_blocks = [0] * len(pages) if first_blocks is None else [int(f) for f in first_blocks]
+        if len(self.first_blocks) != len(pages):
+            raise ValueError(f"{len(self.first_blocks)} first_blocks for {len(pages)} chunks")
+        for c, f in enumerate(self.first_blocks):
+            if not 0 <= f <= self.blocks_per_chunk:
+                raise ValueError(f"chunk {c}: first_block {f} outside [0, {self.blocks_per_chunk}]")
+        need = len(layers) * self.blocks_per_chunk * self.block_bytes
+        for c, page in enumerate(pages):
+            if page.dtype != torch.uint8 or page.numel() != need or not page.is_contiguous():
+                raise ValueError(f"page {c} is {page.numel()} {page.dtype} elements"
+                                 f"{'' if page.is_contiguous() else ', not contiguous'}; {len(layers)} layers x "
+                                 f"{self.blocks_per_chunk} blocks of {tuple(first.shape[1:])} {first.dtype} need "
+                                 f"{need} contiguous uint8")
+
+    def kernel_ok(self) -> bool:
+        """Whether the CUDA kernel can do this batch: cache on CUDA, blocks contiguous, and every
+        page reachable from the device (GPU memory on the same device, or pinned host memory)."""
+        first = self.layers[0]
+        if not first.is_cuda or not all(layer.is_contiguous() for layer in self.layers):
+            return False
+        return all(p.device == first.device or (p.device.type == "cpu" and p.is_pinned()) for p in self.pages)
+
+    def page_view(self, c: int) -> torch.Tensor:
+        first = self.layers[0]
+        return self.pages[c].view(first.dtype).view(len(self.layers), self.blocks_per_chunk, *first.shape[1:])
 
 
-def scatter_chunk(page: torch.Tensor, layers: Sequence[torch.Tensor], block_ids, first_block: int = 0) -> None:
-    """Copy a chunk page into the given blocks of every layer.
+def backend(layers: Sequence[torch.Tensor]) -> str:
+    """"cuda-kernel" where the batch copies run as one kernel launch, else "torch"."""
+    return "cuda-kernel" if layers and layers[0].is_cuda and kv_kernels.load() is not None else "torch"
 
-    ``block_ids`` are all the chunk's blocks; with ``first_block`` only ``block_ids[first_block:]``
-    are written (the engine already computed the leading ones, and they may be shared)."""
-    ids = _block_index(block_ids, layers)
-    view = _page_view(page, layers, ids.numel())
-    if first_block:
-        ids, view = ids[first_block:], view[:, first_block:]
-    for i, layer in enumerate(layers):
-        layer.index_copy_(0, ids, view[i])
+
+# -- the public calls --------------------------------------------------------------------------------
+
+def gather_chunks(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], pages: Sequence[torch.Tensor]) -> None:
+    """Copy each chunk's blocks (``block_ids[c]``, in order) from every layer into ``pages[c]``."""
+    batch = _Batch(layers, block_ids, pages, None)
+    if pages:
+        _run(batch, to_pages=True)
+
+
+def scatter_chunks(pages: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
+                   first_blocks: Optional[Sequence[int]] = None) -> None:
+    """Copy each page into its chunk's blocks of every layer. With ``first_blocks[c]`` only
+    ``block_ids[c][first_blocks[c]:]`` are written (the engine computed the leading ones already,
+    and they may be shared with other requests)."""
+    batch = _Batch(layers, block_ids, pages, first_blocks)
+    if pages:
+        _run(batch, to_pages=False)
+
+
+def gather_chunk(layers: Sequence[torch.Tensor], block_ids: Sequence[int], page: torch.Tensor) -> None:
+    gather_chunks(layers, [block_ids], [page])
+
+
+def scatter_chunk(page: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int], first_block: int = 0) -> None:
+    scatter_chunks([page], layers, [block_ids], [first_block])
+
+
+# -- the two paths -----------------------------------------------------------------------------------
+
+def _run(batch: _Batch, to_pages: bool) -> None:
+    module = kv_kernels.load() if batch.layers[0].is_cuda else None
+    if module is not None and batch.kernel_ok():
+        _run_kernel(module, batch, to_pages)
+    else:
+        _run_torch(batch, to_pages)
+
+
+def _vector_bytes(batch: _Batch) -> int:
+    """The widest copy (up to 16 bytes) every block and every address allows."""
+    width = math.gcd(16, batch.block_bytes)
+    for t in (*batch.layers, *batch.pages):
+        width = math.gcd(width, t.data_ptr() % 16 or 16)
+    return width
+
+
+def _layer_table(layers: list[torch.Tensor]) -> torch.Tensor:
+    key = (layers[0].device, *(layer.data_ptr() for layer in layers))
+    table = _layer_tables.get(key)
+    if table is None:
+        table = torch.tensor(key[1:], dtype=torch.int64).to(layers[0].device)
+        _layer_tables[key] = table
+        while len(_layer_tables) > 16:
+            _layer_tables.popitem(last=False)
+    return table
+
+
+def _run_kernel(module, batch: _Batch, to_pages: bool) -> None:
+    device = batch.layers[0].device
+    ids = [b for chunk in batch.block_ids for b in chunk]
+    meta = torch.tensor(ids + [p.data_ptr() for p in batch.pages] + batch.first_blocks, dtype=torch.int64)
+    meta = meta.pin_memory().to(device, non_blocking=True)
+    module.copy_blocks(_layer_table(batch.layers), meta, len(batch.pages), batch.blocks_per_chunk,
+                       batch.block_bytes, _vector_bytes(batch), to_pages)
+    # Complete before returning: a gathered page is indexed (and may be served to a peer) next,
+    # and a scattered page may be released and reused next.
+    torch.cuda.current_stream(device).synchronize()
+
+
+def _run_torch(batch: _Batch, to_pages: bool) -> None:
+    device = batch.layers[0].device
+    for c, ids in enumerate(batch.block_ids):
+        view = batch.page_view(c)
+        skip = 0 if to_pages else batch.first_blocks[c]
+        index = torch.tensor(ids[skip:], dtype=torch.long, device=device)
+        if not index.numel():
+            continue
+        if to_pages:
+            if view.device == device:
+                for i, layer in enumerate(batch.layers):
+                    torch.index_select(layer, 0, index, out=view[i])
+            else:  # pages elsewhere (pageable host memory): gather on the device, then one copy
+                view.copy_(torch.stack([layer.index_select(0, index) for layer in batch.layers]))
+        else:
+            src = view[:, skip:].to(device)
+            for i, layer in enumerate(batch.layers):
+                layer.index_copy_(0, index, src[i])
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

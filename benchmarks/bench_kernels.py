@@ -1,0 +1,114 @@
+"""KV gather/scatter throughput on a GPU: the CUDA kernels of csrc/ (and the torch fallback) against
+the torch copy ceiling measured in the same run.
+
+Llama-3.1-8B's KV shape (32 layers, 8 KV heads, head size 128, bf16, 16-token blocks in vLLM's
+flash layout): a 256-token chunk is 16 blocks of 64 KiB per layer, 32 MiB in all. For batches of
+1..32 chunks at random block ids:
+
+* gather GPU cache -> pinned host pages, and scatter back (the CPU tier's path);
+* gather GPU cache -> GPU pages, and scatter back (a GPU staging buffer's path);
+* the ceiling: one contiguous torch ``copy_`` of the same bytes, GPU <-> pinned host and GPU <-> GPU.
+
+    python benchmarks/bench_kernels.py [--batches 1,2,4,8,16,32] [--reps 20]   # prints one JSON object
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import torch  # noqa: E402
+
+from lmcache_p2p import gpu_ops, kv_kernels  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD, BLOCK, CHUNK = 32, 8, 128, 16, 256
+BLOCKS_PER_CHUNK = CHUNK // BLOCK
+DTYPE = torch.bfloat16
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn`` (which returns after its copy is complete), after a warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,2,4,8,16,32")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--num-blocks", type=int, default=4096, help="cache blocks per layer (4096 = 8 GiB)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA device")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    batches = [int(b) for b in args.batches.split(",")]
+    t0 = time.perf_counter()
+    assert kv_kernels.load() is not None, "the CUDA kernels did not build"
+    build_s = time.perf_counter() - t0
+
+    cache = [torch.empty((args.num_blocks, 2, BLOCK, KV_HEADS, HEAD), dtype=DTYPE, device="cuda") for _ in range(LAYERS)]
+    for layer in cache:
+        layer.view(torch.int16).random_()
+    chunk_bytes = LAYERS * BLOCKS_PER_CHUNK * cache[0][0].numel() * cache[0].element_size()
+    most = max(batches)
+    host = torch.empty(most * chunk_bytes, dtype=torch.uint8).pin_memory()
+    device_pages = torch.empty(most * chunk_bytes, dtype=torch.uint8, device="cuda")
+    contiguous = torch.empty(most * chunk_bytes, dtype=torch.uint8, device="cuda")
+    rng = random.Random(0)
+
+    results = []
+    for n in batches:
+        ids = [rng.sample(range(args.num_blocks), BLOCKS_PER_CHUNK) for _ in range(n)]
+        flat = rng.sample(range(args.num_blocks), n * BLOCKS_PER_CHUNK)  # scatter targets, all distinct
+        targets = [flat[i * BLOCKS_PER_CHUNK:(i + 1) * BLOCKS_PER_CHUNK] for i in range(n)]
+        nbytes = n * chunk_bytes
+        host_pages = [host[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(n)]
+        gpu_pages = [device_pages[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(n)]
+
+        def rate(seconds: float) -> float:
+            return round(nbytes / seconds / 1e9, 2)
+
+        row = {"chunks": n, "bytes": nbytes}
+        row["ceiling_d2h_gbps"] = rate(timed(lambda: host[:nbytes].copy_(contiguous[:nbytes], non_blocking=True), args.reps))
+        row["ceiling_h2d_gbps"] = rate(timed(lambda: contiguous[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps))
+        row["ceiling_d2d_gbps"] = rate(timed(lambda: device_pages[:nbytes].copy_(contiguous[:nbytes]), args.reps))
+        row["gather_to_host_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, host_pages), args.reps))
+        row["scatter_from_host_gbps"] = rate(timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), args.reps))
+        row["gather_to_gpu_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, gpu_pages), args.reps))
+        row["scatter_from_gpu_gbps"] = rate(timed(lambda: gpu_ops.scatter_chunks(gpu_pages, cache, targets), args.reps))
+        os.environ["LMCACHE_KV_KERNELS"] = "torch"  # the fallback, for comparison (load() is cached: force per call)
+        kv_kernels.load.cache_clear()
+        row["torch_gather_to_host_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, host_pages), max(3, args.reps // 4)))
+        row["torch_scatter_from_host_gbps"] = rate(timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), max(3, args.reps // 4)))
+        del os.environ["LMCACHE_KV_KERNELS"]
+        kv_kernels.load.cache_clear()
+        kv_kernels.load()
+        row["gather_to_host_vs_ceiling"] = round(row["gather_to_host_gbps"] / row["ceiling_d2h_gbps"], 3)
+        row["scatter_from_host_vs_ceiling"] = round(row["scatter_from_host_gbps"] / row["ceiling_h2d_gbps"], 3)
+        results.append(row)
+        print(f"[bench_kernels] {n} chunks: gather->host {row['gather_to_host_gbps']} GB/s "
+              f"({row['gather_to_host_vs_ceiling']:.0%} of {row['ceiling_d2h_gbps']}), scatter<-host "
+              f"{row['scatter_from_host_gbps']} GB/s ({row['scatter_from_host_vs_ceiling']:.0%} of {row['ceiling_h2d_gbps']})",
+              file=sys.stderr, flush=True)
+
+    print(json.dumps({"bench": "kernels", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "cuda": torch.version.cuda, "shape": "llama-3.1-8b bf16, 32 layers, 16-token blocks, 256-token chunks",
+                      "chunk_bytes": chunk_bytes, "kernel_build_or_load_s": round(build_s, 1), "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The CUDA kernels of csrc/, compiled on first use with torch's extension tooling and cached.
+
+``load()`` returns the compiled module, or None where there is no CUDA (CPU machines, CI) or the
+build failed; callers then use torch indexing, so the package installs and imports anywhere.
+A log line says which path was chosen and why. ``LMCACHE_KV_KERNELS=torch`` forces the fallback,
+``=cuda`` makes a failed build an error instead of a fallback.
+
+The build targets the GPU in the machine: Hopper gets ``sm_90a`` code plus ``compute_90`` PTX (any
+later GPU JIT-compiles the PTX); others get their own ``sm_XY`` plus PTX. Builds are cached under
+``LMCACHE_KERNEL_CACHE`` (default ``~/.cache/lmcache_p2p/kernels``), one directory per source
+digest, torch, CUDA and architecture, so a second process loads in well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _source() -> Path:
+    here = Path(__file__).resolve().parent
+    # Installed: package data under lmcache_p2p/csrc. A source checkout: the repository's csrc/.
+    for candidate in (here / "csrc" / "kv_transfer.cu", here.parent / "csrc" / "kv_transfer.cu"):
+        if candidate.exists():
+            return candidate
+    return here / "csrc" / "kv_transfer.cu"
+
+
+SOURCE = _source()
+
+
+def _arch_flags(capability: tuple[int, int]) -> tuple[str, list[str]]:
+    major, minor = capability
+    if (major, minor) == (9, 0):
+        # sm_90a: Hopper's arch-specific features; the PTX serves newer GPUs.
+        return "sm_90a", ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
+    arch = f"{major}{minor}"
+    return f"sm_{arch}", [f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{arch},code=compute_{arch}"]
+
+
+def _build_dir(arch: str) -> Path:
+    root = Path(os.environ.get("LMCACHE_KERNEL_CACHE", Path.home() / ".cache" / "lmcache_p2p" / "kernels"))
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return root / f"{digest}-torch{torch.__version__}-cuda{torch.version.cuda}-{arch}".replace("+", "_")
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> Optional[ModuleType]:
+    mode = os.environ.get("LMCACHE_KV_KERNELS", "auto").lower()
+    if mode not in ("auto", "cuda", "torch"):
+        raise ValueError(f"LMCACHE_KV_KERNELS={mode!r}: expected auto, cuda or torch")
+    if mode == "torch":
+        logger.info("KV copies: torch indexing (LMCACHE_KV_KERNELS=torch)")
+        return None
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        if mode == "cuda":
+            raise RuntimeError("LMCACHE_KV_KERNELS=cuda, but torch sees no CUDA device")
+        logger.info("KV copies: torch indexing (no CUDA device)")
+        return None
+    arch, flags = _arch_flags(torch.cuda.get_device_capability())
+    build_dir = _build_dir(arch)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(name="lmcache_p2p_kv_transfer", sources=[str(SOURCE)], build_directory=str(build_dir),
+                                    extra_cflags=["-O3"], extra_cuda_cflags=["-O3", *flags], verbose=False)
+    except Exception as e:
+        if mode == "cuda":
+            raise
+        logger.warning("KV copies: torch indexing; building %s for %s failed: %s", SOURCE.name, arch, e)
+        return None
+    logger.info("KV copies: CUDA kernels (%s, %s) ready in %.1f s from %s", SOURCE.name, arch,
+                time.perf_counter() - t0, build_dir)
+    return module
