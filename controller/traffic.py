@@ -76,7 +76,7 @@ def _rates(a: Optional[Sample], b: Optional[Sample]) -> dict:
         return b.totals.get(name, 0) - a.totals.get(name, 0)
 
     asked = delta("lookup_tokens")
-    hits = delta("local_hit_tokens") + delta("peer_hit_tokens")
+    hits = delta("hit_tokens")
     return {"t": b.at,
             "lookups_per_s": delta("lookups") / dt,
             # None, not 0, when nothing was asked: an idle fleet has no hit ratio.

@@ -46,7 +46,7 @@ class CacheEngine:
         # Totals since start, in tokens: what status() reports and tests and dashboards read.
         # The lookup totals also travel to the controller with every heartbeat (Traffic).
         self.counters = {"stored_tokens": 0, "retrieved_tokens": 0, "retrieves": 0,
-                         "lookups": 0, "lookup_tokens": 0, "local_hit_tokens": 0}
+                         "lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}
         self.worker = None
         if config.enable_controller:
             from lmcache_p2p.worker import Worker  # the network side only when asked for
@@ -89,14 +89,16 @@ class CacheEngine:
     # -- lookup ----------------------------------------------------------------------------------
 
     def _local_hit(self, tokens: TokenIds) -> tuple[list[int], int]:
-        """The prompt's chunk hashes, and how many leading chunks the local tiers hold; counted
-        as one lookup (peer hits are counted by the P2P client as they arrive)."""
+        """The prompt's chunk hashes, and how many leading chunks the local tiers hold."""
         hashes = chunk_hash_array(tokens, self.chunk_size).tolist()
-        hit = self.storage.lookup_prefix(hashes).num_chunks
+        return hashes, self.storage.lookup_prefix(hashes).num_chunks
+
+    def count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        """One prompt looked up and what was found (local tiers or peers), once per request:
+        the totals the controller's dashboard turns into a hit ratio."""
         self.counters["lookups"] += 1
-        self.counters["lookup_tokens"] += len(tokens)
-        self.counters["local_hit_tokens"] += hit * self.chunk_size
-        return hashes, hit
+        self.counters["lookup_tokens"] += num_tokens
+        self.counters["hit_tokens"] += hit_tokens
 
     def lookup(self, tokens: TokenIds, use_peers: bool = True) -> int:
         """Leading tokens of ``tokens`` that :meth:`retrieve` can load now (pulling from a peer
@@ -105,6 +107,7 @@ class CacheEngine:
         if use_peers and hit < len(hashes) and self.worker is not None:
             if self.worker.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S):
                 hit = self.storage.lookup_prefix(hashes).num_chunks
+        self.count_lookup(len(tokens), hit * self.chunk_size)
         return hit * self.chunk_size
 
     def lookup_async(self, tokens: TokenIds) -> tuple[int, Optional[concurrent.futures.Future]]:

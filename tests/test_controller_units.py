@@ -81,7 +81,7 @@ def test_traffic_rates_from_heartbeat_totals():
     fleet = FleetTraffic(started_at=100.0, sample_every_s=2.0, rate_window_s=4.0)
     assert fleet.current()["hit_ratio"] is None  # nothing asked yet: no ratio, not 0%
     fleet.sample({}, now=100.0)
-    fleet.report(("a", 0), Traffic(started_at=101.0, lookups=4, lookup_tokens=1000, local_hit_tokens=600,
+    fleet.report(("a", 0), Traffic(started_at=101.0, lookups=4, lookup_tokens=1000, hit_tokens=800,
                                    peer_hit_tokens=200, pulls=2, pulled_bytes=8_000_000))
     fleet.sample({}, now=102.0)
     fleet.sample({}, now=104.0)  # no heartbeat in between: the window still spans the traffic

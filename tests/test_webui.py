@@ -137,7 +137,7 @@ def test_overview_shows_fleet_traffic_from_heartbeats(chromium, controller):
         # pulls of 50 MB each.
         for i in range(1, 6):
             worker.heartbeat(Traffic(started_at=t0, lookups=10 * i, lookup_tokens=1000 * i,
-                                     local_hit_tokens=500 * i, peer_hit_tokens=300 * i, pulls=2 * i,
+                                     hit_tokens=800 * i, peer_hit_tokens=300 * i, pulls=2 * i,
                                      pulled_bytes=100_000_000 * i))
             time.sleep(1.0)
         wait_for(lambda: page.locator("[data-card=hit-ratio] .value").inner_text() == "80.0%", timeout=6,

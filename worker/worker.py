@@ -159,7 +159,7 @@ class Worker:
         client = self.client.stats if self.client else {}
         server = self.server.stats if self.server else {}
         return Traffic(started_at=self.started_at, lookups=engine.get("lookups", 0), lookup_tokens=engine.get("lookup_tokens", 0),
-                       local_hit_tokens=engine.get("local_hit_tokens", 0),
+                       hit_tokens=engine.get("hit_tokens", 0),
                        peer_hit_tokens=client.get("prefix_hit_chunks", 0) * self.config.chunk_size,
                        pulls=client.get("pulls", 0), pull_failures=client.get("pull_failures", 0),
                        pulled_bytes=client.get("bytes_pulled", 0), served_bytes=server.get("bytes_served", 0))

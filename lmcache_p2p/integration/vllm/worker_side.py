@@ -114,6 +114,7 @@ class WorkerSide:
                 except Exception:
                     logger.exception("peer pull for request %s failed; using the local hit", request.req_id)
             state.prefix = self.engine.pin_prefix(state.tokens)
+            self.engine.count_lookup(len(state.tokens), state.prefix.num_tokens)
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
 
     def _take_lookup(self, req_id: str) -> Optional[_Lookup]:
