@@ -20,7 +20,6 @@ its bytes are final.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -28,8 +27,6 @@ from typing import Optional, Sequence
 import torch
 
 from lmcache_p2p import kv_kernels
-
-logger = logging.getLogger(__name__)
 
 # What a KV cache is stored as. The copy itself is byte-wise, so this only guards against
 # handing it something that is not a KV cache.

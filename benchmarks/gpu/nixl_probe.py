@@ -67,7 +67,8 @@ def _agent(role: str, mem: str, tls: str, conn) -> None:
             conn.send({"gbps": round(DESCS * DESC_BYTES / statistics.median(times) / 1e9, 2)})
         else:
             conn.recv()
-            torch.cuda.synchronize() if on_gpu else None
+            if on_gpu:
+                torch.cuda.synchronize()
             ok = bool((buf[:: 2**20] == 7).all())
             conn.send({"data_ok": ok})
     except Exception as e:
