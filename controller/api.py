@@ -21,7 +21,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 
 from lmcache_p2p import webui
-
 from lmcache_p2p.controller.service import ApiError, Controller
 
 logger = logging.getLogger("lmcache_p2p.controller")

@@ -436,27 +436,25 @@ class Controller:
     def dashboard(self, events_limit: int = 50) -> dict:
         """Everything the WebUI shows, in one answer (it polls this every 2 s)."""
         order = {"live": 0, "late": 1, "dead": 2}
+        keys_held = self.key_stats()["instances"]
         instances = []
         for instance_id, records in sorted(self.registry.instances().items()):
             workers = [self.describe_worker(r) for r in records]
-            keys: dict[str, int] = {}
-            for w in workers:
-                for loc, n in w["keys"].items():
-                    keys[loc] = keys.get(loc, 0) + n
             first = workers[0]
             instances.append({
-                "instance_id": instance_id, "workers": workers, "keys": keys,
+                "instance_id": instance_id, "workers": workers, "keys": keys_held.get(instance_id, {}),
                 "status": max((w["status"] for w in workers), key=order.__getitem__),
                 "hosts": sorted({w["host"] for w in workers}),
                 "locations": [loc for loc in records[0].info.locations if all(loc in r.info.locations for r in records)],
                 "last_heartbeat_ago_s": max(w["last_heartbeat_ago_s"] for w in workers),
                 **{k: first[k] for k in ("model", "dtype", "tp_size", "chunk_size", "fingerprint")}})
         by_status = {s: 0 for s in order}
-        keys_by_location: dict[str, int] = {}
         for inst in instances:
             for w in inst["workers"]:
                 by_status[w["status"]] += 1
-            for loc, n in inst["keys"].items():
+        keys_by_location: dict[str, int] = {}
+        for per_location in keys_held.values():
+            for loc, n in per_location.items():
                 keys_by_location[loc] = keys_by_location.get(loc, 0) + n
         registered = set(self.registry.workers)
         return {
@@ -469,7 +467,6 @@ class Controller:
                          "total_keys": self.registry.index.live_keys, "keys_by_location": keys_by_location,
                          "commands_in_flight": self.events.in_flight(),
                          "bad_frames": self.metrics.total("lmcache_controller_bad_frames_total"),
-                         "http_lookups": self.metrics.total("lmcache_controller_lookups_total"),
                          "traffic_totals": dict(self.traffic.totals), **self.traffic.current()},
             "series": self.traffic.series(),
             "instances": instances,

@@ -112,7 +112,8 @@ class CacheEngine:
 
     def lookup_async(self, tokens: TokenIds) -> tuple[int, Optional[concurrent.futures.Future]]:
         """The local hit now, and a future for the peer pull of the rest (None when there is
-        nothing to pull); for schedulers that must not wait (``enable_async_loading``)."""
+        nothing to pull); for schedulers that must not wait (``enable_async_loading``). The caller
+        counts the lookup (:meth:`count_lookup`) once its hit is final."""
         hashes, hit = self._local_hit(tokens)
         future = None
         if hit < len(hashes) and self.worker is not None:
