@@ -125,19 +125,21 @@ def local_first_touch() -> float:
 
 # -- our P2P pull -----------------------------------------------------------------------------------
 
-def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = None) -> dict[int, dict]:
+def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = None, device: str = "cpu",
+        **extra) -> dict[int, dict]:
     """Median pull time per batch size; with ``raw``, the raw NIXL figure for the same bytes is
-    measured right before each one (same minute, same host noise)."""
+    measured right before each one (same minute, same host noise). ``device`` is where the
+    stand-ins' KV lives; ``extra`` goes into both instances' configs."""
     pool_gb = (max(n for n, _ in batches) + 2) * PAGE_BYTES / 2**30
     controller = ControllerProcess().start()
     procs = []
     try:
-        common = dict(chunk_size=CHUNK_TOKENS, cpu_gb=pool_gb)
+        common = dict(chunk_size=CHUNK_TOKENS, cpu_gb=pool_gb, **extra)
         holder = InstanceProcess(instance_config("bench_holder", controller, channel, **common), tmp,
-                                 num_blocks=16, env={"OMP_NUM_THREADS": "1"}).start()
+                                 num_blocks=16, env={"OMP_NUM_THREADS": "1"}, device=device).start()
         procs.append(holder)
         puller = InstanceProcess(instance_config("bench_puller", controller, channel, **common), tmp,
-                                 num_blocks=16, env={"OMP_NUM_THREADS": "1"}).start()
+                                 num_blocks=16, env={"OMP_NUM_THREADS": "1"}, device=device).start()
         procs.append(puller)
         out = {}
         # Warm-up, untimed: connections, and a first pull of the largest batch so every pool page
@@ -149,14 +151,19 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = 
             wait_for(lambda: controller.holders(prompt).get("bench_holder", [0, 0])[1] == n * CHUNK_TOKENS,
                      timeout=10, what="the controller to index the holder's chunks")
             times = []
+            before = puller.status()["p2p_client"]
             for _ in range(reps if seed else 1):
                 puller.request("clear")
                 answer = puller.request("lookup", tokens=prompt, timeout=120)
                 assert answer["hit"] == n * CHUNK_TOKENS, answer
                 times.append(answer["ms"] / 1e3)
+            after = puller.status()["p2p_client"]
             if seed:
                 t = statistics.median(times)
-                out[n] = {"GB/s": round(n * PAGE_BYTES / t / 1e9, 3), "ms": round(t * 1e3, 2)}
+                out[n] = {"GB/s": round(n * PAGE_BYTES / t / 1e9, 3), "ms": round(t * 1e3, 2),
+                          # summed over the pull's requests (they overlap), per pull
+                          "request_ms": round((after["transfer_ms"] - before["transfer_ms"]) / reps, 2),
+                          "land_verify_ms": round((after["verify_ms"] - before["verify_ms"]) / reps, 2)}
                 if raw is not None:
                     out[n]["raw_nixl_GB/s"] = round(raw.measure(n, reps), 3)
                     out[n]["vs_raw"] = round(out[n]["GB/s"] / out[n]["raw_nixl_GB/s"], 3)

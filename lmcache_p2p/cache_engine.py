@@ -33,7 +33,7 @@ PEER_FETCH_TIMEOUT_S = 30.0
 
 class CacheEngine:
     def __init__(self, config: LMCacheConfig, layout: LayoutFingerprint, rank: int = 0,
-                 pin_memory: Optional[bool] = None):
+                 pin_memory: Optional[bool] = None, device: Optional[torch.device] = None):
         config.validate()
         config.validate_for_tp(layout.tp_size)
         config.validate_for_block_size(layout.block_size)
@@ -50,7 +50,7 @@ class CacheEngine:
         self.worker = None
         if config.enable_controller:
             from lmcache_p2p.worker import Worker  # the network side only when asked for
-            self.worker = Worker(config, self.storage, layout, rank, engine_counters=self.counters)
+            self.worker = Worker(config, self.storage, layout, rank, engine_counters=self.counters, device=device)
 
     # -- store -----------------------------------------------------------------------------------
 

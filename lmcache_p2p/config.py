@@ -33,6 +33,7 @@ CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 GB = 1024**3
 
 TRANSFER_CHANNELS = ("nixl", "tcp")
+NIXL_BUFFER_DEVICES = ("auto", "cuda", "cpu")
 
 
 class ConfigError(ValueError):
@@ -199,6 +200,11 @@ class LMCacheConfig:
     p2p_lookup_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "transfer request port per TP rank")
     transfer_channel: Optional[str] = _key(_optional(_to_str), None, '"nixl" or "tcp"')
     nixl_progress_delay_us: int = _key(_to_int, 200, "pause between NIXL progress-thread rounds; 0 spins a core")
+    p2p_batch_chunks: int = _key(_to_int, 8, "chunks per peer pull request")
+    p2p_pipeline_depth: int = _key(_to_int, 3, "peer pull requests in flight per pull")
+    nixl_buffer_device: str = _key(_to_str, "auto", 'NIXL staging for same-host pulls: "auto" (GPU when CUDA is '
+                                   'here), "cuda" (required) or "cpu" (none: pool to pool)')
+    nixl_buffer_size: Optional[int] = _key(_optional(_to_int), None, "GPU staging bytes; default 32 chunk pages")
     # Controller
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
     lmcache_instance_id: Optional[str] = _key(_optional(_to_str), None, "this instance's id at the controller")
@@ -278,6 +284,13 @@ class LMCacheConfig:
             raise self._err("lmcache_worker_heartbeat_time", "expected seconds > 0")
         if self.transfer_channel is not None and self.transfer_channel not in TRANSFER_CHANNELS:
             raise self._err("transfer_channel", f"expected one of {', '.join(TRANSFER_CHANNELS)}")
+        for key in ("p2p_batch_chunks", "p2p_pipeline_depth"):
+            if getattr(self, key) <= 0:
+                raise self._err(key, "expected a whole number >= 1")
+        if self.nixl_buffer_device not in NIXL_BUFFER_DEVICES:
+            raise self._err("nixl_buffer_device", f"expected one of {', '.join(NIXL_BUFFER_DEVICES)}")
+        if self.nixl_buffer_size is not None and self.nixl_buffer_size <= 0:
+            raise self._err("nixl_buffer_size", "expected bytes > 0 (two chunk pages at least)")
         backoff = self.extra_config.get("lookup_backoff_time")
         if backoff is not None:
             try:
@@ -414,7 +427,7 @@ _IGNORED_LMCACHE_KEYS = frozenset(
     pd_peer_host pd_peer_init_port pd_peer_alloc_port pd_peer_query_port pd_proxy_host
     pd_proxy_port pd_allocation_timeout_sec pd_shutdown_timeout_sec
     pd_condition_poll_interval_sec pd_max_prefill_len pd_backend_mode pd_skip_proxy_notification
-    pd_bidirectional nixl_backends nixl_buffer_size nixl_buffer_device gds_path
+    pd_bidirectional nixl_backends gds_path
     gds_path_sharding gds_buffer_size maru_path maru_pool_size use_gds gds_backend
     audit_actual_remote_url internal_api_server_host internal_api_server_enabled
     internal_api_server_port_start internal_api_server_include_index_list

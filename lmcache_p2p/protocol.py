@@ -263,22 +263,30 @@ class ChannelHello(_Msg, tag="channel_hello"):
     pool_base: int = 0  # address of the requester's registered page pool
     page_bytes: int = 0
     num_pages: int = 0
+    # GPU staging (nixl, same host): the requester's receive slots, page_bytes each, in VRAM.
+    host_id: str = ""  # hostname/boot id: cuda_ipc reaches only processes of the same host
+    staging_base: int = 0
+    staging_slots: int = 0
+    staging_device: int = 0
 
 
 class ChannelHelloReply(_Msg, tag="channel_hello_reply"):
     ok: bool
     error: Optional[str] = None
     channels: list[str] = []  # what this holder can serve
+    staged: bool = False  # the holder will write through GPU staging (pulls carry slots)
 
 
 class ChunkPull(_Msg, tag="chunk_pull"):
     """Send me these chunks (in order). ``pages`` (uint32 LE, one per hash) are the requester's
-    pool pages to WRITE into under "nixl"; empty under "tcp"."""
+    pool pages to WRITE into under "nixl"; empty under "tcp". ``slots`` (same form), when the
+    session is staged, are its GPU receive slots: the holder writes there instead if it can."""
 
     session: str
     fingerprint: int
     hashes: bytes
     pages: bytes = b""
+    slots: bytes = b""
     timeout_s: float = 10.0  # how long the requester waits; the holder gives up sooner
 
 
@@ -290,6 +298,7 @@ class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
     served: int = 0
     checksums: bytes = b""
     error: Optional[str] = None
+    staged: bool = False  # the payloads are in the requester's slots, not its pages
 
 
 class FetchChunks(_Msg, tag="fetch_chunks"):

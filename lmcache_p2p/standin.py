@@ -46,13 +46,14 @@ MODEL_SHAPES = {
 class StandInKV:
     """Per-layer paged KV in vLLM's GPU flash layout ``[num_blocks, 2, block_size, heads, head_size]``."""
 
-    def __init__(self, shape: ModelShape, num_blocks: int, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, shape: ModelShape, num_blocks: int, tp_size: int = 1, tp_rank: int = 0, device: str = "cpu"):
         if shape.kv_heads % tp_size:
             raise ValueError(f"{shape.kv_heads} KV heads do not split over tp_size={tp_size}")
         self.shape = shape
         self.tp_size, self.tp_rank = tp_size, tp_rank
         block = (2, shape.block_size, shape.kv_heads // tp_size, shape.head_size)
-        self.layers = [torch.zeros(num_blocks, *block, dtype=shape.dtype) for _ in range(shape.num_layers)]
+        self.layers = [torch.zeros(num_blocks, *block, dtype=shape.dtype, device=device)
+                       for _ in range(shape.num_layers)]
 
     def layout(self) -> LayoutFingerprint:
         first = self.layers[0]
@@ -148,6 +149,7 @@ def main(argv=None) -> None:
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per layer")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the KV tensors live (cpu, cuda, cuda:1...)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     answers = jsonlines.claim_stdout()
@@ -157,8 +159,9 @@ def main(argv=None) -> None:
     from lmcache_p2p.config import LMCacheConfig
 
     config = LMCacheConfig.load()
-    kv = StandInKV(MODEL_SHAPES[args.model], args.num_blocks, args.tp_size, args.rank)
-    engine = CacheEngine(config, kv.layout(), rank=args.rank)
+    kv = StandInKV(MODEL_SHAPES[args.model], args.num_blocks, args.tp_size, args.rank, args.device)
+    device = kv.layers[0].device
+    engine = CacheEngine(config, kv.layout(), rank=args.rank, device=device if device.type == "cuda" else None)
     jsonlines.answer(answers, {"ok": True, "ready": True, "page_bytes": engine.storage.page_bytes})
     try:
         jsonlines.serve(handler(engine, kv, config.chunk_size), sys.stdin, answers)

@@ -39,7 +39,7 @@ class InstanceProcess:
 
     def __init__(self, config: dict, tmp_path, rank: int = 0, tp: int = 1, model: str = "llama-3.1-8b",
                  num_blocks: int = 64, env: Optional[dict] = None, name: Optional[str] = None,
-                 command: Optional[list[str]] = None):
+                 command: Optional[list[str]] = None, device: str = "cpu"):
         self.config = config
         self.name = name or f"{config['lmcache_instance_id']}-r{rank}"
         path = tmp_path / f"{self.name}.yaml"
@@ -47,7 +47,8 @@ class InstanceProcess:
         self.log_path = tmp_path / f"{self.name}.log"
         # The stand-in by default; any process speaking the same JSON lines (the vLLM offline driver).
         self.args = command or [sys.executable, "-m", "lmcache_p2p.standin", "--model", model,
-                                "--num-blocks", str(num_blocks), "--tp-size", str(tp), "--rank", str(rank)]
+                                "--num-blocks", str(num_blocks), "--tp-size", str(tp), "--rank", str(rank),
+                                "--device", device]
         self.env = {**os.environ, "LMCACHE_CONFIG_FILE": str(path), **(env or {})}
         self.proc: Optional[subprocess.Popen] = None
         self._answers: "queue.Queue[Optional[dict]]" = queue.Queue()

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import zmq.asyncio
 
-from lmcache_p2p.keys import payload_checksum
+from lmcache_p2p.keys import in_parallel, payload_checksum
 from lmcache_p2p.protocol import (
     ChannelHelloReply, ChunkPull, ChunkPullReply, pack_hashes, pack_pages, peer_reply_decoder, unpack_hashes,
 )
@@ -36,8 +36,6 @@ from lmcache_p2p.worker.link import ControllerLink
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 3.0
-BATCH_CHUNKS = 8  # chunks per request
-PIPELINE_DEPTH = 3  # requests in flight per pull
 # A pull may take this long plus its bytes at this slowest acceptable rate; then it is a miss.
 BASE_TIMEOUT_S = 2.0
 SLOWEST_RATE_BPS = 0.25e9
@@ -84,6 +82,7 @@ class _Connection:
         self.lookup = Dealer(ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder,
                              f"{peer.describe()} p2p_lookup")
         self.channel: Optional[str] = None
+        self.staged = False  # the holder writes through GPU staging (agreed at hello)
 
     def close(self) -> None:
         self.init.close()
@@ -92,13 +91,16 @@ class _Connection:
 
 class P2PClient:
     def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
-                 link: ControllerLink, transports: dict[str, Transport], preferred: str):
+                 link: ControllerLink, transports: dict[str, Transport], preferred: str, batch_chunks: int = 8,
+                 pipeline_depth: int = 3):
         self.ctx = ctx
         self.me = identity
         self.storage = storage
         self.link = link
         self.transports = transports
         self.preferred = preferred if preferred in transports else "tcp"
+        self.batch_chunks = batch_chunks  # chunks per request (config p2p_batch_chunks)
+        self.pipeline_depth = pipeline_depth  # requests in flight per pull (p2p_pipeline_depth)
         self._connections: dict[tuple[str, int], _Connection] = {}
         self.stats = {"pulls": 0, "chunks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0, "prefix_hit_chunks": 0,
                       "checksum_mismatches": 0, "pages_quarantined": 0,
@@ -133,21 +135,23 @@ class P2PClient:
         failure; with ``skip_missing`` (move/copy of an arbitrary key set) a chunk the holder
         merely lacks is skipped instead.
 
-        Requests of BATCH_CHUNKS chunks are pipelined, PIPELINE_DEPTH in flight: checksums of
+        Requests of ``batch_chunks`` chunks are pipelined, ``pipeline_depth`` in flight: checksums of
         one batch are verified while the next is on the wire. Batches are committed in order."""
         result = PullResult()
         t0 = time.perf_counter()
-        todo = deque(_split([int(h) for h in hashes], BATCH_CHUNKS))
+        todo: deque[list[int]] = deque()
         channel = "?"
         try:
             conn = await self._connect(peer)
-            channel = conn.channel
+            channel = conn.channel + (" via GPU staging" if conn.staged else "")
+            batch_chunks = min(self.batch_chunks, self.transports[conn.channel].max_batch or self.batch_chunks)
+            todo.extend(_split([int(h) for h in hashes], batch_chunks))
         except (RequestFailed, TransferError) as e:
-            result.error, todo = str(e), deque()
+            result.error = str(e)
         window: deque[asyncio.Task] = deque()
         stopped = False
         while todo or window:
-            while todo and not stopped and len(window) < PIPELINE_DEPTH:
+            while todo and not stopped and len(window) < self.pipeline_depth:
                 window.append(asyncio.ensure_future(self._fetch(conn, peer, todo.popleft())))
             batch = await window.popleft()
             if stopped:  # an earlier batch failed: what follows it is a miss
@@ -201,6 +205,7 @@ class P2PClient:
             reply, _ = await conn.init.request(hello, HELLO_TIMEOUT_S)
             if isinstance(reply, ChannelHelloReply) and reply.ok:
                 conn.channel = channel
+                conn.staged = reply.staged
                 if channel != self.preferred:
                     logger.info("%s serves %s only; pulling from it over tcp", peer.describe(), reply.channels)
                 return conn
@@ -228,29 +233,42 @@ class P2PClient:
             return batch
         hashes = hashes[:len(batch.pages)]
         transport = self.transports[conn.channel]
-        direct = conn.channel != "tcp"  # the holder writes into our pages itself
+        direct = conn.channel != "tcp"  # the holder writes into our pages (or slots) itself
         # The holder sends a session's requests one after another, so this one may wait behind
         # the others in flight: allow for the whole window's bytes.
-        timeout = BASE_TIMEOUT_S + PIPELINE_DEPTH * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
-        request = ChunkPull(session=transport.session, fingerprint=self.storage.fingerprint, hashes=pack_hashes(hashes),
-                            pages=pack_pages(batch.pages) if direct else b"", timeout_s=timeout)
+        timeout = BASE_TIMEOUT_S + self.pipeline_depth * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
         pages = list(batch.pages)
+        slots = await transport.prepare(pages, conn.staged, timeout)
+        request = ChunkPull(session=transport.session, fingerprint=self.storage.fingerprint, hashes=pack_hashes(hashes),
+                            pages=pack_pages(batch.pages) if direct else b"", slots=pack_pages(slots),
+                            timeout_s=timeout)
 
         def release_late(reply, frames) -> None:
             # The holder answered after all (or the grace period ended): it writes no more.
             self._abandon(pages)
+            transport.release(slots)
             self.stats["pages_quarantined"] -= len(pages)
 
         t0 = time.perf_counter()
-        transport.prepare(pages)
         try:
             reply, frames = await conn.lookup.request(request, timeout, on_late=release_late if direct else None)
         except RequestFailed as e:
-            if direct:  # the pages stay out of the pool until release_late
+            if direct:  # the pages and slots stay out of use until release_late
                 self.stats["pages_quarantined"] += len(pages)
                 batch.pages = []
+            else:
+                transport.release(slots)
             batch.error = str(e)
             return batch
+        try:
+            return await self._land(batch, transport, reply, frames, slots, peer, t0)
+        finally:
+            transport.release(slots)
+
+    async def _land(self, batch: "_Batch", transport: Transport, reply, frames: list, slots: list[int], peer: Peer,
+                    t0: float) -> "_Batch":
+        """Place and verify what the holder's reply says it sent."""
+        hashes = batch.hashes[:len(batch.pages)]
         if not isinstance(reply, ChunkPullReply) or not reply.ok:
             batch.error = getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
             return batch
@@ -258,7 +276,11 @@ class P2PClient:
         served = min(reply.served, len(hashes))
         t1 = time.perf_counter()
         try:
-            transport.land(frames, batch.pages[:served])
+            await transport.land(frames, batch.pages[:served], slots[:served] if reply.staged else [])
+            # The bytes are in our pages: the slots can take the next request's while we verify.
+            # (Emptied in place, so the caller's final release gives nothing back twice.)
+            transport.release(slots)
+            slots.clear()
             batch.checksums = unpack_hashes(reply.checksums)
             batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
@@ -285,11 +307,13 @@ class P2PClient:
         return held
 
     def _verify(self, pages: list[int], checksums: np.ndarray) -> int:
-        """How many leading pages match their checksums."""
-        for i, page in enumerate(pages):
-            if i >= len(checksums) or payload_checksum(self.storage.cpu.pool.page(page).numpy()) != int(checksums[i]):
+        """How many leading pages match their checksums (hashed on several threads)."""
+        pool = self.storage.cpu.pool
+        got = in_parallel(lambda page: payload_checksum(pool.page(page).numpy()), pages[:len(checksums)])
+        for i, checksum in enumerate(got):
+            if checksum != int(checksums[i]):
                 return i
-        return len(pages)
+        return len(got)
 
     def _abandon(self, pages: list[int]) -> None:
         for page in pages:

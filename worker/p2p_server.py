@@ -20,6 +20,7 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.keys import in_parallel
 from lmcache_p2p.protocol import (
     Ack, ChannelHello, ChannelHelloReply, ChunkPull, ChunkPullReply, DecodeError, FetchChunks, FetchReply, encode,
     pack_hashes, peer_request_decoder, unpack_hashes, unpack_pages,
@@ -140,12 +141,12 @@ class PeerServer:
             return ChannelHelloReply(ok=False, channels=channels,
                                      error=f"channel {hello.channel!r} not served here (serving {channels})")
         try:
-            await transport.accept(hello)
+            staged = await transport.accept(hello)
         except TransferError as e:
             return ChannelHelloReply(ok=False, channels=channels, error=str(e))
         self._sessions[hello.session] = transport
         self.stats["sessions"] += 1
-        return ChannelHelloReply(ok=True, channels=channels)
+        return ChannelHelloReply(ok=True, channels=channels, staged=staged)
 
     async def _on_pull(self, request: ChunkPull, pins: list[PinnedChunk]) -> tuple[ChunkPullReply, list]:
         transport = self._sessions.get(request.session)
@@ -158,6 +159,7 @@ class PeerServer:
         t0 = time.perf_counter()
         hashes = unpack_hashes(request.hashes)
         pages = unpack_pages(request.pages)
+        slots = unpack_pages(request.slots)
         for h in hashes:
             chunk = self.storage.pin(int(h))
             if chunk is None:
@@ -168,9 +170,10 @@ class PeerServer:
             pins.append(chunk)
         if not pins:
             return ChunkPullReply(ok=True, served=0), []
-        checksums = await asyncio.to_thread(lambda: [c.checksum for c in pins])
+        # Known since store for most chunks; the rest are hashed now, on several threads.
+        checksums = await asyncio.to_thread(in_parallel, lambda c: c.checksum, pins)
         try:
-            frames = await transport.send(request.session, pins, pages, 0.9 * request.timeout_s)
+            frames, staged = await transport.send(request.session, pins, pages, slots, 0.9 * request.timeout_s)
         except TransferError as e:
             self.stats["pulls_refused"] += 1
             logger.warning("%s: sending %d chunk(s) failed: %s", self.me.describe(), len(pins), e)
@@ -180,9 +183,10 @@ class PeerServer:
         self.stats["pulls_served"] += 1
         self.stats["chunks_served"] += len(pins)
         self.stats["bytes_served"] += nbytes
-        logger.debug("%s: served %d chunk(s), %.1f MiB over %s in %.2f ms (%.2f GB/s)", self.me.describe(), len(pins),
-                     nbytes / 2**20, transport.name, elapsed * 1e3, nbytes / 1e9 / max(elapsed, 1e-9))
-        return ChunkPullReply(ok=True, served=len(pins), checksums=pack_hashes(checksums)), frames
+        logger.debug("%s: served %d chunk(s), %.1f MiB over %s%s in %.2f ms (%.2f GB/s)", self.me.describe(), len(pins),
+                     nbytes / 2**20, transport.name, " (GPU staged)" if staged else "", elapsed * 1e3,
+                     nbytes / 1e9 / max(elapsed, 1e-9))
+        return ChunkPullReply(ok=True, served=len(pins), checksums=pack_hashes(checksums), staged=staged), frames
 
     async def _on_fetch(self, request: FetchChunks) -> FetchReply:
         """Move/copy destination: pull the listed chunks from the source into ``location``."""

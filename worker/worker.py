@@ -36,8 +36,9 @@ START_TIMEOUT_S = 30.0
 
 class Worker:
     def __init__(self, config: LMCacheConfig, storage: StorageManager, layout: LayoutFingerprint, rank: int,
-                 engine_counters: Optional[dict] = None):
+                 engine_counters: Optional[dict] = None, device=None):
         self.config = config
+        self.device = device  # the engine's KV device (torch.device); GPU staging goes there
         self.storage = storage
         self.engine_counters = engine_counters if engine_counters is not None else {}  # the engine's lookup totals
         self.identity = WorkerIdentity.from_config(config, layout, rank)
@@ -81,7 +82,8 @@ class Worker:
         try:
             if config.enable_p2p:
                 self.transports = self._make_transports()
-                self.client = P2PClient(self.ctx, me, self.storage, self.link, self.transports, config.transfer_channel)
+                self.client = P2PClient(self.ctx, me, self.storage, self.link, self.transports, config.transfer_channel,
+                                        config.p2p_batch_chunks, config.p2p_pipeline_depth)
                 self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client)
             self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.client, self.status)
         except BaseException:
@@ -101,8 +103,12 @@ class Worker:
         if self.config.transfer_channel != "tcp":
             try:
                 transports[self.config.transfer_channel] = make_transport(
-                    self.config.transfer_channel, pool, session, self.config.nixl_progress_delay_us)
+                    self.config.transfer_channel, pool, session, self.config.nixl_progress_delay_us,
+                    self.config.nixl_buffer_device, self.config.nixl_buffer_size, self.device)
             except TransferError as e:
+                if self.config.nixl_buffer_device == "cuda":  # the fast path was asked for by name
+                    why = str(e) if "nixl_buffer_device" in str(e) else f"nixl_buffer_device is cuda, but {e}"
+                    raise TransferError(f"{self.identity.describe()}: {why}") from None
                 logger.warning("%s: transfer_channel %s unavailable (%s); peers will use tcp", self.identity.describe(),
                                self.config.transfer_channel, e)
         transports["tcp"] = TcpTransport(pool, session)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -28,27 +28,41 @@ class Transport:
         return ChannelHello(instance_id=instance_id, rank=rank, fingerprint=fingerprint, channel=self.name,
                             session=self.session, page_bytes=self.pool.page_bytes, num_pages=self.pool.num_pages)
 
-    def prepare(self, pages: Sequence[int]) -> None:
-        """Get ``pages`` ready to be written by the holder (before the request goes out)."""
+    @property
+    def max_batch(self) -> Optional[int]:
+        """The most chunks one request may carry on this channel (None: no limit of its own)."""
+        return None
 
-    def land(self, frames: list, pages: Sequence[int]) -> None:
-        """Place what arrived with the reply into ``pages`` (nothing to do when the holder wrote
-        into them directly)."""
+    async def prepare(self, pages: Sequence[int], staged: bool, timeout: float) -> list[int]:
+        """Get ``pages`` ready to be written by the holder (before the request goes out); on a
+        staged session, also the receive slots the holder may write into instead (empty when
+        none are free, and the holder then writes the pages)."""
+        return []
+
+    async def land(self, frames: list, pages: Sequence[int], slots: Sequence[int]) -> None:
+        """Place what arrived into ``pages``: from the reply's frames, or from the receive
+        ``slots`` the holder wrote (nothing to do when it wrote the pages directly)."""
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Give back receive slots taken by prepare (once nothing can write into them)."""
 
     # -- holder side -----------------------------------------------------------------------------
 
-    async def accept(self, hello: ChannelHello) -> None:
-        """Open a session for a requester; raises TransferError to refuse it."""
+    async def accept(self, hello: ChannelHello) -> bool:
+        """Open a session for a requester; returns whether its pulls go through GPU staging.
+        Raises TransferError to refuse it."""
+        return False
 
     def addressable(self, chunk: PinnedChunk) -> bool:
         """Whether this channel can send ``chunk`` (NIXL only reaches the registered pool)."""
         return True
 
     async def send(self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray,
-                   timeout: float) -> list:
-        """Deliver ``chunks`` to the requester: either written into its ``dst_pages`` before this
-        returns, or returned as frames to append to the reply. The caller keeps the chunks pinned
-        until the reply is sent."""
+                   dst_slots: np.ndarray, timeout: float) -> tuple[list, bool]:
+        """Deliver ``chunks`` to the requester: written into its ``dst_pages`` (or, returning
+        staged=True, its receive ``dst_slots``) before this returns, or returned as frames to
+        append to the reply. Returns (frames, staged). The caller keeps the chunks pinned until
+        the reply is sent."""
         raise NotImplementedError
 
     def close(self) -> None:

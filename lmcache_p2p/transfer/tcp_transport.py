@@ -13,7 +13,7 @@ from lmcache_p2p.transfer.base import TransferError, Transport
 class TcpTransport(Transport):
     name = "tcp"
 
-    def land(self, frames: list, pages: Sequence[int]) -> None:
+    async def land(self, frames: list, pages: Sequence[int], slots: Sequence[int]) -> None:
         if len(frames) < len(pages):
             raise TransferError(f"reply carried {len(frames)} payload frame(s) for {len(pages)} chunk(s)")
         for frame, page in zip(frames, pages):
@@ -23,7 +23,7 @@ class TcpTransport(Transport):
             self.pool.page(page).numpy()[:] = data
 
     async def send(self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray,
-                   timeout: float) -> list:
+                   dst_slots: np.ndarray, timeout: float) -> tuple[list, bool]:
         # Zero-copy: ZMQ reads straight from the pinned pages (the caller holds the pins until
         # the send is tracked as done).
-        return [chunk.data.numpy() for chunk in chunks]
+        return [chunk.data.numpy() for chunk in chunks], False

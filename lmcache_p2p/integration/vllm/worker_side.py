@@ -82,7 +82,8 @@ class WorkerSide:
         block_size = int(self.vllm_config.cache_config.block_size)
         model = str(self.vllm_config.model_config.model)
         layout = kv_layout.fingerprint(self.planes, model, block_size, self.tp_size, self.tp_rank)
-        self.engine = CacheEngine(self.config, layout, rank=self.tp_rank, pin_memory=first.is_cuda)
+        self.engine = CacheEngine(self.config, layout, rank=self.tp_rank, pin_memory=first.is_cuda,
+                                  device=first.device if first.is_cuda else None)
         with _live_lock:
             _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
