@@ -18,6 +18,7 @@ import json
 import os
 import random
 import sys
+from typing import Optional
 
 MODEL_NAME = "tiny-llama"
 
@@ -72,11 +73,16 @@ def _train_tokenizer(out_dir: str, vocab_size: int) -> int:
 
 def build(out_dir: str, seed: int = 0, num_layers: int = 2, hidden_size: int = 128,
           num_heads: int = 2, num_kv_heads: int = 2, vocab_size: int = 1024,
-          max_positions: int = 8192) -> str:
-    """Write the model and tokenizer into ``out_dir`` (skipped when already built there)."""
+          max_positions: int = 8192, intermediate_size: Optional[int] = None, dtype: str = "float32",
+          initializer_range: float = 0.2, device: str = "cpu") -> str:
+    """Write the model and tokenizer into ``out_dir`` (skipped when already built there).
+    The defaults are the tiny test model; benchmarks/gpu/e2e.py builds Llama-3.1-8B's shape in
+    bf16 with a trained model's initializer range, on the GPU (``device``)."""
     marker = os.path.join(out_dir, "lmcache_p2p_tiny_model.json")
     recipe = dict(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                   num_kv_heads=num_kv_heads, vocab_size=vocab_size, max_positions=max_positions)
+    if (intermediate_size, dtype, initializer_range) != (None, "float32", 0.2):
+        recipe.update(intermediate_size=intermediate_size, dtype=dtype, initializer_range=initializer_range)
     if os.path.exists(marker):
         with open(marker) as f:
             if json.load(f) == recipe:
@@ -88,14 +94,15 @@ def build(out_dir: str, seed: int = 0, num_layers: int = 2, hidden_size: int = 1
     os.makedirs(out_dir, exist_ok=True)
     real_vocab = _train_tokenizer(out_dir, vocab_size)
     config = LlamaConfig(
-        vocab_size=real_vocab, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        vocab_size=real_vocab, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, torch_dtype="float32", initializer_range=0.2,
+        tie_word_embeddings=False, torch_dtype=dtype, initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     # Never stop early on EOS: the tests compare fixed-length greedy outputs.
     with torch.no_grad():
         model.lm_head.weight[config.eos_token_id].fill_(0.0)

@@ -1,0 +1,241 @@
+"""vLLM on a GPU host, end to end (issue 8): peer sharing, CPU offload, miss overhead, and greedy
+equality with KV pulled from a peer. ``run_e2e.sh`` runs every step; each step also runs alone:
+
+    python benchmarks/gpu/e2e.py model   --out DIR            # Llama-3.1-8B shape, bf16, random weights
+    python benchmarks/gpu/e2e.py peer    --model DIR --workdir W   # seed 004: controller + 2 servers
+    python benchmarks/gpu/e2e.py offload --model DIR --connector on|off   # seed 002 shape, offline
+    python benchmarks/gpu/e2e.py report  W                 # one JSON object and a table
+
+Every step prints one JSON object on stdout; progress goes to stderr.
+
+The model is Llama-3.1-8B's shape (32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336, bf16)
+with random weights of a trained model's scale and a tokenizer trained locally (a 1,024-token
+vocabulary: embeddings and the LM head are smaller than the real 128k, which the prefill barely
+notices). Documents are token ids, so every engine sees exactly the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_connector_module_path": "lmcache_p2p.integration.vllm",
+             "kv_role": "kv_both"}
+LLAMA_8B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                max_positions=32768, dtype="bfloat16", initializer_range=0.02)
+# The pull (from a peer into the CPU pool) and the load (CPU pool into vLLM's GPU blocks).
+P2P_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: ([\d.]+) gb, cost ([\d.]+) ms, "
+                      r"throughput: ([\d.]+) GB/s \(from \S+ rank \d+ \(\S+\) over (\w+(?: via GPU staging)?)\)")
+LOAD_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: ([\d.]+) gb, cost ([\d.]+) ms, "
+                       r"throughput: ([\d.]+) GB/s(?! \(from)")
+
+
+def say(*args) -> None:
+    print("[e2e]", *args, file=sys.stderr, flush=True)
+
+
+def documents(model_dir: str, count: int, tokens: int, first_seed: int = 0) -> list[list[int]]:
+    from lmcache_p2p.tiny_model import sample_prompts
+    return sample_prompts(model_dir, tokens, range(first_seed, first_seed + count))
+
+
+# -- model --------------------------------------------------------------------------------------
+
+
+def cmd_model(args) -> dict:
+    from lmcache_p2p.tiny_model import build
+    t0 = time.perf_counter()
+    out = build(args.out, device="cuda", **LLAMA_8B)
+    return {"step": "model", "dir": out, "shape": LLAMA_8B, "s": round(time.perf_counter() - t0, 1)}
+
+
+# -- peer sharing (seed 004) ------------------------------------------------------------------------
+
+
+def run_round(base_url: str, model: str, prompts: list[list[int]], output_len: int, inflight: int) -> dict:
+    """Every prompt, ``inflight`` at a time, streamed: the figures long_doc_qa prints."""
+    from lmcache_p2p.demo import stream_completion
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(inflight) as pool:
+        results = list(pool.map(lambda p: stream_completion(base_url, model, p, max_tokens=output_len), prompts))
+    elapsed = time.perf_counter() - t0
+    return {"mean_ttft_s": round(statistics.mean(r["ttft_s"] for r in results), 4),
+            "ttfts_s": [round(r["ttft_s"], 4) for r in results],
+            "round_s": round(elapsed, 3), "prompts": len(prompts),
+            "successful": sum(1 for r in results if r["text"] is not None), "texts": [r["text"] for r in results]}
+
+
+def print_round(engine: str, name: str, r: dict) -> None:
+    say(f"{engine} {name} round mean TTFT: {r['mean_ttft_s']:.3f}s")
+    say(f"{engine} {name} round time: {r['round_s']:.3f}s")
+    say(f"{engine} {name} round prompt count: {r['prompts']} (successful {r['successful']})")
+
+
+def cmd_peer(args) -> dict:
+    import httpx
+
+    from lmcache_p2p.demo import ServedProcess
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    docs = documents(args.model, args.docs, args.doc_tokens)
+    procs: list[ServedProcess] = []
+    try:
+        controller_bin = str(Path(sys.executable).with_name("lmcache_controller"))
+        controller = ServedProcess("controller", [controller_bin, "--host", "localhost", "--port", "9000", "--monitor-ports",
+                                                  '{"pull": 8300, "reply": 8400, "heartbeat": 8082}'],
+                                   workdir / "controller.log").start()
+        procs.append(controller)
+        controller.wait_http("http://localhost:9000/controller/workers", 60)
+        engines = []
+        for i, port in ((1, 8010), (2, 8011)):
+            env = {"LMCACHE_CONFIG_FILE": str(REPO / "configs" / f"example{i}.yaml"),
+                   "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)}
+            engine_args = ["--gpu-memory-utilization", str(args.gpu_util), "--max-model-len", "16384", "--enforce-eager"]
+            if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
+                from lmcache_p2p.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
+                engine_args, env = list(CPU_ENGINE_ARGS), {**env, **CPU_ENGINE_ENV}
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port),
+                   *engine_args, "--kv-transfer-config", json.dumps(CONNECTOR)]
+            engine = ServedProcess(f"engine {i}", cmd, workdir / f"engine{i}.log", env).start()
+            procs.append(engine)
+            engines.append((engine, f"http://localhost:{port}"))
+            engine.wait_http(f"http://localhost:{port}/health", 600, progress=True)  # one at a time: memory profiling
+        out = {"step": "peer", "docs": args.docs, "doc_tokens": args.doc_tokens, "output_len": args.output_len,
+               "inflight": args.inflight}
+        # A short request each first, not timed: CUDA kernels load on first use.
+        for seed, (_, url) in enumerate(engines):
+            run_round(url, args.model, documents(args.model, 1, 512, first_seed=10_000 + seed), 4, 1)
+        for i, (engine, url) in enumerate(engines, start=1):
+            if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
+                want = args.docs * (args.doc_tokens // 256) * 256
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    stats = httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()
+                    if stats["instances"].get("lmcache_instance_1", {}).get("LocalCPUBackend", 0) * 256 >= want:
+                        break
+                    time.sleep(0.5)
+            for name in ("warmup", "query"):
+                r = run_round(url, args.model, docs, args.output_len, args.inflight)
+                print_round(f"engine {i}", name, r)
+                out[f"engine{i}_{name}"] = r
+        pulls = [dict(tokens=int(m[0]), of=int(m[1]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4]), channel=m[5])
+                 for m in P2P_LINE.findall(engines[1][0].log())]
+        loads = [dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4]))
+                 for m in LOAD_LINE.findall(engines[1][0].log())]
+        out["engine2_pulls"] = {"count": len(pulls), "tokens": sum(p["tokens"] for p in pulls),
+                                "gb": round(sum(p["gb"] for p in pulls), 3),
+                                "median_GB/s": statistics.median(p["gbps"] for p in pulls) if pulls else None,
+                                "min_GB/s": min((p["gbps"] for p in pulls), default=None),
+                                "max_GB/s": max((p["gbps"] for p in pulls), default=None),
+                                "channels": sorted({p["channel"] for p in pulls})}
+        out["engine2_loads"] = {"count": len(loads),
+                                "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None}
+        e1, e2 = out["engine1_warmup"], out["engine2_warmup"]
+        out["ttft_ratio"] = round(e2["mean_ttft_s"] / e1["mean_ttft_s"], 4)
+        out["round_ratio"] = round(e2["round_s"] / e1["round_s"], 4)
+        # Greedy outputs: engine 2 (KV from the peer) against engine 1 (cold), and engine 1's own
+        # query round (vLLM's prefix cache) as the reference for how much numerics alone move them.
+        out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(e1["texts"], e2["texts"]))
+        out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(e1["texts"], out["engine1_query"]["texts"]))
+        for key in ("engine1_warmup", "engine1_query", "engine2_warmup", "engine2_query"):
+            out[key]["texts"] = [t[:40] for t in out[key]["texts"][:3]]  # a sample; the counts above say the rest
+        return out
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in reversed(procs):
+            proc.stop()
+
+
+# -- CPU offload and miss overhead (seed 002) ---------------------------------------------------------
+
+
+def cmd_offload(args) -> dict:
+    """Seed 002's shape in one offline engine: 10 prompts x 10,000 tokens, max_tokens=1, prefix
+    caching off, GPU memory capped at 24 GB so their KV does not fit. Run 1 and run 2 are the same
+    prompts (run 2 reuses the KV offloaded to CPU, when the connector is on); run 3 is new prompts
+    (every chunk a miss), for the connector's cost when nothing is reused."""
+    import torch
+
+    if args.connector == "on":
+        os.environ.update({"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
+                           "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)})
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    llm = LLM(model=args.model, max_model_len=16384, enable_prefix_caching=False, enforce_eager=True,
+              gpu_memory_utilization=args.gpu_gb / total_gb,
+              kv_transfer_config=KVTransferConfig(**CONNECTOR) if args.connector == "on" else None)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    reused = documents(args.model, args.prompts, args.tokens, first_seed=100)
+    fresh = documents(args.model, args.prompts, args.tokens, first_seed=200)
+    llm.generate([{"prompt_token_ids": p} for p in documents(args.model, 2, 512, first_seed=300)], params)  # warm-up
+    out = {"step": "offload", "connector": args.connector, "prompts": args.prompts, "tokens": args.tokens,
+           "gpu_gb": args.gpu_gb}
+    cache = llm.llm_engine.vllm_config.cache_config
+    out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
+    for name, prompts in (("run1", reused), ("run2", reused), ("run3_new_prompts", fresh)):
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        out[f"{name}_s"] = round(time.perf_counter() - t0, 3)
+        say(f"connector {args.connector}: {name} {out[f'{name}_s']:.2f} s")
+    out["speedup_run1_over_run2"] = round(out["run1_s"] / out["run2_s"], 2)
+    return out
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def cmd_report(args) -> dict:
+    w = Path(args.workdir)
+    load = lambda name: json.loads((w / name).read_text()) if (w / name).exists() else None  # noqa: E731
+    peer, on, off = load("peer.json"), load("offload_on.json"), load("offload_off.json")
+    out = {"step": "report", "peer": peer, "offload_on": on, "offload_off": off}
+    if on and off:
+        out["miss_overhead_run3"] = round(on["run3_new_prompts_s"] / off["run3_new_prompts_s"] - 1, 4)
+        out["miss_overhead_run1"] = round(on["run1_s"] / off["run1_s"] - 1, 4)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("model")
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("peer")
+    p.add_argument("--model", required=True)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--docs", type=int, default=20)
+    p.add_argument("--doc-tokens", type=int, default=10_000)
+    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--inflight", type=int, default=4)
+    p.add_argument("--gpu-util", type=float, default=0.4, help="per engine; both share the GPU")
+    p.add_argument("--cpu-gb", type=float, default=40, help="max_local_cpu_size per engine (the seed asks 100)")
+    p.add_argument("--cpu-smoke", action="store_true", help="vLLM's CPU build and the tiny model: checks the script")
+    p = sub.add_parser("offload")
+    p.add_argument("--model", required=True)
+    p.add_argument("--connector", choices=["on", "off"], required=True)
+    p.add_argument("--prompts", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=10_000)
+    p.add_argument("--gpu-gb", type=float, default=24, help="GPU memory for the engine (the seed's 24 GB)")
+    p.add_argument("--cpu-gb", type=float, default=30)
+    p = sub.add_parser("report")
+    p.add_argument("workdir")
+    args = parser.parse_args()
+    result = sys.stdout
+    sys.stdout = sys.stderr  # progress and vLLM's prints; stdout carries the JSON alone
+    out = {"model": cmd_model, "peer": cmd_peer, "offload": cmd_offload, "report": cmd_report}[args.cmd](args)
+    print(json.dumps(out), file=result, flush=True)
+
+
+if __name__ == "__main__":
+    main()
