@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # InstanceProcess: a JSON-lines child with its log and config file
 CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_connector_module_path": "lmcache_p2p.integration.vllm",
              "kv_role": "kv_both"}
 LLAMA_8B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336,
@@ -60,33 +61,77 @@ def cmd_model(args) -> dict:
 # -- peer sharing (seed 004) ------------------------------------------------------------------------
 
 
-def run_round(base_url: str, model: str, prompts: list[list[int]], output_len: int, inflight: int) -> dict:
-    """Every prompt, ``inflight`` at a time, streamed: the figures long_doc_qa prints."""
-    from lmcache_p2p.demo import stream_completion
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(inflight) as pool:
-        results = list(pool.map(lambda p: stream_completion(base_url, model, p, max_tokens=output_len), prompts))
-    elapsed = time.perf_counter() - t0
-    return {"mean_ttft_s": round(statistics.mean(r["ttft_s"] for r in results), 4),
-            "ttfts_s": [round(r["ttft_s"], 4) for r in results],
-            "round_s": round(elapsed, 3), "prompts": len(prompts),
-            "successful": sum(1 for r in results if r["text"] is not None), "texts": [r["text"] for r in results]}
+def cmd_engine(args) -> None:
+    """One engine (vLLM's AsyncLLM with our connector) driven by JSON lines: ``round`` runs a
+    list of prompts ``inflight`` at a time and answers each one's time to first token, the
+    round's time and the greedy token ids; ``quit`` stops it."""
+    import asyncio
+
+    from lmcache_p2p import jsonlines
+    answers = jsonlines.claim_stdout()  # before vLLM prints anything
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    extra = ({"dtype": "float32", "max_model_len": 8192} if args.cpu_smoke
+             else {"gpu_memory_utilization": args.gpu_util, "max_model_len": 16384})
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=args.model, enforce_eager=True, kv_transfer_config=CONNECTOR, **extra))
+    loop = asyncio.new_event_loop()
+
+    async def one(prompt: list[int], output_len: int, rid: str) -> dict:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        t0 = time.perf_counter()
+        ttft, token_ids = None, []
+        async for out in engine.generate({"prompt_token_ids": prompt}, params, rid):
+            if ttft is None and out.outputs and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+            token_ids = list(out.outputs[0].token_ids)
+        return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "token_ids": token_ids}
+
+    async def run(request: dict) -> dict:
+        gate = asyncio.Semaphore(request["inflight"])
+
+        async def gated(i: int, prompt: list[int]) -> dict:
+            async with gate:
+                return await one(prompt, request["output_len"], f"{request['name']}-{i}")
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(gated(i, p) for i, p in enumerate(request["prompts"])))
+        return {"round_s": time.perf_counter() - t0, "results": results}
+
+    def handle(request: dict) -> dict:
+        if request["op"] == "round":
+            return loop.run_until_complete(run(request))
+        raise ValueError(f"unknown op {request['op']!r}")
+
+    jsonlines.answer(answers, {"ok": True, "ready": True})
+    try:
+        jsonlines.serve(handle, sys.stdin, answers)
+    finally:
+        engine.shutdown()
 
 
-def print_round(engine: str, name: str, r: dict) -> None:
-    say(f"{engine} {name} round mean TTFT: {r['mean_ttft_s']:.3f}s")
-    say(f"{engine} {name} round time: {r['round_s']:.3f}s")
-    say(f"{engine} {name} round prompt count: {r['prompts']} (successful {r['successful']})")
+def summarize(name: str, answer: dict) -> dict:
+    results = answer["results"]
+    r = {"mean_ttft_s": round(statistics.mean(x["ttft_s"] for x in results), 4),
+         "ttfts_s": [round(x["ttft_s"], 4) for x in results], "round_s": round(answer["round_s"], 3),
+         "prompts": len(results), "successful": sum(1 for x in results if x["token_ids"])}
+    say(f"{name} round mean TTFT: {r['mean_ttft_s']:.3f}s")
+    say(f"{name} round time: {r['round_s']:.3f}s")
+    say(f"{name} round prompt count: {r['prompts']} (successful {r['successful']})")
+    return r
 
 
 def cmd_peer(args) -> dict:
     import httpx
 
+    from instances import InstanceProcess
     from lmcache_p2p.demo import ServedProcess
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     docs = documents(args.model, args.docs, args.doc_tokens)
-    procs: list[ServedProcess] = []
+    procs: list = []
     try:
         controller_bin = str(Path(sys.executable).with_name("lmcache_controller"))
         controller = ServedProcess("controller", [controller_bin, "--host", "localhost", "--port", "9000", "--monitor-ports",
@@ -95,64 +140,73 @@ def cmd_peer(args) -> dict:
         procs.append(controller)
         controller.wait_http("http://localhost:9000/controller/workers", 60)
         engines = []
-        for i, port in ((1, 8010), (2, 8011)):
-            env = {"LMCACHE_CONFIG_FILE": str(REPO / "configs" / f"example{i}.yaml"),
-                   "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)}
-            engine_args = ["--gpu-memory-utilization", str(args.gpu_util), "--max-model-len", "16384", "--enforce-eager"]
+        for i in (1, 2):
+            config = yaml_config(REPO / "configs" / f"example{i}.yaml", max_local_cpu_size=args.cpu_gb)
+            cmd = [sys.executable, __file__, "engine", "--model", args.model, "--gpu-util", str(args.gpu_util)]
+            env = None
             if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
-                from lmcache_p2p.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV
-                engine_args, env = list(CPU_ENGINE_ARGS), {**env, **CPU_ENGINE_ENV}
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port),
-                   *engine_args, "--kv-transfer-config", json.dumps(CONNECTOR)]
-            engine = ServedProcess(f"engine {i}", cmd, workdir / f"engine{i}.log", env).start()
+                from lmcache_p2p.demo import CPU_ENGINE_ENV
+                cmd, env = cmd + ["--cpu-smoke"], CPU_ENGINE_ENV
+            engine = InstanceProcess(config, workdir, name=f"engine{i}", command=cmd, env=env)
+            engine.start(timeout=600)  # one at a time: each profiles the GPU memory left
+            say(f"engine {i} up")
             procs.append(engine)
-            engines.append((engine, f"http://localhost:{port}"))
-            engine.wait_http(f"http://localhost:{port}/health", 600, progress=True)  # one at a time: memory profiling
+            engines.append(engine)
         out = {"step": "peer", "docs": args.docs, "doc_tokens": args.doc_tokens, "output_len": args.output_len,
                "inflight": args.inflight}
-        # A short request each first, not timed: CUDA kernels load on first use.
-        for seed, (_, url) in enumerate(engines):
-            run_round(url, args.model, documents(args.model, 1, 512, first_seed=10_000 + seed), 4, 1)
-        for i, (engine, url) in enumerate(engines, start=1):
+        for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
+            engine.request("round", timeout=300, name="hello", prompts=documents(args.model, 1, 512, 10_000 + i),
+                           output_len=4, inflight=1)
+        texts = {}
+        for i, engine in enumerate(engines, start=1):
             if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
-                want = args.docs * (args.doc_tokens // 256) * 256
+                want = args.docs * (args.doc_tokens // 256)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline:
                     stats = httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()
-                    if stats["instances"].get("lmcache_instance_1", {}).get("LocalCPUBackend", 0) * 256 >= want:
+                    if stats["instances"].get("lmcache_instance_1", {}).get("LocalCPUBackend", 0) >= want:
                         break
                     time.sleep(0.5)
             for name in ("warmup", "query"):
-                r = run_round(url, args.model, docs, args.output_len, args.inflight)
-                print_round(f"engine {i}", name, r)
-                out[f"engine{i}_{name}"] = r
+                answer = engine.request("round", timeout=900, name=f"e{i}{name}", prompts=docs,
+                                        output_len=args.output_len, inflight=args.inflight)
+                out[f"engine{i}_{name}"] = summarize(f"engine {i} {name}", answer)
+                texts[(i, name)] = [x["token_ids"] for x in answer["results"]]
+        log2 = engines[1].log()
         pulls = [dict(tokens=int(m[0]), of=int(m[1]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4]), channel=m[5])
-                 for m in P2P_LINE.findall(engines[1][0].log())]
-        loads = [dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4]))
-                 for m in LOAD_LINE.findall(engines[1][0].log())]
+                 for m in P2P_LINE.findall(log2)]
+        loads = [dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4])) for m in LOAD_LINE.findall(log2)]
         out["engine2_pulls"] = {"count": len(pulls), "tokens": sum(p["tokens"] for p in pulls),
                                 "gb": round(sum(p["gb"] for p in pulls), 3),
                                 "median_GB/s": statistics.median(p["gbps"] for p in pulls) if pulls else None,
                                 "min_GB/s": min((p["gbps"] for p in pulls), default=None),
                                 "max_GB/s": max((p["gbps"] for p in pulls), default=None),
+                                "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
                                 "channels": sorted({p["channel"] for p in pulls})}
         out["engine2_loads"] = {"count": len(loads),
-                                "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None}
+                                "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None,
+                                "median_ms": statistics.median(p["ms"] for p in loads) if loads else None}
         e1, e2 = out["engine1_warmup"], out["engine2_warmup"]
         out["ttft_ratio"] = round(e2["mean_ttft_s"] / e1["mean_ttft_s"], 4)
         out["round_ratio"] = round(e2["round_s"] / e1["round_s"], 4)
-        # Greedy outputs: engine 2 (KV from the peer) against engine 1 (cold), and engine 1's own
-        # query round (vLLM's prefix cache) as the reference for how much numerics alone move them.
-        out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(e1["texts"], e2["texts"]))
-        out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(e1["texts"], out["engine1_query"]["texts"]))
-        for key in ("engine1_warmup", "engine1_query", "engine2_warmup", "engine2_query"):
-            out[key]["texts"] = [t[:40] for t in out[key]["texts"][:3]]  # a sample; the counts above say the rest
+        # Greedy outputs: engine 2 (KV from the peer) against engine 1 (cold); engine 1's own
+        # query round (vLLM's prefix cache) shows how far numerics alone move them.
+        cold = texts[(1, "warmup")]
+        out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(2, "warmup")]))
+        out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(1, "query")]))
+        out["greedy_leading_tokens_equal_peer_vs_cold"] = [
+            next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cold, texts[(2, "warmup")])]
         return out
     finally:
-        for proc in procs:
-            proc.terminate()
         for proc in reversed(procs):
             proc.stop()
+
+
+def yaml_config(path: Path, **overrides) -> dict:
+    import yaml
+    config = yaml.safe_load(path.read_text())
+    config.update(overrides)
+    return config
 
 
 # -- CPU offload and miss overhead (seed 002) ---------------------------------------------------------
@@ -219,8 +273,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--inflight", type=int, default=4)
     p.add_argument("--gpu-util", type=float, default=0.4, help="per engine; both share the GPU")
-    p.add_argument("--cpu-gb", type=float, default=40, help="max_local_cpu_size per engine (the seed asks 100)")
+    p.add_argument("--cpu-gb", type=float, default=30, help="max_local_cpu_size per engine (the seed asks 100)")
     p.add_argument("--cpu-smoke", action="store_true", help="vLLM's CPU build and the tiny model: checks the script")
+    p = sub.add_parser("engine")
+    p.add_argument("--model", required=True)
+    p.add_argument("--gpu-util", type=float, default=0.4)
+    p.add_argument("--cpu-smoke", action="store_true")
     p = sub.add_parser("offload")
     p.add_argument("--model", required=True)
     p.add_argument("--connector", choices=["on", "off"], required=True)
@@ -233,6 +291,9 @@ def main() -> None:
     args = parser.parse_args()
     result = sys.stdout
     sys.stdout = sys.stderr  # progress and vLLM's prints; stdout carries the JSON alone
+    if args.cmd == "engine":
+        sys.stdout = result
+        return cmd_engine(args)
     out = {"model": cmd_model, "peer": cmd_peer, "offload": cmd_offload, "report": cmd_report}[args.cmd](args)
     print(json.dumps(out), file=result, flush=True)
 
