@@ -17,6 +17,8 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -47,6 +49,8 @@ class CacheEngine:
         # The lookup totals also travel to the controller with every heartbeat (Traffic).
         self.counters = {"stored_tokens": 0, "retrieved_tokens": 0, "retrieves": 0,
                          "lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}
+        self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
+        self._pending_hashes: set[int] = set()
         self.worker = None
         if config.enable_controller:
             from lmcache_p2p.worker import Worker  # the network side only when asked for
@@ -57,10 +61,63 @@ class CacheEngine:
     def store(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> int:
         """Save the full chunks of ``tokens`` whose KV sits in ``block_ids`` (one block id per
         ``block_size`` tokens, in order); returns the tokens newly stored."""
-        # Reserve a page for every new chunk first, so the whole batch is one gather.
-        batch: list[tuple[int, list[int], int, torch.Tensor]] = []  # (hash, blocks, page, page data)
+        batch = self._reserve(tokens, block_ids)
+        try:
+            gpu_ops.gather_chunks(layers, [b[1] for b in batch], [b[3] for b in batch])
+        except BaseException:
+            self._abandon(batch)
+            raise
+        return self._commit(batch, len(tokens), 0.0)
+
+    def store_async(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+                    owner: str = "") -> int:
+        """:meth:`store` without waiting for the copy (the engine's store path on a GPU): the
+        chunks are gathered on a copy stream beside the next forward pass and indexed by a later
+        :meth:`poll_stores` once the copy is done. The caller keeps ``block_ids`` unchanged until
+        then (:meth:`stores_pending` for ``owner`` says when). Returns the chunks launched."""
+        batch = self._reserve(tokens, block_ids)
+        if not batch:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            copy = gpu_ops.gather_chunks_async(layers, [b[1] for b in batch], [b[3] for b in batch])
+        except BaseException:
+            self._abandon(batch)
+            raise
+        if copy is None:  # copied already (no CUDA here)
+            self._commit(batch, len(tokens), 0.0)
+        else:
+            self._pending.append(_PendingStore(copy, batch, owner, len(tokens), t0))
+            self._pending_hashes.update(b[0] for b in batch)
+        return len(batch)
+
+    def poll_stores(self, wait: bool = False) -> int:
+        """Index the stores whose copies are done (all of them, with ``wait``), in launch order;
+        returns the tokens stored."""
+        stored = 0
+        while self._pending and (wait or self._pending[0].copy.done()):
+            pending = self._pending.popleft()
+            if wait:
+                pending.copy.wait()
+            self._pending_hashes.difference_update(b[0] for b in pending.batch)
+            stored += self._commit(pending.batch, pending.num_tokens, pending.started)
+        return stored
+
+    def stores_pending(self, owner: str) -> bool:
+        return any(p.owner == owner for p in self._pending)
+
+    def order_stores_before(self, stream: "torch.cuda.Stream") -> None:
+        """Make work queued on ``stream`` from now on wait (on the device) for every store copy
+        in flight: blocks about to be reused must be read first."""
+        for pending in self._pending:
+            pending.copy.order_before(stream)
+
+    def _reserve(self, tokens: TokenIds, block_ids: Sequence[int]) -> list[tuple[int, list[int], int, torch.Tensor]]:
+        """A page for every chunk not held yet (or on its way), so a store is one gather:
+        (hash, blocks, page, page data)."""
+        batch = []
         for span in self.storage.spans(tokens):
-            if self.storage.location_of(span.chunk_hash) is not None:
+            if self.storage.location_of(span.chunk_hash) is not None or span.chunk_hash in self._pending_hashes:
                 continue
             blocks = self._blocks(block_ids, span.start)
             if blocks is None:
@@ -69,16 +126,18 @@ class CacheEngine:
             if reserved is None:
                 break  # every page pinned: nothing more can be stored now
             batch.append((span.chunk_hash, blocks, *reserved))
-        try:
-            gpu_ops.gather_chunks(layers, [b[1] for b in batch], [b[3] for b in batch])
-        except BaseException:
-            for _, _, page, _ in batch:
-                self.storage.abandon_page(page)
-            raise
+        return batch
+
+    def _abandon(self, batch) -> None:
+        for _, _, page, _ in batch:
+            self.storage.abandon_page(page)
+
+    def _commit(self, batch, num_tokens: int, started: float) -> int:
         stored = sum(self.chunk_size for chunk_hash, _, page, _ in batch if self.storage.commit_page(chunk_hash, page))
         self.counters["stored_tokens"] += stored
+        took = f" (copied in {(time.perf_counter() - started) * 1e3:.1f} ms beside the forward pass)" if started else ""
         logger.log(logging.INFO if stored else logging.DEBUG,
-                   "Storing KV cache for %d out of %d tokens", stored, len(tokens))
+                   "Storing KV cache for %d out of %d tokens%s", stored, num_tokens, took)
         return stored
 
     def _blocks(self, block_ids: Sequence[int], start: int) -> Optional[list[int]]:
@@ -187,10 +246,20 @@ class CacheEngine:
             self.worker.call(self.worker.link.flush)
 
     def close(self) -> None:
+        self.poll_stores(wait=True)
         if self.worker is not None:
             self.worker.close()
             self.worker = None
         self.storage.close()
+
+
+@dataclass
+class _PendingStore:
+    copy: gpu_ops.PendingCopy
+    batch: list
+    owner: str
+    num_tokens: int
+    started: float
 
 
 class PinnedPrefix:

@@ -15,7 +15,9 @@ shape). A batch of chunks moves in one call:
 
 Inputs are checked before anything is launched, and errors name the argument, chunk and value.
 Calls return when the copy is complete: a page is only indexed, or released to be reused, once
-its bytes are final.
+its bytes are final. The one exception is :func:`gather_chunks_async`, the engine's store path:
+it runs on a copy stream of its own, beside the engine's next forward pass, and hands back a
+:class:`PendingCopy` to poll.
 """
 
 from __future__ import annotations
@@ -35,6 +37,25 @@ KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32,
                if hasattr(torch, name)))
 
 _layer_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()  # layer addresses on the device, per cache
+_copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+class PendingCopy:
+    """A gather still running on the copy stream. It holds the launch's inputs until done."""
+
+    def __init__(self, event: "torch.cuda.Event", keep: tuple):
+        self.event = event
+        self._keep = keep
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def order_before(self, stream: "torch.cuda.Stream") -> None:
+        """Make work queued on ``stream`` from now on start after this copy (no host wait)."""
+        stream.wait_event(self.event)
 
 
 class _Batch:
@@ -118,6 +139,31 @@ def scatter_chunks(pages: Sequence[torch.Tensor], layers: Sequence[torch.Tensor]
         _run(batch, to_pages=False)
 
 
+def gather_chunks_async(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
+                        pages: Sequence[torch.Tensor]) -> Optional[PendingCopy]:
+    """:func:`gather_chunks` without waiting: on CUDA the copy runs on a stream of its own after
+    the work already queued on the current stream (the forward pass that wrote the KV), and the
+    caller polls the returned copy before using the pages and keeps the blocks unchanged until it
+    is done. Elsewhere it copies at once and returns None."""
+    batch = _Batch(layers, block_ids, pages, None)
+    if not pages:
+        return None
+    module = kv_kernels.load() if batch.layers[0].is_cuda else None
+    if module is None or not batch.kernel_ok():
+        _run_torch(batch, to_pages=True)
+        return None
+    device = batch.layers[0].device
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        keep = _launch(module, batch, to_pages=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return PendingCopy(event, keep)
+
+
 def gather_chunk(layers: Sequence[torch.Tensor], block_ids: Sequence[int], page: torch.Tensor) -> None:
     gather_chunks(layers, [block_ids], [page])
 
@@ -149,22 +195,31 @@ def _layer_table(layers: list[torch.Tensor]) -> torch.Tensor:
     table = _layer_tables.get(key)
     if table is None:
         table = torch.tensor(key[1:], dtype=torch.int64).to(layers[0].device)
+        # Built once per cache and then read from any stream: complete before anyone uses it.
+        torch.cuda.current_stream(layers[0].device).synchronize()
         _layer_tables[key] = table
         while len(_layer_tables) > 16:
             _layer_tables.popitem(last=False)
     return table
 
 
-def _run_kernel(module, batch: _Batch, to_pages: bool) -> None:
+def _launch(module, batch: _Batch, to_pages: bool) -> tuple:
+    """Queue the batch's one kernel on the current stream; returns what must outlive it."""
     device = batch.layers[0].device
     ids = [b for chunk in batch.block_ids for b in chunk]
-    meta = torch.tensor(ids + [p.data_ptr() for p in batch.pages] + batch.first_blocks, dtype=torch.int64)
-    meta = meta.pin_memory().to(device, non_blocking=True)
-    module.copy_blocks(_layer_table(batch.layers), meta, len(batch.pages), batch.blocks_per_chunk,
-                       batch.block_bytes, _vector_bytes(batch), to_pages)
+    host = torch.tensor(ids + [p.data_ptr() for p in batch.pages] + batch.first_blocks, dtype=torch.int64).pin_memory()
+    meta = host.to(device, non_blocking=True)
+    table = _layer_table(batch.layers)
+    module.copy_blocks(table, meta, len(batch.pages), batch.blocks_per_chunk, batch.block_bytes,
+                       _vector_bytes(batch), to_pages)
+    return host, meta, table
+
+
+def _run_kernel(module, batch: _Batch, to_pages: bool) -> None:
+    _launch(module, batch, to_pages)
     # Complete before returning: a gathered page is indexed (and may be served to a peer) next,
     # and a scattered page may be released and reused next.
-    torch.cuda.current_stream(device).synchronize()
+    torch.cuda.current_stream(batch.layers[0].device).synchronize()
 
 
 def _run_torch(batch: _Batch, to_pages: bool) -> None:

@@ -80,6 +80,13 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         if isinstance(meta, P2PConnectorMetadata):
             self._worker.wait_for_save(meta)
 
+    def get_finished(self, finished_req_ids: set) -> tuple[Optional[set], Optional[set]]:
+        """Requests whose store copies are done (blocks vLLM may free now); loads finish in
+        start_load_kv, so nothing is ever still receiving."""
+        if self._worker is None or self._worker.engine is None:
+            return None, None
+        return self._worker.finished_stores(finished_req_ids) or None, None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 

@@ -35,3 +35,6 @@ class P2PConnectorMetadata(KVConnectorMetadata):
     stores: list[StoreSpec] = field(default_factory=list)
     # Requests whose lookup pins the ranks may drop (finished, or scheduled with nothing to load).
     released: list[str] = field(default_factory=list)
+    # Blocks were freed without waiting for our stores (a preemption), and may be written this
+    # step: the forward pass must wait for the store copies in flight.
+    fence_stores: bool = False

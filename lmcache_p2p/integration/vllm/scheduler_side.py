@@ -41,6 +41,7 @@ class _Request:
     load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # prompt tokens already handed to the ranks to store
+    stored: bool = False  # a store was handed to the ranks: its blocks are freed after get_finished
 
 
 class SchedulerSide:
@@ -145,10 +146,15 @@ class SchedulerSide:
             self._add_load(meta, req_id, state, computed)
             self._add_store(meta, req_id, state, computed + scheduled.get(req_id, 0))
 
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        for req_id in preempted or ():
             state = self._requests.get(req_id)
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.hit, state.logged_need, state.load_tokens = None, None, 0
+        # A preempted request's blocks are freed at once, so copies of them still in flight must
+        # finish before this step writes anything. A vLLM that does not say which requests were
+        # preempted gets the fence on every step with stores in flight.
+        meta.fence_stores = bool(preempted) or not hasattr(scheduler_output, "preempted_req_ids")
         meta.released, self._released = self._released, []
         return meta
 
@@ -176,11 +182,16 @@ class SchedulerSide:
             return
         meta.stores.append(StoreSpec(req_id, state.tokens[:end], state.block_ids[:end // self.block_size]))
         state.saved_upto = end
+        state.stored = True
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict]]:
-        if self._requests.pop(request.request_id, None) is not None:
-            self._released.append(request.request_id)
-        return False, None
+        """Blocks of a request we stored from stay allocated until the ranks report its store
+        copies done (get_finished): they are read beside the next forward pass."""
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        self._released.append(request.request_id)
+        return state.stored, None
 
     def close(self) -> None:
         self.client.close()

@@ -63,6 +63,8 @@ class WorkerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
         self._load_errors: set[int] = set()
+        self._saving: set[str] = set()  # requests we stored from (their blocks wait for finished_stores)
+        self._finishing: set[str] = set()  # of those, finished in vLLM, store copies maybe in flight
         self.tp_rank, self.tp_size = self._tp_rank_and_size()
 
     def _tp_rank_and_size(self) -> tuple[int, int]:
@@ -141,6 +143,9 @@ class WorkerSide:
     # -- per step (model runner thread) ----------------------------------------------------------
 
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
+        self.engine.poll_stores()
+        if meta.fence_stores and self.planes and self.planes[0].is_cuda:
+            self.engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
         for req_id in meta.released:
             state = self._take_lookup(req_id)
             if state is not None:
@@ -170,11 +175,25 @@ class WorkerSide:
                        "recomputed", spec.req_id, spec.start, loaded_to, spec.start, spec.end, len(failed))
 
     def wait_for_save(self, meta: P2PConnectorMetadata) -> None:
+        """Launch this step's stores; on a GPU they copy beside the next forward pass, and the
+        requests' blocks stay allocated until get_finished reports them done."""
+        self.engine.poll_stores()
         for spec in meta.stores:
+            self._saving.add(spec.req_id)
             try:
-                self.engine.store(spec.tokens, self.planes, spec.block_ids)
+                self.engine.store_async(spec.tokens, self.planes, spec.block_ids, owner=spec.req_id)
             except Exception:  # a failed store is a future miss, never a failed request
                 logger.exception("request %s: storing %d tokens failed", spec.req_id, len(spec.tokens))
+
+    def finished_stores(self, finished_req_ids: set) -> set:
+        """Of the finished requests we stored from, those whose store copies are done: vLLM frees
+        their blocks now (the scheduler side delayed it)."""
+        self.engine.poll_stores()
+        self._finishing.update(r for r in finished_req_ids if r in self._saving)
+        done = {r for r in self._finishing if not self.engine.stores_pending(r)}
+        self._finishing -= done
+        self._saving -= done
+        return done
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
