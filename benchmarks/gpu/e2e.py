@@ -289,11 +289,10 @@ def main() -> None:
     p = sub.add_parser("report")
     p.add_argument("workdir")
     args = parser.parse_args()
-    result = sys.stdout
-    sys.stdout = sys.stderr  # progress and vLLM's prints; stdout carries the JSON alone
     if args.cmd == "engine":
-        sys.stdout = result
         return cmd_engine(args)
+    from lmcache_p2p import jsonlines
+    result = jsonlines.claim_stdout()  # progress, vLLM and its engine processes print to stderr
     out = {"model": cmd_model, "peer": cmd_peer, "offload": cmd_offload, "report": cmd_report}[args.cmd](args)
     print(json.dumps(out), file=result, flush=True)
 
