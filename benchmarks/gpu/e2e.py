@@ -2,7 +2,7 @@
 equality with KV pulled from a peer. ``run_e2e.sh`` runs every step; each step also runs alone:
 
     python benchmarks/gpu/e2e.py model   --out DIR            # Llama-3.1-8B shape, bf16, random weights
-    python benchmarks/gpu/e2e.py peer    --model DIR --workdir W   # seed 004: controller + 2 servers
+    python benchmarks/gpu/e2e.py peer    --model DIR --workdir W   # seed 004: controller + 2 engines
     python benchmarks/gpu/e2e.py offload --model DIR --connector on|off   # seed 002 shape, offline
     python benchmarks/gpu/e2e.py report  W                 # one JSON object and a table
 
@@ -23,7 +23,6 @@ import re
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]

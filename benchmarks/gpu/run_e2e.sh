@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM on one GPU host, end to end (issue 8): builds the Llama-3.1-8B-shape model, then the peer
-# sharing run (controller + two OpenAI servers on the seed-004 YAMLs), then the CPU offload runs
+# sharing run (controller + two vLLM engines on the seed-004 YAMLs), then the CPU offload runs
 # with the connector on and off, then the report. Needs vLLM 0.25+ and NIXL installed next to this
 # project; takes about 10 minutes on an H200.
 #
