@@ -5,6 +5,7 @@ create gaps, garbage, silence and restarts on purpose."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -33,13 +34,36 @@ def layout(model: str = "tiny-llama", rank: int = 0, tp: int = 1) -> LayoutFinge
                              block_stride=(256, 16, 8, 1), num_layers=2, tp_size=tp, tp_rank=rank)
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_handed_out: set[int] = set()  # never twice in one test session: a port may not be bound yet
+
+
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` ports that bind now, below the kernel's ephemeral range: a port the kernel hands
+    out (bind to 0) can be taken again by any outgoing connection before a test's process binds
+    it, which made engines fail with "Address already in use" now and then."""
+    rng = random.Random()
+    high = _ephemeral_low()
+    low = min(20000, high // 2)
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))  # every interface, as the engines' ZMQ sockets bind
+            except OSError:
+                continue
+        _handed_out.add(port)
+        ports.append(port)
     return ports
 
 
