@@ -67,7 +67,7 @@ class CacheEngine:
         except BaseException:
             self._abandon(batch)
             raise
-        return self._commit(batch, len(tokens), 0.0)
+        return self._commit(batch, len(tokens))
 
     def store_async(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
                     owner: str = "") -> int:
@@ -85,7 +85,7 @@ class CacheEngine:
             self._abandon(batch)
             raise
         if copy is None:  # copied already (no CUDA here)
-            self._commit(batch, len(tokens), 0.0)
+            self._commit(batch, len(tokens))
         else:
             self._pending.append(_PendingStore(copy, batch, owner, len(tokens), t0))
             self._pending_hashes.update(b[0] for b in batch)
@@ -100,7 +100,7 @@ class CacheEngine:
             if wait:
                 pending.copy.wait()
             self._pending_hashes.difference_update(b[0] for b in pending.batch)
-            stored += self._commit(pending.batch, pending.num_tokens, pending.started)
+            stored += self._commit(pending.batch, pending.num_tokens, pending.launched)
         return stored
 
     def stores_pending(self, owner: str) -> bool:
@@ -132,10 +132,12 @@ class CacheEngine:
         for _, _, page, _ in batch:
             self.storage.abandon_page(page)
 
-    def _commit(self, batch, num_tokens: int, started: float) -> int:
+    def _commit(self, batch, num_tokens: int, launched: Optional[float] = None) -> int:
+        """Index a gathered batch; ``launched`` is when an asynchronous copy of it started."""
         stored = sum(self.chunk_size for chunk_hash, _, page, _ in batch if self.storage.commit_page(chunk_hash, page))
         self.counters["stored_tokens"] += stored
-        took = f" (copied in {(time.perf_counter() - started) * 1e3:.1f} ms beside the forward pass)" if started else ""
+        took = ("" if launched is None else
+                f" (copied in {(time.perf_counter() - launched) * 1e3:.1f} ms beside the forward pass)")
         logger.log(logging.INFO if stored else logging.DEBUG,
                    "Storing KV cache for %d out of %d tokens%s", stored, num_tokens, took)
         return stored
@@ -259,7 +261,7 @@ class _PendingStore:
     batch: list
     owner: str
     num_tokens: int
-    started: float
+    launched: float
 
 
 class PinnedPrefix:

@@ -163,8 +163,10 @@ def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str,
         time.sleep(0.05)
 
 
-P2P_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: .* throughput: ([\d.]+) GB/s "
-                      r"\(from (.+) over (\w+)\)")
+# The line a peer pull logs (p2p_client), as the demo and benchmarks/gpu/e2e.py read it.
+P2P_LINE = re.compile(r"Retrieved (?P<tokens>\d+) out of total (?P<total>\d+) tokens\. size: (?P<gb>[\d.]+) gb, "
+                      r"cost (?P<ms>[\d.]+) ms, throughput: (?P<gbps>[\d.]+) GB/s \(from (?P<peer>.+?) "
+                      r"over (?P<channel>\w+(?: via GPU staging)?)\)")
 
 
 def main(argv=None) -> int:
@@ -229,13 +231,14 @@ def main(argv=None) -> int:
         _wait_indexed(f"http://localhost:{engine_ports[0]}", f"http://localhost:{args.controller_port}", model, prompt)
         second = stream_completion(f"http://localhost:{engine_ports[1]}", model, prompt)
 
-        pulls = P2P_LINE.findall(engines[1].log())
+        pulls = [m.groupdict() for m in P2P_LINE.finditer(engines[1].log())]
         print()
         print(f"engine 1 (cold)      TTFT {first['ttft_s'] * 1e3:8.1f} ms")
         print(f"engine 2 (peer hit)  TTFT {second['ttft_s'] * 1e3:8.1f} ms")
         if pulls:
-            got, total, gbps, peer, channel = pulls[-1]
-            print(f"engine 2 pulled {got} of {total} tokens from {peer} over {channel} at {gbps} GB/s")
+            pull = pulls[-1]
+            print(f"engine 2 pulled {pull['tokens']} of {pull['total']} tokens from {pull['peer']} over "
+                  f"{pull['channel']} at {pull['gbps']} GB/s")
         else:
             print(f"engine 2 found no peer hit; see {engines[1].log_path}")
         print(f"same output on both engines: {first['text'] == second['text']}")

@@ -80,9 +80,8 @@ def build(out_dir: str, seed: int = 0, num_layers: int = 2, hidden_size: int = 1
     bf16 with a trained model's initializer range, on the GPU (``device``)."""
     marker = os.path.join(out_dir, "lmcache_p2p_tiny_model.json")
     recipe = dict(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                  num_kv_heads=num_kv_heads, vocab_size=vocab_size, max_positions=max_positions)
-    if (intermediate_size, dtype, initializer_range) != (None, "float32", 0.2):
-        recipe.update(intermediate_size=intermediate_size, dtype=dtype, initializer_range=initializer_range)
+                  num_kv_heads=num_kv_heads, vocab_size=vocab_size, max_positions=max_positions,
+                  intermediate_size=intermediate_size, dtype=dtype, initializer_range=initializer_range)
     if os.path.exists(marker):
         with open(marker) as f:
             if json.load(f) == recipe:

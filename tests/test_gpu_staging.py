@@ -9,6 +9,7 @@ on CUDA.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -32,19 +33,10 @@ def controller():
     proc.stop()
 
 
-@pytest.fixture
-def spawn(tmp_path):
-    started: list[InstanceProcess] = []
-
-    def start(instance_id: str, controller, device: str = "cuda", **extra) -> InstanceProcess:
-        config = instance_config(instance_id, controller, "nixl", chunk_size=CHUNK, **extra)
-        proc = InstanceProcess(config, tmp_path, num_blocks=32, device=device).start()
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
+def staged(spawn, controller, instance_id: str, **extra) -> InstanceProcess:
+    """A nixl instance whose KV lives on the GPU (staging on by default there)."""
+    return spawn(instance_config(instance_id, controller, "nixl", chunk_size=CHUNK, **extra), num_blocks=32,
+                 device="cuda")
 
 
 def pull_and_check(controller, a: InstanceProcess, b: InstanceProcess, chunks: int, seed: int = 0) -> None:
@@ -64,7 +56,7 @@ def pull_and_check(controller, a: InstanceProcess, b: InstanceProcess, chunks: i
 @pytest.mark.gpu
 @gpu
 def test_gpu_kv_pulled_through_staging_on_both_ends_is_bit_exact(controller, spawn):
-    a, b = spawn("lmcache_instance_1", controller), spawn("lmcache_instance_2", controller)
+    a, b = (staged(spawn, controller, f"lmcache_instance_{i}") for i in (1, 2))
     pull_and_check(controller, a, b, chunks=8)
     assert "over nixl via GPU staging)" in b.log()
     assert "GPU staging on cuda:0: 32 slots" in a.log()
@@ -75,8 +67,8 @@ def test_gpu_kv_pulled_through_staging_on_both_ends_is_bit_exact(controller, spa
 @pytest.mark.gpu
 @gpu
 def test_a_requester_without_staging_is_written_pool_to_pool(controller, spawn):
-    a = spawn("lmcache_instance_1", controller)
-    b = spawn("lmcache_instance_2", controller, nixl_buffer_device="cpu")
+    a = staged(spawn, controller, "lmcache_instance_1")
+    b = staged(spawn, controller, "lmcache_instance_2", nixl_buffer_device="cpu")
     pull_and_check(controller, a, b, chunks=8)
     assert "over nixl)" in b.log() and "via GPU staging" not in b.log()
 
@@ -86,7 +78,7 @@ def test_a_requester_without_staging_is_written_pool_to_pool(controller, spawn):
 def test_staging_smaller_than_a_batch_still_moves_every_chunk(controller, spawn):
     page_bytes = CHUNK * 32 * 2 * 8 * 128 * 2  # Llama-3.1-8B, bf16
     small = dict(nixl_buffer_size=2 * page_bytes)  # one slot to send, one to receive
-    a, b = spawn("lmcache_instance_1", controller, **small), spawn("lmcache_instance_2", controller, **small)
+    a, b = (staged(spawn, controller, f"lmcache_instance_{i}", **small) for i in (1, 2))
     pull_and_check(controller, a, b, chunks=12, seed=3)
     assert "over nixl via GPU staging)" in b.log()
     assert "(1 receive, 1 send)" in b.log()
@@ -98,13 +90,12 @@ def test_two_instances_pulling_from_each_other_at_once(controller, spawn):
     """Each is holder and requester at the same time: receive and send slots are separate, so
     neither waits on itself."""
     small = dict(nixl_buffer_size=4 * CHUNK * 32 * 2 * 8 * 128 * 2)
-    a, b = spawn("lmcache_instance_1", controller, **small), spawn("lmcache_instance_2", controller, **small)
+    a, b = (staged(spawn, controller, f"lmcache_instance_{i}", **small) for i in (1, 2))
     pa, pb = tokens(16 * CHUNK, seed=11), tokens(16 * CHUNK, seed=12)
     a.prefill(pa)
     b.prefill(pb)
     wait_for(lambda: controller.holders(pa).get("lmcache_instance_1") and controller.holders(pb).get("lmcache_instance_2"),
              what="both instances' keys")
-    import threading
     hits = {}
     threads = [threading.Thread(target=lambda: hits.__setitem__("b", b.lookup(pa))),
                threading.Thread(target=lambda: hits.__setitem__("a", a.lookup(pb)))]

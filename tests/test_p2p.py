@@ -26,20 +26,6 @@ def controller():
     proc.stop()
 
 
-@pytest.fixture
-def spawn(tmp_path):
-    started: list[InstanceProcess] = []
-
-    def start(config: dict, **kw) -> InstanceProcess:
-        proc = InstanceProcess(config, tmp_path, **kw).start()
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop()
-
-
 def two_instances(controller, spawn, channel: str) -> tuple[InstanceProcess, InstanceProcess]:
     """lmcache_instance_1 and lmcache_instance_2, as in the seeds, on free ports."""
     return tuple(spawn(instance_config(f"lmcache_instance_{i}", controller, channel, chunk_size=CHUNK))

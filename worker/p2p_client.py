@@ -260,27 +260,24 @@ class P2PClient:
                 transport.release(slots)
             batch.error = str(e)
             return batch
-        try:
-            return await self._land(batch, transport, reply, frames, slots, peer, t0)
-        finally:
-            transport.release(slots)
+        return await self._land(batch, transport, reply, frames, slots, peer, t0)
 
     async def _land(self, batch: "_Batch", transport: Transport, reply, frames: list, slots: list[int], peer: Peer,
                     t0: float) -> "_Batch":
-        """Place and verify what the holder's reply says it sent."""
+        """Place and verify what the holder's reply says it sent; gives the receive slots back."""
         hashes = batch.hashes[:len(batch.pages)]
         if not isinstance(reply, ChunkPullReply) or not reply.ok:
+            transport.release(slots)
             batch.error = getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
             return batch
         batch.answered = True
         served = min(reply.served, len(hashes))
         t1 = time.perf_counter()
         try:
-            await transport.land(frames, batch.pages[:served], slots[:served] if reply.staged else [])
-            # The bytes are in our pages: the slots can take the next request's while we verify.
-            # (Emptied in place, so the caller's final release gives nothing back twice.)
-            transport.release(slots)
-            slots.clear()
+            try:
+                await transport.land(frames, batch.pages[:served], slots[:served] if reply.staged else [])
+            finally:  # the bytes are in our pages: the slots take the next request's while we verify
+                transport.release(slots)
             batch.checksums = unpack_hashes(reply.checksums)
             batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:

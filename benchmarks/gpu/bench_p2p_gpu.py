@@ -36,6 +36,26 @@ SWEEP = {
 }
 
 
+def checksum_rates(pages: int = 8, reps: int = 3) -> dict:
+    """GB/s of the checksums of ``pages`` pinned chunk pages: on one thread, and on several
+    (keys.in_parallel, what both ends of a pull use)."""
+    import time
+
+    import torch
+
+    from lmcache_p2p.keys import in_parallel, payload_checksum
+    data = [torch.randint(0, 256, (PAGE,), dtype=torch.uint8).pin_memory().numpy() for _ in range(pages)]
+    out = {}
+    for name, run in (("one_thread", lambda: [payload_checksum(d) for d in data]),
+                      ("in_parallel", lambda: in_parallel(payload_checksum, data))):
+        run()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        out[f"{name}_GB/s"] = round(pages * PAGE * reps / (time.perf_counter() - t0) / 1e9, 1)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,64", help="chunks per pull")
@@ -47,7 +67,7 @@ def main() -> None:
     names = args.variants.split(",") + (list(SWEEP) if args.sweep else [])
     batches = [(int(n), args.reps) for n in args.batches.split(",")]
     out = {"bench": "p2p_gpu", "chunk_tokens": bench_p2p.CHUNK_TOKENS, "chunk_bytes": bench_p2p.PAGE_BYTES,
-           "shape": "Llama-3.1-8B bf16", "kv_device": "cuda"}
+           "shape": "Llama-3.1-8B bf16", "kv_device": "cuda", "checksums_8_pages": checksum_rates()}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             settings = dict(variants[name])

@@ -31,9 +31,7 @@ CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_connector_module_path": "
              "kv_role": "kv_both"}
 LLAMA_8B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336,
                 max_positions=32768, dtype="bfloat16", initializer_range=0.02)
-# The pull (from a peer into the CPU pool) and the load (CPU pool into vLLM's GPU blocks).
-P2P_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: ([\d.]+) gb, cost ([\d.]+) ms, "
-                      r"throughput: ([\d.]+) GB/s \(from \S+ rank \d+ \(\S+\) over (\w+(?: via GPU staging)?)\)")
+# The load of a hit (CPU pool into vLLM's GPU blocks); the pull's line is demo.P2P_LINE.
 LOAD_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: ([\d.]+) gb, cost ([\d.]+) ms, "
                        r"throughput: ([\d.]+) GB/s(?! \(from)")
 
@@ -126,7 +124,8 @@ def cmd_peer(args) -> dict:
     import httpx
 
     from instances import InstanceProcess
-    from lmcache_p2p.demo import ServedProcess
+    from protocol_client import wait_for
+    from lmcache_p2p.demo import P2P_LINE, ServedProcess
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     docs = documents(args.model, args.docs, args.doc_tokens)
@@ -160,22 +159,20 @@ def cmd_peer(args) -> dict:
         for i, engine in enumerate(engines, start=1):
             if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
                 want = args.docs * (args.doc_tokens // 256)
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    stats = httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()
-                    if stats["instances"].get("lmcache_instance_1", {}).get("LocalCPUBackend", 0) >= want:
-                        break
-                    time.sleep(0.5)
+                wait_for(lambda: httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()["instances"]
+                         .get("lmcache_instance_1", {}).get("LocalCPUBackend", 0) >= want,
+                         timeout=60, what="engine 1's chunks at the controller")
             for name in ("warmup", "query"):
                 answer = engine.request("round", timeout=900, name=f"e{i}{name}", prompts=docs,
                                         output_len=args.output_len, inflight=args.inflight)
                 out[f"engine{i}_{name}"] = summarize(f"engine {i} {name}", answer)
                 texts[(i, name)] = [x["token_ids"] for x in answer["results"]]
         log2 = engines[1].log()
-        pulls = [dict(tokens=int(m[0]), of=int(m[1]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4]), channel=m[5])
-                 for m in P2P_LINE.findall(log2)]
+        pulls = [{k: v if k in ("peer", "channel") else float(v) for k, v in m.groupdict().items()}
+                 for m in P2P_LINE.finditer(log2)]
         loads = [dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4])) for m in LOAD_LINE.findall(log2)]
-        out["engine2_pulls"] = {"count": len(pulls), "tokens": sum(p["tokens"] for p in pulls),
+        out["engine2_pulls"] = {"count": len(pulls), "tokens": int(sum(p["tokens"] for p in pulls)),
+                                "checksum_mismatches": log2.count("checksum mismatch"),
                                 "gb": round(sum(p["gb"] for p in pulls), 3),
                                 "median_GB/s": statistics.median(p["gbps"] for p in pulls) if pulls else None,
                                 "min_GB/s": min((p["gbps"] for p in pulls), default=None),

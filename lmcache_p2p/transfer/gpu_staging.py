@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
@@ -105,9 +104,8 @@ class GpuStaging:
         half = num_slots // 2
         self.receiving = _SlotList(range(0, half))
         self.sending = _SlotList(range(half, num_slots))
-        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._streams = {d: torch.cuda.Stream(device) for d in ("h2d", "d2h")}
         self._threads = {d: ThreadPoolExecutor(1, thread_name_prefix=f"lmcache-staging-{d}") for d in ("h2d", "d2h")}
-        self._lock = threading.Lock()
         logger.info("GPU staging on %s: %d slots x %.2f MiB = %.2f GiB (%d receive, %d send)", device, num_slots,
                     page_bytes / 2**20, num_slots * page_bytes / 2**30, self.receiving.capacity, self.sending.capacity)
 
@@ -137,11 +135,8 @@ class GpuStaging:
         await asyncio.get_running_loop().run_in_executor(self._threads[direction], self._copy, direction, pairs)
 
     def _copy(self, direction: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        stream = self._streams[direction]
         with torch.cuda.device(self.device):
-            with self._lock:
-                stream = self._streams.get(direction)
-                if stream is None:
-                    stream = self._streams[direction] = torch.cuda.Stream(self.device)
             with torch.cuda.stream(stream):
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+import torch
 
 from lmcache_p2p.protocol import ChannelHello
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
@@ -145,7 +146,6 @@ class NixlTransport(Transport):
 
     def _bind_device(self) -> None:
         if self.staging is not None:
-            import torch
             torch.cuda.set_device(self.staging.device)
 
     def _register_staging(self) -> None:
