@@ -8,7 +8,8 @@
 // pointer is valid on the device, so the same kernel gathers GPU -> host over PCIe with no
 // staging buffer and no second copy.
 //
-// One CUDA block copies one (chunk, layer, block) unit with 16-byte loads and stores when every
+// One CUDA block copies one (chunk, layer, block) unit (or, capped at max_ctas, walks several) with
+// 16-byte loads and stores when every
 // address and the block size allow it (the caller checks alignment and picks the width).
 // Validation (dtypes, devices, shapes, block ids in range) happens in Python before the launch,
 // where it can name the bad argument; the checks here guard the raw-pointer contract.
@@ -32,8 +33,7 @@ struct Plan {
 };
 
 template <typename Vec, bool kToPages>
-__global__ void copy_blocks(Plan plan) {
-  const int64_t unit = blockIdx.x;
+__device__ void copy_unit(const Plan& plan, int64_t unit) {
   const int64_t per_chunk = plan.num_layers * plan.blocks_per_chunk;
   const int64_t chunk = unit / per_chunk;
   const int64_t layer = (unit % per_chunk) / plan.blocks_per_chunk;
@@ -61,20 +61,28 @@ __global__ void copy_blocks(Plan plan) {
   for (; i < n; i += stride) dst[i] = src[i];
 }
 
+// One (chunk, layer, block) unit per CTA; with fewer CTAs than units each CTA walks the units
+// grid-stride. A copy beside a forward pass runs on a few CTAs: one CTA per unit would take
+// every SM, and a gather into host memory keeps them waiting on PCIe while the GEMMs queue.
+template <typename Vec, bool kToPages>
+__global__ void copy_blocks(Plan plan, int64_t units) {
+  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) copy_unit<Vec, kToPages>(plan, unit);
+}
+
 template <bool kToPages>
-void launch(const Plan& plan, int64_t num_chunks, int64_t vec_bytes, cudaStream_t stream) {
+void launch(const Plan& plan, int64_t num_chunks, int64_t vec_bytes, int64_t max_ctas, cudaStream_t stream) {
   const int64_t units = num_chunks * plan.num_layers * plan.blocks_per_chunk;
   if (units == 0) return;
   TORCH_CHECK(units < (int64_t{1} << 31), "too many (chunk, layer, block) units in one launch: ", units);
   const int64_t vecs = plan.block_bytes / vec_bytes;
   const int threads = static_cast<int>(std::min<int64_t>(256, std::max<int64_t>(32, (vecs + 31) / 32 * 32)));
-  const dim3 grid(static_cast<unsigned>(units));
+  const dim3 grid(static_cast<unsigned>(max_ctas > 0 ? std::min(units, max_ctas) : units));
   switch (vec_bytes) {
-    case 16: copy_blocks<uint4, kToPages><<<grid, threads, 0, stream>>>(plan); break;
-    case 8: copy_blocks<uint2, kToPages><<<grid, threads, 0, stream>>>(plan); break;
-    case 4: copy_blocks<uint32_t, kToPages><<<grid, threads, 0, stream>>>(plan); break;
-    case 2: copy_blocks<uint16_t, kToPages><<<grid, threads, 0, stream>>>(plan); break;
-    case 1: copy_blocks<uint8_t, kToPages><<<grid, threads, 0, stream>>>(plan); break;
+    case 16: copy_blocks<uint4, kToPages><<<grid, threads, 0, stream>>>(plan, units); break;
+    case 8: copy_blocks<uint2, kToPages><<<grid, threads, 0, stream>>>(plan, units); break;
+    case 4: copy_blocks<uint32_t, kToPages><<<grid, threads, 0, stream>>>(plan, units); break;
+    case 2: copy_blocks<uint16_t, kToPages><<<grid, threads, 0, stream>>>(plan, units); break;
+    case 1: copy_blocks<uint8_t, kToPages><<<grid, threads, 0, stream>>>(plan, units); break;
     default: TORCH_CHECK(false, "vector width must be 1, 2, 4, 8 or 16 bytes, got ", vec_bytes);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -91,11 +99,12 @@ void check_table(const torch::Tensor& t, const char* name, torch::ScalarType dty
 // meta: int64 on the cache's device, [num_chunks * blocks_per_chunk block ids | num_chunks
 // page addresses | num_chunks first blocks]; layer_ptrs: int64 [num_layers] on the same device.
 void run(torch::Tensor layer_ptrs, torch::Tensor meta, int64_t num_chunks, int64_t blocks_per_chunk,
-         int64_t block_bytes, int64_t vec_bytes, bool to_pages) {
+         int64_t block_bytes, int64_t vec_bytes, bool to_pages, int64_t max_ctas) {
   const torch::Device device = layer_ptrs.device();
   TORCH_CHECK(device.is_cuda(), "layer_ptrs must be on a CUDA device, got ", device);
   TORCH_CHECK(num_chunks >= 0 && blocks_per_chunk > 0 && block_bytes > 0, "bad sizes: ", num_chunks, " chunks, ",
               blocks_per_chunk, " blocks per chunk, ", block_bytes, " bytes per block");
+  TORCH_CHECK(max_ctas >= 0, "max_ctas must be 0 (one CTA per block) or positive, got ", max_ctas);
   TORCH_CHECK(block_bytes % vec_bytes == 0, "block_bytes ", block_bytes, " is not a multiple of ", vec_bytes);
   check_table(layer_ptrs, "layer_ptrs", torch::kInt64, layer_ptrs.numel(), device);
   check_table(meta, "meta", torch::kInt64, num_chunks * (blocks_per_chunk + 2), device);
@@ -106,9 +115,9 @@ void run(torch::Tensor layer_ptrs, torch::Tensor meta, int64_t num_chunks, int64
             m + num_chunks * (blocks_per_chunk + 1), layer_ptrs.numel(), blocks_per_chunk, block_bytes};
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index());
   if (to_pages) {
-    launch<true>(plan, num_chunks, vec_bytes, stream);
+    launch<true>(plan, num_chunks, vec_bytes, max_ctas, stream);
   } else {
-    launch<false>(plan, num_chunks, vec_bytes, stream);
+    launch<false>(plan, num_chunks, vec_bytes, max_ctas, stream);
   }
 }
 
@@ -118,5 +127,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lmcache-p2p: gather/scatter KV chunks between a paged cache and chunk pages";
   m.def("copy_blocks", &run, "Gather (to_pages=True) or scatter a batch of chunks across all layers in one launch",
         py::arg("layer_ptrs"), py::arg("meta"), py::arg("num_chunks"), py::arg("blocks_per_chunk"),
-        py::arg("block_bytes"), py::arg("vec_bytes"), py::arg("to_pages"));
+        py::arg("block_bytes"), py::arg("vec_bytes"), py::arg("to_pages"), py::arg("max_ctas") = 0);
 }

@@ -126,6 +126,17 @@ def handler(engine, kv: StandInKV, chunk_size: int):
             answer = {"dropped": engine.storage.clear()}
         elif op == "lookup":
             answer = {"hit": engine.lookup(tokens, use_peers=request.get("peers", True))}
+        elif op == "lookup_together":  # several prompts' peer pulls started at once, as vLLM's
+            # scheduler does with requests that arrive together: when each pull ended (s from start)
+            futures = [engine.lookup_async(p)[1] for p in request["prompts"]]
+            done_s: list = [None] * len(futures)
+            for i, future in enumerate(futures):
+                if future is not None:
+                    future.add_done_callback(lambda _, i=i: done_s.__setitem__(i, time.perf_counter() - t0))
+            for future in futures:
+                if future is not None:
+                    future.result(timeout=60)
+            answer = {"done_s": done_s}
         elif op == "retrieve":
             kv.wipe()
             n = engine.retrieve(tokens, kv.layers, blocks)

@@ -106,3 +106,61 @@ def test_the_lookup_server_survives_garbage_and_a_failing_handler(engine_id):
         raw.close(0)
         client.close()
         server.close()
+
+
+def _scheduler(engine_id: str):
+    from types import SimpleNamespace
+
+    from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id, is_kv_consumer=True, is_kv_producer=True),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0))
+    # The rank (a stand-in handler below) does the pulling; the scheduler side only asks.
+    config = LMCacheConfig.from_dict({"chunk_size": 256, "enable_async_loading": True,
+                                      "extra_config": {"lookup_backoff_time": 0.001}})
+    return SchedulerSide(vllm_config, config)
+
+
+def _empty_step():
+    from types import SimpleNamespace
+    return SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_new_reqs=[],
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                                 resumed_req_ids=set()),
+                           preempted_req_ids=set())
+
+
+def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every_pull(engine_id):
+    """Only the first lookup of an idle round may wait for its pull; the others are answered
+    'not yet' at once, so the first request runs while the rest are pulled (one at a time)."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S
+    waits: list[tuple[str, float]] = []
+    pulled = {"a"}  # "a"'s pull ends within its wait; the others are still pulling
+
+    def handle(request):
+        waits.append((request.req_id, request.wait_s))
+        done = request.req_id in pulled
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
+
+    server = LookupServer(socket_path(engine_id, 0, 0), handle)
+    scheduler = _scheduler(engine_id)
+    try:
+        ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
+            SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0)
+        assert ask("a") == (512, False)
+        assert ask("b") == (None, False)
+        assert ask("c") == (None, False)
+        assert waits == [("a", IDLE_LOOKUP_WAIT_S), ("b", 0.001), ("c", 0.001)]
+
+        scheduler.build_connector_meta(_empty_step())  # a round that scheduled nothing: idle again
+        waits.clear()
+        time.sleep(0.002)  # past the backoff
+        assert ask("b") == (None, False)
+        assert ask("c") == (None, False)
+        assert waits == [("b", IDLE_LOOKUP_WAIT_S), ("c", 0.001)]
+    finally:
+        scheduler.close()
+        server.close()

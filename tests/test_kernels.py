@@ -180,3 +180,27 @@ def test_bad_block_ids_on_gpu_are_refused_before_launch():
     with pytest.raises(IndexError, match=r"block ids \[16\] out of range"):
         gpu_ops.scatter_chunks([page], cache, [[16, 0]])
     assert not page.any()
+
+
+@gpu
+@pytest.mark.parametrize("ctas", [1, 3, 16, 0])
+def test_a_capped_async_gather_walks_every_unit(ctas):
+    """The store path runs on a few CTAs that each walk many (chunk, layer, block) units."""
+    rng = random.Random(4)
+    cache = make_cache(5, 64, block_shape=(2, 16, 8, 128), device="cuda", seed=4)
+    ids = [rng.sample(range(64), 4) for _ in range(7)]  # 7 x 5 x 4 = 140 units, not a multiple of any cap
+    pages = [torch.full((page_bytes(cache, 4),), 0xAB, dtype=torch.uint8).pin_memory() for _ in ids]
+    gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=ctas).wait()
+    for chunk_ids, page in zip(ids, pages):
+        assert torch.equal(page, reference_page(cache, chunk_ids))
+
+
+def test_the_store_cta_setting_names_the_variable(monkeypatch):
+    monkeypatch.delenv(gpu_ops.STORE_CTAS_ENV, raising=False)
+    assert gpu_ops.store_ctas() == gpu_ops.DEFAULT_STORE_CTAS
+    monkeypatch.setenv(gpu_ops.STORE_CTAS_ENV, "0")
+    assert gpu_ops.store_ctas() == 0
+    for bad in ("-2", "many", "1.5"):
+        monkeypatch.setenv(gpu_ops.STORE_CTAS_ENV, bad)
+        with pytest.raises(ValueError, match=f"LMCACHE_STORE_CTAS must be a whole number >= 0.*got '{bad}'"):
+            gpu_ops.store_ctas()

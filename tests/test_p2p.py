@@ -60,6 +60,24 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     wait_for(lambda: controller.holders(prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
 
 
+def test_prefix_pulls_asked_together_take_turns_in_order(controller, spawn):
+    """Requests arriving together are pulled one after another, first asked first, each at the
+    full rate: the first is ready after about a third of the time, not when all three are."""
+    # Batches of 2 chunks, 3 in flight: each pull is 12 batches, longer than its window, so pulls
+    # sharing the link would interleave theirs.
+    a, b = (spawn(instance_config(f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK, cpu_gb=0.5,
+                                  p2p_batch_chunks=2)) for i in (1, 2))
+    prompts = [tokens(24 * CHUNK, seed=s) for s in (1, 2, 3)]  # 3 x 96 MiB
+    for prompt in prompts:
+        assert a.prefill(prompt) == 24 * CHUNK
+    wait_for(lambda: all(controller.holders(p).get("lmcache_instance_1") == [CPU, 24 * CHUNK] for p in prompts),
+             what="A's keys")
+    done = b.request("lookup_together", prompts=[list(p) for p in prompts])["done_s"]
+    assert done[0] < done[1] < done[2], done
+    assert done[0] < 0.6 * done[2], done  # sharing the link, all three would end together
+    assert b.status()["p2p_client"]["chunks_pulled"] == 72
+
+
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_partial_prefix_pulls_only_the_missing_middle(controller, spawn, channel):
     a, b = two_instances(controller, spawn, channel)

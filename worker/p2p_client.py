@@ -102,6 +102,10 @@ class P2PClient:
         self.batch_chunks = batch_chunks  # chunks per request (config p2p_batch_chunks)
         self.pipeline_depth = pipeline_depth  # requests in flight per pull (p2p_pipeline_depth)
         self._connections: dict[tuple[str, int], _Connection] = {}
+        # The engine's prefix pulls take turns, first asked first served: requests that arrive
+        # together then become ready one after another, each at full bandwidth, instead of all
+        # sharing it and all being ready only when the last pull ends.
+        self._prefix_turn = asyncio.Lock()
         self.stats = {"pulls": 0, "chunks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0, "prefix_hit_chunks": 0,
                       "checksum_mismatches": 0, "pages_quarantined": 0,
                       "transfer_ms": 0.0, "verify_ms": 0.0}
@@ -120,7 +124,8 @@ class P2PClient:
         holder = min((h for h in holders if h.matched_chunks == best),
                      key=lambda h: self._busy((h.host, h.p2p_lookup_port)))
         peer = Peer(holder.instance_id, holder.rank, holder.host, holder.p2p_init_port, holder.p2p_lookup_port)
-        result = await self.pull(peer, hashes[:best], CPU)
+        async with self._prefix_turn:
+            result = await self.pull(peer, hashes[:best], CPU)
         self.stats["prefix_hit_chunks"] += len(result.held)  # pulled for the engine (not for a move)
         return len(result.held)
 

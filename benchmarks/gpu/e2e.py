@@ -129,6 +129,9 @@ def cmd_peer(args) -> dict:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     docs = documents(args.model, args.docs, args.doc_tokens)
+    gpus = [g.strip() for g in args.gpus.split(",")]
+    if len(gpus) != 2:
+        raise SystemExit(f"--gpus takes two GPU indices (engine 1's, engine 2's), got {args.gpus!r}")
     procs: list = []
     try:
         controller_bin = str(Path(sys.executable).with_name("lmcache_controller"))
@@ -141,17 +144,22 @@ def cmd_peer(args) -> dict:
         for i in (1, 2):
             config = yaml_config(REPO / "configs" / f"example{i}.yaml", max_local_cpu_size=args.cpu_gb)
             cmd = [sys.executable, __file__, "engine", "--model", args.model, "--gpu-util", str(args.gpu_util)]
-            env = None
+            env = {}
             if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
                 from lmcache_p2p.demo import CPU_ENGINE_ENV
-                cmd, env = cmd + ["--cpu-smoke"], CPU_ENGINE_ENV
+                cmd, env = cmd + ["--cpu-smoke"], dict(CPU_ENGINE_ENV)
+            else:
+                # The engine's GPU first (vLLM takes cuda:0), the other still visible: CUDA IPC
+                # into the peer's staging buffer needs its device visible here.
+                mine = gpus[i - 1]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join([mine] + [g for g in dict.fromkeys(gpus) if g != mine])
             engine = InstanceProcess(config, workdir, name=f"engine{i}", command=cmd, env=env)
             engine.start(timeout=600)  # one at a time: each profiles the GPU memory left
             say(f"engine {i} up")
             procs.append(engine)
             engines.append(engine)
         out = {"step": "peer", "docs": args.docs, "doc_tokens": args.doc_tokens, "output_len": args.output_len,
-               "inflight": args.inflight}
+               "inflight": args.inflight, "gpus": gpus, "gpu_util": args.gpu_util}
         for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
             engine.request("round", timeout=300, name="hello", prompts=documents(args.model, 1, 512, 10_000 + i),
                            output_len=4, inflight=1)
@@ -190,8 +198,9 @@ def cmd_peer(args) -> dict:
         cold = texts[(1, "warmup")]
         out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(2, "warmup")]))
         out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(1, "query")]))
-        out["greedy_leading_tokens_equal_peer_vs_cold"] = [
-            next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cold, texts[(2, "warmup")])]
+        for key, other in (("peer", texts[(2, "warmup")]), ("own_cache", texts[(1, "query")])):
+            out[f"greedy_leading_tokens_equal_{key}_vs_cold"] = [
+                next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cold, other)]
         return out
     finally:
         for proc in reversed(procs):
@@ -229,8 +238,9 @@ def cmd_offload(args) -> dict:
     reused = documents(args.model, args.prompts, args.tokens, first_seed=100)
     fresh = documents(args.model, args.prompts, args.tokens, first_seed=200)
     llm.generate([{"prompt_token_ids": p} for p in documents(args.model, 2, 512, first_seed=300)], params)  # warm-up
+    from lmcache_p2p import gpu_ops
     out = {"step": "offload", "connector": args.connector, "prompts": args.prompts, "tokens": args.tokens,
-           "gpu_gb": args.gpu_gb}
+           "gpu_gb": args.gpu_gb, "store_ctas": gpu_ops.store_ctas()}
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
     for name, prompts in (("run1", reused), ("run2", reused), ("run3_new_prompts", fresh)):
@@ -268,7 +278,8 @@ def main() -> None:
     p.add_argument("--doc-tokens", type=int, default=10_000)
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--inflight", type=int, default=4)
-    p.add_argument("--gpu-util", type=float, default=0.4, help="per engine; both share the GPU")
+    p.add_argument("--gpu-util", type=float, default=0.4, help="per engine (0.4: two engines share one GPU)")
+    p.add_argument("--gpus", default="0,0", help="engine 1's and engine 2's GPU: 0,0 shares one, 0,1 one each")
     p.add_argument("--cpu-gb", type=float, default=30, help="max_local_cpu_size per engine (the seed asks 100)")
     p.add_argument("--cpu-smoke", action="store_true", help="vLLM's CPU build and the tiny model: checks the script")
     p = sub.add_parser("engine")

@@ -28,7 +28,10 @@ LOOKUP_REPLY_SLACK_S = 10.0
 # answering "not yet" makes vLLM run empty steps through its workers, whose shared-memory busy loop
 # (1 s of spinning after each step) then starves the very thread doing the pull of the GIL: on a
 # 2-core host, first pulls missed their 2-3 s timeouts. A request that arrives meanwhile waits
-# until the pull is done, at most this long.
+# until the pull is done, at most this long. Only the first lookup of such a round waits: once
+# one request is ready the round has work, and the others' pulls go on behind it (pulls for the
+# engine run one at a time, in order), so requests arriving together are ready one after another
+# instead of all at once after every pull.
 IDLE_LOOKUP_WAIT_S = 1.0
 
 
@@ -64,6 +67,7 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
         self._engine_busy = False  # did the last step schedule any tokens?
+        self._idle_wait_taken = False  # a lookup of this scheduling round already waited long
         logger.info("lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
                     "async loading %s (backoff %.3f s)", self.chunk_size, self.block_size, len(paths),
                     "on" if self.use_peers else "off", "on" if self.async_loading else "off", self.backoff_s)
@@ -98,7 +102,9 @@ class SchedulerSide:
         if self.async_loading:
             if now < state.next_poll:
                 return False
-            wait_s = self.backoff_s if self._engine_busy else max(self.backoff_s, IDLE_LOOKUP_WAIT_S)
+            wait_s = self.backoff_s
+            if not self._engine_busy and not self._idle_wait_taken:
+                wait_s, self._idle_wait_taken = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True
         else:
             wait_s = PEER_FETCH_TIMEOUT_S  # what a synchronous engine lookup waits for a peer
         hit = self.client.lookup(req_id, state.tokens, self.use_peers, wait_s, wait_s + LOOKUP_REPLY_SLACK_S)
@@ -122,6 +128,7 @@ class SchedulerSide:
         meta = P2PConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         self._engine_busy = scheduler_output.total_num_scheduled_tokens > 0
+        self._idle_wait_taken = False  # build_connector_meta ends a scheduling round
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
