@@ -51,7 +51,6 @@ class CacheEngine:
                          "lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}
         self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
         self._pending_hashes: set[int] = set()
-        self.store_ctas = gpu_ops.store_ctas()  # read once: a bad LMCACHE_STORE_CTAS fails start-up
         self.worker = None
         if config.enable_controller:
             from lmcache_p2p.worker import Worker  # the network side only when asked for
@@ -82,7 +81,7 @@ class CacheEngine:
         t0 = time.perf_counter()
         try:
             copy = gpu_ops.gather_chunks_async(layers, [b[1] for b in batch], [b[3] for b in batch],
-                                               max_ctas=self.store_ctas)
+                                               max_ctas=self.config.store_ctas)
         except BaseException:
             self._abandon(batch)
             raise

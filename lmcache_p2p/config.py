@@ -193,6 +193,8 @@ class LMCacheConfig:
     local_disk: Optional[str] = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
     max_local_disk_size: float = _key(_to_float, 0.0, "disk tier size cap in GB")
     enable_async_loading: bool = _key(_to_bool, False, "peer lookups do not block the scheduler")
+    store_ctas: int = _key(_to_int, 4, "CTAs a store's GPU gather runs on beside the forward pass; "
+                           "0 = one per block (every SM)")
     # P2P
     enable_p2p: bool = _key(_to_bool, False, "pull missing chunks from peers")
     p2p_host: Optional[str] = _key(_optional(_to_str), None, "host peers reach this instance on")
@@ -284,6 +286,8 @@ class LMCacheConfig:
             raise self._err("lmcache_worker_heartbeat_time", "expected seconds > 0")
         if self.transfer_channel is not None and self.transfer_channel not in TRANSFER_CHANNELS:
             raise self._err("transfer_channel", f"expected one of {', '.join(TRANSFER_CHANNELS)}")
+        if self.store_ctas < 0:
+            raise self._err("store_ctas", "expected a whole number >= 0 (0: one CTA per block)")
         for key in ("p2p_batch_chunks", "p2p_pipeline_depth"):
             if getattr(self, key) <= 0:
                 raise self._err(key, "expected a whole number >= 1")

@@ -23,7 +23,6 @@ it runs on a copy stream of its own, beside the engine's next forward pass, and 
 from __future__ import annotations
 
 import math
-import os
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -141,14 +140,16 @@ def scatter_chunks(pages: Sequence[torch.Tensor], layers: Sequence[torch.Tensor]
 
 
 def gather_chunks_async(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
-                        pages: Sequence[torch.Tensor], max_ctas: Optional[int] = None) -> Optional[PendingCopy]:
+                        pages: Sequence[torch.Tensor], max_ctas: int = 0) -> Optional[PendingCopy]:
     """:func:`gather_chunks` without waiting: on CUDA the copy runs on a stream of its own after
     the work already queued on the current stream (the forward pass that wrote the KV), and the
     caller polls the returned copy before using the pages and keeps the blocks unchanged until it
     is done. Elsewhere it copies at once and returns None.
 
-    The copy runs on ``max_ctas`` CTAs (default :func:`store_ctas`) so that it leaves the SMs to
-    the forward pass beside it."""
+    With ``max_ctas`` the copy runs on that many CTAs, walking the blocks, so that it leaves the
+    SMs to the forward pass beside it (0: one CTA per block, the whole GPU). A gather into host
+    memory is bound by PCIe: on the H200, 4 CTAs move 52 GB/s, as many as one per block, and slow
+    a GEMM beside them 9% instead of 34% (benchmarks/gpu/bench_store_overlap.py)."""
     batch = _Batch(layers, block_ids, pages, None)
     if not pages:
         return None
@@ -162,31 +163,10 @@ def gather_chunks_async(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequ
         stream = _copy_streams[device] = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        keep = _launch(module, batch, to_pages=True, max_ctas=store_ctas() if max_ctas is None else max_ctas)
+        keep = _launch(module, batch, to_pages=True, max_ctas=max_ctas)
         event = torch.cuda.Event()
         event.record(stream)
     return PendingCopy(event, keep)
-
-
-STORE_CTAS_ENV = "LMCACHE_STORE_CTAS"
-# A store's gather beside a forward pass writes host memory over PCIe; with one CTA per block it
-# fills every SM with CTAs waiting on the link and the prefill's GEMMs queue behind them (the
-# miss overhead in BENCHMARKS.md). This many CTAs still fill the link (bench_store_overlap).
-DEFAULT_STORE_CTAS = 16
-
-
-def store_ctas() -> int:
-    """CTAs for an async store's gather: ``LMCACHE_STORE_CTAS`` (0 = one per block), else the default."""
-    raw = os.environ.get(STORE_CTAS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_STORE_CTAS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{STORE_CTAS_ENV} must be a whole number >= 0 (0: one CTA per block), got {raw!r}")
-    return value
 
 
 def gather_chunk(layers: Sequence[torch.Tensor], block_ids: Sequence[int], page: torch.Tensor) -> None:

@@ -190,6 +190,8 @@ def test_port_lists_must_cover_every_tp_rank():
     ({"LMCACHE_EXTRA_CONFIG": "{not json"}, "extra_config"),
     ({"LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": "soon"}'}, "extra_config.lookup_backoff_time"),
     ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size"),
+    ({"LMCACHE_STORE_CTAS": "-2"}, "store_ctas"),
+    ({"LMCACHE_STORE_CTAS": "many"}, "store_ctas"),
 ])
 def test_each_bad_value_is_a_config_error_naming_the_key(env, key):
     with pytest.raises(ConfigError) as e:

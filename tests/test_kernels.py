@@ -193,14 +193,3 @@ def test_a_capped_async_gather_walks_every_unit(ctas):
     gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=ctas).wait()
     for chunk_ids, page in zip(ids, pages):
         assert torch.equal(page, reference_page(cache, chunk_ids))
-
-
-def test_the_store_cta_setting_names_the_variable(monkeypatch):
-    monkeypatch.delenv(gpu_ops.STORE_CTAS_ENV, raising=False)
-    assert gpu_ops.store_ctas() == gpu_ops.DEFAULT_STORE_CTAS
-    monkeypatch.setenv(gpu_ops.STORE_CTAS_ENV, "0")
-    assert gpu_ops.store_ctas() == 0
-    for bad in ("-2", "many", "1.5"):
-        monkeypatch.setenv(gpu_ops.STORE_CTAS_ENV, bad)
-        with pytest.raises(ValueError, match=f"LMCACHE_STORE_CTAS must be a whole number >= 0.*got '{bad}'"):
-            gpu_ops.store_ctas()

@@ -238,9 +238,9 @@ def cmd_offload(args) -> dict:
     reused = documents(args.model, args.prompts, args.tokens, first_seed=100)
     fresh = documents(args.model, args.prompts, args.tokens, first_seed=200)
     llm.generate([{"prompt_token_ids": p} for p in documents(args.model, 2, 512, first_seed=300)], params)  # warm-up
-    from lmcache_p2p import gpu_ops
+    from lmcache_p2p.config import LMCacheConfig
     out = {"step": "offload", "connector": args.connector, "prompts": args.prompts, "tokens": args.tokens,
-           "gpu_gb": args.gpu_gb, "store_ctas": gpu_ops.store_ctas()}
+           "gpu_gb": args.gpu_gb, "store_ctas": LMCacheConfig.load().store_ctas if args.connector == "on" else None}
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
     for name, prompts in (("run1", reused), ("run2", reused), ("run3_new_prompts", fresh)):
