@@ -299,6 +299,7 @@ class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
     checksums: bytes = b""
     error: Optional[str] = None
     staged: bool = False  # the payloads are in the requester's slots, not its pages
+    holder_ms: float = 0.0  # the holder's time on it: pins, checksums, copies, the write
 
 
 class FetchChunks(_Msg, tag="fetch_chunks"):

@@ -4,6 +4,7 @@ stand-in for an engine's KV pages of Llama-3.1-8B's page shape (chunks of 32 tok
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -56,6 +57,10 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     assert served["storage"]["cpu"]["pins_held"] == 0  # the holder released what it served
     assert f"over {channel})" in b.log() or f"over {channel} via GPU staging)" in b.log()
     assert "Retrieved 256 out of total 256 tokens. size: 0.0336 gb, cost " in b.log()
+    # ... and where the pull's time went, the holder's part as the holder measured it
+    phases = re.search(r"\[1 batches, ms summed: slots [\d.]+, holder ([\d.]+), queue\+wire [\d.]+, "
+                       r"land [\d.]+, verify [\d.]+\]", b.log())
+    assert phases and float(phases[1]) > 0, b.log()[-2000:]
     # The pulled chunks are B's now too: the controller hears B's admits.
     wait_for(lambda: controller.holders(prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
 

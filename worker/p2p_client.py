@@ -68,6 +68,13 @@ class _Batch:
     answered: bool = False  # the holder replied (a miss inside a batch is not a broken peer)
     error: Optional[str] = None
     rest: list[int] = field(default_factory=list)  # hashes after the failed one (skip_missing)
+    # Where its time went, ms: waiting for receive slots, the holder's work on it (pins,
+    # checksums, copies, its write), the rest of the round trip (queueing behind the session's
+    # other requests, the wire), landing the bytes in our pages, checking them.
+    phases_ms: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+
+PHASES = ("slots", "holder", "queue+wire", "land", "verify")
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:
@@ -155,10 +162,15 @@ class P2PClient:
             result.error = str(e)
         window: deque[asyncio.Task] = deque()
         stopped = False
+        phases_ms = dict.fromkeys(PHASES, 0.0)
+        batches = 0
         while todo or window:
             while todo and not stopped and len(window) < self.pipeline_depth:
                 window.append(asyncio.ensure_future(self._fetch(conn, peer, todo.popleft())))
             batch = await window.popleft()
+            batches += 1
+            for phase, ms in batch.phases_ms.items():
+                phases_ms[phase] += ms
             if stopped:  # an earlier batch failed: what follows it is a miss
                 self._abandon(batch.pages)
                 continue
@@ -173,18 +185,22 @@ class P2PClient:
             elif not skip_missing or not batch.answered:
                 stopped = True
                 todo.clear()
-        self._report(peer, channel, len(hashes), result, time.perf_counter() - t0)
+        self._report(peer, channel, len(hashes), result, time.perf_counter() - t0, batches, phases_ms)
         return result
 
-    def _report(self, peer: Peer, channel: str, asked: int, result: PullResult, elapsed: float) -> None:
+    def _report(self, peer: Peer, channel: str, asked: int, result: PullResult, elapsed: float, batches: int,
+                phases_ms: dict) -> None:
         nbytes = len(result.held) * self.storage.page_bytes
         self.stats["pulls"] += 1
         self.stats["chunks_pulled"] += len(result.held)
         self.stats["bytes_pulled"] += nbytes
         if result.held:
+            # The seed's line, then where the batches' time went (summed: batches overlap).
             logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
-                        "(from %s over %s)", len(result.held) * self.me.chunk_size, asked * self.me.chunk_size,
-                        nbytes / 1e9, elapsed * 1e3, nbytes / 1e9 / max(elapsed, 1e-9), peer.describe(), channel)
+                        "(from %s over %s) [%d batches, ms summed: %s]", len(result.held) * self.me.chunk_size,
+                        asked * self.me.chunk_size, nbytes / 1e9, elapsed * 1e3, nbytes / 1e9 / max(elapsed, 1e-9),
+                        peer.describe(), channel, batches,
+                        ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases_ms.items()))
         if result.error:
             self.stats["pull_failures"] += 1
             logger.warning("peer pull from %s: %d of %d chunks; the rest is a miss: %s", peer.describe(),
@@ -243,7 +259,9 @@ class P2PClient:
         # the others in flight: allow for the whole window's bytes.
         timeout = BASE_TIMEOUT_S + self.pipeline_depth * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
         pages = list(batch.pages)
+        t_slots = time.perf_counter()
         slots = await transport.prepare(pages, conn.staged, timeout)
+        batch.phases_ms["slots"] = (time.perf_counter() - t_slots) * 1e3
         request = ChunkPull(session=transport.session, fingerprint=self.storage.fingerprint, hashes=pack_hashes(hashes),
                             pages=pack_pages(batch.pages) if direct else b"", slots=pack_pages(slots),
                             timeout_s=timeout)
@@ -278,16 +296,20 @@ class P2PClient:
         batch.answered = True
         served = min(reply.served, len(hashes))
         t1 = time.perf_counter()
+        batch.phases_ms["holder"] = reply.holder_ms
+        batch.phases_ms["queue+wire"] = max(0.0, (t1 - t0) * 1e3 - reply.holder_ms)
         try:
             try:
                 await transport.land(frames, batch.pages[:served], slots[:served] if reply.staged else [])
             finally:  # the bytes are in our pages: the slots take the next request's while we verify
                 transport.release(slots)
+            batch.phases_ms["land"] = (time.perf_counter() - t1) * 1e3
             batch.checksums = unpack_hashes(reply.checksums)
             batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
             batch.good, batch.answered, batch.error = 0, False, str(e)
             return batch
+        batch.phases_ms["verify"] = (time.perf_counter() - t1) * 1e3 - batch.phases_ms["land"]
         self.stats["transfer_ms"] += (t1 - t0) * 1e3
         self.stats["verify_ms"] += (time.perf_counter() - t1) * 1e3
         if batch.good < served:

@@ -186,7 +186,8 @@ class PeerServer:
         logger.debug("%s: served %d chunk(s), %.1f MiB over %s%s in %.2f ms (%.2f GB/s)", self.me.describe(), len(pins),
                      nbytes / 2**20, transport.name, " (GPU staged)" if staged else "", elapsed * 1e3,
                      nbytes / 1e9 / max(elapsed, 1e-9))
-        return ChunkPullReply(ok=True, served=len(pins), checksums=pack_hashes(checksums), staged=staged), frames
+        return ChunkPullReply(ok=True, served=len(pins), checksums=pack_hashes(checksums), staged=staged,
+                              holder_ms=elapsed * 1e3), frames
 
     async def _on_fetch(self, request: FetchChunks) -> FetchReply:
         """Move/copy destination: pull the listed chunks from the source into ``location``."""

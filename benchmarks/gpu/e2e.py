@@ -36,6 +36,11 @@ LOAD_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: ([\d.
                        r"throughput: ([\d.]+) GB/s(?! \(from)")
 
 
+# Where a pull's batches spent their time (after the pull's line; summed over its batches).
+PULL_PHASES = re.compile(r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+), "
+                         r"queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), verify (?P<verify>[\d.]+)\]")
+
+
 def say(*args) -> None:
     print("[e2e]", *args, file=sys.stderr, flush=True)
 
@@ -187,6 +192,8 @@ def cmd_peer(args) -> dict:
                                 "max_GB/s": max((p["gbps"] for p in pulls), default=None),
                                 "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
                                 "channels": sorted({p["channel"] for p in pulls})}
+        phases = [{k: float(v) for k, v in m.groupdict().items()} for m in PULL_PHASES.finditer(log2)]
+        out["engine2_pull_phases_median_ms"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else None
         out["engine2_loads"] = {"count": len(loads),
                                 "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None,
                                 "median_ms": statistics.median(p["ms"] for p in loads) if loads else None}
