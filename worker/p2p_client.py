@@ -59,6 +59,10 @@ class PullResult:
     error: Optional[str] = None  # why the run ended early, if it did
 
 
+# Where a pull's batches spend their time, in its log line (see _Batch.phases_ms).
+PHASES = ("slots", "holder", "queue+wire", "land", "verify")
+
+
 @dataclass
 class _Batch:
     hashes: list[int]
@@ -72,9 +76,6 @@ class _Batch:
     # checksums, copies, its write), the rest of the round trip (queueing behind the session's
     # other requests, the wire), landing the bytes in our pages, checking them.
     phases_ms: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-
-
-PHASES = ("slots", "holder", "queue+wire", "land", "verify")
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:
