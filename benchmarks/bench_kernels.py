@@ -27,10 +27,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from lmcache_p2p import gpu_ops, kv_kernels  # noqa: E402
+from lmcache_p2p.standin import MODEL_SHAPES, StandInKV  # noqa: E402
 
-LAYERS, KV_HEADS, HEAD, BLOCK, CHUNK = 32, 8, 128, 16, 256
-BLOCKS_PER_CHUNK = CHUNK // BLOCK
-DTYPE = torch.bfloat16
+SHAPE = MODEL_SHAPES["llama-3.1-8b"]
+CHUNK = 256
+BLOCKS_PER_CHUNK = CHUNK // SHAPE.block_size
+
+
+def llama_cache(num_blocks: int) -> tuple[list[torch.Tensor], int]:
+    """Llama-3.1-8B's paged KV on the GPU (vLLM's flash layout) filled with random bytes, and
+    the bytes of one chunk page."""
+    kv = StandInKV(SHAPE, num_blocks, device="cuda")
+    for layer in kv.layers:
+        layer.view(torch.int16).random_()
+    return kv.layers, CHUNK * kv.chunk_bytes_per_token
 
 
 def timed(fn, reps: int) -> float:
@@ -60,10 +70,7 @@ def main() -> None:
     assert kv_kernels.load() is not None, "the CUDA kernels did not build"
     build_s = time.perf_counter() - t0
 
-    cache = [torch.empty((args.num_blocks, 2, BLOCK, KV_HEADS, HEAD), dtype=DTYPE, device="cuda") for _ in range(LAYERS)]
-    for layer in cache:
-        layer.view(torch.int16).random_()
-    chunk_bytes = LAYERS * BLOCKS_PER_CHUNK * cache[0][0].numel() * cache[0].element_size()
+    cache, chunk_bytes = llama_cache(args.num_blocks)
     most = max(batches)
     host = torch.empty(most * chunk_bytes, dtype=torch.uint8).pin_memory()
     device_pages = torch.empty(most * chunk_bytes, dtype=torch.uint8, device="cuda")

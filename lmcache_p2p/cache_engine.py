@@ -19,7 +19,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -50,7 +50,6 @@ class CacheEngine:
         self.counters = {"stored_tokens": 0, "retrieved_tokens": 0, "retrieves": 0,
                          "lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}
         self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
-        self._pending_hashes: set[int] = set()
         self.worker = None
         if config.enable_controller:
             from lmcache_p2p.worker import Worker  # the network side only when asked for
@@ -63,7 +62,7 @@ class CacheEngine:
         ``block_size`` tokens, in order); returns the tokens newly stored."""
         batch = self._reserve(tokens, block_ids)
         try:
-            gpu_ops.gather_chunks(layers, [b[1] for b in batch], [b[3] for b in batch])
+            gpu_ops.gather_chunks(layers, [c.blocks for c in batch], [c.data for c in batch])
         except BaseException:
             self._abandon(batch)
             raise
@@ -80,7 +79,7 @@ class CacheEngine:
             return 0
         t0 = time.perf_counter()
         try:
-            copy = gpu_ops.gather_chunks_async(layers, [b[1] for b in batch], [b[3] for b in batch],
+            copy = gpu_ops.gather_chunks_async(layers, [c.blocks for c in batch], [c.data for c in batch],
                                                max_ctas=self.config.store_ctas)
         except BaseException:
             self._abandon(batch)
@@ -89,7 +88,6 @@ class CacheEngine:
             self._commit(batch, len(tokens))
         else:
             self._pending.append(_PendingStore(copy, batch, owner, len(tokens), t0))
-            self._pending_hashes.update(b[0] for b in batch)
         return len(batch)
 
     def poll_stores(self, wait: bool = False) -> int:
@@ -100,7 +98,6 @@ class CacheEngine:
             pending = self._pending.popleft()
             if wait:
                 pending.copy.wait()
-            self._pending_hashes.difference_update(b[0] for b in pending.batch)
             stored += self._commit(pending.batch, pending.num_tokens, pending.launched)
         return stored
 
@@ -113,12 +110,12 @@ class CacheEngine:
         for pending in self._pending:
             pending.copy.order_before(stream)
 
-    def _reserve(self, tokens: TokenIds, block_ids: Sequence[int]) -> list[tuple[int, list[int], int, torch.Tensor]]:
-        """A page for every chunk not held yet (or on its way), so a store is one gather:
-        (hash, blocks, page, page data)."""
+    def _reserve(self, tokens: TokenIds, block_ids: Sequence[int]) -> list["_ReservedChunk"]:
+        """A page for every chunk not held yet (or on its way), so a store is one gather."""
+        on_the_way = {c.chunk_hash for pending in self._pending for c in pending.batch}
         batch = []
         for span in self.storage.spans(tokens):
-            if self.storage.location_of(span.chunk_hash) is not None or span.chunk_hash in self._pending_hashes:
+            if self.storage.location_of(span.chunk_hash) is not None or span.chunk_hash in on_the_way:
                 continue
             blocks = self._blocks(block_ids, span.start)
             if blocks is None:
@@ -126,16 +123,16 @@ class CacheEngine:
             reserved = self.storage.reserve_page()
             if reserved is None:
                 break  # every page pinned: nothing more can be stored now
-            batch.append((span.chunk_hash, blocks, *reserved))
+            batch.append(_ReservedChunk(span.chunk_hash, blocks, *reserved))
         return batch
 
-    def _abandon(self, batch) -> None:
-        for _, _, page, _ in batch:
-            self.storage.abandon_page(page)
+    def _abandon(self, batch: list["_ReservedChunk"]) -> None:
+        for chunk in batch:
+            self.storage.abandon_page(chunk.page)
 
-    def _commit(self, batch, num_tokens: int, launched: Optional[float] = None) -> int:
+    def _commit(self, batch: list["_ReservedChunk"], num_tokens: int, launched: Optional[float] = None) -> int:
         """Index a gathered batch; ``launched`` is when an asynchronous copy of it started."""
-        stored = sum(self.chunk_size for chunk_hash, _, page, _ in batch if self.storage.commit_page(chunk_hash, page))
+        stored = sum(self.chunk_size for c in batch if self.storage.commit_page(c.chunk_hash, c.page))
         self.counters["stored_tokens"] += stored
         took = ("" if launched is None else
                 f" (copied in {(time.perf_counter() - launched) * 1e3:.1f} ms beside the forward pass)")
@@ -256,10 +253,18 @@ class CacheEngine:
         self.storage.close()
 
 
+class _ReservedChunk(NamedTuple):
+    """A chunk a store will gather: its blocks in the engine's cache and the pool page reserved for it."""
+    chunk_hash: int
+    blocks: list[int]
+    page: int
+    data: torch.Tensor
+
+
 @dataclass
 class _PendingStore:
     copy: gpu_ops.PendingCopy
-    batch: list
+    batch: list[_ReservedChunk]
     owner: str
     num_tokens: int
     launched: float

@@ -153,8 +153,8 @@ def gather_chunks_async(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequ
     batch = _Batch(layers, block_ids, pages, None)
     if not pages:
         return None
-    module = kv_kernels.load() if batch.layers[0].is_cuda else None
-    if module is None or not batch.kernel_ok():
+    module = _kernels_for(batch)
+    if module is None:
         _run_torch(batch, to_pages=True)
         return None
     device = batch.layers[0].device
@@ -179,9 +179,15 @@ def scatter_chunk(page: torch.Tensor, layers: Sequence[torch.Tensor], block_ids:
 
 # -- the two paths -----------------------------------------------------------------------------------
 
-def _run(batch: _Batch, to_pages: bool) -> None:
+def _kernels_for(batch: _Batch):
+    """The compiled kernels when they can do this batch, else None (torch indexing)."""
     module = kv_kernels.load() if batch.layers[0].is_cuda else None
-    if module is not None and batch.kernel_ok():
+    return module if module is not None and batch.kernel_ok() else None
+
+
+def _run(batch: _Batch, to_pages: bool) -> None:
+    module = _kernels_for(batch)
+    if module is not None:
         _run_kernel(module, batch, to_pages)
     else:
         _run_torch(batch, to_pages)

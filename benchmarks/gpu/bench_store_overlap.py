@@ -26,10 +26,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
+from benchmarks.bench_kernels import BLOCKS_PER_CHUNK, CHUNK, llama_cache, timed  # noqa: E402
 from lmcache_p2p import gpu_ops, kv_kernels  # noqa: E402
 
-LAYERS, KV_HEADS, HEAD, BLOCK, CHUNK = 32, 8, 128, 16, 256
-BLOCKS_PER_CHUNK = CHUNK // BLOCK
 DOC_CHUNKS = 10_000 // CHUNK  # 39 full chunks of a 10,000-token prompt
 
 
@@ -50,11 +49,7 @@ def main() -> None:
     caps = [int(c) for c in args.caps.split(",")]
 
     num_blocks = 2048
-    cache = [torch.empty((num_blocks, 2, BLOCK, KV_HEADS, HEAD), dtype=torch.bfloat16, device="cuda")
-             for _ in range(LAYERS)]
-    for layer in cache:
-        layer.view(torch.int16).random_()
-    chunk_bytes = LAYERS * BLOCKS_PER_CHUNK * cache[0][0].numel() * cache[0].element_size()
+    cache, chunk_bytes = llama_cache(num_blocks)
     host = torch.empty(DOC_CHUNKS * chunk_bytes, dtype=torch.uint8).pin_memory()
     pages = [host[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(DOC_CHUNKS)]
     flat = random.Random(0).sample(range(num_blocks), DOC_CHUNKS * BLOCKS_PER_CHUNK)
@@ -72,12 +67,6 @@ def main() -> None:
         end.record(main_stream)
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-
-    def copy_alone(cap: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=cap).wait()
-        return time.perf_counter() - t0
 
     def together(cap: int) -> tuple[float, float]:
         """(GEMM seconds, gather seconds) with the gather launched just before the GEMMs."""
@@ -97,8 +86,7 @@ def main() -> None:
     base = statistics.median(gemm_alone() for _ in range(args.reps))
     rows = []
     for cap in caps:
-        copy_alone(cap)
-        alone = statistics.median(copy_alone(cap) for _ in range(args.reps))
+        alone = timed(lambda: gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=cap).wait(), args.reps)
         runs = [together(cap) for _ in range(args.reps)]
         gemm_s = statistics.median(r[0] for r in runs)
         copy_s = statistics.median(r[1] for r in runs)
