@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from lmcache_p2p import gpu_ops, kv_kernels  # noqa: E402
-from lmcache_p2p.standin import MODEL_SHAPES, StandInKV  # noqa: E402
+from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV  # noqa: E402
 
 SHAPE = MODEL_SHAPES["llama-3.1-8b"]
 CHUNK = 256

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from instances import InstanceProcess, instance_config, tokens  # noqa: E402
 from protocol_client import ControllerProcess, wait_for  # noqa: E402
 
-from lmcache_p2p.standin import MODEL_SHAPES  # noqa: E402
+from lmcache_p2p.testing.standin import MODEL_SHAPES  # noqa: E402
 from lmcache_p2p.storage.memory import PagePool  # noqa: E402
 
 CHUNK_TOKENS = 256

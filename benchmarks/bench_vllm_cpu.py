@@ -3,7 +3,7 @@ vs. peer hit, and what the connector costs on a miss. Prints one JSON object.
 
     .venv/bin/python benchmarks/bench_vllm_cpu.py [--prompt-tokens 3000] [--prompts 6]
 
-Engines are the offline driver (``lmcache_p2p.integration.vllm.offline_driver``: vLLM's ``LLM``
+Engines are the offline driver (``lmcache_p2p.testing.offline_driver``: vLLM's ``LLM``
 in one process, TTFT from vLLM's own request metrics) on the tiny local Llama, one OpenMP thread
 each. Runs, each over the same distinct prompts, median reported:
 
@@ -37,7 +37,7 @@ from instances import InstanceProcess, instance_config  # noqa: E402
 from protocol_client import ControllerProcess  # noqa: E402
 
 from lmcache_p2p.demo import CPU_ENGINE_ENV  # noqa: E402
-from lmcache_p2p.integration.vllm import offline_driver  # noqa: E402
+from lmcache_p2p.testing import offline_driver  # noqa: E402
 
 ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
 CHUNK = 256
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--pool-pages", type=int, default=80, help="CPU pool size in chunk pages")
     args = parser.parse_args()
 
-    from lmcache_p2p.tiny_model import build, sample_prompts
+    from lmcache_p2p.testing.tiny_model import build, sample_prompts
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-cpu-"))
     model = build(args.model_dir or str(tmp / "tiny-llama"))

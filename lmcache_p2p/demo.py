@@ -196,7 +196,7 @@ def main(argv=None) -> int:
               f"demo?) or pass other ports.", file=sys.stderr)
         return 2
 
-    from lmcache_p2p.tiny_model import MODEL_NAME, build, sample_text
+    from lmcache_p2p.testing.tiny_model import MODEL_NAME, build, sample_text
 
     print(f"==> building the tiny model in {workdir / MODEL_NAME}", flush=True)
     model = build(str(workdir / MODEL_NAME))

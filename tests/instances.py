@@ -1,4 +1,4 @@
-"""Instance processes for multi-process tests: ``python -m lmcache_p2p.standin`` (the real cache
+"""Instance processes for multi-process tests: ``python -m lmcache_p2p.testing.standin`` (the real cache
 engine, worker and P2P on a CPU stand-in for an engine's KV pages) configured by a YAML file the
 way users configure an engine (LMCACHE_CONFIG_FILE), driven over JSON lines."""
 
@@ -46,7 +46,7 @@ class InstanceProcess:
         path.write_text(yaml.safe_dump(config))
         self.log_path = tmp_path / f"{self.name}.log"
         # The stand-in by default; any process speaking the same JSON lines (the vLLM offline driver).
-        self.args = command or [sys.executable, "-m", "lmcache_p2p.standin", "--model", model,
+        self.args = command or [sys.executable, "-m", "lmcache_p2p.testing.standin", "--model", model,
                                 "--num-blocks", str(num_blocks), "--tp-size", str(tp), "--rank", str(rank),
                                 "--device", device]
         self.env = {**os.environ, "LMCACHE_CONFIG_FILE": str(path), **(env or {})}

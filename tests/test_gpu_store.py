@@ -9,7 +9,7 @@ import torch
 
 from lmcache_p2p.cache_engine import CacheEngine
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.standin import MODEL_SHAPES, StandInKV
+from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
 
 CHUNK = 32
 CUDA = torch.cuda.is_available()

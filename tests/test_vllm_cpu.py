@@ -14,7 +14,7 @@ import pytest
 
 from instances import InstanceProcess, instance_config
 from lmcache_p2p.demo import CPU_ENGINE_ENV
-from lmcache_p2p.integration.vllm import offline_driver
+from lmcache_p2p.testing import offline_driver
 from protocol_client import ControllerProcess, free_ports, wait_for
 
 CHUNK = 256
@@ -24,13 +24,13 @@ ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from lmcache_p2p.tiny_model import build
+    from lmcache_p2p.testing.tiny_model import build
     return build(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="session")
 def prompt(tiny_model) -> list[int]:
-    from lmcache_p2p.tiny_model import sample_prompts
+    from lmcache_p2p.testing.tiny_model import sample_prompts
     return sample_prompts(tiny_model, PROMPT_TOKENS, seeds=[11])[0]
 
 
@@ -129,7 +129,7 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
     import yaml
 
     from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, stream_completion, vllm_server_command
-    from lmcache_p2p.tiny_model import sample_text
+    from lmcache_p2p.testing.tiny_model import sample_text
 
     controller = ControllerProcess().start()
     engines = []

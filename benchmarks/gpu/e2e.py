@@ -46,7 +46,7 @@ def say(*args) -> None:
 
 
 def documents(model_dir: str, count: int, tokens: int, first_seed: int = 0) -> list[list[int]]:
-    from lmcache_p2p.tiny_model import sample_prompts
+    from lmcache_p2p.testing.tiny_model import sample_prompts
     return sample_prompts(model_dir, tokens, range(first_seed, first_seed + count))
 
 
@@ -54,7 +54,7 @@ def documents(model_dir: str, count: int, tokens: int, first_seed: int = 0) -> l
 
 
 def cmd_model(args) -> dict:
-    from lmcache_p2p.tiny_model import build
+    from lmcache_p2p.testing.tiny_model import build
     t0 = time.perf_counter()
     out = build(args.out, device="cuda", **LLAMA_8B)
     return {"step": "model", "dir": out, "shape": LLAMA_8B, "s": round(time.perf_counter() - t0, 1)}
@@ -69,7 +69,7 @@ def cmd_engine(args) -> None:
     round's time and the greedy token ids; ``quit`` stops it."""
     import asyncio
 
-    from lmcache_p2p import jsonlines
+    from lmcache_p2p.testing import jsonlines
     answers = jsonlines.claim_stdout()  # before vLLM prints anything
 
     from vllm import SamplingParams
@@ -305,7 +305,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "engine":
         return cmd_engine(args)
-    from lmcache_p2p import jsonlines
+    from lmcache_p2p.testing import jsonlines
     result = jsonlines.claim_stdout()  # progress, vLLM and its engine processes print to stderr
     out = {"model": cmd_model, "peer": cmd_peer, "offload": cmd_offload, "report": cmd_report}[args.cmd](args)
     print(json.dumps(out), file=result, flush=True)

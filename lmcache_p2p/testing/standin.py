@@ -1,13 +1,13 @@
 """A CPU stand-in for an engine rank: paged KV tensors of a real model's shape, a deterministic
 "prefill", and the real :class:`CacheEngine` on top. Tests and benchmarks run it as a process
-(``python -m lmcache_p2p.standin``) to exercise workers, the controller and P2P transfers
+(``python -m lmcache_p2p.testing.standin``) to exercise workers, the controller and P2P transfers
 without an inference engine; operators can use it to smoke-test a mesh.
 
 The KV of a chunk is a pure function of its chained hash (so of the whole prefix) and the TP
 rank: two instances that "prefill" the same prompt hold identical bytes, and a chunk that
 landed in the wrong rank or the wrong blocks is detected by :meth:`StandInKV.matches`.
 
-Process protocol (:mod:`lmcache_p2p.jsonlines`): one JSON object per line on stdin, one JSON answer per line on stdout (logs go
+Process protocol (:mod:`lmcache_p2p.testing.jsonlines`): one JSON object per line on stdin, one JSON answer per line on stdout (logs go
 to stderr). Operations: ``prefill``, ``fill``, ``lookup``, ``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``;
 see :func:`handler`.
 """
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from lmcache_p2p import jsonlines
+from lmcache_p2p.testing import jsonlines
 from lmcache_p2p.keys import LayoutFingerprint, chunk_spans
 
 
@@ -101,7 +101,7 @@ class StandInKV:
 
 
 def handler(engine, kv: StandInKV, chunk_size: int):
-    """The stand-in's operations, for :func:`lmcache_p2p.jsonlines.serve`."""
+    """The stand-in's operations, for :func:`lmcache_p2p.testing.jsonlines.serve`."""
     blocks = list(range(kv.layers[0].shape[0]))
 
     def handle(request: dict) -> dict:
@@ -155,7 +155,7 @@ def handler(engine, kv: StandInKV, chunk_size: int):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.standin", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.testing.standin", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama-3.1-8b")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per layer")
     parser.add_argument("--tp-size", type=int, default=1)

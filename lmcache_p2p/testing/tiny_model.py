@@ -8,7 +8,7 @@ The tests, the demo and the CPU benchmark run real vLLM on this model. Two prope
   what it generates. The weights are drawn wider than a trained model's so attention is peaked
   rather than uniform.
 
-    python -m lmcache_p2p.tiny_model /tmp/tiny-llama      # prints the directory when done
+    python -m lmcache_p2p.testing.tiny_model /tmp/tiny-llama      # prints the directory when done
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The vLLM end-to-end tests and ``benchmarks/bench_vllm_cpu.py`` run it as a process:
 
-    python -m lmcache_p2p.integration.vllm.offline_driver MODEL_DIR [--no-connector]
+    python -m lmcache_p2p.testing.offline_driver MODEL_DIR [--no-connector]
 
 The engine runs in this process (scheduler and worker alike), so the connector's cache engine is
 reachable through :func:`live_engines` for ``status`` and ``corrupt``. The LMCache configuration
@@ -27,12 +27,12 @@ import os
 import sys
 import time
 
-from lmcache_p2p import jsonlines
+from lmcache_p2p.testing import jsonlines
 
 
 def command(model: str, *args: str, connector: bool = True) -> list[str]:
     """The command line that runs this driver on ``model`` (tests, benchmarks)."""
-    module = "lmcache_p2p.integration.vllm.offline_driver"
+    module = "lmcache_p2p.testing.offline_driver"
     return [sys.executable, "-m", module, model, *args, *(() if connector else ("--no-connector",))]
 
 
@@ -89,7 +89,7 @@ def handler(llm):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.integration.vllm.offline_driver",
+    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.testing.offline_driver",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--no-connector", action="store_true", help="plain vLLM, for baselines")
