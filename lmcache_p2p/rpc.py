@@ -1,0 +1,365 @@
+"""One request/reply layer for every ROUTER/DEALER pair of the mesh.
+
+Five places ask and answer over ZMQ: the controller's command channel to each worker, the
+worker's questions to the controller (register, re-sync, peer lookup, heartbeat), the worker's
+questions to peers (hello, chunk pulls, move/copy fetches), and the three servers that answer
+them (the controller's reply and heartbeat sockets, a worker's command socket, a worker's two
+P2P sockets). They all use this module, so there is one framing, one request-id scheme, one
+timeout and reset policy, and one rule for what an error reply is.
+
+Framing: a request is ``[request_id, payload, *extra]`` on the DEALER (the ROUTER prepends the
+sender's identity); the answer echoes ``request_id``. ``request_id`` is 8 bytes, a per-client
+counter. ``extra`` frames carry bulk bytes beside a small msgpack payload (chunk pages over the
+tcp channel) without copying them into it.
+
+Errors: :class:`RpcClient.request` returns the reply as the type the caller expects, or raises
+:class:`RemoteError` when the other side answered with an error (any reply whose ``ok`` is
+False, or a reply of another type), or :class:`RequestFailed` when no usable answer came (a
+timeout, a failed send, an undecodable reply, a closed client). Callers never inspect a reply's
+type or its ``error`` field themselves.
+
+It imports neither torch nor vLLM: the controller uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar, Union
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from lmcache_p2p.protocol import Ack, DecodeError, encode
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+# The holder side of a pull gives up at 0.9x the requester's timeout, so once a requester has
+# timed out, a few more seconds are ample for a late answer before its resources are reused.
+LATE_GRACE_S = 5.0
+
+
+class RequestFailed(Exception):
+    """No usable answer: timed out, the send failed, the socket closed, or the answer did not decode."""
+
+
+class RemoteError(Exception):
+    """The other side answered, with an error. ``reply`` is the reply as received (with whatever
+    detail it carries besides its error), or None when it was not of the expected type."""
+
+    def __init__(self, message: str, reply: Any = None):
+        super().__init__(message)
+        self.reply = reply
+
+
+def _request_id(counter: int) -> bytes:
+    return counter.to_bytes(8, "little")
+
+
+LateHandler = Callable[[Any, list], None]
+
+
+class RpcClient:
+    """Request/reply on one DEALER to one server address.
+
+    One reader task routes answers to their waiters. A request that times out resets the socket
+    (so messages ZMQ still queues for a dead server are not delivered to its successor minutes
+    later) and fails every other request waiting on it. ``on_late`` lets a caller that tied up
+    resources in a request (pages a holder may still write) be told when the late answer comes,
+    or after :data:`LATE_GRACE_S`, whichever is first."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, decoder: msgspec.msgpack.Decoder, name: str,
+                 send_hwm: Optional[int] = None):
+        self.ctx = ctx
+        self.address = address  # "tcp://host:port"
+        self.decoder = decoder
+        self.name = name
+        self.send_hwm = send_hwm
+        self._ids = itertools.count(1)
+        self._waiting: dict[bytes, asyncio.Future] = {}
+        self._late: dict[bytes, LateHandler] = {}
+        self._sock: Optional[zmq.asyncio.Socket] = None
+        self._reader: Optional[asyncio.Task] = None
+        self.in_flight = 0
+        self.timeouts = 0
+
+    # -- asking ----------------------------------------------------------------------------------
+
+    async def request(self, message: msgspec.Struct, expect: type[R], timeout: float) -> R:
+        """Send ``message`` and return its answer as an ``expect``."""
+        reply, _ = await self.request_frames(message, expect, timeout)
+        return reply
+
+    async def request_frames(self, message: msgspec.Struct, expect: type[R], timeout: float,
+                             extra: Sequence[Any] = (), on_late: Optional[LateHandler] = None) -> tuple[R, list]:
+        """:meth:`request` with extra frames both ways: sends ``extra`` after the payload and
+        returns the answer's extra frames (zero-copy ``zmq.Frame``s) beside it."""
+        reply, frames = await self._exchange(message, timeout, extra, on_late)
+        if not isinstance(reply, expect):
+            error = getattr(reply, "error", None)
+            raise RemoteError(f"{self.name}: {error}" if error else
+                              f"{self.name}: answered {type(reply).__name__} to {type(message).__name__}", reply)
+        if getattr(reply, "ok", True) is False:
+            raise RemoteError(f"{self.name}: {getattr(reply, 'error', None) or 'refused'}", reply)
+        return reply, frames
+
+    async def _exchange(self, message: msgspec.Struct, timeout: float, extra: Sequence[Any],
+                        on_late: Optional[LateHandler]) -> tuple[Any, list]:
+        if self._sock is None:
+            self._open()
+        sock = self._sock
+        assert sock is not None
+        request_id = _request_id(next(self._ids))
+        waiter: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = waiter
+        self.in_flight += 1
+        deadline = time.monotonic() + timeout
+        try:
+            # asyncio.wait, not wait_for: closing a socket cancels its pending futures, and that
+            # must read as a failed request, not as a cancellation of the caller's task.
+            send = asyncio.ensure_future(sock.send_multipart([request_id, encode(message), *extra], copy=False))
+            done, _ = await asyncio.wait({send}, timeout=timeout)
+            if done and (send.cancelled() or send.exception() is not None):
+                self._waiting.pop(request_id, None)
+                raise RequestFailed(f"{self.name}: send to {self.address} failed")
+            if done:
+                done, _ = await asyncio.wait({waiter}, timeout=max(0.0, deadline - time.monotonic()))
+            else:
+                send.cancel()
+            if not done:
+                self.timeouts += 1
+                self._waiting.pop(request_id, None)
+                if on_late is not None:
+                    self._late[request_id] = on_late
+                self.reset(keep_late=on_late is not None)
+                raise RequestFailed(f"{self.name}: no answer from {self.address} within {timeout:.1f}s")
+            if waiter.cancelled():
+                raise RequestFailed(f"{self.name}: closed")
+            reply, frames = waiter.result()  # raises the RequestFailed a reset put there
+            if isinstance(reply, RequestFailed):
+                raise reply
+            return reply, frames
+        finally:
+            self.in_flight -= 1
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # a failure nobody awaited is still handled: no asyncio warning
+
+    # -- the socket ------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Without this ZMQ queues messages for a server that is not connected (yet, or any more)
+        # and delivers them whenever it comes back; with it, a send to nobody waits and times out.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self.send_hwm is not None:
+            sock.setsockopt(zmq.SNDHWM, self.send_hwm)
+        sock.connect(self.address)
+        self._sock = sock
+        self._reader = asyncio.ensure_future(self._read(sock))
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except (asyncio.CancelledError, zmq.ZMQError):
+                return
+            if len(frames) < 2:
+                logger.warning("%s: reply with %d frame(s) dropped", self.name, len(frames))
+                continue
+            request_id = frames[0].bytes
+            reply: Any
+            try:
+                reply = self.decoder.decode(frames[1].buffer)
+            except DecodeError as e:
+                reply = RequestFailed(f"{self.name}: undecodable reply: {e}")
+            extra = frames[2:]
+            waiter = self._waiting.pop(request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result((reply, extra))
+                continue
+            late = self._late.pop(request_id, None)
+            if late is not None:
+                _call_late(self.name, late, reply, extra)
+
+    def reset(self, keep_late: bool = False) -> None:
+        """Drop the socket (and whatever ZMQ still queues); the next request reconnects. With
+        ``keep_late`` the old socket keeps reading for :data:`LATE_GRACE_S`, for late answers; then
+        each answer still owed is given up (its handler called with ``None``)."""
+        sock, reader = self._sock, self._reader
+        self._sock = self._reader = None
+        if sock is None:
+            return
+        # Questions still waiting on this socket can no longer be answered: fail them now
+        # rather than at their own timeouts.
+        for waiter in self._waiting.values():
+            if not waiter.done():
+                waiter.set_exception(RequestFailed(f"{self.name}: connection reset after a timeout"))
+        self._waiting.clear()
+        if keep_late and self._late:
+            owed = list(self._late)
+            asyncio.get_running_loop().call_later(LATE_GRACE_S, self._give_up, sock, reader, owed)
+        else:
+            _close_socket(sock, reader)
+
+    def _give_up(self, sock: zmq.asyncio.Socket, reader: Optional[asyncio.Task], owed: list[bytes]) -> None:
+        _close_socket(sock, reader)
+        for request_id in owed:
+            handler = self._late.pop(request_id, None)
+            if handler is not None:
+                _call_late(self.name, handler, None, [])
+
+    def close(self) -> None:
+        for waiter in self._waiting.values():
+            waiter.cancel()
+        self._waiting.clear()
+        self.reset()
+
+
+def _call_late(name: str, handler: LateHandler, reply: Any, frames: list) -> None:
+    try:
+        handler(reply, frames)
+    except Exception:
+        logger.exception("%s: late-reply handler failed", name)
+
+
+def _close_socket(sock: zmq.asyncio.Socket, reader: Optional[asyncio.Task]) -> None:
+    if reader is not None:
+        reader.cancel()
+    sock.close(linger=0)
+
+
+# -- answering -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    """A handler's reply with bulk frames after it. The frames are sent zero-copy and
+    ``on_sent`` runs once ZMQ no longer reads them (or the send failed): release pins there."""
+
+    message: msgspec.Struct
+    frames: Sequence[Any] = ()
+    on_sent: Optional[Callable[[], None]] = None
+
+
+Handler = Callable[[Any], Union[msgspec.Struct, Answer, Awaitable[Union[msgspec.Struct, Answer]]]]
+
+
+def _error_ack(error: str) -> msgspec.Struct:
+    return Ack(ok=False, error=error)
+
+
+class RpcServer:
+    """A ROUTER that decodes each request as one of the types it has a handler for and answers
+    with what the handler returns (a reply Struct, an :class:`Answer`, or an awaitable of either).
+
+    A frame that does not decode is answered with ``error_reply(why)`` and counted; a handler that
+    raises is logged and answered the same way; the loop goes on. With ``concurrent`` each request
+    runs as its own task (one slow pull does not hold up a hello); otherwise requests are answered
+    one at a time, in order of arrival."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, handlers: dict[type, Handler], *,
+                 concurrent: bool = False, error_reply: Callable[[str], msgspec.Struct] = _error_ack,
+                 on_message: Optional[Callable[[Any], None]] = None,
+                 on_bad_frame: Optional[Callable[[str], None]] = None,
+                 on_error: Optional[Callable[[Any, BaseException], None]] = None):
+        self.name = name
+        self.handlers = dict(handlers)
+        self.decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(Union[tuple(self.handlers)])  # type: ignore
+        self.concurrent = concurrent
+        self.error_reply = error_reply
+        self.on_message = on_message
+        self.on_bad_frame = on_bad_frame
+        self.on_error = on_error
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self._loop_task: Optional[asyncio.Task] = None
+        self._requests: set[asyncio.Task] = set()
+
+    def bind(self, address: str) -> None:
+        """Bind; raises zmq.ZMQError (the caller names the setting) and closes the socket."""
+        try:
+            self.sock.bind(address)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
+
+    def start(self) -> None:
+        self._loop_task = asyncio.ensure_future(self._serve())
+
+    def close(self) -> None:
+        for task in [self._loop_task, *self._requests]:
+            if task is not None:
+                task.cancel()
+        self.sock.close(linger=0)
+
+    async def _serve(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv_multipart()
+            except zmq.ZMQError:
+                return
+            if len(frames) < 3:
+                self._bad_frame(f"{len(frames)} frame(s), expected [identity, request id, payload]")
+                continue
+            identity, request_id, payload = frames[0], frames[1], frames[2]
+            try:
+                request = self.decoder.decode(payload)
+            except DecodeError as e:
+                self._bad_frame(f"{e} ({len(payload)} bytes)")
+                await self._send(identity, request_id, self.error_reply(f"undecodable request: {e}"))
+                continue
+            if self.on_message is not None:
+                self.on_message(request)
+            if self.concurrent:
+                task = asyncio.ensure_future(self._answer(identity, request_id, request))
+                self._requests.add(task)
+                task.add_done_callback(self._requests.discard)
+            else:
+                await self._answer(identity, request_id, request)
+
+    def _bad_frame(self, why: str) -> None:
+        if self.on_bad_frame is not None:
+            self.on_bad_frame(why)
+        logger.warning("%s: bad frame: %s", self.name, why)
+
+    async def _answer(self, identity: bytes, request_id: bytes, request: Any) -> None:
+        try:
+            result = self.handlers[type(request)](request)
+            if inspect.isawaitable(result):
+                result = await result
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self.on_error is not None:
+                self.on_error(request, e)
+            logger.exception("%s: handling %s failed", self.name, type(request).__name__)
+            result = self.error_reply(f"{self.name} error: {e}")
+        await self._send(identity, request_id, result)
+
+    async def _send(self, identity: bytes, request_id: bytes, result: Union[msgspec.Struct, Answer]) -> None:
+        answer = result if isinstance(result, Answer) else Answer(result)
+        try:
+            head = [identity, request_id, encode(answer.message)]
+            if not answer.frames:
+                await self.sock.send_multipart(head)
+                return
+            # Bulk frames are zero-copy views (of pinned pages): wait until ZMQ is done with them
+            # before on_sent lets the caller reuse the memory.
+            tracker = await self.sock.send_multipart([*head, *answer.frames], copy=False, track=True)
+            pause = 0.0005
+            while not tracker.done:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.01)
+        except zmq.ZMQError as e:
+            logger.warning("%s: could not answer %s: %s", self.name, type(answer.message).__name__, e)
+        finally:
+            if answer.on_sent is not None:
+                answer.on_sent()

@@ -1,0 +1,162 @@
+"""The one request/reply layer (lmcache_p2p.rpc) over real ZMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from lmcache_p2p.protocol import Ack, ClearCommand, CommandReply, HealthCommand, StatusCommand, command_reply_decoder
+from lmcache_p2p.rpc import Answer, RemoteError, RequestFailed, RpcClient, RpcServer
+
+from protocol_client import free_ports
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def _server(ctx, port, handlers, **kw) -> RpcServer:
+    server = RpcServer(ctx, "test server", handlers,
+                       error_reply=lambda e: CommandReply(event_id="", ok=False, error=e), **kw)
+    server.bind(f"tcp://127.0.0.1:{port}")
+    server.start()
+    return server
+
+
+def test_typed_reply_error_reply_and_wrong_type():
+    async def main():
+        ctx = zmq.asyncio.Context()
+        port = free_ports(1)[0]
+        server = _server(ctx, port, {
+            HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, num_tokens=7),
+            ClearCommand: lambda c: CommandReply(event_id=c.event_id, ok=False, error=f"no location {c.location!r}"),
+            StatusCommand: lambda c: Ack(ok=True),  # a server bug: the wrong reply type
+        })
+        either = msgspec.msgpack.Decoder(CommandReply | Ack)
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", either, "worker 0")
+        try:
+            reply = await client.request(HealthCommand(event_id="e1"), CommandReply, 5)
+            assert (reply.event_id, reply.num_tokens) == ("e1", 7)
+            with pytest.raises(RemoteError, match="no location 'disk'") as refused:
+                await client.request(ClearCommand(event_id="e2", location="disk"), CommandReply, 5)
+            assert refused.value.reply.event_id == "e2"  # the typed reply rides the error
+            with pytest.raises(RemoteError, match="answered Ack to StatusCommand"):
+                await client.request(StatusCommand(event_id="e3"), CommandReply, 5)
+        finally:
+            client.close()
+            server.close()
+            ctx.destroy(0)
+
+    run(main())
+
+
+def test_handler_errors_and_garbage_are_answered_and_the_server_goes_on():
+    errors, bad = [], []
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        port = free_ports(1)[0]
+
+        def broken(c):
+            raise RuntimeError("disk on fire")
+
+        server = _server(ctx, port, {HealthCommand: broken,
+                                     StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)},
+                         on_error=lambda msg, e: errors.append(type(msg).__name__), on_bad_frame=bad.append)
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            with pytest.raises(RemoteError, match="disk on fire"):
+                await client.request(HealthCommand(event_id="e1"), CommandReply, 5)
+            await raw.send_multipart([b"x", b"\xc1not msgpack"])
+            answer = command_reply_decoder.decode((await raw.recv_multipart())[1])
+            assert not answer.ok and "undecodable" in answer.error
+            # A request type this server has no handler for does not decode either.
+            await raw.send_multipart([b"y", msgspec.msgpack.encode(ClearCommand(event_id="e", location="x"))])
+            assert "undecodable" in command_reply_decoder.decode((await raw.recv_multipart())[1]).error
+            assert (await client.request(StatusCommand(event_id="e2"), CommandReply, 5)).ok
+        finally:
+            raw.close(0)
+            client.close()
+            server.close()
+            ctx.destroy(0)
+        assert errors == ["HealthCommand"] and len(bad) == 2
+
+    run(main())
+
+
+def test_timeout_resets_and_a_late_answer_reaches_its_handler():
+    late = []
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        port = free_ports(1)[0]
+        release = asyncio.Event()
+
+        async def slow(c):
+            await release.wait()
+            return CommandReply(event_id=c.event_id, ok=True)
+
+        server = _server(ctx, port, {HealthCommand: slow,
+                                     StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)},
+                         concurrent=True)
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
+        try:
+            with pytest.raises(RequestFailed, match="no answer"):
+                await client.request_frames(HealthCommand(event_id="slow"), CommandReply, 0.3,
+                                            on_late=lambda reply, frames: late.append(reply))
+            # concurrent: the slow request does not hold up the next one (on a fresh socket)
+            assert (await client.request(StatusCommand(event_id="next"), CommandReply, 5)).event_id == "next"
+            release.set()
+            for _ in range(100):
+                if late:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            client.close()
+            server.close()
+            ctx.destroy(0)
+        assert [r.event_id for r in late] == ["slow"]
+
+    run(main())
+
+
+def test_bulk_frames_ride_zero_copy_and_on_sent_runs_after_the_send():
+    sent = []
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        port = free_ports(1)[0]
+        payload = bytearray(b"k" * 1_000_000)
+        server = _server(ctx, port, {HealthCommand: lambda c: Answer(CommandReply(event_id=c.event_id, ok=True),
+                                                                        [memoryview(payload)], lambda: sent.append(1))})
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
+        try:
+            reply, frames = await client.request_frames(HealthCommand(event_id="bulk"), CommandReply, 5)
+            assert reply.ok and bytes(frames[0].buffer) == bytes(payload)
+        finally:
+            client.close()
+            server.close()
+            ctx.destroy(0)
+        assert sent == [1]
+
+    run(main())
+
+
+def test_no_server_is_a_request_failed_within_the_timeout():
+    async def main():
+        ctx = zmq.asyncio.Context()
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{free_ports(1)[0]}", command_reply_decoder, "worker 0")
+        try:
+            with pytest.raises(RequestFailed):
+                await client.request(HealthCommand(event_id="e"), CommandReply, 0.3)
+        finally:
+            client.close()
+            ctx.destroy(0)
+
+    run(main())
