@@ -3,8 +3,12 @@ original lacked (/check_finish that works, all holders in /lookup, Prometheus me
 
 Bodies are decoded with msgspec straight from the raw request (a 25,600-token /lookup body
 decodes in ~0.1 ms, several times faster than pydantic); their JSON schemas are handed to
-FastAPI so /openapi.json still documents every route. Errors are JSON ``{"error", "field"}``:
-422 names the bad field, 404 the unknown instance or event, 504 the worker that did not answer.
+FastAPI so /openapi.json still documents every route.
+
+HTTP status codes live here and nowhere else: the core raises the typed errors of errors.py and
+:data:`HTTP_STATUS` gives each its code. Errors are JSON ``{"error", "field"}``: 422 names the
+bad field, 404 the unknown instance or event, 409 a conflict or a worker's refusal, 504 the
+worker that did not answer.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -21,24 +25,38 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 
 from lmcache_p2p import webui
-from lmcache_p2p.controller.service import ApiError, Controller
+from lmcache_p2p.controller.errors import (
+    CommandRefused,
+    Conflict,
+    ControllerError,
+    InvalidRequest,
+    UnknownEvent,
+    UnknownInstance,
+    WorkerUnreachable,
+)
+from lmcache_p2p.controller.service import Controller
 
 logger = logging.getLogger("lmcache_p2p.controller")
+
+HTTP_STATUS: dict[type[ControllerError], int] = {
+    InvalidRequest: 422, UnknownInstance: 404, UnknownEvent: 404, Conflict: 409, CommandRefused: 409,
+    WorkerUnreachable: 504,
+}
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
 class LookupRequest(msgspec.Struct):
     tokens: list[TokenId]
-    model: Optional[str] = None
+    model: str | None = None
 
 
 class _LookupFastPath(msgspec.Struct):
     tokens: msgspec.Raw
-    model: Optional[str] = None
+    model: str | None = None
 
 
-def parse_token_array(raw: bytes) -> Optional[np.ndarray]:
+def parse_token_array(raw: bytes) -> np.ndarray | None:
     """A JSON array of token ids straight into int64, never building 25,600 Python ints (which
     alone costs ~0.8 ms on a 2-vCPU host). None whenever the text is anything but plain
     non-negative integers below 2**31: the strict decoder then produces the error message."""
@@ -62,9 +80,9 @@ def parse_token_array(raw: bytes) -> Optional[np.ndarray]:
 class MoveRequest(msgspec.Struct):
     old_position: tuple[str, str]  # (instance_id, location), e.g. ["lmcache_instance_1", "LocalCPUBackend"]
     new_position: tuple[str, str]
-    tokens: Optional[list[TokenId]] = None  # omitted: every chunk the source holds at that location
+    tokens: list[TokenId] | None = None  # omitted: every chunk the source holds at that location
     copy: bool = False
-    should_copy: Optional[bool] = None  # LMCache's older spelling of copy
+    should_copy: bool | None = None  # LMCache's older spelling of copy
 
 
 class ClearRequest(msgspec.Struct):
@@ -89,7 +107,7 @@ class CheckFinishRequest(msgspec.Struct):
 
 class QueryWorkerInfoRequest(msgspec.Struct):
     instance_id: str = "all"
-    worker_ids: Optional[list[int]] = None
+    worker_ids: list[int] | None = None
 
 
 class QueryInstanceRequest(msgspec.Struct):
@@ -99,7 +117,7 @@ class QueryInstanceRequest(msgspec.Struct):
 _FIELD_PATTERNS = (re.compile(r"field `([^`]+)`"), re.compile(r"at `\$\.([A-Za-z_]+)"))
 
 
-def _field_of(error: str) -> Optional[str]:
+def _field_of(error: str) -> str | None:
     for pattern in _FIELD_PATTERNS:
         m = pattern.search(error)
         if m:
@@ -113,9 +131,9 @@ async def _decode(request: Request, body_type: type) -> Any:
         return msgspec.json.decode(raw, type=body_type)
     except msgspec.ValidationError as e:
         field = _field_of(str(e))
-        raise ApiError(422, f"invalid {body_type.__name__}: {e}", field) from None
+        raise InvalidRequest(f"invalid {body_type.__name__}: {e}", field) from None
     except msgspec.DecodeError as e:
-        raise ApiError(422, f"body is not valid JSON: {e}") from None
+        raise InvalidRequest(f"body is not valid JSON: {e}") from None
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -132,9 +150,9 @@ def create_app(controller: Controller) -> FastAPI:
     app = FastAPI(title="lmcache-p2p controller", version="1",
                   description="Chunk index and commands for a mesh of vLLM instances sharing KV cache.")
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"error": exc.message, "field": exc.field}, status_code=exc.status)
+    @app.exception_handler(ControllerError)
+    async def _controller_error(request: Request, exc: ControllerError) -> JSONResponse:
+        return JSONResponse({"error": exc.message, "field": exc.field}, status_code=HTTP_STATUS[type(exc)])
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -142,6 +160,8 @@ def create_app(controller: Controller) -> FastAPI:
         logger.exception("%s %s failed", request.method, request.url.path)
         return JSONResponse({"error": f"internal error in {request.url.path}: {type(exc).__name__}: {exc}",
                              "field": None}, status_code=500)
+
+    views, orchestrator = controller.views, controller.orchestrator
 
     def post(path: str, body_type: type, summary: str):
         return app.post(path, summary=summary, openapi_extra=_schema(body_type))
@@ -156,81 +176,66 @@ def create_app(controller: Controller) -> FastAPI:
             tokens = None
         if tokens is None:
             body: LookupRequest = await _decode(request, LookupRequest)
-            return _json(controller.lookup(body.tokens, body.model))
-        return _json(controller.lookup(tokens, fast.model))
+            return _json(views.lookup(body.tokens, body.model))
+        return _json(views.lookup(tokens, fast.model))
 
     @post("/move", MoveRequest, "Move (or copy) chunks between instances' locations")
     async def move(request: Request) -> Response:
         body: MoveRequest = await _decode(request, MoveRequest)
         copy = body.copy or bool(body.should_copy)
-        return _json(await controller.move(body.old_position, body.new_position, body.tokens, copy))
+        return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, copy))
 
     @post("/copy", MoveRequest, "Copy chunks between instances' locations (move with copy=true)")
     async def copy(request: Request) -> Response:
         body: MoveRequest = await _decode(request, MoveRequest)
-        return _json(await controller.move(body.old_position, body.new_position, body.tokens, True))
+        return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, True))
 
     @post("/clear", ClearRequest, "Drop every chunk an instance holds at a location")
     async def clear(request: Request) -> Response:
         body: ClearRequest = await _decode(request, ClearRequest)
-        return _json(await controller.clear(body.instance_id, body.location))
+        return _json(await orchestrator.clear(body.instance_id, body.location))
 
-    @post("/pin", PinRequest, "Pin (or unpin) the chunks of a token prefix against eviction")
+    @post("/pin", PinRequest, "Pin (or unpin) the chunks of a token prefix against eviction (LocalCPUBackend only)")
     async def pin(request: Request) -> Response:
         body: PinRequest = await _decode(request, PinRequest)
-        return _json(await controller.pin(body.instance_id, body.location, body.tokens, body.unpin))
+        return _json(await orchestrator.pin(body.instance_id, body.location, body.tokens, body.unpin))
 
     @post("/health", HealthRequest, "Ask every rank of an instance whether it is healthy")
     async def health(request: Request) -> Response:
         body: HealthRequest = await _decode(request, HealthRequest)
-        return _json(await controller.health(body.instance_id))
+        return _json(await orchestrator.health(body.instance_id))
 
     @post("/status", HealthRequest, "Ask every rank of an instance for its tiers, link and peer statistics")
     async def status(request: Request) -> Response:
         body: HealthRequest = await _decode(request, HealthRequest)
-        return _json(await controller.status(body.instance_id))
+        return _json(await orchestrator.status(body.instance_id))
 
-    @post("/check_finish", CheckFinishRequest, "Status of a command by its event id")
+    @post("/check_finish", CheckFinishRequest, "Status of a command, or of a read, by the event id it answered with")
     async def check_finish(request: Request) -> Response:
         body: CheckFinishRequest = await _decode(request, CheckFinishRequest)
-        event = controller.events.get(body.event_id)
-        if event is None:
-            raise ApiError(404, f"unknown event_id {body.event_id!r} (events are kept for the last "
-                                f"{controller.events.capacity} commands)", "event_id")
-        return _json({"event_id": event.event_id, "status": event.status, "num_tokens": event.num_tokens,
-                      "error": event.error})
+        return _json(views.check_finish(body.event_id))
 
     @post("/query_worker_info", QueryWorkerInfoRequest, "Registered workers of one instance, or all")
     async def query_worker_info(request: Request) -> Response:
         body: QueryWorkerInfoRequest = await _decode(request, QueryWorkerInfoRequest)
-        if body.instance_id == "all":
-            records = list(controller.registry.workers.values())
-        else:
-            records = controller.instance_workers(body.instance_id, "instance_id")
-        if body.worker_ids is not None:
-            records = [r for r in records if r.info.rank in body.worker_ids]
-        return _json({"event_id": "query_worker_info", "worker_infos": [controller.describe_worker(r) for r in records]})
+        return _json(views.query_worker_info(body.instance_id, body.worker_ids))
 
     @post("/query_instance", QueryInstanceRequest, "The instance whose workers run on this host")
     async def query_instance(request: Request) -> Response:
         body: QueryInstanceRequest = await _decode(request, QueryInstanceRequest)
-        found = sorted({r.info.instance_id for r in controller.registry.workers.values() if r.info.host == body.ip})
-        if not found:
-            raise ApiError(404, f"no instance registered from host {body.ip!r}", "ip")
-        return _json({"event_id": "query_instance", "res": found[0], "instances": found})
+        return _json(views.query_instance(body.ip))
 
     @app.get("/controller/workers", summary="Every worker with status, ports, layout and keys")
     async def workers() -> Response:
-        return _json({"workers": [controller.describe_worker(r) for r in controller.registry.workers.values()],
-                      "thresholds": controller.status_thresholds()})
+        return _json(views.workers())
 
     @app.get("/controller/key-stats", summary="Keys held per instance and location")
     async def key_stats() -> Response:
-        return _json(controller.key_stats())
+        return _json(views.key_stats())
 
     @app.get("/controller/events", summary="Newest command events first")
     async def events(limit: int = 100) -> Response:
-        return _json({"events": [e.to_json() for e in controller.events.newest(limit)]})
+        return _json({"events": views.recent_events(limit)})
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
@@ -238,7 +243,7 @@ def create_app(controller: Controller) -> FastAPI:
 
     @app.get("/controller/dashboard", summary="Everything the WebUI shows: overview, rates, instances, events")
     async def dashboard(events: int = 50) -> Response:
-        return _json(controller.dashboard(events_limit=max(0, min(events, 1000))))
+        return _json(views.dashboard(events_limit=max(0, min(events, 1000))))
 
     templates = webui.environment()
     version = webui.asset_version()
@@ -246,7 +251,7 @@ def create_app(controller: Controller) -> FastAPI:
 
     @app.get("/", include_in_schema=False, response_class=HTMLResponse)
     async def index() -> HTMLResponse:
-        page = templates.get_template("index.html").render(state=controller.dashboard(), version=version,
+        page = templates.get_template("index.html").render(state=views.dashboard(), version=version,
                                                            poll_ms=2000)
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 

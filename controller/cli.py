@@ -14,6 +14,8 @@ import logging
 import socket
 import sys
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from lmcache_p2p.controller.settings import ControllerSettings, SettingsError, build_parser, load_settings
 
@@ -50,7 +52,7 @@ async def _serve(settings: ControllerSettings, http_socket: socket.socket, t0: f
     return 0
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
     try:
@@ -63,8 +65,10 @@ def main(argv: "list[str] | None" = None) -> int:
     try:
         http_socket = _bind_http(settings.host, settings.port)
     except OSError as e:
-        print(f"lmcache_controller: cannot bind HTTP {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"lmcache_controller: cannot bind HTTP {settings.host}:{settings.port}: {e.strerror or e}",
+              file=sys.stderr)
         return 1
+    run: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
         run = uvloop.run

@@ -1,103 +1,66 @@
-"""The controller's side of the workers' command sockets.
+"""The controller's side of the workers' command sockets: one :class:`RpcClient` per worker.
 
-One DEALER per worker, connected to the ROUTER the worker binds on its ``lmcache_worker_ports``
-entry. Requests are ``[request_id, payload]``; one reader task per socket matches answers to the
-waiting futures. Every request has a timeout; an answer that comes after it is dropped.
+Each client's DEALER connects to the ROUTER the worker binds on its ``lmcache_worker_ports``
+entry; framing, request ids, timeouts and the reset after a timeout are the RPC layer's. This
+module only decides what an outcome means to the orchestration: an answer is a
+:class:`CommandReply` (a refusal is one with ``ok`` False), and no answer is
+:class:`WorkerUnreachable`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import logging
-import zmq
+import msgspec
 import zmq.asyncio
 
-from lmcache_p2p.protocol import Command, CommandReply, DecodeError, command_reply_decoder, encode
+from lmcache_p2p.controller.errors import WorkerUnreachable
+from lmcache_p2p.controller.registry import WorkerKey
+from lmcache_p2p.protocol import Ack, Command, CommandReply
+from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
 
-logger = logging.getLogger(__name__)
+# An Ack decodes too: a worker whose server fails before it can build a CommandReply answers
+# with one, and that is a refusal with the worker's reason, not an undecodable reply.
+_reply_decoder = msgspec.msgpack.Decoder(CommandReply | Ack)
 
-
-class WorkerUnreachable(Exception):
-    """A worker did not answer a command within the timeout."""
-
-
-class _Channel:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str):
-        self.endpoint = endpoint
-        self.socket = ctx.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        # Don't queue without bound for a worker that is gone: a full queue fails the send.
-        self.socket.setsockopt(zmq.SNDHWM, 1000)
-        self.socket.connect(endpoint)
-        self.waiting: dict[bytes, asyncio.Future] = {}
-        self.reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        while True:
-            try:
-                frames = await self.socket.recv_multipart()
-            except (asyncio.CancelledError, zmq.ZMQError):
-                return
-            if len(frames) != 2:
-                logger.warning("command reply from %s with %d frames; dropped", self.endpoint, len(frames))
-                continue
-            future = self.waiting.pop(frames[0], None)
-            if future is None or future.done():
-                continue  # answered after its timeout
-            try:
-                future.set_result(command_reply_decoder.decode(frames[1]))
-            except DecodeError as e:
-                future.set_exception(WorkerUnreachable(f"undecodable reply from {self.endpoint}: {e}"))
-
-    def close(self) -> None:
-        self.reader.cancel()
-        for future in self.waiting.values():
-            if not future.done():
-                future.set_exception(WorkerUnreachable(f"{self.endpoint} was removed"))
-        self.socket.close(linger=0)
+# Don't queue without bound for a worker that is gone: a full queue fails the send.
+SEND_HWM = 1000
 
 
 class CommandBus:
     def __init__(self, ctx: zmq.asyncio.Context):
         self.ctx = ctx
-        self._channels: dict[tuple[str, int], _Channel] = {}
-        self._ids = itertools.count(1)
+        self._clients: dict[WorkerKey, RpcClient] = {}
 
-    def connect(self, worker: tuple[str, int], host: str, port: int) -> None:
-        endpoint = f"tcp://{host}:{port}"
-        old = self._channels.get(worker)
-        if old is not None and old.endpoint == endpoint:
+    def connect(self, worker: WorkerKey, host: str, port: int) -> None:
+        """Point ``worker``'s channel at its command port; a worker that came back elsewhere gets a new one."""
+        address = f"tcp://{host}:{port}"
+        old = self._clients.get(worker)
+        if old is not None and old.address == address:
             return
         if old is not None:
             old.close()
-        self._channels[worker] = _Channel(self.ctx, endpoint)
+        self._clients[worker] = RpcClient(self.ctx, address, _reply_decoder, f"{worker[0]} rank {worker[1]}",
+                                          send_hwm=SEND_HWM)
 
-    def disconnect(self, worker: tuple[str, int]) -> None:
-        channel = self._channels.pop(worker, None)
-        if channel is not None:
-            channel.close()
+    def disconnect(self, worker: WorkerKey) -> None:
+        client = self._clients.pop(worker, None)
+        if client is not None:
+            client.close()  # a command still waiting on it fails as unreachable
 
-    async def request(self, worker: tuple[str, int], command: Command, timeout: float) -> CommandReply:
-        channel = self._channels.get(worker)
-        if channel is None:
+    async def request(self, worker: WorkerKey, command: Command, timeout: float) -> CommandReply:
+        """The worker's answer, a refusal included; :class:`WorkerUnreachable` when none came."""
+        client = self._clients.get(worker)
+        if client is None:
             raise WorkerUnreachable(f"no command channel to {worker[0]} rank {worker[1]}")
-        request_id = next(self._ids).to_bytes(8, "little")
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        channel.waiting[request_id] = future
         try:
-            await channel.socket.send_multipart([request_id, encode(command)], flags=zmq.NOBLOCK)
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
-            raise WorkerUnreachable(f"{worker[0]} rank {worker[1]} ({channel.endpoint}) did not answer "
-                                    f"{type(command).__name__} within {timeout:g}s") from None
-        except zmq.Again:
-            raise WorkerUnreachable(f"{worker[0]} rank {worker[1]} ({channel.endpoint}) is not accepting commands") from None
-        finally:
-            channel.waiting.pop(request_id, None)
+            return await client.request(command, CommandReply, timeout)
+        except RequestFailed as e:
+            raise WorkerUnreachable(f"{type(command).__name__} to {e}") from None
+        except RemoteError as e:
+            if isinstance(e.reply, CommandReply):
+                return e.reply
+            return CommandReply(event_id=command.event_id, ok=False, error=str(e))
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()

@@ -1,16 +1,20 @@
-"""Command events: what ``/check_finish`` answers and the WebUI's event log shows.
+"""Event ids: what ``/check_finish`` answers about.
 
-Every command the controller issues (move, copy, clear, pin, health) gets an event id at once;
-its status goes pending -> done | failed as the workers of every TP rank report back.
+Every command the controller issues (move, copy, clear, pin, health, status) gets an event id at
+once; its status goes pending -> done | failed as the workers of every TP rank report back, and
+the WebUI's event log shows it. Reads (/lookup, /query_worker_info, /query_instance) are done
+when they are answered; their ids live in a separate, cheaper record (:class:`ReadLog`), so that
+every event id the API hands out is one ``/check_finish`` knows.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 Status = Literal["pending", "done", "failed"]
 
@@ -24,16 +28,16 @@ class CommandEvent:
     ranks: set[int]  # ranks still to report
     status: Status = "pending"
     num_tokens: int = 0
-    error: Optional[str] = None
+    error: str | None = None
     created_at: float = field(default_factory=time.time)
-    finished_at: Optional[float] = None
+    finished_at: float | None = None
     rank_tokens: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        duration = (self.finished_at - self.created_at) if self.finished_at else None
+        duration_ms = round((self.finished_at - self.created_at) * 1e3, 2) if self.finished_at else None
         return {"event_id": self.event_id, "kind": self.kind, "instance_id": self.instance_id, "detail": self.detail,
                 "status": self.status, "num_tokens": self.num_tokens, "error": self.error,
-                "created_at": self.created_at, "duration_ms": round(duration * 1e3, 2) if duration is not None else None}
+                "created_at": self.created_at, "duration_ms": duration_ms}
 
 
 class EventLog:
@@ -41,7 +45,7 @@ class EventLog:
 
     def __init__(self, capacity: int = 10_000):
         self.capacity = capacity
-        self._events: "OrderedDict[str, CommandEvent]" = OrderedDict()
+        self._events: OrderedDict[str, CommandEvent] = OrderedDict()
 
     def create(self, kind: str, instance_id: str, ranks: set[int], detail: str = "") -> CommandEvent:
         event = CommandEvent(f"{kind}-{uuid.uuid4().hex[:16]}", kind, instance_id, detail, set(ranks))
@@ -50,7 +54,7 @@ class EventLog:
             self._events.popitem(last=False)
         return event
 
-    def get(self, event_id: str) -> Optional[CommandEvent]:
+    def get(self, event_id: str) -> CommandEvent | None:
         return self._events.get(event_id)
 
     def newest(self, limit: int = 100) -> list[CommandEvent]:
@@ -63,11 +67,11 @@ class EventLog:
         return len(self.pending())
 
     @staticmethod
-    def rank_done(event: CommandEvent, rank: int, ok: bool, num_tokens: int, error: Optional[str]) -> None:
-        """One rank reported. The event's tokens are the fewest any rank moved: a chunk counts
-        only when every rank's part of it arrived."""
+    def rank_done(event: CommandEvent, rank: int, ok: bool, num_tokens: int, error: str | None) -> bool:
+        """One rank reported; True when that finished the event. The event's tokens are the fewest
+        any rank moved: a chunk counts only when every rank's part of it arrived."""
         if event.status != "pending" or rank not in event.ranks:
-            return
+            return False
         event.ranks.discard(rank)
         event.rank_tokens[rank] = num_tokens
         if not ok:
@@ -77,8 +81,64 @@ class EventLog:
             if event.status == "pending":
                 event.status = "done"
             event.finished_at = time.time()
+            return True
+        return False
 
     @staticmethod
-    def fail(event: CommandEvent, error: str) -> None:
-        if event.status == "pending":
-            event.status, event.error, event.finished_at = "failed", error, time.time()
+    def fail(event: CommandEvent, error: str) -> bool:
+        """Fail a pending event; True when it was still pending (an event finishes once)."""
+        if event.status != "pending":
+            return False
+        event.status, event.error, event.finished_at = "failed", error, time.time()
+        return True
+
+
+READ_KINDS = ("lookup", "query_worker_info", "query_instance")
+
+
+@dataclass(frozen=True)
+class ReadEvent:
+    """A read, done when answered: ``/check_finish`` reports it as done with ``num_tokens``."""
+
+    event_id: str
+    kind: str
+    num_tokens: int
+
+
+class ReadLog:
+    """The ids of the newest ``capacity`` reads, with each read's kind and tokens.
+
+    Reads stay out of the :class:`EventLog`: thousands of lookups a second would push the
+    commands an operator is waiting on out of it, and a ``CommandEvent`` per lookup would cost
+    the hot path an object and a uuid. Here a read costs two array stores and an f-string
+    (well under a microsecond), in fixed memory."""
+
+    def __init__(self, capacity: int = 100_000):
+        self.capacity = capacity
+        # Per controller run: an id a previous run handed out is unknown here, not someone else's read.
+        self._run = uuid.uuid4().hex[:8]
+        self._codes = {kind: code for code, kind in enumerate(READ_KINDS)}
+        self._issued = 0
+        self._kinds = array("B", bytes(capacity))
+        self._tokens = array("q", bytes(8 * capacity))
+
+    def record(self, kind: str, num_tokens: int = 0) -> str:
+        """A new read's event id."""
+        self._issued += 1
+        slot = self._issued % self.capacity
+        self._kinds[slot] = self._codes[kind]
+        self._tokens[slot] = num_tokens
+        return f"{kind}-{self._run}-{self._issued}"
+
+    def get(self, event_id: str) -> ReadEvent | None:
+        prefix, _, serial_text = event_id.rpartition("-")
+        if not (serial_text.isascii() and serial_text.isdigit()):
+            return None
+        serial = int(serial_text)
+        if not self._issued - self.capacity < serial <= self._issued:
+            return None  # never issued, or overwritten since
+        slot = serial % self.capacity
+        kind = READ_KINDS[self._kinds[slot]]
+        if prefix != f"{kind}-{self._run}":
+            return None
+        return ReadEvent(event_id, kind, self._tokens[slot])

@@ -17,7 +17,7 @@ rebuild drops it. Lookups cost per chunk asked, never per instance.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

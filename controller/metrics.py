@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 
 class Metrics:
@@ -35,8 +35,8 @@ class Metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             if not series:
                 lines.append(f"{name} 0")
-            for labels, value in series.items():
-                lines.append(f"{name}{_labels(dict(labels))} {value:g}")
+            for label_items, value in series.items():
+                lines.append(f"{name}{_labels(dict(label_items))} {value:g}")
         for name, help_text, read in self._gauges:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
             for labels, value in read():

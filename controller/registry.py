@@ -17,10 +17,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
+from lmcache_p2p.controller.errors import UnknownInstance
 from lmcache_p2p.controller.index import ChunkIndex
 from lmcache_p2p.protocol import KeyEvents, Register, ResyncBatch, unpack_hashes
 
@@ -44,7 +44,7 @@ class _Resync:
 class LocationState:
     holder: int
     next_seq: int = 1
-    resync: Optional[_Resync] = None  # set while a full key set is wanted or arriving
+    resync: _Resync | None = None  # set while a full key set is wanted or arriving
 
 
 @dataclass
@@ -100,12 +100,13 @@ class Registry:
                     " again" if old else "")
         return record
 
-    def remove_worker(self, key: WorkerKey, reason: str) -> Optional[WorkerRecord]:
+    def remove_worker(self, key: WorkerKey, reason: str) -> WorkerRecord | None:
         record = self.workers.pop(key, None)
         if record is None:
             return None
         dropped = sum(self.index.drop_holder(st.holder) for st in record.locations.values())
-        logger.warning("worker %s rank %d removed (%s); %d keys dropped from the index", key[0], key[1], reason, dropped)
+        logger.warning("worker %s rank %d removed (%s); %d keys dropped from the index",
+                       key[0], key[1], reason, dropped)
         return record
 
     def _location(self, record: WorkerRecord, location: str) -> LocationState:
@@ -115,7 +116,7 @@ class Registry:
             state = record.locations[location] = LocationState(self.holder_id(*record.key, location))
         return state
 
-    def touch(self, key: WorkerKey) -> Optional[WorkerRecord]:
+    def touch(self, key: WorkerKey) -> WorkerRecord | None:
         record = self.workers.get(key)
         if record is not None:
             record.last_seen = time.monotonic()
@@ -135,6 +136,15 @@ class Registry:
         for records in out.values():
             records.sort(key=lambda r: r.info.rank)
         return out
+
+    def instance_workers(self, instance_id: str, field: str) -> list[WorkerRecord]:
+        """One instance's workers by rank; :class:`UnknownInstance` (blaming ``field``) when none is registered."""
+        instances = self.instances()
+        workers = instances.get(instance_id)
+        if not workers:
+            known = sorted(instances) or "none"
+            raise UnknownInstance(f"unknown instance {instance_id!r} (registered: {known})", field)
+        return workers
 
     # -- key events ------------------------------------------------------------------------------
 
@@ -158,8 +168,7 @@ class Registry:
             self.stats["seq_gaps"] += 1
             logger.warning("%s rank %d %s: batches %d..%d missing; asking for a full re-sync", msg.instance_id,
                            msg.rank, msg.location, state.next_seq, msg.seq - 1)
-            self._want_resync(state)
-            state.resync.replay.append(msg)
+            self._want_resync(state).replay.append(msg)
         self._apply(state, msg)
 
     def _apply(self, state: LocationState, msg: KeyEvents) -> None:
@@ -170,12 +179,13 @@ class Registry:
         self.stats["keys_evicted"] += len(evicted)
         state.next_seq = msg.seq + 1
 
-    def _want_resync(self, state: LocationState) -> None:
+    def _want_resync(self, state: LocationState) -> _Resync:
         if state.resync is None or state.resync.snapshot_seq >= 0:
             state.resync = _Resync()
             self.stats["resyncs_requested"] += 1
+        return state.resync
 
-    def apply_resync(self, msg: ResyncBatch) -> Optional[str]:
+    def apply_resync(self, msg: ResyncBatch) -> str | None:
         """Take one batch of a full key set; returns an error string for a batch out of order."""
         record = self.touch((msg.instance_id, msg.rank))
         if record is None:

@@ -87,11 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with any of the settings below (flags win)")
     p.add_argument("--host", help="HTTP bind host (default localhost)")
     p.add_argument("--port", type=int, help="HTTP port (default 9000)")
-    p.add_argument("--monitor-ports", help='ZMQ ports as JSON, e.g. \'{"pull": 8300, "reply": 8400, "heartbeat": 8082}\'')
+    p.add_argument("--monitor-ports",
+                   help='ZMQ ports as JSON, e.g. \'{"pull": 8300, "reply": 8400, "heartbeat": 8082}\'')
     p.add_argument("--monitor-host", help="ZMQ bind address (default 0.0.0.0)")
-    p.add_argument("--health-check-interval", type=float, help=f"seconds between liveness sweeps (default {DEFAULT_HEALTH_CHECK_INTERVAL:g})")
-    p.add_argument("--worker-timeout", type=float, help=f"reap a worker silent this long (default {DEFAULT_WORKER_TIMEOUT:g})")
-    p.add_argument("--command-timeout", type=float, help=f"seconds a worker has to answer a command (default {DEFAULT_COMMAND_TIMEOUT:g})")
+    p.add_argument("--health-check-interval", type=float,
+                   help=f"seconds between liveness sweeps (default {DEFAULT_HEALTH_CHECK_INTERVAL:g})")
+    p.add_argument("--worker-timeout", type=float,
+                   help=f"reap a worker silent this long (default {DEFAULT_WORKER_TIMEOUT:g})")
+    p.add_argument("--command-timeout", type=float,
+                   help=f"seconds a worker has to answer a command (default {DEFAULT_COMMAND_TIMEOUT:g})")
     p.add_argument("--log-level", help="debug, info, warning, error (default info)")
     return p
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
 
 from lmcache_p2p.protocol import Traffic
 
@@ -50,7 +49,7 @@ class FleetTraffic:
             old = 0 if restarted else getattr(prev, name)
             self.totals[name] += max(0, new - old)
 
-    def sample(self, extra: dict[str, float], now: Optional[float] = None) -> None:
+    def sample(self, extra: dict[str, float], now: float | None = None) -> None:
         """Record the totals (plus the controller's own counters in ``extra``) at ``now``."""
         self.samples.append(Sample(now if now is not None else time.time(), {**self.totals, **extra}))
 
@@ -66,7 +65,7 @@ class FleetTraffic:
         return self.series()[-1] if len(self.samples) > 1 else _rates(None, None)
 
 
-def _rates(a: Optional[Sample], b: Optional[Sample]) -> dict:
+def _rates(a: Sample | None, b: Sample | None) -> dict:
     if a is None or b is None or b.at <= a.at:
         return {"t": b.at if b else time.time(), "lookups_per_s": 0.0, "hit_ratio": None, "p2p_bytes_per_s": 0.0,
                 "p2p_transfers_per_s": 0.0, "peer_lookups_per_s": 0.0}

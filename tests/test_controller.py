@@ -4,10 +4,10 @@ import subprocess
 import time
 
 import pytest
+from protocol_client import CHUNK, CONTROLLER_SCRIPT, CPU, DISK, ControllerProcess, FakeWorker, free_ports, wait_for
 
 from lmcache_p2p.keys import chunk_hashes
-from lmcache_p2p.protocol import CommandReply, MoveCommand, unpack_hashes
-from protocol_client import CHUNK, CONTROLLER_SCRIPT, CPU, DISK, ControllerProcess, FakeWorker, free_ports, wait_for
+from lmcache_p2p.protocol import Ack, CommandReply, Heartbeat, MoveCommand, unpack_hashes
 
 FAST = ("--health-check-interval", "0.1", "--worker-timeout", "1.0", "--command-timeout", "1.0")
 DOC = list(range(1000, 1000 + 10 * CHUNK))  # 10 chunks
@@ -50,7 +50,8 @@ def wait_lookup(controller, tokens, instance_id, tokens_expected, location=CPU):
 
 def test_starts_as_the_seeds_start_it_without_torch(controller):
     assert controller.args[0] == CONTROLLER_SCRIPT and controller.env["PYTHONHASHSEED"] == "123"
-    maps = open(f"/proc/{controller.proc.pid}/maps").read()
+    with open(f"/proc/{controller.proc.pid}/maps") as f:
+        maps = f.read()
     assert "libtorch" not in maps and "vllm" not in maps, "the controller process must not load torch or vLLM"
     assert controller.http.get("/controller/workers").json()["workers"] == []
 
@@ -80,11 +81,11 @@ def test_bad_monitor_ports_exit_with_one_line(monitor_ports, expected):
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("which", ["http", "pull"])
+@pytest.mark.parametrize("which", ["http", "pull", "reply"])
 def test_port_in_use_exits_with_one_line(controller, which):
-    http, pull, reply, hb = free_ports(4)
-    taken = controller.http_port if which == "http" else controller.pull
-    ports = [taken, pull, reply, hb] if which == "http" else [http, taken, reply, hb]
+    ports = free_ports(4)
+    slot = ["http", "pull", "reply"].index(which)
+    taken = ports[slot] = controller.ports[slot]
     other = ControllerProcess(*FAST, ports=ports)
     out = subprocess.run(other.args, capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and str(taken) in out.stderr and "in use" in out.stderr
@@ -146,6 +147,14 @@ def test_garbage_frames_are_counted_and_the_loops_go_on(controller, workers):
     assert controller.metric("lmcache_controller_bad_frames_total", socket="pull") == 1
     assert controller.metric("lmcache_controller_bad_frames_total", socket="reply") == 1
     assert controller.metric("lmcache_controller_bad_frames_total", socket="heartbeat") == 1
+    assert a.heartbeat().status == "ok"
+
+
+def test_a_message_on_the_wrong_socket_is_answered_with_an_error_and_counted(controller, workers):
+    a = workers("inst-a")
+    reply = a._ask(a.req, Heartbeat(instance_id="inst-a", rank=0, controller_epoch=a.epoch))
+    assert isinstance(reply, Ack) and not reply.ok and "undecodable" in reply.error
+    assert controller.metric("lmcache_controller_bad_frames_total", socket="reply") == 1
     assert a.heartbeat().status == "ok"
 
 
@@ -265,8 +274,7 @@ def test_move_sends_the_held_prefix_and_check_finish_follows_completion(controll
         ("lmcache_instance_2", CPU, 9200)
     assert controller.post("/check_finish", {"event_id": event_id}).json()["status"] == "pending"
     src.done(event_id, ok=True, num_tokens=3 * CHUNK)  # one chunk could not be moved
-    status = wait_for(lambda: (s := controller.post("/check_finish", {"event_id": event_id}).json())["status"] != "pending" and s,
-                      5, "the move to finish")
+    status = controller.finish(event_id, 5)
     assert status == {"event_id": event_id, "status": "done", "num_tokens": 3 * CHUNK, "error": None}
     assert controller.metric("lmcache_controller_commands_total", kind="move", outcome="done") == 1
 
@@ -281,7 +289,8 @@ def test_copy_without_tokens_sends_everything_and_reports_failure(controller, wo
     (cmd,) = src.commands
     assert cmd.copy and sorted(unpack_hashes(cmd.hashes).tolist()) == sorted(hashes)
     src.done(r.json()["event_id"], ok=False, error="peer inst-b refused the transfer")
-    status = wait_for(lambda: (s := controller.post("/check_finish", {"event_id": r.json()["event_id"]}).json())["status"] == "failed" and s, 5)
+    status = controller.finish(r.json()["event_id"], 5)
+    assert status["status"] == "failed"
     assert "refused" in status["error"]
 
 
@@ -298,6 +307,22 @@ def test_clear_pin_and_health_fan_out_to_every_rank(controller, workers):
     r = controller.post("/health", {"instance_id": "inst-tp"})
     assert r.json()["error_codes"] == {"0": 0, "1": 0}
     assert [type(c).__name__ for c in r1.commands] == ["ClearCommand", "PinCommand", "HealthCommand"]
+
+
+def test_a_refusal_is_a_409_with_the_workers_error_and_health_reports_it(controller, workers):
+    a = workers("inst-a")
+    a.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=False, error="tier offline")
+    r = controller.post("/clear", {"instance_id": "inst-a", "location": CPU})
+    assert r.status_code == 409 and "tier offline" in r.json()["error"], r.text
+    assert controller.http.get("/controller/events").json()["events"][0]["status"] == "failed"
+    r = controller.post("/health", {"instance_id": "inst-a"})
+    assert r.status_code == 200 and r.json()["error_codes"] == {"0": 1} and "tier offline" in r.json()["errors"]["0"]
+    # A worker whose server failed before it could build a CommandReply answers with an Ack:
+    # still a refusal with its reason, not an undecodable answer (or a 504).
+    a.command_reply = lambda c: Ack(ok=False, error="command server error: boom")
+    r = controller.post("/clear", {"instance_id": "inst-a", "location": CPU})
+    assert r.status_code == 409 and "boom" in r.json()["error"], r.text
+    assert controller.metric("lmcache_controller_commands_total", kind="clear", outcome="failed") == 2
 
 
 def test_error_codes_name_what_is_wrong(controller, workers):
@@ -371,4 +396,47 @@ def test_metrics_count_lookups_and_messages(controller, workers):
     assert controller.metric("lmcache_controller_lookups_total") == before + 1
     assert controller.metric("lmcache_controller_messages_total", type="KeyEvents") >= 1
     assert controller.metric("lmcache_controller_messages_total", type="Register") == 1
+    a.heartbeat()
+    assert controller.metric("lmcache_controller_messages_total", type="Heartbeat") == 1
     assert controller.metric("lmcache_controller_lookup_hit_tokens_total") >= 160
+
+
+# -- event ids of reads, disk pins ------------------------------------------------------------------
+
+
+def test_every_event_id_the_api_hands_out_is_known_to_check_finish(controller, workers):
+    a = workers("inst-a")
+    a.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "inst-a", 160)
+    answers = {
+        "lookup": lookup(controller, DOC),
+        "lookup (nothing held)": lookup(controller, [5] * CHUNK),
+        "query_worker_info": controller.api("/query_worker_info", {"instance_id": "all"}),
+        "query_instance": controller.api("/query_instance", {"ip": "127.0.0.1"}),
+        "health": controller.api("/health", {"instance_id": "inst-a"}),
+    }
+    ids = {what: answer["event_id"] for what, answer in answers.items()}
+    assert len(set(ids.values())) == len(ids), ids
+    for what, event_id in ids.items():
+        r = controller.post("/check_finish", {"event_id": event_id})
+        assert r.status_code == 200, f"{what}: {event_id} -> {r.status_code} {r.text}"
+        assert r.json()["status"] == "done" and r.json()["event_id"] == event_id
+    assert controller.api("/check_finish", {"event_id": ids["lookup"]})["num_tokens"] == 160
+    # Reads are not commands: the event log (and the WebUI) shows the health check alone.
+    assert [e["kind"] for e in controller.http.get("/controller/events").json()["events"]] == ["health"]
+    # A read id of the same shape that was never handed out is unknown.
+    serial = int(ids["lookup"].rsplit("-", 1)[1])
+    r = controller.post("/check_finish", {"event_id": ids["lookup"].rsplit("-", 1)[0] + f"-{serial + 100}"})
+    assert r.status_code == 404
+
+
+@pytest.mark.parametrize("unpin", [False, True])
+def test_pinning_on_disk_is_refused_before_any_worker_is_asked(controller, workers, unpin):
+    a = workers("inst-a", locations=(CPU, DISK))
+    r = controller.post("/pin", {"instance_id": "inst-a", "location": DISK, "tokens": DOC, "unpin": unpin})
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "location"
+    assert "LocalCPUBackend only" in r.json()["error"] and DISK in r.json()["error"]
+    assert a.commands == [] and controller.http.get("/controller/events").json()["events"] == []
+    assert controller.api("/pin", {"instance_id": "inst-a", "location": CPU, "tokens": DOC, "unpin": unpin})
+    assert [type(c).__name__ for c in a.commands] == ["PinCommand"]

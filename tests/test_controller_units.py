@@ -1,16 +1,28 @@
 """Controller parts in-process: the chunk index against a reference model, the /lookup fast path
-against the strict decoder, and the dashboard's traffic rates."""
+against the strict decoder, the dashboard's traffic rates, read event ids, the HTTP status of each
+error, and what importing the controller loads."""
 
+import asyncio
 import json
+import subprocess
+import sys
+import timeit
 
 import msgspec
 import numpy as np
 import pytest
+from protocol_client import CPU, layout
 
-from lmcache_p2p.controller.api import LookupRequest, parse_token_array
+from lmcache_p2p.controller import errors
+from lmcache_p2p.controller.api import HTTP_STATUS, LookupRequest, parse_token_array
+from lmcache_p2p.controller.events import EventLog, ReadLog
 from lmcache_p2p.controller.index import ChunkIndex
+from lmcache_p2p.controller.metrics import Metrics
+from lmcache_p2p.controller.orchestration import Orchestrator
+from lmcache_p2p.controller.registry import Registry
+from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.controller.traffic import FleetTraffic
-from lmcache_p2p.protocol import Traffic
+from lmcache_p2p.protocol import PROTOCOL_VERSION, CommandDone, Register, Traffic
 
 
 def test_index_matches_a_reference_model_under_random_updates():
@@ -34,7 +46,7 @@ def test_index_matches_a_reference_model_under_random_updates():
             for held in ref.values():
                 held.discard(gone)
     everything = np.arange(3000, dtype=np.uint64)
-    for key, set_id in zip(everything.tolist(), index.lookup(everything).tolist()):
+    for key, set_id in zip(everything.tolist(), index.lookup(everything).tolist(), strict=True):
         assert index.sets.members(set_id) == frozenset(ref.get(key, set())), key
     assert index.live_keys == sum(1 for held in ref.values() if held)
     for holder in range(1, 6):
@@ -106,3 +118,101 @@ def test_traffic_baseline_for_older_workers_and_restarts():
     # A worker that started after the controller: everything it reports counts.
     fleet.report(("new", 0), Traffic(started_at=120.0, lookups=7))
     assert fleet.totals["lookups"] == 20
+
+
+# -- read event ids ----------------------------------------------------------------------------------
+
+def test_read_ids_are_known_while_kept_and_only_to_the_run_that_issued_them():
+    reads, other_run = ReadLog(capacity=4), ReadLog(capacity=4)
+    first = reads.record("lookup", 512)
+    event = reads.get(first)
+    assert event is not None and (event.kind, event.num_tokens) == ("lookup", 512)
+    assert other_run.get(first) is None and other_run.get(other_run.record("lookup")) is not None
+    info = reads.record("query_worker_info")
+    assert reads.get(info).kind == "query_worker_info"
+    assert reads.get(info.replace("query_worker_info", "lookup")) is None  # the serial is not a lookup's
+    for bad in ("", "lookup", "lookup-x-", "lookup-x-1", first + "0", first.replace("-1", "-¹")):
+        assert reads.get(bad) is None, bad
+    for _ in range(3):
+        reads.record("query_instance")
+    assert reads.get(first) is None and reads.get(info) is not None  # the oldest is overwritten
+
+
+def test_reads_leave_the_command_log_alone_and_cost_under_a_few_microseconds():
+    commands, reads = EventLog(capacity=10), ReadLog()
+    clear = commands.create("clear", "inst-a", {0})
+    per_read_s = min(timeit.repeat(lambda: reads.record("lookup", 256), number=10_000, repeat=3)) / 10_000
+    assert commands.get(clear.event_id) is clear and commands.newest() == [clear]
+    assert per_read_s < 5e-6, f"{per_read_s * 1e6:.2f} us per read id"
+
+
+# -- command outcomes ---------------------------------------------------------------------------------
+
+class _LeavingBus:
+    """A command bus whose worker leaves while a command is in flight: the command then fails as
+    unreachable, as a closed channel makes it, after the departure already failed its event."""
+
+    def __init__(self):
+        self.orchestrator = None
+
+    async def request(self, worker, command, timeout):
+        record = self.orchestrator.registry.remove_worker(worker, "deregistered")
+        self.orchestrator.worker_gone(record, "deregistered")
+        raise errors.WorkerUnreachable(f"{worker[0]} rank {worker[1]}: closed")
+
+    def connect(self, worker, host, port):
+        pass
+
+    def disconnect(self, worker):
+        pass
+
+
+def test_an_event_that_finishes_several_ways_is_counted_once():
+    registry, events, metrics, bus = Registry(), EventLog(), Metrics(), _LeavingBus()
+    orchestrator = bus.orchestrator = Orchestrator(ControllerSettings(), registry, events, bus, metrics)
+    for rank in (0, 1):
+        orchestrator.worker_registered(registry.register(Register(
+            version=PROTOCOL_VERSION, instance_id="inst-a", rank=rank, host="127.0.0.1", worker_port=1,
+            layout=layout(rank=rank, tp=2), chunk_size=16, locations=[CPU])))
+    with pytest.raises(errors.WorkerUnreachable):
+        asyncio.run(orchestrator.health("inst-a"))
+    (event,) = events.newest()
+    assert event.status == "failed" and "deregistered" in event.error
+    orchestrator.command_done(CommandDone(event_id=event.event_id, instance_id="inst-a", rank=1, ok=True))
+    assert metrics.total("lmcache_controller_commands_total") == 1
+
+    done = events.create("move", "inst-b", {0, 1})
+    for rank in (0, 1, 1):  # the last one a duplicate
+        orchestrator.command_done(CommandDone(event_id=done.event_id, instance_id="inst-b", rank=rank, ok=True))
+    assert done.status == "done" and metrics.total("lmcache_controller_commands_total") == 2
+
+
+# -- errors and their HTTP status -------------------------------------------------------------------
+
+def test_every_controller_error_has_its_http_status_in_the_api():
+    kinds = {e for e in vars(errors).values()
+             if isinstance(e, type) and issubclass(e, errors.ControllerError) and e is not errors.ControllerError}
+    assert set(HTTP_STATUS) == kinds
+    assert HTTP_STATUS[errors.WorkerUnreachable] == 504 and HTTP_STATUS[errors.InvalidRequest] == 422
+
+
+# -- what importing the controller loads --------------------------------------------------------------
+
+def test_the_controller_imports_no_engine_side_module():
+    """Every module of the controller package, imported in a fresh interpreter, loads neither torch,
+    vLLM, nor the engine side of this project (worker, cache engine, storage tiers)."""
+    code = """
+import json, pkgutil, sys
+import lmcache_p2p.controller as package
+for module in pkgutil.iter_modules(package.__path__):
+    __import__(f"lmcache_p2p.controller.{module.name}")
+forbidden = ("torch", "vllm", "lmcache_p2p.worker", "lmcache_p2p.cache_engine", "lmcache_p2p.storage")
+print(json.dumps({"imported": sorted(m for m in sys.modules if m.startswith("lmcache_p2p.controller.")),
+                  "forbidden": sorted(m for m in sys.modules if m.startswith(forbidden))}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loaded = json.loads(out.stdout)
+    assert {"lmcache_p2p.controller.api", "lmcache_p2p.controller.service", "lmcache_p2p.controller.cli"} <= \
+        set(loaded["imported"])
+    assert loaded["forbidden"] == []

@@ -1,0 +1,239 @@
+"""The controller's three monitor sockets and what arrives on them: who is alive, and what they hold.
+
+* pull (PULL): ``KeyEvents`` into the registry's index, ``CommandDone`` to the orchestration,
+  ``Deregister``; fire-and-forget, so a plain receive loop.
+* reply (an :class:`RpcServer`): ``Register``, ``ResyncBatch``, ``P2PLookup``.
+* heartbeat (an :class:`RpcServer`): ``Heartbeat``, answered with the worker's standing (and any
+  re-sync the registry wants), its traffic totals going to :class:`FleetTraffic`.
+
+Two background loops go with them: the reaper (a worker silent for ``worker_timeout`` leaves)
+and the traffic sampler. A bad frame or a failing handler is counted, logged and answered (on
+the request/reply sockets); no loop ever stops for one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from lmcache_p2p.controller.metrics import Metrics
+from lmcache_p2p.controller.orchestration import Orchestrator
+from lmcache_p2p.controller.registry import Registry, WorkerKey, WorkerRecord
+from lmcache_p2p.controller.settings import ControllerSettings, SettingsError
+from lmcache_p2p.controller.traffic import FleetTraffic
+from lmcache_p2p.protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    CommandDone,
+    DecodeError,
+    Deregister,
+    Heartbeat,
+    HeartbeatReply,
+    KeyEvents,
+    P2PLookup,
+    P2PLookupReply,
+    PeerHolder,
+    Register,
+    RegisterReply,
+    ResyncBatch,
+    unpack_hashes,
+    worker_message_decoder,
+)
+from lmcache_p2p.rpc import Handler, RpcServer
+
+logger = logging.getLogger("lmcache_p2p.controller")
+
+# Workers that left (reaped or deregistered) kept for the dashboard, so an operator sees what
+# went away and why instead of a row that silently vanished.
+DEPARTED_KEPT = 100
+
+
+class Monitor:
+    def __init__(self, ctx: zmq.asyncio.Context, settings: ControllerSettings, epoch: str, registry: Registry,
+                 traffic: FleetTraffic, orchestrator: Orchestrator, metrics: Metrics):
+        self.ctx = ctx
+        self.settings = settings
+        self.epoch = epoch
+        self.registry = registry
+        self.traffic = traffic
+        self.orchestrator = orchestrator
+        self.metrics = metrics
+        self.departed: deque[dict] = deque(maxlen=DEPARTED_KEPT)  # newest last
+        for name, text in [
+            ("lmcache_controller_messages_total", "Worker messages decoded, by type"),
+            ("lmcache_controller_bad_frames_total", "Frames that did not decode, by socket"),
+            ("lmcache_controller_handler_errors_total", "Messages whose handling raised, by socket"),
+            ("lmcache_controller_p2p_lookups_total", "Peer lookups from workers"),
+        ]:
+            metrics.counter(name, text)
+        self._pull: zmq.asyncio.Socket | None = None
+        self._servers: dict[str, RpcServer] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    # -- start and stop ----------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        """Bind the three sockets; a port in use is a SettingsError naming it (and nothing stays bound)."""
+        self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._bind("pull", self._pull.bind)
+        self._servers = {"reply": self._server("reply", {Register: self._on_register, ResyncBatch: self._on_resync,
+                                                         P2PLookup: self._on_p2p_lookup}),
+                         "heartbeat": self._server("heartbeat", {Heartbeat: self._on_heartbeat})}
+        for name, server in self._servers.items():
+            self._bind(name, server.bind)
+        logger.info("monitor sockets bound: pull %d, reply %d, heartbeat %d (epoch %s)",
+                    *(self.settings.monitor_ports[k] for k in ("pull", "reply", "heartbeat")), self.epoch)
+
+    def _server(self, socket: str, handlers: dict[type, Handler]) -> RpcServer:
+        return RpcServer(self.ctx, f"controller {socket} socket", handlers, on_message=self._count_message,
+                         on_bad_frame=lambda why: self._count_bad_frame(socket),
+                         on_error=lambda msg, e: self._count_handler_error(socket))
+
+    def _bind(self, name: str, bind: Callable[[str], object]) -> None:
+        port = self.settings.monitor_ports[name]
+        try:
+            bind(f"tcp://{self.settings.monitor_host}:{port}")
+        except zmq.ZMQError as e:
+            self.close()
+            raise SettingsError(f"--monitor-ports: cannot bind {name} port {port} "
+                                f"on {self.settings.monitor_host}: {e.strerror}") from None
+
+    def start(self) -> None:
+        for server in self._servers.values():
+            server.start()
+        self._tasks = [asyncio.ensure_future(c) for c in (self._pull_loop(), self._reaper_loop(), self._sampler_loop())]
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for server in self._servers.values():
+            server.close()
+        self._servers.clear()
+        if self._pull is not None:
+            self._pull.close(linger=0)
+            self._pull = None
+
+    # -- counting (the RPC servers log what they count) -------------------------------------------
+
+    def _count_message(self, msg: object) -> None:
+        self.metrics.inc("lmcache_controller_messages_total", type=type(msg).__name__)
+
+    def _count_bad_frame(self, socket: str) -> None:
+        self.metrics.inc("lmcache_controller_bad_frames_total", socket=socket)
+
+    def _count_handler_error(self, socket: str) -> None:
+        self.metrics.inc("lmcache_controller_handler_errors_total", socket=socket)
+
+    # -- pull socket -------------------------------------------------------------------------------
+
+    async def _pull_loop(self) -> None:
+        sock = self._pull
+        assert sock is not None, "bind() first"
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                msg = worker_message_decoder.decode(frames[-1])
+            except DecodeError as e:
+                self._count_bad_frame("pull")
+                logger.warning("bad frame on pull socket: %s (%d bytes)", e, len(frames[-1]))
+                continue
+            self._count_message(msg)
+            try:
+                if isinstance(msg, KeyEvents):
+                    self.registry.apply_events(msg)
+                elif isinstance(msg, CommandDone):
+                    self.orchestrator.command_done(msg)
+                elif isinstance(msg, Deregister):
+                    self._remove_worker((msg.instance_id, msg.rank), "deregistered")
+                else:
+                    self._count_bad_frame("pull")
+                    logger.warning("bad frame on pull socket: %s belongs on a request socket", type(msg).__name__)
+            except Exception:
+                self._count_handler_error("pull")
+                logger.exception("handling %s failed", type(msg).__name__)
+
+    # -- reply socket ------------------------------------------------------------------------------
+
+    def _on_register(self, msg: Register) -> RegisterReply:
+        if msg.version != PROTOCOL_VERSION:
+            return RegisterReply(ok=False, controller_epoch=self.epoch,
+                                 error=f"protocol version {msg.version} not supported; "
+                                       f"this controller speaks {PROTOCOL_VERSION}")
+        record = self.registry.register(msg)
+        self.orchestrator.worker_registered(record)
+        return RegisterReply(ok=True, controller_epoch=self.epoch, resync=list(record.locations),
+                             heartbeat_interval=self.settings.heartbeat_interval,
+                             heartbeat_port=self.settings.monitor_ports["heartbeat"])
+
+    def _on_resync(self, msg: ResyncBatch) -> Ack:
+        error = self.registry.apply_resync(msg)
+        return Ack(ok=error is None, error=error)
+
+    def _on_p2p_lookup(self, msg: P2PLookup) -> P2PLookupReply:
+        asker = self.registry.workers.get((msg.instance_id, msg.rank))
+        hashes = unpack_hashes(msg.hashes)
+        if asker is None or not len(hashes):
+            return P2PLookupReply(holders=[])
+        self.registry.touch(asker.key)
+        holders = []
+        for hid, matched in self.registry.index.prefix_holders(hashes).items():
+            instance_id, rank, location = self.registry.holders[hid]
+            peer = self.registry.workers.get((instance_id, rank))
+            # Only a peer whose pages have our exact layout (same model, dtype, block shape, TP
+            # rank...) can serve us; never ourselves.
+            if peer is None or instance_id == msg.instance_id or peer.info.layout != asker.info.layout:
+                continue
+            holders.append(PeerHolder(instance_id=instance_id, rank=rank, location=location, matched_chunks=matched,
+                                      host=peer.info.host, p2p_init_port=peer.info.p2p_init_port,
+                                      p2p_lookup_port=peer.info.p2p_lookup_port,
+                                      transfer_channel=peer.info.transfer_channel))
+        holders.sort(key=lambda h: -h.matched_chunks)
+        self.metrics.inc("lmcache_controller_p2p_lookups_total")
+        return P2PLookupReply(holders=holders)
+
+    # -- heartbeat socket --------------------------------------------------------------------------
+
+    def _on_heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
+        record = self.registry.touch((msg.instance_id, msg.rank))
+        if record is None or msg.controller_epoch != self.epoch:
+            return HeartbeatReply(status="unknown", controller_epoch=self.epoch)
+        if msg.traffic is not None:
+            self.traffic.report(record.key, msg.traffic)
+        return HeartbeatReply(status="ok", controller_epoch=self.epoch, resync=record.wanted_resyncs())
+
+    # -- liveness ----------------------------------------------------------------------------------
+
+    async def _reaper_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_check_interval)
+            try:
+                for record in self.registry.reap(self.settings.worker_timeout):
+                    self._forget_worker(record, f"reaped: no heartbeat for {self.settings.worker_timeout:g} s")
+            except Exception:
+                logger.exception("liveness sweep failed")
+
+    async def _sampler_loop(self) -> None:
+        while True:
+            try:
+                self.traffic.sample({"peer_lookups": self.metrics.total("lmcache_controller_p2p_lookups_total")})
+            except Exception:
+                logger.exception("traffic sample failed")
+            await asyncio.sleep(self.traffic.sample_every_s)
+
+    def _remove_worker(self, key: WorkerKey, reason: str) -> None:
+        record = self.registry.remove_worker(key, reason)
+        if record is not None:
+            self._forget_worker(record, reason)
+
+    def _forget_worker(self, record: WorkerRecord, reason: str) -> None:
+        self.orchestrator.worker_gone(record, reason)
+        instance_id, rank = record.key
+        self.departed.append({"instance_id": instance_id, "worker_id": rank, "host": record.info.host,
+                              "reason": reason, "at": time.time()})

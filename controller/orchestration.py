@@ -1,0 +1,212 @@
+"""Command orchestration: move, copy, clear, pin, health and status across an instance's ranks.
+
+Each command becomes an event in the :class:`EventLog`, is checked against the registry before
+anything is sent, goes to every rank at once (:meth:`Orchestrator._fan_out`), and finishes when
+every rank has reported: at once for most commands, through a ``CommandDone`` on the pull
+socket for move and copy, or as failed when a rank refuses, does not answer, or leaves.
+Problems are raised as the typed errors of ``errors.py``; api.py gives them their status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from lmcache_p2p.controller.commands import CommandBus
+from lmcache_p2p.controller.errors import CommandRefused, Conflict, InvalidRequest
+from lmcache_p2p.controller.events import CommandEvent, EventLog
+from lmcache_p2p.controller.metrics import Metrics
+from lmcache_p2p.controller.registry import Registry, WorkerRecord
+from lmcache_p2p.controller.settings import ControllerSettings
+from lmcache_p2p.keys import chunk_hash_array
+from lmcache_p2p.protocol import (
+    ClearCommand,
+    Command,
+    CommandDone,
+    CommandReply,
+    HealthCommand,
+    MoveCommand,
+    PeerAddress,
+    PinCommand,
+    StatusCommand,
+    pack_hashes,
+)
+
+logger = logging.getLogger("lmcache_p2p.controller")
+
+# Pins are handles on CPU pages. A disk file has no pin: "pinning" one would pin a promoted CPU
+# copy (evicting other chunks for it) while the file itself stays evictable, so it is refused.
+PINNABLE_LOCATION = "LocalCPUBackend"
+
+
+class Orchestrator:
+    def __init__(self, settings: ControllerSettings, registry: Registry, events: EventLog, bus: CommandBus,
+                 metrics: Metrics):
+        self.settings = settings
+        self.registry = registry
+        self.events = events
+        self.bus = bus
+        self.metrics = metrics
+        metrics.counter("lmcache_controller_commands_sent_total", "Commands sent to worker ranks, by kind")
+        metrics.counter("lmcache_controller_commands_total", "Finished commands, by kind and outcome")
+        metrics.gauge("lmcache_controller_commands_in_flight", "Commands still pending",
+                      lambda: [({}, events.in_flight())])
+
+    def close(self) -> None:
+        self.bus.close()
+
+    # -- workers coming and going ------------------------------------------------------------------
+
+    def worker_registered(self, record: WorkerRecord) -> None:
+        self.bus.connect(record.key, record.info.host, record.info.worker_port)
+
+    def worker_gone(self, record: WorkerRecord, reason: str) -> None:
+        """A worker left: its channel closes, and every pending command that waits on it fails."""
+        self.bus.disconnect(record.key)
+        instance_id, rank = record.key
+        for event in self.events.pending():
+            if event.instance_id == instance_id and rank in event.ranks:
+                self._fail(event, f"{instance_id} rank {rank} {reason}")
+
+    def command_done(self, msg: CommandDone) -> None:
+        """A rank finished a command it had accepted as pending."""
+        event = self.events.get(msg.event_id)
+        if event is None:
+            logger.warning("completion for unknown event %s from %s rank %d", msg.event_id, msg.instance_id, msg.rank)
+            return
+        self._rank_done(event, msg.rank, msg.ok, msg.num_tokens, msg.error)
+
+    # -- commands ----------------------------------------------------------------------------------
+
+    async def move(self, old_position: tuple[str, str], new_position: tuple[str, str],
+                   tokens: list[int] | None, copy: bool) -> dict:
+        (src_id, src_loc), (dst_id, dst_loc) = old_position, new_position
+        sources = self.registry.instance_workers(src_id, "old_position")
+        dests = {w.info.rank: w for w in self.registry.instance_workers(dst_id, "new_position")}
+        _check_location(sources, src_loc, "old_position")
+        _check_location(list(dests.values()), dst_loc, "new_position")
+        if (src_id, src_loc) == (dst_id, dst_loc):
+            raise InvalidRequest("old_position and new_position are the same place", "new_position")
+        for src in sources:
+            dst = dests.get(src.info.rank)
+            if dst is None:
+                raise Conflict(f"{dst_id} has no rank {src.info.rank} to receive "
+                               f"{src_id} rank {src.info.rank}'s chunks")
+            if src.info.layout != dst.info.layout:
+                raise Conflict(f"{src_id} and {dst_id} store KV in different layouts "
+                               f"({src.info.layout.model}/{src.info.layout.dtype}/tp{src.info.layout.tp_size} vs "
+                               f"{dst.info.layout.model}/{dst.info.layout.dtype}/tp{dst.info.layout.tp_size}); "
+                               "their chunks are not interchangeable")
+        per_rank = self._chunks_to_move(sources, src_loc, tokens)
+        chunk_size = sources[0].info.chunk_size
+        num_tokens = min(len(h) for h in per_rank.values()) * chunk_size
+        kind = "copy" if copy else "move"
+        event = self.events.create(kind, src_id, set(per_rank), f"{src_id}/{src_loc} -> {dst_id}/{dst_loc}")
+        if num_tokens == 0:
+            for rank in per_rank:
+                self._rank_done(event, rank, True, 0, None)
+            return {"num_tokens": 0, "event_id": event.event_id}
+
+        def command(src: WorkerRecord) -> MoveCommand:
+            dst = dests[src.info.rank]
+            return MoveCommand(event_id=event.event_id, location=src_loc, hashes=pack_hashes(per_rank[src.info.rank]),
+                               copy=copy, destination=PeerAddress(
+                                   instance_id=dst_id, rank=dst.info.rank, location=dst_loc, host=dst.info.host,
+                                   p2p_init_port=dst.info.p2p_init_port, p2p_lookup_port=dst.info.p2p_lookup_port))
+
+        await self._fan_out(event, sources, command)
+        return {"num_tokens": num_tokens, "event_id": event.event_id}
+
+    def _chunks_to_move(self, sources: list[WorkerRecord], location: str,
+                        tokens: list[int] | None) -> dict[int, np.ndarray]:
+        holders = {w.info.rank: w.locations[location].holder for w in sources}  # location checked by the caller
+        if tokens is None:  # everything the source holds there
+            return {rank: self.registry.index.holder_keys(hid) for rank, hid in holders.items()}
+        hashes = chunk_hash_array(tokens, sources[0].info.chunk_size)
+        held = self.registry.index.prefix_holders(hashes) if len(hashes) else {}
+        count = min(held.get(hid, 0) for hid in holders.values())  # a chunk moves when every rank has it
+        return {rank: hashes[:count] for rank in holders}
+
+    async def clear(self, instance_id: str, location: str) -> dict:
+        workers = self.registry.instance_workers(instance_id, "instance_id")
+        _check_location(workers, location, "location")
+        event = self.events.create("clear", instance_id, {w.info.rank for w in workers}, location)
+        await self._fan_out(event, workers, lambda w: ClearCommand(event_id=event.event_id, location=location))
+        return {"event_id": event.event_id, "num_tokens": event.num_tokens}
+
+    async def pin(self, instance_id: str, location: str, tokens: list[int], unpin: bool) -> dict:
+        workers = self.registry.instance_workers(instance_id, "instance_id")
+        kind = "unpin" if unpin else "pin"
+        if location != PINNABLE_LOCATION:
+            # Unpin too: nothing there was ever pinned, and a success would say otherwise.
+            raise InvalidRequest(f"{kind}ning is supported on {PINNABLE_LOCATION} only, not {location!r} "
+                                 "(a pin holds CPU pages; files on disk stay evictable)", "location")
+        _check_location(workers, location, "location")
+        hashes = pack_hashes(chunk_hash_array(tokens, workers[0].info.chunk_size))
+        event = self.events.create(kind, instance_id, {w.info.rank for w in workers}, location)
+        await self._fan_out(event, workers, lambda w: PinCommand(event_id=event.event_id, location=location,
+                                                                 hashes=hashes, unpin=unpin))
+        return {"event_id": event.event_id, "num_tokens": event.num_tokens}
+
+    async def health(self, instance_id: str) -> dict:
+        workers = self.registry.instance_workers(instance_id, "instance_id")
+        event = self.events.create("health", instance_id, {w.info.rank for w in workers})
+        replies = await self._fan_out(event, workers, lambda w: HealthCommand(event_id=event.event_id),
+                                      raise_on_refusal=False)
+        return {"event_id": event.event_id,
+                "error_codes": {str(rank): 0 if r.ok else 1 for rank, r in replies.items()},
+                "errors": {str(rank): r.error for rank, r in replies.items() if not r.ok}}
+
+    async def status(self, instance_id: str) -> dict:
+        """Each rank's own account: tiers, controller link, peer traffic, pins."""
+        workers = self.registry.instance_workers(instance_id, "instance_id")
+        event = self.events.create("status", instance_id, {w.info.rank for w in workers})
+        replies = await self._fan_out(event, workers, lambda w: StatusCommand(event_id=event.event_id),
+                                      raise_on_refusal=False)
+        return {"event_id": event.event_id, "workers": {str(rank): r.detail for rank, r in replies.items()}}
+
+    async def _fan_out(self, event: CommandEvent, workers: list[WorkerRecord],
+                       make_command: Callable[[WorkerRecord], Command], raise_on_refusal: bool = True,
+                       ) -> dict[int, CommandReply]:
+        """Send one command to every rank at once and return their answers by rank. A rank that does
+        not answer in time fails the event (:class:`WorkerUnreachable`); with ``raise_on_refusal`` a
+        rank's refusal does too (:class:`CommandRefused`, with the rank's error)."""
+        self.metrics.inc("lmcache_controller_commands_sent_total", len(workers), kind=event.kind)
+        results = await asyncio.gather(
+            *(self.bus.request(w.key, make_command(w), self.settings.command_timeout) for w in workers),
+            return_exceptions=True)  # every rank's outcome, even when one of them has none
+        replies: dict[int, CommandReply] = {}
+        for w, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                self._fail(event, str(result))
+                raise result
+            replies[w.info.rank] = result
+            if not result.pending:
+                self._rank_done(event, w.info.rank, result.ok, result.num_tokens, result.error)
+        if raise_on_refusal and event.status == "failed":
+            raise CommandRefused(f"{event.kind} refused by {event.instance_id}: {event.error}")
+        return replies
+
+    # An event finishes once, however many ways it can (a reply, a CommandDone, a rank leaving,
+    # a timeout); its outcome is counted at that moment and never again.
+
+    def _rank_done(self, event: CommandEvent, rank: int, ok: bool, num_tokens: int, error: str | None) -> None:
+        if self.events.rank_done(event, rank, ok, num_tokens, error):
+            self._count_outcome(event)
+
+    def _fail(self, event: CommandEvent, error: str) -> None:
+        if self.events.fail(event, error):
+            self._count_outcome(event)
+
+    def _count_outcome(self, event: CommandEvent) -> None:
+        self.metrics.inc("lmcache_controller_commands_total", kind=event.kind, outcome=event.status)
+
+
+def _check_location(workers: list[WorkerRecord], location: str, field: str) -> None:
+    for w in workers:
+        if location not in w.info.locations:
+            raise InvalidRequest(f"{w.info.instance_id} rank {w.info.rank} has no location {location!r} "
+                                 f"(it has {w.info.locations})", field)
