@@ -39,7 +39,11 @@ from lmcache_p2p.controller.service import Controller
 logger = logging.getLogger("lmcache_p2p.controller")
 
 HTTP_STATUS: dict[type[ControllerError], int] = {
-    InvalidRequest: 422, UnknownInstance: 404, UnknownEvent: 404, Conflict: 409, CommandRefused: 409,
+    InvalidRequest: 422,
+    UnknownInstance: 404,
+    UnknownEvent: 404,
+    Conflict: 409,
+    CommandRefused: 409,
     WorkerUnreachable: 504,
 }
 
@@ -147,8 +151,11 @@ def _schema(body_type: type) -> dict:
 
 
 def create_app(controller: Controller) -> FastAPI:
-    app = FastAPI(title="lmcache-p2p controller", version="1",
-                  description="Chunk index and commands for a mesh of vLLM instances sharing KV cache.")
+    app = FastAPI(
+        title="lmcache-p2p controller",
+        version="1",
+        description="Chunk index and commands for a mesh of vLLM instances sharing KV cache.",
+    )
 
     @app.exception_handler(ControllerError)
     async def _controller_error(request: Request, exc: ControllerError) -> JSONResponse:
@@ -158,8 +165,10 @@ def create_app(controller: Controller) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not a bad request: logged with its traceback, answered as JSON, never a bare 500.
         logger.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse({"error": f"internal error in {request.url.path}: {type(exc).__name__}: {exc}",
-                             "field": None}, status_code=500)
+        return JSONResponse(
+            {"error": f"internal error in {request.url.path}: {type(exc).__name__}: {exc}", "field": None},
+            status_code=500,
+        )
 
     views, orchestrator = controller.views, controller.orchestrator
 
@@ -251,9 +260,7 @@ def create_app(controller: Controller) -> FastAPI:
 
     @app.get("/", include_in_schema=False, response_class=HTMLResponse)
     async def index() -> HTMLResponse:
-        page = templates.get_template("index.html").render(state=views.dashboard(), version=version,
-                                                           poll_ms=2000)
+        page = templates.get_template("index.html").render(state=views.dashboard(), version=version, poll_ms=2000)
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     return app
-

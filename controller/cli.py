@@ -43,8 +43,12 @@ async def _serve(settings: ControllerSettings, http_socket: socket.socket, t0: f
     app = create_app(controller)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     controller.start()
-    logger.info("HTTP API on http://%s:%d (WebUI at /, metrics at /metrics), ready in %.0f ms",
-                settings.host, settings.port, (time.perf_counter() - t0) * 1e3)
+    logger.info(
+        "HTTP API on http://%s:%d (WebUI at /, metrics at /metrics), ready in %.0f ms",
+        settings.host,
+        settings.port,
+        (time.perf_counter() - t0) * 1e3,
+    )
     try:
         await server.serve(sockets=[http_socket])
     finally:
@@ -60,17 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"lmcache_controller: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="[%(asctime)s] lmcache_controller %(levelname)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="[%(asctime)s] lmcache_controller %(levelname)s: %(message)s"
+    )
     try:
         http_socket = _bind_http(settings.host, settings.port)
     except OSError as e:
-        print(f"lmcache_controller: cannot bind HTTP {settings.host}:{settings.port}: {e.strerror or e}",
-              file=sys.stderr)
+        print(
+            f"lmcache_controller: cannot bind HTTP {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
+        )
         return 1
     run: Callable[[Coroutine[Any, Any, int]], int]
     try:
         import uvloop
+
         run = uvloop.run
     except ImportError:  # uvloop is an optional speed-up (uvicorn[standard])
         run = asyncio.run

@@ -38,8 +38,9 @@ class CommandBus:
             return
         if old is not None:
             old.close()
-        self._clients[worker] = RpcClient(self.ctx, address, _reply_decoder, f"{worker[0]} rank {worker[1]}",
-                                          send_hwm=SEND_HWM)
+        self._clients[worker] = RpcClient(
+            self.ctx, address, _reply_decoder, f"{worker[0]} rank {worker[1]}", send_hwm=SEND_HWM
+        )
 
     def disconnect(self, worker: WorkerKey) -> None:
         client = self._clients.pop(worker, None)

@@ -35,9 +35,17 @@ class CommandEvent:
 
     def to_json(self) -> dict:
         duration_ms = round((self.finished_at - self.created_at) * 1e3, 2) if self.finished_at else None
-        return {"event_id": self.event_id, "kind": self.kind, "instance_id": self.instance_id, "detail": self.detail,
-                "status": self.status, "num_tokens": self.num_tokens, "error": self.error,
-                "created_at": self.created_at, "duration_ms": duration_ms}
+        return {
+            "event_id": self.event_id,
+            "kind": self.kind,
+            "instance_id": self.instance_id,
+            "detail": self.detail,
+            "status": self.status,
+            "num_tokens": self.num_tokens,
+            "error": self.error,
+            "created_at": self.created_at,
+            "duration_ms": duration_ms,
+        }
 
 
 class EventLog:

@@ -55,8 +55,16 @@ DEPARTED_KEPT = 100
 
 
 class Monitor:
-    def __init__(self, ctx: zmq.asyncio.Context, settings: ControllerSettings, epoch: str, registry: Registry,
-                 traffic: FleetTraffic, orchestrator: Orchestrator, metrics: Metrics):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        settings: ControllerSettings,
+        epoch: str,
+        registry: Registry,
+        traffic: FleetTraffic,
+        orchestrator: Orchestrator,
+        metrics: Metrics,
+    ):
         self.ctx = ctx
         self.settings = settings
         self.epoch = epoch
@@ -83,18 +91,29 @@ class Monitor:
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._bind("pull", self._pull.bind)
-        self._servers = {"reply": self._server("reply", {Register: self._on_register, ResyncBatch: self._on_resync,
-                                                         P2PLookup: self._on_p2p_lookup}),
-                         "heartbeat": self._server("heartbeat", {Heartbeat: self._on_heartbeat})}
+        self._servers = {
+            "reply": self._server(
+                "reply", {Register: self._on_register, ResyncBatch: self._on_resync, P2PLookup: self._on_p2p_lookup}
+            ),
+            "heartbeat": self._server("heartbeat", {Heartbeat: self._on_heartbeat}),
+        }
         for name, server in self._servers.items():
             self._bind(name, server.bind)
-        logger.info("monitor sockets bound: pull %d, reply %d, heartbeat %d (epoch %s)",
-                    *(self.settings.monitor_ports[k] for k in ("pull", "reply", "heartbeat")), self.epoch)
+        logger.info(
+            "monitor sockets bound: pull %d, reply %d, heartbeat %d (epoch %s)",
+            *(self.settings.monitor_ports[k] for k in ("pull", "reply", "heartbeat")),
+            self.epoch,
+        )
 
     def _server(self, socket: str, handlers: dict[type, Handler]) -> RpcServer:
-        return RpcServer(self.ctx, f"controller {socket} socket", handlers, on_message=self._count_message,
-                         on_bad_frame=lambda why: self._count_bad_frame(socket),
-                         on_error=lambda msg, e: self._count_handler_error(socket))
+        return RpcServer(
+            self.ctx,
+            f"controller {socket} socket",
+            handlers,
+            on_message=self._count_message,
+            on_bad_frame=lambda why: self._count_bad_frame(socket),
+            on_error=lambda msg, e: self._count_handler_error(socket),
+        )
 
     def _bind(self, name: str, bind: Callable[[str], object]) -> None:
         port = self.settings.monitor_ports[name]
@@ -102,8 +121,9 @@ class Monitor:
             bind(f"tcp://{self.settings.monitor_host}:{port}")
         except zmq.ZMQError as e:
             self.close()
-            raise SettingsError(f"--monitor-ports: cannot bind {name} port {port} "
-                                f"on {self.settings.monitor_host}: {e.strerror}") from None
+            raise SettingsError(
+                f"--monitor-ports: cannot bind {name} port {port} on {self.settings.monitor_host}: {e.strerror}"
+            ) from None
 
     def start(self) -> None:
         for server in self._servers.values():
@@ -163,14 +183,20 @@ class Monitor:
 
     def _on_register(self, msg: Register) -> RegisterReply:
         if msg.version != PROTOCOL_VERSION:
-            return RegisterReply(ok=False, controller_epoch=self.epoch,
-                                 error=f"protocol version {msg.version} not supported; "
-                                       f"this controller speaks {PROTOCOL_VERSION}")
+            return RegisterReply(
+                ok=False,
+                controller_epoch=self.epoch,
+                error=f"protocol version {msg.version} not supported; this controller speaks {PROTOCOL_VERSION}",
+            )
         record = self.registry.register(msg)
         self.orchestrator.worker_registered(record)
-        return RegisterReply(ok=True, controller_epoch=self.epoch, resync=list(record.locations),
-                             heartbeat_interval=self.settings.heartbeat_interval,
-                             heartbeat_port=self.settings.monitor_ports["heartbeat"])
+        return RegisterReply(
+            ok=True,
+            controller_epoch=self.epoch,
+            resync=list(record.locations),
+            heartbeat_interval=self.settings.heartbeat_interval,
+            heartbeat_port=self.settings.monitor_ports["heartbeat"],
+        )
 
     def _on_resync(self, msg: ResyncBatch) -> Ack:
         error = self.registry.apply_resync(msg)
@@ -190,10 +216,18 @@ class Monitor:
             # rank...) can serve us; never ourselves.
             if peer is None or instance_id == msg.instance_id or peer.info.layout != asker.info.layout:
                 continue
-            holders.append(PeerHolder(instance_id=instance_id, rank=rank, location=location, matched_chunks=matched,
-                                      host=peer.info.host, p2p_init_port=peer.info.p2p_init_port,
-                                      p2p_lookup_port=peer.info.p2p_lookup_port,
-                                      transfer_channel=peer.info.transfer_channel))
+            holders.append(
+                PeerHolder(
+                    instance_id=instance_id,
+                    rank=rank,
+                    location=location,
+                    matched_chunks=matched,
+                    host=peer.info.host,
+                    p2p_init_port=peer.info.p2p_init_port,
+                    p2p_lookup_port=peer.info.p2p_lookup_port,
+                    transfer_channel=peer.info.transfer_channel,
+                )
+            )
         holders.sort(key=lambda h: -h.matched_chunks)
         self.metrics.inc("lmcache_controller_p2p_lookups_total")
         return P2PLookupReply(holders=holders)
@@ -235,5 +269,12 @@ class Monitor:
     def _forget_worker(self, record: WorkerRecord, reason: str) -> None:
         self.orchestrator.worker_gone(record, reason)
         instance_id, rank = record.key
-        self.departed.append({"instance_id": instance_id, "worker_id": rank, "host": record.info.host,
-                              "reason": reason, "at": time.time()})
+        self.departed.append(
+            {
+                "instance_id": instance_id,
+                "worker_id": rank,
+                "host": record.info.host,
+                "reason": reason,
+                "at": time.time(),
+            }
+        )

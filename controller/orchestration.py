@@ -43,8 +43,9 @@ PINNABLE_LOCATION = "LocalCPUBackend"
 
 
 class Orchestrator:
-    def __init__(self, settings: ControllerSettings, registry: Registry, events: EventLog, bus: CommandBus,
-                 metrics: Metrics):
+    def __init__(
+        self, settings: ControllerSettings, registry: Registry, events: EventLog, bus: CommandBus, metrics: Metrics
+    ):
         self.settings = settings
         self.registry = registry
         self.events = events
@@ -52,8 +53,9 @@ class Orchestrator:
         self.metrics = metrics
         metrics.counter("lmcache_controller_commands_sent_total", "Commands sent to worker ranks, by kind")
         metrics.counter("lmcache_controller_commands_total", "Finished commands, by kind and outcome")
-        metrics.gauge("lmcache_controller_commands_in_flight", "Commands still pending",
-                      lambda: [({}, events.in_flight())])
+        metrics.gauge(
+            "lmcache_controller_commands_in_flight", "Commands still pending", lambda: [({}, events.in_flight())]
+        )
 
     def close(self) -> None:
         self.bus.close()
@@ -81,8 +83,9 @@ class Orchestrator:
 
     # -- commands ----------------------------------------------------------------------------------
 
-    async def move(self, old_position: tuple[str, str], new_position: tuple[str, str],
-                   tokens: list[int] | None, copy: bool) -> dict:
+    async def move(
+        self, old_position: tuple[str, str], new_position: tuple[str, str], tokens: list[int] | None, copy: bool
+    ) -> dict:
         (src_id, src_loc), (dst_id, dst_loc) = old_position, new_position
         sources = self.registry.instance_workers(src_id, "old_position")
         dests = {w.info.rank: w for w in self.registry.instance_workers(dst_id, "new_position")}
@@ -93,13 +96,16 @@ class Orchestrator:
         for src in sources:
             dst = dests.get(src.info.rank)
             if dst is None:
-                raise Conflict(f"{dst_id} has no rank {src.info.rank} to receive "
-                               f"{src_id} rank {src.info.rank}'s chunks")
+                raise Conflict(
+                    f"{dst_id} has no rank {src.info.rank} to receive {src_id} rank {src.info.rank}'s chunks"
+                )
             if src.info.layout != dst.info.layout:
-                raise Conflict(f"{src_id} and {dst_id} store KV in different layouts "
-                               f"({src.info.layout.model}/{src.info.layout.dtype}/tp{src.info.layout.tp_size} vs "
-                               f"{dst.info.layout.model}/{dst.info.layout.dtype}/tp{dst.info.layout.tp_size}); "
-                               "their chunks are not interchangeable")
+                raise Conflict(
+                    f"{src_id} and {dst_id} store KV in different layouts "
+                    f"({src.info.layout.model}/{src.info.layout.dtype}/tp{src.info.layout.tp_size} vs "
+                    f"{dst.info.layout.model}/{dst.info.layout.dtype}/tp{dst.info.layout.tp_size}); "
+                    "their chunks are not interchangeable"
+                )
         per_rank = self._chunks_to_move(sources, src_loc, tokens)
         chunk_size = sources[0].info.chunk_size
         num_tokens = min(len(h) for h in per_rank.values()) * chunk_size
@@ -112,16 +118,27 @@ class Orchestrator:
 
         def command(src: WorkerRecord) -> MoveCommand:
             dst = dests[src.info.rank]
-            return MoveCommand(event_id=event.event_id, location=src_loc, hashes=pack_hashes(per_rank[src.info.rank]),
-                               copy=copy, destination=PeerAddress(
-                                   instance_id=dst_id, rank=dst.info.rank, location=dst_loc, host=dst.info.host,
-                                   p2p_init_port=dst.info.p2p_init_port, p2p_lookup_port=dst.info.p2p_lookup_port))
+            return MoveCommand(
+                event_id=event.event_id,
+                location=src_loc,
+                hashes=pack_hashes(per_rank[src.info.rank]),
+                copy=copy,
+                destination=PeerAddress(
+                    instance_id=dst_id,
+                    rank=dst.info.rank,
+                    location=dst_loc,
+                    host=dst.info.host,
+                    p2p_init_port=dst.info.p2p_init_port,
+                    p2p_lookup_port=dst.info.p2p_lookup_port,
+                ),
+            )
 
         await self._fan_out(event, sources, command)
         return {"num_tokens": num_tokens, "event_id": event.event_id}
 
-    def _chunks_to_move(self, sources: list[WorkerRecord], location: str,
-                        tokens: list[int] | None) -> dict[int, np.ndarray]:
+    def _chunks_to_move(
+        self, sources: list[WorkerRecord], location: str, tokens: list[int] | None
+    ) -> dict[int, np.ndarray]:
         holders = {w.info.rank: w.locations[location].holder for w in sources}  # location checked by the caller
         if tokens is None:  # everything the source holds there
             return {rank: self.registry.index.holder_keys(hid) for rank, hid in holders.items()}
@@ -142,42 +159,55 @@ class Orchestrator:
         kind = "unpin" if unpin else "pin"
         if location != PINNABLE_LOCATION:
             # Unpin too: nothing there was ever pinned, and a success would say otherwise.
-            raise InvalidRequest(f"{kind}ning is supported on {PINNABLE_LOCATION} only, not {location!r} "
-                                 "(a pin holds CPU pages; files on disk stay evictable)", "location")
+            raise InvalidRequest(
+                f"{kind}ning is supported on {PINNABLE_LOCATION} only, not {location!r} "
+                "(a pin holds CPU pages; files on disk stay evictable)",
+                "location",
+            )
         _check_location(workers, location, "location")
         hashes = pack_hashes(chunk_hash_array(tokens, workers[0].info.chunk_size))
         event = self.events.create(kind, instance_id, {w.info.rank for w in workers}, location)
-        await self._fan_out(event, workers, lambda w: PinCommand(event_id=event.event_id, location=location,
-                                                                 hashes=hashes, unpin=unpin))
+        await self._fan_out(
+            event, workers, lambda w: PinCommand(event_id=event.event_id, location=location, hashes=hashes, unpin=unpin)
+        )
         return {"event_id": event.event_id, "num_tokens": event.num_tokens}
 
     async def health(self, instance_id: str) -> dict:
         workers = self.registry.instance_workers(instance_id, "instance_id")
         event = self.events.create("health", instance_id, {w.info.rank for w in workers})
-        replies = await self._fan_out(event, workers, lambda w: HealthCommand(event_id=event.event_id),
-                                      raise_on_refusal=False)
-        return {"event_id": event.event_id,
-                "error_codes": {str(rank): 0 if r.ok else 1 for rank, r in replies.items()},
-                "errors": {str(rank): r.error for rank, r in replies.items() if not r.ok}}
+        replies = await self._fan_out(
+            event, workers, lambda w: HealthCommand(event_id=event.event_id), raise_on_refusal=False
+        )
+        return {
+            "event_id": event.event_id,
+            "error_codes": {str(rank): 0 if r.ok else 1 for rank, r in replies.items()},
+            "errors": {str(rank): r.error for rank, r in replies.items() if not r.ok},
+        }
 
     async def status(self, instance_id: str) -> dict:
         """Each rank's own account: tiers, controller link, peer traffic, pins."""
         workers = self.registry.instance_workers(instance_id, "instance_id")
         event = self.events.create("status", instance_id, {w.info.rank for w in workers})
-        replies = await self._fan_out(event, workers, lambda w: StatusCommand(event_id=event.event_id),
-                                      raise_on_refusal=False)
+        replies = await self._fan_out(
+            event, workers, lambda w: StatusCommand(event_id=event.event_id), raise_on_refusal=False
+        )
         return {"event_id": event.event_id, "workers": {str(rank): r.detail for rank, r in replies.items()}}
 
-    async def _fan_out(self, event: CommandEvent, workers: list[WorkerRecord],
-                       make_command: Callable[[WorkerRecord], Command], raise_on_refusal: bool = True,
-                       ) -> dict[int, CommandReply]:
+    async def _fan_out(
+        self,
+        event: CommandEvent,
+        workers: list[WorkerRecord],
+        make_command: Callable[[WorkerRecord], Command],
+        raise_on_refusal: bool = True,
+    ) -> dict[int, CommandReply]:
         """Send one command to every rank at once and return their answers by rank. A rank that does
         not answer in time fails the event (:class:`WorkerUnreachable`); with ``raise_on_refusal`` a
         rank's refusal does too (:class:`CommandRefused`, with the rank's error)."""
         self.metrics.inc("lmcache_controller_commands_sent_total", len(workers), kind=event.kind)
         results = await asyncio.gather(
             *(self.bus.request(w.key, make_command(w), self.settings.command_timeout) for w in workers),
-            return_exceptions=True)  # every rank's outcome, even when one of them has none
+            return_exceptions=True,
+        )  # every rank's outcome, even when one of them has none
         replies: dict[int, CommandReply] = {}
         for w, result in zip(workers, results, strict=True):
             if isinstance(result, BaseException):
@@ -208,5 +238,7 @@ class Orchestrator:
 def _check_location(workers: list[WorkerRecord], location: str, field: str) -> None:
     for w in workers:
         if location not in w.info.locations:
-            raise InvalidRequest(f"{w.info.instance_id} rank {w.info.rank} has no location {location!r} "
-                                 f"(it has {w.info.locations})", field)
+            raise InvalidRequest(
+                f"{w.info.instance_id} rank {w.info.rank} has no location {location!r} (it has {w.info.locations})",
+                field,
+            )

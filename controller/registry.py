@@ -68,8 +68,15 @@ class Registry:
         self.workers: dict[WorkerKey, WorkerRecord] = {}
         self._holder_ids: dict[tuple[str, int, str], int] = {}
         self.holders: list[tuple[str, int, str]] = []  # holder id -> (instance, rank, location)
-        self.stats = {"seq_gaps": 0, "resyncs_requested": 0, "resyncs_applied": 0, "workers_reaped": 0,
-                      "events_from_unknown": 0, "keys_admitted": 0, "keys_evicted": 0}
+        self.stats = {
+            "seq_gaps": 0,
+            "resyncs_requested": 0,
+            "resyncs_applied": 0,
+            "workers_reaped": 0,
+            "events_from_unknown": 0,
+            "keys_admitted": 0,
+            "keys_evicted": 0,
+        }
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -95,9 +102,17 @@ class Registry:
         record = WorkerRecord(msg, time.time(), time.monotonic(), locations)
         self.workers[record.key] = record
         self.stats["resyncs_requested"] += len(locations)
-        logger.info("worker %s rank %d registered from %s:%d (%s, tp=%d, chunk_size=%d)%s", msg.instance_id,
-                    msg.rank, msg.host, msg.worker_port, msg.layout.model, msg.layout.tp_size, msg.chunk_size,
-                    " again" if old else "")
+        logger.info(
+            "worker %s rank %d registered from %s:%d (%s, tp=%d, chunk_size=%d)%s",
+            msg.instance_id,
+            msg.rank,
+            msg.host,
+            msg.worker_port,
+            msg.layout.model,
+            msg.layout.tp_size,
+            msg.chunk_size,
+            " again" if old else "",
+        )
         return record
 
     def remove_worker(self, key: WorkerKey, reason: str) -> WorkerRecord | None:
@@ -105,8 +120,9 @@ class Registry:
         if record is None:
             return None
         dropped = sum(self.index.drop_holder(st.holder) for st in record.locations.values())
-        logger.warning("worker %s rank %d removed (%s); %d keys dropped from the index",
-                       key[0], key[1], reason, dropped)
+        logger.warning(
+            "worker %s rank %d removed (%s); %d keys dropped from the index", key[0], key[1], reason, dropped
+        )
         return record
 
     def _location(self, record: WorkerRecord, location: str) -> LocationState:
@@ -166,8 +182,14 @@ class Registry:
             return  # a duplicate, or older than the last re-sync snapshot
         if msg.seq > state.next_seq:
             self.stats["seq_gaps"] += 1
-            logger.warning("%s rank %d %s: batches %d..%d missing; asking for a full re-sync", msg.instance_id,
-                           msg.rank, msg.location, state.next_seq, msg.seq - 1)
+            logger.warning(
+                "%s rank %d %s: batches %d..%d missing; asking for a full re-sync",
+                msg.instance_id,
+                msg.rank,
+                msg.location,
+                state.next_seq,
+                msg.seq - 1,
+            )
             self._want_resync(state).replay.append(msg)
         self._apply(state, msg)
 
@@ -211,7 +233,13 @@ class Registry:
                 if event.seq >= state.next_seq:
                     self._apply(state, event)
             self.stats["resyncs_applied"] += 1
-            logger.info("%s rank %d %s: re-synced %d keys (snapshot seq %d, %d newer batches replayed)",
-                        msg.instance_id, msg.rank, msg.location, len(keys), msg.snapshot_seq,
-                        sum(1 for e in resync.replay if e.seq > msg.snapshot_seq))
+            logger.info(
+                "%s rank %d %s: re-synced %d keys (snapshot seq %d, %d newer batches replayed)",
+                msg.instance_id,
+                msg.rank,
+                msg.location,
+                len(keys),
+                msg.snapshot_seq,
+                sum(1 for e in resync.replay if e.seq > msg.snapshot_seq),
+            )
         return None

@@ -38,10 +38,19 @@ class Controller:
         self.traffic = FleetTraffic(self.started_at)
         self.ctx = zmq.asyncio.Context()
         self.orchestrator = Orchestrator(settings, self.registry, self.events, CommandBus(self.ctx), self.metrics)
-        self.monitor = Monitor(self.ctx, settings, self.epoch, self.registry, self.traffic, self.orchestrator,
-                               self.metrics)
-        self.views = Views(settings, self.epoch, self.started_at, self.registry, self.events, self.traffic,
-                           self.monitor.departed, self.metrics)
+        self.monitor = Monitor(
+            self.ctx, settings, self.epoch, self.registry, self.traffic, self.orchestrator, self.metrics
+        )
+        self.views = Views(
+            settings,
+            self.epoch,
+            self.started_at,
+            self.registry,
+            self.events,
+            self.traffic,
+            self.monitor.departed,
+            self.metrics,
+        )
 
     def bind(self) -> None:
         """Bind the monitor sockets; a port in use is a SettingsError naming it."""

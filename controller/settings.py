@@ -52,8 +52,10 @@ class ControllerSettings:
             if getattr(self, name) <= 0:
                 raise SettingsError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected seconds > 0")
         if self.worker_timeout < self.health_check_interval:
-            raise SettingsError(f"--worker-timeout {self.worker_timeout} is shorter than --health-check-interval "
-                                f"{self.health_check_interval}")
+            raise SettingsError(
+                f"--worker-timeout {self.worker_timeout} is shorter than --health-check-interval "
+                f"{self.health_check_interval}"
+            )
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise SettingsError(f"--log-level {self.log_level!r}: expected debug, info, warning or error")
 
@@ -63,11 +65,14 @@ def parse_monitor_ports(raw: Any, source: str = "--monitor-ports") -> dict[str, 
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise SettingsError(f"{source}: not valid JSON ({e.msg} at char {e.pos}); expected e.g. "
-                                '\'{"pull": 8300, "reply": 8400, "heartbeat": 8082}\'') from None
+            raise SettingsError(
+                f"{source}: not valid JSON ({e.msg} at char {e.pos}); expected e.g. "
+                '\'{"pull": 8300, "reply": 8400, "heartbeat": 8082}\''
+            ) from None
     if not isinstance(raw, dict):
-        raise SettingsError(f"{source}: expected a JSON object such as "
-                            '{"pull": 8300, "reply": 8400, "heartbeat": 8082}')
+        raise SettingsError(
+            f'{source}: expected a JSON object such as {{"pull": 8300, "reply": 8400, "heartbeat": 8082}}'
+        )
     unknown = set(raw) - set(MONITOR_PORT_KEYS)
     if unknown:
         raise SettingsError(f"{source}: unknown key(s) {sorted(unknown)}; expected {list(MONITOR_PORT_KEYS)}")
@@ -87,15 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with any of the settings below (flags win)")
     p.add_argument("--host", help="HTTP bind host (default localhost)")
     p.add_argument("--port", type=int, help="HTTP port (default 9000)")
-    p.add_argument("--monitor-ports",
-                   help='ZMQ ports as JSON, e.g. \'{"pull": 8300, "reply": 8400, "heartbeat": 8082}\'')
+    p.add_argument(
+        "--monitor-ports", help='ZMQ ports as JSON, e.g. \'{"pull": 8300, "reply": 8400, "heartbeat": 8082}\''
+    )
     p.add_argument("--monitor-host", help="ZMQ bind address (default 0.0.0.0)")
-    p.add_argument("--health-check-interval", type=float,
-                   help=f"seconds between liveness sweeps (default {DEFAULT_HEALTH_CHECK_INTERVAL:g})")
-    p.add_argument("--worker-timeout", type=float,
-                   help=f"reap a worker silent this long (default {DEFAULT_WORKER_TIMEOUT:g})")
-    p.add_argument("--command-timeout", type=float,
-                   help=f"seconds a worker has to answer a command (default {DEFAULT_COMMAND_TIMEOUT:g})")
+    p.add_argument(
+        "--health-check-interval",
+        type=float,
+        help=f"seconds between liveness sweeps (default {DEFAULT_HEALTH_CHECK_INTERVAL:g})",
+    )
+    p.add_argument(
+        "--worker-timeout", type=float, help=f"reap a worker silent this long (default {DEFAULT_WORKER_TIMEOUT:g})"
+    )
+    p.add_argument(
+        "--command-timeout",
+        type=float,
+        help=f"seconds a worker has to answer a command (default {DEFAULT_COMMAND_TIMEOUT:g})",
+    )
     p.add_argument("--log-level", help="debug, info, warning, error (default info)")
     return p
 
@@ -132,8 +145,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         if name not in known:
             raise SettingsError(f"--config {path}: unknown setting {key!r}; known: {sorted(known)}")
-        expected = {"port": int, "health_check_interval": float, "worker_timeout": float,
-                    "command_timeout": float}.get(name)
+        expected = {"port": int, "health_check_interval": float, "worker_timeout": float, "command_timeout": float}.get(
+            name
+        )
         if expected is not None:
             try:
                 value = expected(value)

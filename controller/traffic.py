@@ -26,8 +26,9 @@ class Sample:
 
 
 class FleetTraffic:
-    def __init__(self, started_at: float, sample_every_s: float = 2.0, history_s: float = 300.0,
-                 rate_window_s: float = 10.0):
+    def __init__(
+        self, started_at: float, sample_every_s: float = 2.0, history_s: float = 300.0, rate_window_s: float = 10.0
+    ):
         self.started_at = started_at
         self.sample_every_s = sample_every_s
         # Rates are taken over a window longer than a heartbeat (5 s by default), or every other
@@ -67,8 +68,14 @@ class FleetTraffic:
 
 def _rates(a: Sample | None, b: Sample | None) -> dict:
     if a is None or b is None or b.at <= a.at:
-        return {"t": b.at if b else time.time(), "lookups_per_s": 0.0, "hit_ratio": None, "p2p_bytes_per_s": 0.0,
-                "p2p_transfers_per_s": 0.0, "peer_lookups_per_s": 0.0}
+        return {
+            "t": b.at if b else time.time(),
+            "lookups_per_s": 0.0,
+            "hit_ratio": None,
+            "p2p_bytes_per_s": 0.0,
+            "p2p_transfers_per_s": 0.0,
+            "peer_lookups_per_s": 0.0,
+        }
     dt = b.at - a.at
 
     def delta(name: str) -> float:
@@ -76,11 +83,13 @@ def _rates(a: Sample | None, b: Sample | None) -> dict:
 
     asked = delta("lookup_tokens")
     hits = delta("hit_tokens")
-    return {"t": b.at,
-            "lookups_per_s": delta("lookups") / dt,
-            # None, not 0, when nothing was asked: an idle fleet has no hit ratio.
-            "hit_ratio": min(1.0, hits / asked) if asked > 0 else None,
-            # Bytes moved between peers, counted once, on the pulling side.
-            "p2p_bytes_per_s": delta("pulled_bytes") / dt,
-            "p2p_transfers_per_s": delta("pulls") / dt,
-            "peer_lookups_per_s": delta("peer_lookups") / dt}
+    return {
+        "t": b.at,
+        "lookups_per_s": delta("lookups") / dt,
+        # None, not 0, when nothing was asked: an idle fleet has no hit ratio.
+        "hit_ratio": min(1.0, hits / asked) if asked > 0 else None,
+        # Bytes moved between peers, counted once, on the pulling side.
+        "p2p_bytes_per_s": delta("pulled_bytes") / dt,
+        "p2p_transfers_per_s": delta("pulls") / dt,
+        "peer_lookups_per_s": delta("peer_lookups") / dt,
+    }

@@ -24,8 +24,17 @@ STATUS_ORDER = {"live": 0, "late": 1, "dead": 2}
 
 
 class Views:
-    def __init__(self, settings: ControllerSettings, epoch: str, started_at: float, registry: Registry,
-                 events: EventLog, traffic: FleetTraffic, departed: deque[dict], metrics: Metrics):
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        epoch: str,
+        started_at: float,
+        registry: Registry,
+        events: EventLog,
+        traffic: FleetTraffic,
+        departed: deque[dict],
+        metrics: Metrics,
+    ):
         self.settings = settings
         self.epoch = epoch
         self.started_at = started_at
@@ -60,8 +69,15 @@ class Views:
                 worker = workers.get((instance_id, rank))
                 if worker is None or worker.info.chunk_size != chunk_size:
                     continue
-                holders.append({"instance_id": instance_id, "worker_id": rank, "location": location,
-                                "matched_tokens": matched * chunk_size, "model": worker.info.layout.model})
+                holders.append(
+                    {
+                        "instance_id": instance_id,
+                        "worker_id": rank,
+                        "location": location,
+                        "matched_tokens": matched * chunk_size,
+                        "model": worker.info.layout.model,
+                    }
+                )
                 by_instance.setdefault((instance_id, location), {})[rank] = matched * chunk_size
                 tp_sizes[instance_id] = worker.info.layout.tp_size
         layout_info: dict[str, list] = {}
@@ -76,12 +92,17 @@ class Views:
 
     def query_worker_info(self, instance_id: str, worker_ids: list[int] | None) -> dict:
         """The workers of one instance (``"all"``: of every instance), optionally only these ranks."""
-        records = (list(self.registry.workers.values()) if instance_id == "all"
-                   else self.registry.instance_workers(instance_id, "instance_id"))
+        records = (
+            list(self.registry.workers.values())
+            if instance_id == "all"
+            else self.registry.instance_workers(instance_id, "instance_id")
+        )
         if worker_ids is not None:
             records = [r for r in records if r.info.rank in worker_ids]
-        return {"event_id": self.reads.record("query_worker_info"),
-                "worker_infos": [self.describe_worker(r) for r in records]}
+        return {
+            "event_id": self.reads.record("query_worker_info"),
+            "worker_infos": [self.describe_worker(r) for r in records],
+        }
 
     def query_instance(self, ip: str) -> dict:
         """The instance(s) whose workers registered from host ``ip``; ``res`` is the first, as LMCache answers."""
@@ -94,13 +115,20 @@ class Views:
         """Where a command stands, or that a read is done; any event id the API handed out, while kept."""
         event = self.events.get(event_id)
         if event is not None:
-            return {"event_id": event.event_id, "status": event.status, "num_tokens": event.num_tokens,
-                    "error": event.error}
+            return {
+                "event_id": event.event_id,
+                "status": event.status,
+                "num_tokens": event.num_tokens,
+                "error": event.error,
+            }
         read = self.reads.get(event_id)
         if read is not None:
             return {"event_id": read.event_id, "status": "done", "num_tokens": read.num_tokens, "error": None}
-        raise UnknownEvent(f"unknown event_id {event_id!r} (events are kept for the last {self.events.capacity} "
-                           f"commands and {self.reads.capacity} reads)", "event_id")
+        raise UnknownEvent(
+            f"unknown event_id {event_id!r} (events are kept for the last {self.events.capacity} "
+            f"commands and {self.reads.capacity} reads)",
+            "event_id",
+        )
 
     # -- workers and keys --------------------------------------------------------------------------
 
@@ -112,22 +140,35 @@ class Views:
     def describe_worker(self, record: WorkerRecord) -> dict:
         info = record.info
         status, age = self.worker_status(record)
-        return {"instance_id": info.instance_id, "worker_id": info.rank, "host": info.host,
-                "worker_port": info.worker_port, "p2p_init_port": info.p2p_init_port,
-                "p2p_lookup_port": info.p2p_lookup_port, "transfer_channel": info.transfer_channel,
-                "model": info.layout.model, "dtype": info.layout.dtype, "tp_size": info.layout.tp_size,
-                "block_size": info.layout.block_size, "num_layers": info.layout.num_layers,
-                "chunk_size": info.chunk_size, "fingerprint": f"{info.layout.digest:016x}",
-                "status": status, "last_heartbeat_ago_s": round(age, 3), "registered_at": record.registered_at,
-                "keys": {loc: self.registry.index.holder_count(st.holder) for loc, st in record.locations.items()}}
+        return {
+            "instance_id": info.instance_id,
+            "worker_id": info.rank,
+            "host": info.host,
+            "worker_port": info.worker_port,
+            "p2p_init_port": info.p2p_init_port,
+            "p2p_lookup_port": info.p2p_lookup_port,
+            "transfer_channel": info.transfer_channel,
+            "model": info.layout.model,
+            "dtype": info.layout.dtype,
+            "tp_size": info.layout.tp_size,
+            "block_size": info.layout.block_size,
+            "num_layers": info.layout.num_layers,
+            "chunk_size": info.chunk_size,
+            "fingerprint": f"{info.layout.digest:016x}",
+            "status": status,
+            "last_heartbeat_ago_s": round(age, 3),
+            "registered_at": record.registered_at,
+            "keys": {loc: self.registry.index.holder_count(st.holder) for loc, st in record.locations.items()},
+        }
 
     def status_thresholds(self) -> dict:
-        return {"live_within_s": 2 * self.settings.heartbeat_interval,
-                "reaped_after_s": self.settings.worker_timeout}
+        return {"live_within_s": 2 * self.settings.heartbeat_interval, "reaped_after_s": self.settings.worker_timeout}
 
     def workers(self) -> dict:
-        return {"workers": [self.describe_worker(r) for r in self.registry.workers.values()],
-                "thresholds": self.status_thresholds()}
+        return {
+            "workers": [self.describe_worker(r) for r in self.registry.workers.values()],
+            "thresholds": self.status_thresholds(),
+        }
 
     def key_stats(self) -> dict:
         instances: dict[str, dict[str, int]] = {}
@@ -135,8 +176,12 @@ class Views:
             per = instances.setdefault(record.info.instance_id, {})
             for loc, st in record.locations.items():
                 per[loc] = per.get(loc, 0) + self.registry.index.holder_count(st.holder)
-        return {"total_keys": self.registry.index.live_keys, "instances": instances,
-                "index_capacity": self.registry.index.capacity, "index_bytes": self.registry.index.nbytes}
+        return {
+            "total_keys": self.registry.index.live_keys,
+            "instances": instances,
+            "index_capacity": self.registry.index.capacity,
+            "index_bytes": self.registry.index.nbytes,
+        }
 
     # -- events and the dashboard ------------------------------------------------------------------
 
@@ -154,14 +199,20 @@ class Views:
         for instance_id, records in sorted(self.registry.instances().items()):
             workers = [self.describe_worker(r) for r in records]
             first = workers[0]
-            instances.append({
-                "instance_id": instance_id, "workers": workers, "keys": keys_held.get(instance_id, {}),
-                "status": max((w["status"] for w in workers), key=STATUS_ORDER.__getitem__),
-                "hosts": sorted({w["host"] for w in workers}),
-                "locations": [loc for loc in records[0].info.locations
-                              if all(loc in r.info.locations for r in records)],
-                "last_heartbeat_ago_s": max(w["last_heartbeat_ago_s"] for w in workers),
-                **{k: first[k] for k in ("model", "dtype", "tp_size", "chunk_size", "fingerprint")}})
+            instances.append(
+                {
+                    "instance_id": instance_id,
+                    "workers": workers,
+                    "keys": keys_held.get(instance_id, {}),
+                    "status": max((w["status"] for w in workers), key=STATUS_ORDER.__getitem__),
+                    "hosts": sorted({w["host"] for w in workers}),
+                    "locations": [
+                        loc for loc in records[0].info.locations if all(loc in r.info.locations for r in records)
+                    ],
+                    "last_heartbeat_ago_s": max(w["last_heartbeat_ago_s"] for w in workers),
+                    **{k: first[k] for k in ("model", "dtype", "tp_size", "chunk_size", "fingerprint")},
+                }
+            )
         by_status = {s: 0 for s in STATUS_ORDER}
         for inst in instances:
             for w in inst["workers"]:
@@ -172,17 +223,26 @@ class Views:
                 keys_by_location[loc] = keys_by_location.get(loc, 0) + n
         registered = set(self.registry.workers)
         return {
-            "controller": {"epoch": self.epoch, "started_at": self.started_at, "uptime_s": self.uptime_s(),
-                           "heartbeat_interval_s": self.settings.heartbeat_interval,
-                           "sample_every_s": self.traffic.sample_every_s,
-                           "rate_window_s": self.traffic.rate_window * self.traffic.sample_every_s},
+            "controller": {
+                "epoch": self.epoch,
+                "started_at": self.started_at,
+                "uptime_s": self.uptime_s(),
+                "heartbeat_interval_s": self.settings.heartbeat_interval,
+                "sample_every_s": self.traffic.sample_every_s,
+                "rate_window_s": self.traffic.rate_window * self.traffic.sample_every_s,
+            },
             "thresholds": self.status_thresholds(),
-            "overview": {"instances": len(instances), "workers": len(self.registry.workers),
-                         "workers_by_status": by_status,
-                         "total_keys": self.registry.index.live_keys, "keys_by_location": keys_by_location,
-                         "commands_in_flight": self.events.in_flight(),
-                         "bad_frames": self.metrics.total("lmcache_controller_bad_frames_total"),
-                         "traffic_totals": dict(self.traffic.totals), **self.traffic.current()},
+            "overview": {
+                "instances": len(instances),
+                "workers": len(self.registry.workers),
+                "workers_by_status": by_status,
+                "total_keys": self.registry.index.live_keys,
+                "keys_by_location": keys_by_location,
+                "commands_in_flight": self.events.in_flight(),
+                "bad_frames": self.metrics.total("lmcache_controller_bad_frames_total"),
+                "traffic_totals": dict(self.traffic.totals),
+                **self.traffic.current(),
+            },
             "series": self.traffic.series(),
             "instances": instances,
             "departed": [d for d in reversed(self.departed) if (d["instance_id"], d["worker_id"]) not in registered],
@@ -196,15 +256,31 @@ class Views:
         m.counter("lmcache_controller_lookups_total", "HTTP /lookup calls")
         m.counter("lmcache_controller_lookup_tokens_total", "Tokens asked about in /lookup")
         m.counter("lmcache_controller_lookup_hit_tokens_total", "Longest instance prefix found per /lookup, summed")
-        m.gauge("lmcache_controller_keys", "Distinct chunk keys with at least one holder",
-                lambda: [({}, reg.index.live_keys)])
-        m.gauge("lmcache_controller_key_holders", "Keys held, by instance and location",
-                lambda: [({"instance_id": i, "location": loc}, n) for i, per in self.key_stats()["instances"].items()
-                         for loc, n in per.items()])
+        m.gauge(
+            "lmcache_controller_keys",
+            "Distinct chunk keys with at least one holder",
+            lambda: [({}, reg.index.live_keys)],
+        )
+        m.gauge(
+            "lmcache_controller_key_holders",
+            "Keys held, by instance and location",
+            lambda: [
+                ({"instance_id": i, "location": loc}, n)
+                for i, per in self.key_stats()["instances"].items()
+                for loc, n in per.items()
+            ],
+        )
         m.gauge("lmcache_controller_workers", "Registered workers", lambda: [({}, len(reg.workers))])
         m.gauge("lmcache_controller_instances", "Registered instances", lambda: [({}, len(reg.instances()))])
         m.gauge("lmcache_controller_index_bytes", "Memory of the chunk index tables", lambda: [({}, reg.index.nbytes)])
         m.gauge("lmcache_controller_uptime_seconds", "Seconds since start", lambda: [({}, self.uptime_s())])
-        for stat in ("seq_gaps", "resyncs_requested", "resyncs_applied", "workers_reaped", "events_from_unknown",
-                     "keys_admitted", "keys_evicted"):
+        for stat in (
+            "seq_gaps",
+            "resyncs_requested",
+            "resyncs_applied",
+            "workers_reaped",
+            "events_from_unknown",
+            "keys_admitted",
+            "keys_evicted",
+        ):
             m.gauge(f"lmcache_controller_{stat}_total", stat.replace("_", " "), lambda s=stat: [({}, reg.stats[s])])

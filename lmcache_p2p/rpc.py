@@ -28,8 +28,9 @@ import inspect
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar, Union
+from typing import Any, TypeVar, Union
 
 import msgspec
 import zmq
@@ -75,8 +76,14 @@ class RpcClient:
     resources in a request (pages a holder may still write) be told when the late answer comes,
     or after :data:`LATE_GRACE_S`, whichever is first."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, decoder: msgspec.msgpack.Decoder, name: str,
-                 send_hwm: Optional[int] = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        decoder: msgspec.msgpack.Decoder,
+        name: str,
+        send_hwm: int | None = None,
+    ):
         self.ctx = ctx
         self.address = address  # "tcp://host:port"
         self.decoder = decoder
@@ -85,8 +92,8 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._waiting: dict[bytes, asyncio.Future] = {}
         self._late: dict[bytes, LateHandler] = {}
-        self._sock: Optional[zmq.asyncio.Socket] = None
-        self._reader: Optional[asyncio.Task] = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
         self.in_flight = 0
         self.timeouts = 0
 
@@ -97,21 +104,32 @@ class RpcClient:
         reply, _ = await self.request_frames(message, expect, timeout)
         return reply
 
-    async def request_frames(self, message: msgspec.Struct, expect: type[R], timeout: float,
-                             extra: Sequence[Any] = (), on_late: Optional[LateHandler] = None) -> tuple[R, list]:
+    async def request_frames(
+        self,
+        message: msgspec.Struct,
+        expect: type[R],
+        timeout: float,
+        extra: Sequence[Any] = (),
+        on_late: LateHandler | None = None,
+    ) -> tuple[R, list]:
         """:meth:`request` with extra frames both ways: sends ``extra`` after the payload and
         returns the answer's extra frames (zero-copy ``zmq.Frame``s) beside it."""
         reply, frames = await self._exchange(message, timeout, extra, on_late)
         if not isinstance(reply, expect):
             error = getattr(reply, "error", None)
-            raise RemoteError(f"{self.name}: {error}" if error else
-                              f"{self.name}: answered {type(reply).__name__} to {type(message).__name__}", reply)
+            raise RemoteError(
+                f"{self.name}: {error}"
+                if error
+                else f"{self.name}: answered {type(reply).__name__} to {type(message).__name__}",
+                reply,
+            )
         if getattr(reply, "ok", True) is False:
             raise RemoteError(f"{self.name}: {getattr(reply, 'error', None) or 'refused'}", reply)
         return reply, frames
 
-    async def _exchange(self, message: msgspec.Struct, timeout: float, extra: Sequence[Any],
-                        on_late: Optional[LateHandler]) -> tuple[Any, list]:
+    async def _exchange(
+        self, message: msgspec.Struct, timeout: float, extra: Sequence[Any], on_late: LateHandler | None
+    ) -> tuple[Any, list]:
         if self._sock is None:
             self._open()
         sock = self._sock
@@ -209,7 +227,7 @@ class RpcClient:
         else:
             _close_socket(sock, reader)
 
-    def _give_up(self, sock: zmq.asyncio.Socket, reader: Optional[asyncio.Task], owed: list[bytes]) -> None:
+    def _give_up(self, sock: zmq.asyncio.Socket, reader: asyncio.Task | None, owed: list[bytes]) -> None:
         _close_socket(sock, reader)
         for request_id in owed:
             handler = self._late.pop(request_id, None)
@@ -230,7 +248,7 @@ def _call_late(name: str, handler: LateHandler, reply: Any, frames: list) -> Non
         logger.exception("%s: late-reply handler failed", name)
 
 
-def _close_socket(sock: zmq.asyncio.Socket, reader: Optional[asyncio.Task]) -> None:
+def _close_socket(sock: zmq.asyncio.Socket, reader: asyncio.Task | None) -> None:
     if reader is not None:
         reader.cancel()
     sock.close(linger=0)
@@ -246,10 +264,10 @@ class Answer:
 
     message: msgspec.Struct
     frames: Sequence[Any] = ()
-    on_sent: Optional[Callable[[], None]] = None
+    on_sent: Callable[[], None] | None = None
 
 
-Handler = Callable[[Any], Union[msgspec.Struct, Answer, Awaitable[Union[msgspec.Struct, Answer]]]]
+Handler = Callable[[Any], msgspec.Struct | Answer | Awaitable[msgspec.Struct | Answer]]
 
 
 def _error_ack(error: str) -> msgspec.Struct:
@@ -265,14 +283,21 @@ class RpcServer:
     runs as its own task (one slow pull does not hold up a hello); otherwise requests are answered
     one at a time, in order of arrival."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, name: str, handlers: dict[type, Handler], *,
-                 concurrent: bool = False, error_reply: Callable[[str], msgspec.Struct] = _error_ack,
-                 on_message: Optional[Callable[[Any], None]] = None,
-                 on_bad_frame: Optional[Callable[[str], None]] = None,
-                 on_error: Optional[Callable[[Any, BaseException], None]] = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        name: str,
+        handlers: dict[type, Handler],
+        *,
+        concurrent: bool = False,
+        error_reply: Callable[[str], msgspec.Struct] = _error_ack,
+        on_message: Callable[[Any], None] | None = None,
+        on_bad_frame: Callable[[str], None] | None = None,
+        on_error: Callable[[Any, BaseException], None] | None = None,
+    ):
         self.name = name
         self.handlers = dict(handlers)
-        self.decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(Union[tuple(self.handlers)])  # type: ignore
+        self.decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(Union[tuple(self.handlers)])  # type: ignore  # noqa: UP007
         self.concurrent = concurrent
         self.error_reply = error_reply
         self.on_message = on_message
@@ -280,7 +305,7 @@ class RpcServer:
         self.on_error = on_error
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self._loop_task: Optional[asyncio.Task] = None
+        self._loop_task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
 
     def bind(self, address: str) -> None:
@@ -344,7 +369,7 @@ class RpcServer:
             result = self.error_reply(f"{self.name} error: {e}")
         await self._send(identity, request_id, result)
 
-    async def _send(self, identity: bytes, request_id: bytes, result: Union[msgspec.Struct, Answer]) -> None:
+    async def _send(self, identity: bytes, request_id: bytes, result: msgspec.Struct | Answer) -> None:
         answer = result if isinstance(result, Answer) else Answer(result)
         try:
             head = [identity, request_id, encode(answer.message)]

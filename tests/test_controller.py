@@ -41,8 +41,11 @@ def lookup(controller, tokens, **extra):
 
 
 def wait_lookup(controller, tokens, instance_id, tokens_expected, location=CPU):
-    return wait_for(lambda: lookup(controller, tokens)["layout_info"].get(instance_id) == [location, tokens_expected],
-                    5, f"{instance_id} to hold {tokens_expected} tokens at {location}")
+    return wait_for(
+        lambda: lookup(controller, tokens)["layout_info"].get(instance_id) == [location, tokens_expected],
+        5,
+        f"{instance_id} to hold {tokens_expected} tokens at {location}",
+    )
 
 
 # -- start-up --------------------------------------------------------------------------------------
@@ -59,8 +62,10 @@ def test_starts_as_the_seeds_start_it_without_torch(controller):
 def test_seed_003_monitor_ports_without_heartbeat_default_to_8082_and_config_file(tmp_path):
     http, pull, reply, hb = free_ports(4)
     cfg = tmp_path / "controller.yaml"
-    cfg.write_text(f"host: 127.0.0.1\nport: {http}\nmonitor_ports: {{pull: {pull}, reply: {reply}, heartbeat: {hb}}}\n"
-                   "worker_timeout: 12\nlog_level: debug\n")
+    cfg.write_text(
+        f"host: 127.0.0.1\nport: {http}\nmonitor_ports: {{pull: {pull}, reply: {reply}, heartbeat: {hb}}}\n"
+        "worker_timeout: 12\nlog_level: debug\n"
+    )
     c = ControllerProcess(ports=[http, pull, reply, hb], argv=[CONTROLLER_SCRIPT, "--config", str(cfg)]).start()
     try:
         assert c.http.get("/controller/workers").json()["thresholds"]["reaped_after_s"] == 12
@@ -68,15 +73,19 @@ def test_seed_003_monitor_ports_without_heartbeat_default_to_8082_and_config_fil
         c.stop()
 
 
-@pytest.mark.parametrize("monitor_ports,expected", [
-    ('{"pull": 8300, "reply": ', "not valid JSON"),
-    ('{"reply": 8400}', "missing key 'pull'"),
-    ('{"pull": 8300, "reply": 8400, "hearbeat": 1}', "unknown key(s) ['hearbeat']"),
-    ('[8300, 8400]', "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "monitor_ports,expected",
+    [
+        ('{"pull": 8300, "reply": ', "not valid JSON"),
+        ('{"reply": 8400}', "missing key 'pull'"),
+        ('{"pull": 8300, "reply": 8400, "hearbeat": 1}', "unknown key(s) ['hearbeat']"),
+        ("[8300, 8400]", "expected a JSON object"),
+    ],
+)
 def test_bad_monitor_ports_exit_with_one_line(monitor_ports, expected):
-    out = subprocess.run([CONTROLLER_SCRIPT, "--monitor-ports", monitor_ports],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [CONTROLLER_SCRIPT, "--monitor-ports", monitor_ports], capture_output=True, text=True, timeout=30
+    )
     assert out.returncode != 0 and expected in out.stderr
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
 
@@ -104,7 +113,10 @@ def test_admitted_chunks_are_found_by_lookup_with_all_holders(controller, worker
     result = lookup(controller, DOC + [1, 2, 3])  # a partial tail chunk is never a hit
     assert result["layout_info"] == {"inst-a": [CPU, 10 * CHUNK], "inst-b": [DISK, 6 * CHUNK]}
     assert [(h["instance_id"], h["location"], h["matched_tokens"]) for h in result["holders"]] == [
-        ("inst-a", CPU, 160), ("inst-b", DISK, 96), ("inst-b", CPU, 64)]
+        ("inst-a", CPU, 160),
+        ("inst-b", DISK, 96),
+        ("inst-b", CPU, 64),
+    ]
     assert result["event_id"]
 
 
@@ -262,16 +274,21 @@ def test_move_sends_the_held_prefix_and_check_finish_follows_completion(controll
     src.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=True, pending=isinstance(c, MoveCommand))
     hashes = src.admit_tokens(DOC[: 4 * CHUNK])
     wait_lookup(controller, DOC, "lmcache_instance_1", 4 * CHUNK)
-    r = controller.post("/move", {"old_position": ["lmcache_instance_1", CPU],
-                                  "new_position": ["lmcache_instance_2", CPU], "tokens": DOC})
+    r = controller.post(
+        "/move",
+        {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU], "tokens": DOC},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["num_tokens"] == 4 * CHUNK
     event_id = r.json()["event_id"]
     (cmd,) = src.commands
     assert isinstance(cmd, MoveCommand) and not cmd.copy and cmd.location == CPU
     assert unpack_hashes(cmd.hashes).tolist() == hashes
-    assert (cmd.destination.instance_id, cmd.destination.location, cmd.destination.p2p_lookup_port) == \
-        ("lmcache_instance_2", CPU, 9200)
+    assert (cmd.destination.instance_id, cmd.destination.location, cmd.destination.p2p_lookup_port) == (
+        "lmcache_instance_2",
+        CPU,
+        9200,
+    )
     assert controller.post("/check_finish", {"event_id": event_id}).json()["status"] == "pending"
     src.done(event_id, ok=True, num_tokens=3 * CHUNK)  # one chunk could not be moved
     status = controller.finish(event_id, 5)
@@ -348,8 +365,9 @@ def test_error_codes_name_what_is_wrong(controller, workers):
 def test_a_worker_that_does_not_answer_is_a_504_within_the_timeout():
     # A live worker (not reaped: a long --worker-timeout) that ignores commands. With FAST's 1 s
     # worker timeout the silent fake was sometimes reaped first, and the answer was not a 504.
-    controller = ControllerProcess("--health-check-interval", "0.1", "--worker-timeout", "30",
-                                   "--command-timeout", "1.0").start()
+    controller = ControllerProcess(
+        "--health-check-interval", "0.1", "--worker-timeout", "30", "--command-timeout", "1.0"
+    ).start()
     mute = FakeWorker(controller, "inst-mute", answer_commands=False)
     try:
         assert mute.register().ok
@@ -380,8 +398,20 @@ def test_worker_views_and_key_stats(controller, workers):
 
 def test_openapi_describes_every_route(controller):
     paths = controller.http.get("/openapi.json").json()["paths"]
-    for route in ("/lookup", "/move", "/copy", "/clear", "/pin", "/health", "/check_finish", "/query_worker_info",
-                  "/query_instance", "/controller/workers", "/controller/key-stats", "/metrics"):
+    for route in (
+        "/lookup",
+        "/move",
+        "/copy",
+        "/clear",
+        "/pin",
+        "/health",
+        "/check_finish",
+        "/query_worker_info",
+        "/query_instance",
+        "/controller/workers",
+        "/controller/key-stats",
+        "/metrics",
+    ):
         assert route in paths, route
     move_schema = paths["/move"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"old_position", "new_position", "tokens", "copy"} <= set(move_schema["properties"])

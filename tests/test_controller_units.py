@@ -81,20 +81,33 @@ def test_lookup_fast_path_agrees_with_the_strict_decoder(tokens):
         assert fast is not None and fast.tolist() == strict
 
 
-@pytest.mark.parametrize("text", ["[1,-2]", "[1.5]", '[1,"2"]', "[1e3]", "[2147483648]", "[1,,2]", "[1,2,]", "[true]",
-                                  "{}", "[[1]]", "[1 2]"])
+@pytest.mark.parametrize(
+    "text",
+    ["[1,-2]", "[1.5]", '[1,"2"]', "[1e3]", "[2147483648]", "[1,,2]", "[1,2,]", "[true]", "{}", "[[1]]", "[1 2]"],
+)
 def test_lookup_fast_path_declines_whatever_the_strict_decoder_should_judge(text):
     assert parse_token_array(text.encode()) is None
 
 
 # -- fleet traffic (the dashboard's rates) -----------------------------------------------------------
 
+
 def test_traffic_rates_from_heartbeat_totals():
     fleet = FleetTraffic(started_at=100.0, sample_every_s=2.0, rate_window_s=4.0)
     assert fleet.current()["hit_ratio"] is None  # nothing asked yet: no ratio, not 0%
     fleet.sample({}, now=100.0)
-    fleet.report(("a", 0), Traffic(started_at=101.0, lookups=4, lookup_tokens=1000, hit_tokens=800,
-                                   peer_hit_tokens=200, pulls=2, pulled_bytes=8_000_000))
+    fleet.report(
+        ("a", 0),
+        Traffic(
+            started_at=101.0,
+            lookups=4,
+            lookup_tokens=1000,
+            hit_tokens=800,
+            peer_hit_tokens=200,
+            pulls=2,
+            pulled_bytes=8_000_000,
+        ),
+    )
     fleet.sample({}, now=102.0)
     fleet.sample({}, now=104.0)  # no heartbeat in between: the window still spans the traffic
     now = fleet.current()
@@ -122,6 +135,7 @@ def test_traffic_baseline_for_older_workers_and_restarts():
 
 # -- read event ids ----------------------------------------------------------------------------------
 
+
 def test_read_ids_are_known_while_kept_and_only_to_the_run_that_issued_them():
     reads, other_run = ReadLog(capacity=4), ReadLog(capacity=4)
     first = reads.record("lookup", 512)
@@ -148,6 +162,7 @@ def test_reads_leave_the_command_log_alone_and_cost_under_a_few_microseconds():
 
 # -- command outcomes ---------------------------------------------------------------------------------
 
+
 class _LeavingBus:
     """A command bus whose worker leaves while a command is in flight: the command then fails as
     unreachable, as a closed channel makes it, after the departure already failed its event."""
@@ -171,9 +186,20 @@ def test_an_event_that_finishes_several_ways_is_counted_once():
     registry, events, metrics, bus = Registry(), EventLog(), Metrics(), _LeavingBus()
     orchestrator = bus.orchestrator = Orchestrator(ControllerSettings(), registry, events, bus, metrics)
     for rank in (0, 1):
-        orchestrator.worker_registered(registry.register(Register(
-            version=PROTOCOL_VERSION, instance_id="inst-a", rank=rank, host="127.0.0.1", worker_port=1,
-            layout=layout(rank=rank, tp=2), chunk_size=16, locations=[CPU])))
+        orchestrator.worker_registered(
+            registry.register(
+                Register(
+                    version=PROTOCOL_VERSION,
+                    instance_id="inst-a",
+                    rank=rank,
+                    host="127.0.0.1",
+                    worker_port=1,
+                    layout=layout(rank=rank, tp=2),
+                    chunk_size=16,
+                    locations=[CPU],
+                )
+            )
+        )
     with pytest.raises(errors.WorkerUnreachable):
         asyncio.run(orchestrator.health("inst-a"))
     (event,) = events.newest()
@@ -189,14 +215,19 @@ def test_an_event_that_finishes_several_ways_is_counted_once():
 
 # -- errors and their HTTP status -------------------------------------------------------------------
 
+
 def test_every_controller_error_has_its_http_status_in_the_api():
-    kinds = {e for e in vars(errors).values()
-             if isinstance(e, type) and issubclass(e, errors.ControllerError) and e is not errors.ControllerError}
+    kinds = {
+        e
+        for e in vars(errors).values()
+        if isinstance(e, type) and issubclass(e, errors.ControllerError) and e is not errors.ControllerError
+    }
     assert set(HTTP_STATUS) == kinds
     assert HTTP_STATUS[errors.WorkerUnreachable] == 504 and HTTP_STATUS[errors.InvalidRequest] == 422
 
 
 # -- what importing the controller loads --------------------------------------------------------------
+
 
 def test_the_controller_imports_no_engine_side_module():
     """Every module of the controller package, imported in a fresh interpreter, loads neither torch,
@@ -213,6 +244,7 @@ print(json.dumps({"imported": sorted(m for m in sys.modules if m.startswith("lmc
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     loaded = json.loads(out.stdout)
-    assert {"lmcache_p2p.controller.api", "lmcache_p2p.controller.service", "lmcache_p2p.controller.cli"} <= \
-        set(loaded["imported"])
+    assert {"lmcache_p2p.controller.api", "lmcache_p2p.controller.service", "lmcache_p2p.controller.cli"} <= set(
+        loaded["imported"]
+    )
     assert loaded["forbidden"] == []

@@ -9,24 +9,33 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # Importable without vLLM: everything but the connector, which is vLLM's plugin by definition.
 PRODUCT_MODULES = [
-    "lmcache_p2p.config", "lmcache_p2p.keys", "lmcache_p2p.protocol", "lmcache_p2p.rpc", "lmcache_p2p.cli",
-    "lmcache_p2p.cache_engine", "lmcache_p2p.storage.manager", "lmcache_p2p.transfer", "lmcache_p2p.worker",
-    "lmcache_p2p.controller.api", "lmcache_p2p.controller.cli", "lmcache_p2p.demo",
+    "lmcache_p2p.config",
+    "lmcache_p2p.keys",
+    "lmcache_p2p.protocol",
+    "lmcache_p2p.rpc",
+    "lmcache_p2p.cli",
+    "lmcache_p2p.cache_engine",
+    "lmcache_p2p.storage.manager",
+    "lmcache_p2p.transfer",
+    "lmcache_p2p.worker",
+    "lmcache_p2p.controller.api",
+    "lmcache_p2p.controller.cli",
+    "lmcache_p2p.demo",
 ]
 NOT_INSTALLED_BY_PIP_INSTALL_DOT = ["httpx", "pytest", "playwright", "nixl", "vllm"]
 
 
 def _run_blocked(code: str) -> subprocess.CompletedProcess:
     blocker = "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in NOT_INSTALLED_BY_PIP_INSTALL_DOT)
-    return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", blocker + code], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
 def test_product_modules_import_with_core_dependencies_only():

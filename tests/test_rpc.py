@@ -8,11 +8,10 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from protocol_client import free_ports
 
 from lmcache_p2p.protocol import Ack, ClearCommand, CommandReply, HealthCommand, StatusCommand, command_reply_decoder
 from lmcache_p2p.rpc import Answer, RemoteError, RequestFailed, RpcClient, RpcServer
-
-from protocol_client import free_ports
 
 
 def run(coro):
@@ -20,8 +19,9 @@ def run(coro):
 
 
 def _server(ctx, port, handlers, **kw) -> RpcServer:
-    server = RpcServer(ctx, "test server", handlers,
-                       error_reply=lambda e: CommandReply(event_id="", ok=False, error=e), **kw)
+    server = RpcServer(
+        ctx, "test server", handlers, error_reply=lambda e: CommandReply(event_id="", ok=False, error=e), **kw
+    )
     server.bind(f"tcp://127.0.0.1:{port}")
     server.start()
     return server
@@ -31,11 +31,17 @@ def test_typed_reply_error_reply_and_wrong_type():
     async def main():
         ctx = zmq.asyncio.Context()
         port = free_ports(1)[0]
-        server = _server(ctx, port, {
-            HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, num_tokens=7),
-            ClearCommand: lambda c: CommandReply(event_id=c.event_id, ok=False, error=f"no location {c.location!r}"),
-            StatusCommand: lambda c: Ack(ok=True),  # a server bug: the wrong reply type
-        })
+        server = _server(
+            ctx,
+            port,
+            {
+                HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, num_tokens=7),
+                ClearCommand: lambda c: CommandReply(
+                    event_id=c.event_id, ok=False, error=f"no location {c.location!r}"
+                ),
+                StatusCommand: lambda c: Ack(ok=True),  # a server bug: the wrong reply type
+            },
+        )
         either = msgspec.msgpack.Decoder(CommandReply | Ack)
         client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", either, "worker 0")
         try:
@@ -64,9 +70,13 @@ def test_handler_errors_and_garbage_are_answered_and_the_server_goes_on():
         def broken(c):
             raise RuntimeError("disk on fire")
 
-        server = _server(ctx, port, {HealthCommand: broken,
-                                     StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)},
-                         on_error=lambda msg, e: errors.append(type(msg).__name__), on_bad_frame=bad.append)
+        server = _server(
+            ctx,
+            port,
+            {HealthCommand: broken, StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)},
+            on_error=lambda msg, e: errors.append(type(msg).__name__),
+            on_bad_frame=bad.append,
+        )
         client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
         raw = ctx.socket(zmq.DEALER)
         raw.connect(f"tcp://127.0.0.1:{port}")
@@ -102,14 +112,18 @@ def test_timeout_resets_and_a_late_answer_reaches_its_handler():
             await release.wait()
             return CommandReply(event_id=c.event_id, ok=True)
 
-        server = _server(ctx, port, {HealthCommand: slow,
-                                     StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)},
-                         concurrent=True)
+        server = _server(
+            ctx,
+            port,
+            {HealthCommand: slow, StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)},
+            concurrent=True,
+        )
         client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
         try:
             with pytest.raises(RequestFailed, match="no answer"):
-                await client.request_frames(HealthCommand(event_id="slow"), CommandReply, 0.3,
-                                            on_late=lambda reply, frames: late.append(reply))
+                await client.request_frames(
+                    HealthCommand(event_id="slow"), CommandReply, 0.3, on_late=lambda reply, frames: late.append(reply)
+                )
             # concurrent: the slow request does not hold up the next one (on a fresh socket)
             assert (await client.request(StatusCommand(event_id="next"), CommandReply, 5)).event_id == "next"
             release.set()
@@ -133,8 +147,15 @@ def test_bulk_frames_ride_zero_copy_and_on_sent_runs_after_the_send():
         ctx = zmq.asyncio.Context()
         port = free_ports(1)[0]
         payload = bytearray(b"k" * 1_000_000)
-        server = _server(ctx, port, {HealthCommand: lambda c: Answer(CommandReply(event_id=c.event_id, ok=True),
-                                                                        [memoryview(payload)], lambda: sent.append(1))})
+        server = _server(
+            ctx,
+            port,
+            {
+                HealthCommand: lambda c: Answer(
+                    CommandReply(event_id=c.event_id, ok=True), [memoryview(payload)], lambda: sent.append(1)
+                )
+            },
+        )
         client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
         try:
             reply, frames = await client.request_frames(HealthCommand(event_id="bulk"), CommandReply, 5)
