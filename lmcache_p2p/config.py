@@ -156,14 +156,27 @@ def _to_local_disk(raw: Any) -> str:
     return s
 
 
-def _to_url(raw: Any) -> str:
-    """``host:port`` (LMCache's spelling) or ``tcp://host:port``."""
-    s = _to_str(raw)
-    hostport = s[len("tcp://"):] if s.startswith("tcp://") else s
-    host, sep, port = hostport.rpartition(":")
+def split_host_port(url: str) -> tuple[str, int]:
+    """``host:port`` (LMCache's spelling) or ``tcp://host:port`` as (host, port); ValueError
+    saying what is wrong otherwise. The controller URLs are read this way wherever they are used,
+    so either spelling means the same socket."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme != "tcp":
+        raise ValueError(f"expected host:port or tcp://host:port; the {scheme}:// scheme is not supported")
+    host, sep, port = (rest if sep else url).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _Invalid("expected host:port such as localhost:8300")
-    return s
+        raise ValueError("expected host:port such as localhost:8300 (or tcp://localhost:8300), "
+                         "with a port from 1 to 65535")
+    return host, int(port)
+
+
+def _to_url(raw: Any) -> str:
+    """A controller socket, normalised to ``host:port``."""
+    try:
+        host, port = split_host_port(_to_str(raw))
+    except ValueError as e:
+        raise _Invalid(str(e)) from None
+    return f"{host}:{port}"
 
 
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -210,8 +223,10 @@ class LMCacheConfig:
     # Controller
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
     lmcache_instance_id: Optional[str] = _key(_optional(_to_str), None, "this instance's id at the controller")
-    controller_pull_url: Optional[str] = _key(_optional(_to_url), None, "controller PULL socket, host:port")
-    controller_reply_url: Optional[str] = _key(_optional(_to_url), None, "controller ROUTER socket, host:port")
+    controller_pull_url: Optional[str] = _key(_optional(_to_url), None,
+                                              "controller PULL socket, host:port (or tcp://host:port)")
+    controller_reply_url: Optional[str] = _key(_optional(_to_url), None,
+                                               "controller ROUTER socket, host:port (or tcp://host:port)")
     lmcache_worker_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "command port per TP rank")
     lmcache_worker_heartbeat_time: float = _key(_to_float, 5.0, "seconds between worker heartbeats")
     extra_config: dict = _key(_optional(_to_dict), {}, "free-form extras, e.g. lookup_backoff_time")

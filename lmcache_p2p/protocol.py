@@ -9,7 +9,7 @@ Sockets (DESIGN.md §5):
     heartbeat (ROUTER <-> DEALER)               Heartbeat -> HeartbeatReply (may ask for a resync)
     worker command port (controller DEALER -> worker ROUTER)   Move/Copy/Clear/Pin/Health/Status
 Request/reply frames on ROUTER/DEALER pairs are ``[request_id, payload]`` so answers can be
-matched to questions; the PULL socket carries bare payloads.
+matched to questions (``lmcache_p2p.rpc`` frames them); the PULL socket carries bare payloads.
 
 Chunk hashes travel packed as little-endian uint64 bytes (``pack_hashes``): decoding a batch of a
 million keys is then a zero-copy ``np.frombuffer`` rather than a million Python ints.
@@ -328,9 +328,7 @@ worker_message_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 controller_reply_decoder = msgspec.msgpack.Decoder(ControllerReply)
 command_decoder = msgspec.msgpack.Decoder(Command)
 command_reply_decoder = msgspec.msgpack.Decoder(CommandReply)
-PeerRequest = Union[ChannelHello, ChunkPull, FetchChunks]
 PeerReply = Union[ChannelHelloReply, ChunkPullReply, FetchReply, Ack]
-peer_request_decoder = msgspec.msgpack.Decoder(PeerRequest)
 peer_reply_decoder = msgspec.msgpack.Decoder(PeerReply)
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)

@@ -67,14 +67,38 @@ def _request_id(counter: int) -> bytes:
 LateHandler = Callable[[Any, list], None]
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One DEALER socket and the task reading it. Requests remember the connection they went out
+    on: after a reset the old one keeps reading for late answers owed on it."""
+
+    sock: zmq.asyncio.Socket
+    reader: asyncio.Task
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.sock.close(linger=0)
+
+
+@dataclass(eq=False)
+class _Waiting:
+    future: asyncio.Future
+    conn: _Connection
+    on_late: LateHandler | None
+    deadline: float  # time.monotonic() when the caller stops waiting; the server gives up before
+
+
 class RpcClient:
     """Request/reply on one DEALER to one server address.
 
     One reader task routes answers to their waiters. A request that times out resets the socket
     (so messages ZMQ still queues for a dead server are not delivered to its successor minutes
-    later) and fails every other request waiting on it. ``on_late`` lets a caller that tied up
-    resources in a request (pages a holder may still write) be told when the late answer comes,
-    or after :data:`LATE_GRACE_S`, whichever is first."""
+    later) and fails every other request waiting on it.
+
+    ``on_late`` is for a caller that tied up resources in a request (pages a holder may still
+    write into): if the request fails, the handler is called exactly once, later, with the late
+    answer when it comes, or with ``None`` once the request's own timeout plus :data:`LATE_GRACE_S`
+    has passed (or at once when it was never sent). The old socket keeps reading until then."""
 
     def __init__(
         self,
@@ -90,10 +114,9 @@ class RpcClient:
         self.name = name
         self.send_hwm = send_hwm
         self._ids = itertools.count(1)
-        self._waiting: dict[bytes, asyncio.Future] = {}
-        self._late: dict[bytes, LateHandler] = {}
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._waiting: dict[bytes, _Waiting] = {}
+        self._late: dict[bytes, _Waiting] = {}  # failed requests whose late handler is owed
+        self._conn: _Connection | None = None
         self.in_flight = 0
         self.timeouts = 0
 
@@ -130,48 +153,53 @@ class RpcClient:
     async def _exchange(
         self, message: msgspec.Struct, timeout: float, extra: Sequence[Any], on_late: LateHandler | None
     ) -> tuple[Any, list]:
-        if self._sock is None:
-            self._open()
-        sock = self._sock
-        assert sock is not None
+        conn = self._conn or self._open()
         request_id = _request_id(next(self._ids))
-        waiter: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = waiter
-        self.in_flight += 1
         deadline = time.monotonic() + timeout
+        waiting = _Waiting(asyncio.get_running_loop().create_future(), conn, on_late, deadline)
+        self._waiting[request_id] = waiting
+        self.in_flight += 1
         try:
-            # asyncio.wait, not wait_for: closing a socket cancels its pending futures, and that
-            # must read as a failed request, not as a cancellation of the caller's task.
-            send = asyncio.ensure_future(sock.send_multipart([request_id, encode(message), *extra], copy=False))
+            # asyncio.wait, not wait_for: a reset fails pending futures, and that must read as a
+            # failed request, not as a cancellation of the caller's task.
+            send = asyncio.ensure_future(conn.sock.send_multipart([request_id, encode(message), *extra], copy=False))
             done, _ = await asyncio.wait({send}, timeout=timeout)
             if done and (send.cancelled() or send.exception() is not None):
-                self._waiting.pop(request_id, None)
+                # Never sent, so nothing can come back (unless a reset took the request over).
+                if self._waiting.pop(request_id, None) is not None and on_late is not None:
+                    asyncio.get_running_loop().call_soon(_call_late, self.name, on_late, None, [])
                 raise RequestFailed(f"{self.name}: send to {self.address} failed")
             if done:
-                done, _ = await asyncio.wait({waiter}, timeout=max(0.0, deadline - time.monotonic()))
+                done, _ = await asyncio.wait({waiting.future}, timeout=max(0.0, deadline - time.monotonic()))
             else:
                 send.cancel()
             if not done:
                 self.timeouts += 1
-                self._waiting.pop(request_id, None)
-                if on_late is not None:
-                    self._late[request_id] = on_late
-                self.reset(keep_late=on_late is not None)
+                if self._waiting.pop(request_id, None) is not None:  # else a reset failed it already
+                    self._owe(request_id, waiting)
+                if waiting.conn is self._conn:
+                    self.reset()
                 raise RequestFailed(f"{self.name}: no answer from {self.address} within {timeout:.1f}s")
-            if waiter.cancelled():
-                raise RequestFailed(f"{self.name}: closed")
-            reply, frames = waiter.result()  # raises the RequestFailed a reset put there
+            reply, frames = waiting.future.result()  # raises the RequestFailed a reset put there
             if isinstance(reply, RequestFailed):
                 raise reply
             return reply, frames
         finally:
             self.in_flight -= 1
-            if waiter.done() and not waiter.cancelled():
-                waiter.exception()  # a failure nobody awaited is still handled: no asyncio warning
+            if waiting.future.done() and not waiting.future.cancelled():
+                waiting.future.exception()  # a failure nobody awaited is still handled: no asyncio warning
+
+    def _owe(self, request_id: bytes, waiting: _Waiting) -> None:
+        """A failed request whose answer may still come: its handler waits on its connection."""
+        if waiting.on_late is None:
+            return
+        self._late[request_id] = waiting
+        if waiting.conn is not self._conn:  # already reset, maybe closed: make sure it is given up
+            self._schedule_give_up(waiting.conn)
 
     # -- the socket ------------------------------------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self) -> _Connection:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Without this ZMQ queues messages for a server that is not connected (yet, or any more)
@@ -180,8 +208,8 @@ class RpcClient:
         if self.send_hwm is not None:
             sock.setsockopt(zmq.SNDHWM, self.send_hwm)
         sock.connect(self.address)
-        self._sock = sock
-        self._reader = asyncio.ensure_future(self._read(sock))
+        self._conn = _Connection(sock, asyncio.ensure_future(self._read(sock)))
+        return self._conn
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -199,46 +227,50 @@ class RpcClient:
             except DecodeError as e:
                 reply = RequestFailed(f"{self.name}: undecodable reply: {e}")
             extra = frames[2:]
-            waiter = self._waiting.pop(request_id, None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result((reply, extra))
+            waiting = self._waiting.pop(request_id, None)
+            if waiting is not None and not waiting.future.done():
+                waiting.future.set_result((reply, extra))
                 continue
             late = self._late.pop(request_id, None)
-            if late is not None:
-                _call_late(self.name, late, reply, extra)
+            if late is not None and late.on_late is not None:
+                _call_late(self.name, late.on_late, reply, extra)
 
-    def reset(self, keep_late: bool = False) -> None:
-        """Drop the socket (and whatever ZMQ still queues); the next request reconnects. With
-        ``keep_late`` the old socket keeps reading for :data:`LATE_GRACE_S`, for late answers; then
-        each answer still owed is given up (its handler called with ``None``)."""
-        sock, reader = self._sock, self._reader
-        self._sock = self._reader = None
-        if sock is None:
+    def reset(self, why: str = "connection reset after a timeout") -> None:
+        """Drop the socket (and whatever ZMQ still queues); the next request reconnects. Requests
+        still waiting on it fail now rather than at their own timeouts. While answers are owed on
+        it (``on_late``), the old socket keeps reading for :data:`LATE_GRACE_S`."""
+        conn, self._conn = self._conn, None
+        if conn is None:
             return
-        # Questions still waiting on this socket can no longer be answered: fail them now
-        # rather than at their own timeouts.
-        for waiter in self._waiting.values():
-            if not waiter.done():
-                waiter.set_exception(RequestFailed(f"{self.name}: connection reset after a timeout"))
-        self._waiting.clear()
-        if keep_late and self._late:
-            owed = list(self._late)
-            asyncio.get_running_loop().call_later(LATE_GRACE_S, self._give_up, sock, reader, owed)
+        for request_id, waiting in list(self._waiting.items()):
+            if waiting.conn is not conn:
+                continue
+            del self._waiting[request_id]
+            if not waiting.future.done():
+                waiting.future.set_exception(RequestFailed(f"{self.name}: {why}"))
+                if waiting.on_late is not None:
+                    self._late[request_id] = waiting
+        if any(owed.conn is conn for owed in self._late.values()):
+            self._schedule_give_up(conn)
         else:
-            _close_socket(sock, reader)
+            conn.close()
 
-    def _give_up(self, sock: zmq.asyncio.Socket, reader: asyncio.Task | None, owed: list[bytes]) -> None:
-        _close_socket(sock, reader)
-        for request_id in owed:
-            handler = self._late.pop(request_id, None)
-            if handler is not None:
-                _call_late(self.name, handler, None, [])
+    def _schedule_give_up(self, conn: _Connection) -> None:
+        """Keep ``conn`` reading until every request owed on it is past its own deadline (the server
+        gives up before that) plus the grace period; then give the rest up."""
+        last = max(owed.deadline for owed in self._late.values() if owed.conn is conn)
+        wait = max(0.0, last - time.monotonic()) + LATE_GRACE_S
+        asyncio.get_running_loop().call_later(wait, self._give_up, conn)
+
+    def _give_up(self, conn: _Connection) -> None:
+        conn.close()
+        for request_id, owed in list(self._late.items()):
+            if owed.conn is conn and owed.on_late is not None:
+                del self._late[request_id]
+                _call_late(self.name, owed.on_late, None, [])
 
     def close(self) -> None:
-        for waiter in self._waiting.values():
-            waiter.cancel()
-        self._waiting.clear()
-        self.reset()
+        self.reset("closed")
 
 
 def _call_late(name: str, handler: LateHandler, reply: Any, frames: list) -> None:
@@ -246,12 +278,6 @@ def _call_late(name: str, handler: LateHandler, reply: Any, frames: list) -> Non
         handler(reply, frames)
     except Exception:
         logger.exception("%s: late-reply handler failed", name)
-
-
-def _close_socket(sock: zmq.asyncio.Socket, reader: asyncio.Task | None) -> None:
-    if reader is not None:
-        reader.cancel()
-    sock.close(linger=0)
 
 
 # -- answering -------------------------------------------------------------------------------------

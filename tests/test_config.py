@@ -124,6 +124,30 @@ def test_yaml_lists_and_aliases(tmp_path):
     assert cfg.p2p_lookup_ports == [8201, 8203] and cfg.lmcache_worker_ports == [8500]
 
 
+def test_controller_urls_read_both_spellings_as_host_port(tmp_path):
+    """ZMQ's tcp://host:port is what many users write; the worker puts tcp:// in front itself."""
+    cfg = load({"LMCACHE_CONFIG_FILE": write(tmp_path, 'controller_pull_url: "tcp://127.0.0.1:8300"\n'),
+                "LMCACHE_CONTROLLER_REPLY_URL": "tcp://controller.example:08400"})
+    assert cfg.controller_pull_url == "127.0.0.1:8300" and cfg.controller_reply_url == "controller.example:8400"
+    assert load({"LMCACHE_CONTROLLER_URL": "tcp://localhost:8300"}).controller_pull_url == "localhost:8300"
+    assert load({"LMCACHE_CONTROLLER_PULL_URL": "localhost:8300"}).controller_pull_url == "localhost:8300"
+
+
+@pytest.mark.parametrize("value,why", [
+    ("http://localhost:8300", "the http:// scheme is not supported"),
+    ("ipc:///tmp/controller", "the ipc:// scheme is not supported"),
+    ("tcp://localhost", "expected host:port"),
+    ("tcp://localhost:0", "port from 1 to 65535"),
+    ("localhost:70000", "port from 1 to 65535"),
+    ("tcp://:8300", "expected host:port"),
+])
+def test_a_bad_controller_url_names_key_value_and_why(value, why):
+    with pytest.raises(ConfigError) as e:
+        load({"LMCACHE_CONTROLLER_REPLY_URL": value})
+    assert e.value.key == "controller_reply_url"
+    assert f"controller_reply_url={value!r}" in str(e.value) and why in str(e.value)
+
+
 def test_lmcache_switches_that_are_not_config_keys_are_left_alone():
     cfg = load({"LMCACHE_LOG_LEVEL": "DEBUG", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "128",
                 "LMCACHE_KV_KERNELS": "torch", "LMCACHE_KERNEL_CACHE": "/tmp/k"})

@@ -165,10 +165,13 @@ def test_move_to_an_instance_without_p2p_fails_cleanly(controller, spawn):
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_holder_dying_mid_transfer_is_a_miss_without_leaks(controller, spawn, channel):
     a, b = two_instances(controller, spawn, channel)
-    prompt = tokens(8 * CHUNK, seed=8)
+    # Three requests of 8 chunks in flight: one times out, and the others fail with its socket.
+    prompt, warm = tokens(25 * CHUNK, seed=8), tokens(CHUNK, seed=20)
     a.prefill(prompt)
+    a.prefill(warm)
     b.prefill(prompt[:CHUNK])
-    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 8, what="A's keys")
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 26, what="A's keys")
+    assert b.lookup(warm) == CHUNK  # B's session with A is open: the next pull starts with its requests
     free_before = b.status()["storage"]["cpu"]["free_pages"]
 
     a.signal(signal.SIGSTOP)  # the holder freezes with B's request in flight...
@@ -221,6 +224,57 @@ def test_controller_restart_converges_without_admin_action(controller, spawn):
     assert b.lookup(first) == 4 * CHUNK
     assert b.retrieve(first)["exact"]
     assert "registered again" in a.log()
+
+
+def test_a_move_into_a_full_pool_stops_there_and_says_so(controller, spawn):
+    """A destination whose pool has fewer free pages than the move has chunks pulls what fits and
+    stops, reporting a full pool: the chunks after that are not skipped as if the source lacked
+    them (the move would then evict chunks nobody holds any more)."""
+    a = spawn(instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK))
+    b = spawn(instance_config("lmcache_instance_2", controller, "tcp", chunk_size=CHUNK, cpu_gb=7 * 4 / 1024))
+    resident = tokens(7 * CHUNK, seed=18)  # B's 7 pages of 4 MiB, all of them pinned
+    assert b.prefill(resident) == 7 * CHUNK
+    wait_for(lambda: keys_at(controller, "lmcache_instance_2") == 7, what="B's keys")
+    assert controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU,
+                                   "tokens": resident})["num_tokens"] == 7 * CHUNK
+    moving = tokens(5 * CHUNK, seed=19)
+    a.prefill(moving)
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 5, what="A's keys")
+    move = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU],
+            "tokens": moving}
+
+    # No page free: nothing moves, the event fails with the reason, and A keeps every chunk.
+    state = controller.finish(controller.api("/move", move)["event_id"])
+    assert state["status"] == "failed" and "CPU pool full: reserved 0 of 5 pages" in state["error"], state
+    assert a.lookup(moving, peers=False) == 5 * CHUNK
+
+    # Two pages free (B's first two chunks unpinned): two chunks move; the other three stay at A.
+    controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": resident[:2 * CHUNK],
+                            "unpin": True})
+    state = controller.finish(controller.api("/move", move)["event_id"])
+    assert state["status"] == "done" and state["num_tokens"] == 2 * CHUNK, state
+    assert "CPU pool full: reserved 2 of 5 pages" in a.log()  # the CommandDone's error, as the source logs it
+    assert "does not hold" not in b.log()
+    assert b.lookup(moving, peers=False) == 2 * CHUNK and b.retrieve(moving)["exact"]
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 3, what="A's evictions")
+    assert a.status()["storage"]["cpu"]["pins_held"] == 0
+
+
+def test_controller_urls_written_as_tcp_urls(controller, spawn):
+    """``tcp://host:port`` is read as ``host:port``: the worker registers, with the address
+    that routes to the controller, and its events arrive."""
+    config = instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK,
+                             controller_pull_url=f"tcp://127.0.0.1:{controller.pull}",
+                             controller_reply_url=f"tcp://127.0.0.1:{controller.reply}")
+    for key in ("enable_p2p", "p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
+        config.pop(key)  # without p2p_host the worker takes its address from the controller's URL
+    a = spawn(config)
+    prompt = tokens(3 * CHUNK, seed=17)
+    assert a.prefill(prompt) == 3 * CHUNK
+    wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 3, what="A's events")
+    (worker,) = controller.http.get("/controller/workers").json()["workers"]
+    assert worker["host"] == "127.0.0.1"
+    assert "no local address routes" not in a.log()
 
 
 def test_tp_ranks_never_receive_each_others_chunks(controller, spawn):

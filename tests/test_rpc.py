@@ -187,3 +187,47 @@ def test_no_server_is_a_request_failed_within_the_timeout():
             ctx.destroy(0)
 
     run(main())
+
+
+def test_every_failed_request_with_a_late_handler_gets_it_called_exactly_once(monkeypatch):
+    """A request failed by another's timeout (its socket was reset) is owed its late handler too:
+    a NIXL holder may still write into the pages it names."""
+    import lmcache_p2p.rpc as rpc
+
+    monkeypatch.setattr(rpc, "LATE_GRACE_S", 0.3)
+    calls: dict[str, list] = {"timed_out": [], "reset_with_it": [], "answered_late": []}
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        port = free_ports(1)[0]
+        never = asyncio.Event()
+
+        async def handle(c):
+            if c.event_id == "answered_late":
+                await asyncio.sleep(0.2)
+            else:
+                await never.wait()
+            return CommandReply(event_id=c.event_id, ok=True)
+
+        server = _server(ctx, port, {HealthCommand: handle}, concurrent=True)
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "holder")
+
+        def ask(name: str, timeout: float):
+            return client.request_frames(
+                HealthCommand(event_id=name), CommandReply, timeout, on_late=lambda r, f: calls[name].append(r)
+            )
+
+        try:
+            results = await asyncio.gather(
+                ask("timed_out", 0.1), ask("reset_with_it", 0.5), ask("answered_late", 0.5), return_exceptions=True
+            )
+            assert all(isinstance(r, RequestFailed) for r in results), results
+            await asyncio.sleep(1.0)  # past the longest deadline (0.5 s) plus the grace period
+        finally:
+            client.close()
+            server.close()
+            ctx.destroy(0)
+
+    run(main())
+    assert calls["timed_out"] == [None] and calls["reset_with_it"] == [None]
+    assert [r.event_id for r in calls["answered_late"]] == ["answered_late"]

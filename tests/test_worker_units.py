@@ -1,10 +1,24 @@
-"""Worker pieces that need no network: event batching and page residency."""
+"""Worker pieces on their own: event batching, page residency, the controller's address, and
+the command server over a real socket on loopback."""
 
+import asyncio
+import logging
+
+import pytest
+import torch
+import zmq.asyncio
+
+from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey
-from lmcache_p2p.protocol import unpack_hashes
-from lmcache_p2p.storage.manager import CPU, DISK, StorageEvent
+from lmcache_p2p.protocol import CommandReply, PinCommand, command_reply_decoder, pack_hashes, unpack_hashes
+from lmcache_p2p.rpc import RemoteError, RpcClient
+from lmcache_p2p.storage.manager import CPU, DISK, StorageEvent, StorageManager
 from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.worker.commands import CommandServer
+from lmcache_p2p.worker.identity import WorkerIdentity, _route_address
 from lmcache_p2p.worker.link import EventBatcher
+
+from protocol_client import free_ports, layout
 
 
 def event(kind, h, location=CPU):
@@ -38,6 +52,84 @@ def test_a_full_batch_wakes_the_sender():
     assert not woken
     batcher.add(event("admit", 7))
     assert woken
+
+
+def test_keys_that_come_and_go_in_one_window_count_once():
+    """3,000 keys admitted and evicted before a flush are 3,000 pending events, not 6,000: the
+    count must not drift up, or every later add would wake the sender (one batch per event)."""
+    batcher = EventBatcher(max_batch=4096)
+    woken = []
+    batcher.wake = lambda: woken.append(True)
+    for h in range(3000):
+        batcher.add(event("admit", h))
+        batcher.add(event("evict", h))
+    assert not woken
+    (batch,) = batcher.cut("inst", 0)
+    assert len(unpack_hashes(batch.evicted)) == 3000 and not batch.admitted
+    # Nothing waits now: a full batch takes max_batch more keys, as it did at the start.
+    for h in range(batcher.max_batch - 1):
+        batcher.add(event("admit", 10_000 + h))
+    assert not woken
+    batcher.add(event("admit", 99_999))
+    assert woken == [True]
+    assert batcher.drop() == batcher.max_batch
+    # drop() reports distinct events: a key stored and evicted twice is one.
+    for _ in range(2):
+        for h in range(10):
+            batcher.add(event("admit", h))
+            batcher.add(event("evict", h))
+    assert batcher.drop() == 10 and batcher.drop() == 0
+
+
+def test_the_controller_route_accepts_both_url_forms_and_warns_when_it_falls_back(caplog):
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.worker.identity"):
+        assert _route_address("127.0.0.1:8300") == "127.0.0.1"
+        assert _route_address("tcp://127.0.0.1:8300") == "127.0.0.1"
+        assert not caplog.records
+        assert _route_address("tcp://no-such-host.invalid:8300") == "127.0.0.1"
+    (warning,) = caplog.records
+    assert "tcp://no-such-host.invalid:8300" in warning.getMessage()
+    assert "registering as 127.0.0.1" in warning.getMessage()
+
+
+def test_pin_and_unpin_on_disk_are_refused_naming_the_location(tmp_path):
+    """A pin holds a CPU page; a disk file cannot be held, so a disk pin would be a false success."""
+    config = LMCacheConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.001,
+                                      "local_disk": f"file://{tmp_path}/", "max_local_disk_size": 0.01})
+    storage = StorageManager(config, layout(), pin_memory=False)
+    assert storage.put(7, torch.zeros(storage.page_bytes, dtype=torch.uint8))
+    assert storage.flush() and storage.holds(7, DISK) and storage.holds(7, CPU)
+    port = free_ports(1)[0]
+    identity = WorkerIdentity(instance_id="inst", rank=0, host="127.0.0.1", worker_port=port, layout=layout(),
+                              chunk_size=16)
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        commands = CommandServer(ctx, identity, storage, link=None, peers=None, status=dict)
+        commands.start()
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "controller")
+        try:
+            for unpin in (False, True):
+                with pytest.raises(RemoteError) as refused:
+                    await client.request(PinCommand(event_id=f"disk-{unpin}", location=DISK, hashes=pack_hashes([7]),
+                                                    unpin=unpin), CommandReply, 5)
+                assert "pinning is supported on LocalCPUBackend only, not LocalDiskBackend" in str(refused.value)
+                assert refused.value.reply.event_id == f"disk-{unpin}"
+            assert storage.cpu.pins_held == 0 and commands.pinned_chunks == 0
+            # The CPU tier pins as before.
+            pinned = await client.request(PinCommand(event_id="cpu", location=CPU, hashes=pack_hashes([7])),
+                                          CommandReply, 5)
+            assert pinned.num_tokens == 16 and storage.cpu.pins_held == 1
+        finally:
+            client.close()
+            commands.close()
+            ctx.destroy(0)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert storage.cpu.pins_held == 0  # close() released the command's pin
+    finally:
+        storage.close()
 
 
 def test_pages_are_made_resident_once():

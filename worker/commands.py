@@ -1,10 +1,12 @@
 """The controller's commands to one rank: move, copy, clear, pin, health, status.
 
-The controller connects a DEALER to this rank's ROUTER (``lmcache_worker_ports[rank]``) and
-sends ``[request_id, command]``; every command is answered at once. Move and copy answer
-"pending" and finish in the background: this rank (the source) asks the destination rank to
-pull the chunks from it (FetchChunks on the destination's p2p_lookup port), evicts what the
-destination now holds (move only), and reports a CommandDone with the tokens that moved.
+The controller connects a DEALER to this rank's ROUTER (``lmcache_worker_ports[rank]``, an
+:class:`~lmcache_p2p.rpc.RpcServer`) and sends ``[request_id, command]``; every command is
+answered at once, in order of arrival. Move and copy answer "pending" and finish in the
+background: this rank (the source) asks the destination rank to pull the chunks from it
+(FetchChunks on the destination's p2p_lookup port), evicts what the destination now holds (move
+only), and reports a CommandDone with the tokens that moved. Pins hold CPU pages; a disk file
+cannot be held, so pinning on LocalDiskBackend is refused.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.protocol import (
-    ClearCommand, CommandDone, CommandReply, DecodeError, FetchChunks, FetchReply, HealthCommand, MoveCommand,
-    PeerAddress, PinCommand, StatusCommand, command_decoder, encode, unpack_hashes,
+    ClearCommand, CommandDone, CommandReply, FetchChunks, FetchReply, HealthCommand, MoveCommand, PeerAddress,
+    PinCommand, StatusCommand, unpack_hashes,
 )
+from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
-from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.worker.dealer import RequestFailed
+from lmcache_p2p.storage.manager import CPU, StorageManager
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
 from lmcache_p2p.worker.p2p_client import BASE_TIMEOUT_S, SLOWEST_RATE_BPS, P2PClient, Peer
@@ -38,65 +40,32 @@ class CommandServer:
         self.link = link
         self.peers = peers  # None when enable_p2p is off: this rank can be no move/copy source
         self.status = status
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.server = RpcServer(ctx, f"{identity.describe()} worker", {
+            MoveCommand: self._on_move,
+            ClearCommand: self._on_clear,
+            PinCommand: self._on_pin,
+            HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.storage.stats()),
+            StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.status()),
+        }, error_reply=lambda e: CommandReply(event_id="", ok=False, error=e))
         try:
-            self.sock.bind(f"tcp://*:{identity.worker_port}")
+            self.server.bind(f"tcp://*:{identity.worker_port}")
         except zmq.ZMQError as e:
-            self.sock.close(linger=0)
             raise OSError(f"{identity.describe()}: cannot bind lmcache_worker_ports port {identity.worker_port}: "
                           f"{e.strerror} (give one free port per TP rank)") from None
         self._pins: dict[int, list[PinnedChunk]] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._loop_task: Optional[asyncio.Task] = None
 
     def start(self) -> None:
-        self._loop_task = asyncio.ensure_future(self._loop())
+        self.server.start()
 
     def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        self.server.close()
         for task in self._tasks:
             task.cancel()
         for pins in self._pins.values():
             for chunk in pins:
                 chunk.release()
         self._pins.clear()
-        self.sock.close(linger=0)
-
-    async def _loop(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 3:
-                logger.warning("%s: command with %d frames dropped", self.me.describe(), len(frames))
-                continue
-            identity, request_id, payload = frames
-            try:
-                command = command_decoder.decode(payload)
-            except DecodeError as e:
-                logger.warning("%s: undecodable command: %s", self.me.describe(), e)
-                reply = CommandReply(event_id="", ok=False, error=f"undecodable command: {e}")
-            else:
-                try:
-                    reply = self._handle(command)
-                except Exception as e:
-                    logger.exception("%s: %s failed", self.me.describe(), type(command).__name__)
-                    reply = CommandReply(event_id=command.event_id, ok=False, error=f"worker error: {e}")
-            await self.sock.send_multipart([identity, request_id, encode(reply)])
-
-    def _handle(self, command) -> CommandReply:
-        if isinstance(command, MoveCommand):
-            return self._on_move(command)
-        if isinstance(command, ClearCommand):
-            return self._on_clear(command)
-        if isinstance(command, PinCommand):
-            return self._on_pin(command)
-        if isinstance(command, HealthCommand):
-            return CommandReply(event_id=command.event_id, ok=True, detail=self.storage.stats())
-        if isinstance(command, StatusCommand):
-            return CommandReply(event_id=command.event_id, ok=True, detail=self.status())
-        return CommandReply(event_id=getattr(command, "event_id", ""), ok=False,
-                            error=f"unsupported command {type(command).__name__}")
 
     def _check_location(self, event_id: str, location: str) -> Optional[CommandReply]:
         if location not in self.storage.locations:
@@ -126,31 +95,32 @@ class CommandServer:
         me, dest = self.me, command.destination
         kind = "copy" if command.copy else "move"
         hashes = unpack_hashes(command.hashes)
-        ok, tokens, error = False, 0, None
+        ok, tokens = False, 0
+        error: Optional[str] = None
+        assert self.peers is not None  # _on_move refuses a move without them
         try:
-            dealer = self.peers.lookup_socket(Peer(dest.instance_id, dest.rank, dest.host, dest.p2p_init_port,
-                                                   dest.p2p_lookup_port))
+            destination = self.peers.lookup_socket(Peer(dest.instance_id, dest.rank, dest.host, dest.p2p_init_port,
+                                                        dest.p2p_lookup_port))
             timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
             source = PeerAddress(instance_id=me.instance_id, rank=me.rank, location=command.location, host=me.host,
                                  p2p_init_port=me.p2p_init_port, p2p_lookup_port=me.p2p_lookup_port)
-            reply, _ = await dealer.request(FetchChunks(event_id=command.event_id, source=source, location=dest.location,
-                                                        hashes=command.hashes, fingerprint=self.storage.fingerprint),
-                                            timeout)
-            if not isinstance(reply, FetchReply) or not reply.ok:
-                error = getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
-            else:
-                held = unpack_hashes(reply.held)
-                if not command.copy:
-                    for h in held:
-                        self._unpin(int(h))
-                        self.storage.remove(int(h), command.location)
-                tokens = len(held) * self.storage.chunk_size
-                ok = len(held) > 0 or len(hashes) == 0
-                error = reply.error if not ok or len(held) < len(hashes) else None
-                logger.info("%s: %s %s: %d of %d chunk(s) now at %s/%s%s", me.describe(), kind, command.event_id,
-                            len(held), len(hashes), dest.instance_id, dest.location, f" ({error})" if error else "")
+            reply = await destination.request(
+                FetchChunks(event_id=command.event_id, source=source, location=dest.location, hashes=command.hashes,
+                            fingerprint=self.storage.fingerprint), FetchReply, timeout)
+            held = unpack_hashes(reply.held)
+            if not command.copy:
+                for h in held:
+                    self._unpin(int(h))
+                    self.storage.remove(int(h), command.location)
+            tokens = len(held) * self.storage.chunk_size
+            ok = len(held) > 0 or len(hashes) == 0
+            error = reply.error if not ok or len(held) < len(hashes) else None
+            logger.info("%s: %s %s: %d of %d chunk(s) now at %s/%s%s", me.describe(), kind, command.event_id,
+                        len(held), len(hashes), dest.instance_id, dest.location, f" ({error})" if error else "")
         except RequestFailed as e:
             error = f"destination {dest.instance_id} rank {dest.rank}: {e}"
+        except RemoteError as e:  # the destination refused (no such location, another layout...)
+            error = str(e)
         except Exception as e:
             logger.exception("%s: %s %s failed", me.describe(), kind, command.event_id)
             error = f"worker error: {e}"
@@ -176,6 +146,12 @@ class CommandServer:
         refused = self._check_location(command.event_id, command.location)
         if refused:
             return refused
+        if command.location != CPU:
+            # A pin holds a CPU page against eviction; nothing holds a disk file, so a pin there
+            # would report success for a chunk the disk may evict at any time.
+            return CommandReply(event_id=command.event_id, ok=False,
+                                error=f"{self.me.describe()}: pinning is supported on {CPU} only, "
+                                      f"not {command.location}")
         hashes = [int(h) for h in unpack_hashes(command.hashes)]
         count = 0
         for chunk_hash in hashes:  # a prompt's chunks: the run ends at the first one not held

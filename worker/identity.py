@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
 from dataclasses import dataclass
 from typing import Optional
 
-from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.config import LMCacheConfig, split_host_port
 from lmcache_p2p.keys import LayoutFingerprint
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,16 @@ class WorkerIdentity:
 
 def _route_address(url: Optional[str]) -> str:
     """The local address that routes to the controller: what it should call us back on when
-    p2p_host is not set (no packet is sent; a UDP connect only picks the route)."""
-    host = (url or "127.0.0.1").rpartition(":")[0] or "127.0.0.1"
+    p2p_host is not set (no packet is sent; a UDP connect only picks the route). A host that
+    does not resolve falls back to loopback, with a warning: only this host reaches that."""
+    if url is None:
+        return LOOPBACK
     try:
+        host, _ = split_host_port(url)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))
             return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+    except (ValueError, OSError) as e:
+        logger.warning("no local address routes to the controller at %s (%s); registering as %s, which only "
+                       "this host can reach: set p2p_host to the address peers should use", url, e, LOOPBACK)
+        return LOOPBACK

@@ -24,12 +24,13 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.config import split_host_port
 from lmcache_p2p.protocol import (
-    PROTOCOL_VERSION, Ack, Deregister, Heartbeat, Traffic, HeartbeatReply, KeyEvents, P2PLookup, P2PLookupReply, PeerHolder,
-    Register, RegisterReply, ResyncBatch, controller_reply_decoder, encode, pack_hashes,
+    PROTOCOL_VERSION, Ack, Deregister, Heartbeat, HeartbeatReply, KeyEvents, P2PLookup, P2PLookupReply, PeerHolder,
+    Register, RegisterReply, ResyncBatch, Traffic, controller_reply_decoder, encode, pack_hashes,
 )
+from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
 from lmcache_p2p.storage.manager import StorageEvent, StorageManager
-from lmcache_p2p.worker.dealer import Dealer, RequestFailed
 from lmcache_p2p.worker.identity import WorkerIdentity
 
 logger = logging.getLogger(__name__)
@@ -45,14 +46,19 @@ class EventBatcher:
         self.max_batch = max_batch
         self._lock = threading.Lock()
         self._pending: dict[str, dict[int, bool]] = {}  # location -> hash -> admitted?
+        # Distinct (location, hash) entries in _pending: a key admitted and evicted in one window
+        # is one entry, so the count (and with it the wake-ups and the dropped count) follows
+        # what a cut would send, not how many events came in.
         self._count = 0
         self.seq: dict[str, int] = {}  # last batch number sent per location
-        self.wake = None  # called (from any thread) when a full batch is waiting
+        self.wake: Optional[Callable[[], object]] = None  # called (from any thread) when a full batch is waiting
 
     def add(self, event: StorageEvent) -> None:
         with self._lock:
-            self._pending.setdefault(event.location, {})[event.key.chunk_hash] = event.kind == "admit"
-            self._count += 1
+            pending = self._pending.setdefault(event.location, {})
+            if event.key.chunk_hash not in pending:
+                self._count += 1
+            pending[event.key.chunk_hash] = event.kind == "admit"
             full = self._count >= self.max_batch
         if full and self.wake is not None:
             self.wake()
@@ -74,6 +80,7 @@ class EventBatcher:
         return out
 
     def drop(self) -> int:
+        """Forget everything waiting; returns how many distinct events that was."""
         with self._lock:
             n, self._count = self._count, 0
             self._pending.clear()
@@ -92,14 +99,17 @@ class ControllerLink:
         self.traffic = traffic  # this rank's totals, for the controller's dashboard
         self.me = identity
         self.storage = storage
-        self.reply_host = reply_url.rpartition(":")[0]
-        self.reply = Dealer(ctx, f"tcp://{reply_url}", controller_reply_decoder, "controller reply socket")
-        self.heartbeat: Optional[Dealer] = None
+        # Either spelling of a controller URL (host:port, tcp://host:port) names the same socket.
+        self.reply_host, reply_port = split_host_port(reply_url)
+        pull_host, pull_port = split_host_port(pull_url)
+        self.reply = RpcClient(ctx, f"tcp://{self.reply_host}:{reply_port}", controller_reply_decoder,
+                               "controller reply socket")
+        self.heartbeat: Optional[RpcClient] = None
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.setsockopt(zmq.IMMEDIATE, 1)
         self.push.setsockopt(zmq.SNDHWM, 10000)
-        self.push.connect(f"tcp://{pull_url}")
+        self.push.connect(f"tcp://{pull_host}:{pull_port}")
         self.heartbeat_time = heartbeat_time
         self.interval = heartbeat_time
         self.flush_interval = flush_interval
@@ -177,21 +187,20 @@ class ControllerLink:
                            locations=self.storage.locations, p2p_init_port=me.p2p_init_port,
                            p2p_lookup_port=me.p2p_lookup_port, transfer_channel=me.transfer_channel)
         try:
-            reply, _ = await self.reply.request(message, REQUEST_TIMEOUT_S)
+            reply = await self.reply.request(message, RegisterReply, REQUEST_TIMEOUT_S)
         except RequestFailed as e:
             logger.debug("%s: register: %s", me.describe(), e)
             return False
-        if not isinstance(reply, RegisterReply) or not reply.ok:
-            logger.error("%s: controller refused registration: %s", me.describe(),
-                         getattr(reply, "error", None) or type(reply).__name__)
+        except RemoteError as e:
+            logger.error("%s: controller refused registration: %s", me.describe(), e)
             await asyncio.sleep(5.0)
             return False
         self.epoch = reply.controller_epoch
         self.interval = min(self.heartbeat_time, reply.heartbeat_interval or self.heartbeat_time)
         if self.heartbeat is not None:
             self.heartbeat.close()
-        self.heartbeat = Dealer(self.ctx, f"tcp://{self.reply_host}:{reply.heartbeat_port or 8082}",
-                                controller_reply_decoder, "controller heartbeat socket")
+        self.heartbeat = RpcClient(self.ctx, f"tcp://{self.reply_host}:{reply.heartbeat_port or 8082}",
+                                   controller_reply_decoder, "controller heartbeat socket")
         dropped = self.batcher.drop()  # the re-sync below carries their effect
         self.registered = True
         self.stats["registrations"] += 1
@@ -202,21 +211,27 @@ class ControllerLink:
         return True
 
     async def _beat(self) -> None:
+        assert self.heartbeat is not None  # made by the registration that set self.registered
         try:
-            reply, _ = await self.heartbeat.request(
+            reply = await self.heartbeat.request(
                 Heartbeat(instance_id=self.me.instance_id, rank=self.me.rank, controller_epoch=self.epoch,
                           traffic=self.traffic() if self.traffic else None),
-                timeout=max(1.0, 2 * self.interval))
+                HeartbeatReply, timeout=max(1.0, 2 * self.interval))
         except RequestFailed as e:
             self.stats["heartbeat_misses"] += 1
             logger.warning("%s: heartbeat unanswered (%s); the controller looks away, serving locally",
                            self.me.describe(), e)
             self.registered = False
             return
+        except RemoteError as e:
+            self.stats["heartbeats"] += 1
+            logger.info("%s: controller refused our heartbeat (%s); registering again", self.me.describe(), e)
+            self.registered = False
+            return
         self.stats["heartbeats"] += 1
-        if not isinstance(reply, HeartbeatReply) or reply.status != "ok" or reply.controller_epoch != self.epoch:
+        if reply.status != "ok" or reply.controller_epoch != self.epoch:
             logger.info("%s: controller does not know us (epoch %s -> %s); registering again", self.me.describe(),
-                        self.epoch, getattr(reply, "controller_epoch", "?"))
+                        self.epoch, reply.controller_epoch)
             self.registered = False
             return
         for location in reply.resync:
@@ -266,13 +281,12 @@ class ControllerLink:
             message = ResyncBatch(instance_id=me.instance_id, rank=me.rank, location=location,
                                   snapshot_seq=snapshot_seq, batch=i, last=i == count - 1, keys=pack_hashes(part))
             try:
-                reply, _ = await self.reply.request(message, REQUEST_TIMEOUT_S)
+                await self.reply.request(message, Ack, REQUEST_TIMEOUT_S)
             except RequestFailed as e:
                 logger.warning("%s: re-sync of %s stopped at batch %d: %s", me.describe(), location, i, e)
                 return
-            if isinstance(reply, Ack) and not reply.ok:
-                logger.warning("%s: controller rejected re-sync batch %d of %s: %s", me.describe(), i, location,
-                               reply.error)
+            except RemoteError as e:
+                logger.warning("%s: controller rejected re-sync batch %d of %s: %s", me.describe(), i, location, e)
                 return
         self.stats["resyncs_sent"] += 1
         logger.info("%s: re-synced %d keys of %s with the controller in %.1f ms (snapshot seq %d)", me.describe(),
@@ -286,9 +300,10 @@ class ControllerLink:
             return []
         self.stats["p2p_lookups"] += 1
         try:
-            reply, _ = await self.reply.request(
-                P2PLookup(instance_id=self.me.instance_id, rank=self.me.rank, hashes=pack_hashes(hashes)), timeout)
-        except RequestFailed as e:
-            logger.warning("%s: peer lookup failed: %s", self.me.describe(), e)
+            reply = await self.reply.request(
+                P2PLookup(instance_id=self.me.instance_id, rank=self.me.rank, hashes=pack_hashes(hashes)),
+                P2PLookupReply, timeout)
+        except (RequestFailed, RemoteError) as e:
+            logger.warning("%s: peer lookup of %d chunk(s) failed: %s", self.me.describe(), len(hashes), e)
             return []
-        return reply.holders if isinstance(reply, P2PLookupReply) else []
+        return reply.holders

@@ -2,9 +2,9 @@
 
 A pull reserves pages in our CPU pool, asks the holder (ChunkPull on its p2p_lookup port) to
 fill them, verifies every payload's checksum, and commits the verified leading run. Anything
-else (the holder lacks a chunk, a checksum differs, a timeout, a dead peer) ends the run: those
-chunks are a miss, logged with the reason, and their pages go back to the pool. Nothing here
-raises into the engine.
+else (the holder lacks a chunk, a checksum differs, a timeout, a dead peer, our pool is full)
+ends the run: those chunks are a miss, logged with the reason, and their pages go back to the
+pool. Nothing here raises into the engine.
 
 Over NIXL the holder writes into our pages directly, so pages of a request that timed out are
 kept out of the pool until the holder's late answer arrives (or a grace period passes): a slow
@@ -27,9 +27,9 @@ from lmcache_p2p.keys import in_parallel, payload_checksum
 from lmcache_p2p.protocol import (
     ChannelHelloReply, ChunkPull, ChunkPullReply, pack_hashes, pack_pages, peer_reply_decoder, unpack_hashes,
 )
+from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
 from lmcache_p2p.storage.manager import CPU, StorageManager
 from lmcache_p2p.transfer import Transport, TransferError
-from lmcache_p2p.worker.dealer import Dealer, RequestFailed
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
 
@@ -65,13 +65,17 @@ PHASES = ("slots", "holder", "queue+wire", "land", "verify")
 
 @dataclass
 class _Batch:
-    hashes: list[int]
+    hashes: list[int]  # the chunks asked for: one per reserved page
     pages: list[int] = field(default_factory=list)  # reserved here; committed or abandoned later
     good: int = 0  # leading chunks landed with matching checksums
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
-    answered: bool = False  # the holder replied (a miss inside a batch is not a broken peer)
+    peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
+    pool_full: Optional[str] = None  # fewer pages were free than the batch had chunks: the run ends here
     error: Optional[str] = None
-    rest: list[int] = field(default_factory=list)  # hashes after the failed one (skip_missing)
+    # The error is a chunk the holder lacks or sent damaged: a move/copy (skip_missing) goes on
+    # with ``rest``, the hashes after it.
+    skippable: bool = False
+    rest: list[int] = field(default_factory=list)
     # Where its time went, ms: waiting for receive slots, the holder's work on it (pins,
     # checksums, copies, its write), the rest of the round trip (queueing behind the session's
     # other requests, the wire), landing the bytes in our pages, checking them.
@@ -86,9 +90,10 @@ class _Connection:
     """One peer's sockets and the channel agreed with it at hello."""
 
     def __init__(self, ctx: zmq.asyncio.Context, peer: Peer):
-        self.init = Dealer(ctx, f"tcp://{peer.host}:{peer.init_port}", peer_reply_decoder, f"{peer.describe()} p2p_init")
-        self.lookup = Dealer(ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder,
-                             f"{peer.describe()} p2p_lookup")
+        self.init = RpcClient(ctx, f"tcp://{peer.host}:{peer.init_port}", peer_reply_decoder,
+                              f"{peer.describe()} p2p_init")
+        self.lookup = RpcClient(ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder,
+                                f"{peer.describe()} p2p_lookup")
         self.channel: Optional[str] = None
         self.staged = False  # the holder writes through GPU staging (agreed at hello)
 
@@ -146,7 +151,7 @@ class P2PClient:
     async def pull(self, peer: Peer, hashes, location: str, skip_missing: bool = False) -> PullResult:
         """Pull ``hashes`` from ``peer`` into ``location``, in order. The run ends at the first
         failure; with ``skip_missing`` (move/copy of an arbitrary key set) a chunk the holder
-        merely lacks is skipped instead.
+        merely lacks (or sent damaged) is skipped instead. A full pool here ends it either way.
 
         Requests of ``batch_chunks`` chunks are pipelined, ``pipeline_depth`` in flight: checksums of
         one batch are verified while the next is on the wire. Batches are committed in order."""
@@ -179,11 +184,12 @@ class P2PClient:
             if batch.error is None:
                 continue
             result.error = batch.error
-            if not batch.answered:
+            if batch.peer_failed:
                 self._drop(peer)
-            if skip_missing and batch.answered and batch.rest:
-                todo.appendleft(batch.rest)  # go on after the chunk the holder lacked
-            elif not skip_missing or not batch.answered:
+            if skip_missing and batch.skippable:
+                if batch.rest:
+                    todo.appendleft(batch.rest)  # go on after the chunk the holder lacked
+            else:
                 stopped = True
                 todo.clear()
         self._report(peer, channel, len(hashes), result, time.perf_counter() - t0, batches, phases_ms)
@@ -214,7 +220,7 @@ class P2PClient:
             conn = self._connections[key] = _Connection(self.ctx, peer)
         return conn
 
-    def lookup_socket(self, peer: Peer) -> Dealer:
+    def lookup_socket(self, peer: Peer) -> RpcClient:
         """The peer's p2p_lookup socket, for requests that need no channel session (FetchChunks)."""
         return self._connection(peer).lookup
 
@@ -224,16 +230,19 @@ class P2PClient:
             return conn
         for channel in dict.fromkeys([self.preferred, "tcp"]):
             hello = self.transports[channel].hello(self.me.instance_id, self.me.rank, self.storage.fingerprint)
-            reply, _ = await conn.init.request(hello, HELLO_TIMEOUT_S)
-            if isinstance(reply, ChannelHelloReply) and reply.ok:
-                conn.channel = channel
-                conn.staged = reply.staged
-                if channel != self.preferred:
-                    logger.info("%s serves %s only; pulling from it over tcp", peer.describe(), reply.channels)
-                return conn
-            error = getattr(reply, "error", None) or type(reply).__name__
-            if not isinstance(reply, ChannelHelloReply) or "tcp" not in reply.channels:
-                break
+            try:
+                reply = await conn.init.request(hello, ChannelHelloReply, HELLO_TIMEOUT_S)
+            except RemoteError as e:
+                refusal = e.reply if isinstance(e.reply, ChannelHelloReply) else None
+                error = (refusal.error if refusal else None) or str(e)
+                if refusal is None or "tcp" not in refusal.channels:
+                    break
+                continue  # it serves tcp: ask for that instead
+            conn.channel = channel
+            conn.staged = reply.staged
+            if channel != self.preferred:
+                logger.info("%s serves %s only; pulling from it over tcp", peer.describe(), reply.channels)
+            return conn
         self._drop(peer)
         raise TransferError(f"{peer.describe()} refused the {self.preferred} session: {error}")
 
@@ -250,10 +259,15 @@ class P2PClient:
             if reserved is None:
                 break
             batch.pages.append(reserved[0])
+        if len(batch.pages) < len(hashes):
+            # Only the chunks we have pages for are asked for. The rest are no miss at the
+            # holder: our pool is full, and the run ends here (a move/copy must not skip them).
+            batch.pool_full = (f"CPU pool full: reserved {len(batch.pages)} of {len(hashes)} pages (every other "
+                               f"page of {self.storage.cpu.pool.num_pages} is pinned or in a transfer)")
+            batch.hashes = hashes = hashes[:len(batch.pages)]
         if not batch.pages:
-            batch.error = "no free page in the CPU pool (every page is pinned)"
+            batch.error = batch.pool_full
             return batch
-        hashes = hashes[:len(batch.pages)]
         transport = self.transports[conn.channel]
         direct = conn.channel != "tcp"  # the holder writes into our pages (or slots) itself
         # The holder sends a session's requests one after another, so this one may wait behind
@@ -268,33 +282,35 @@ class P2PClient:
                             timeout_s=timeout)
 
         def release_late(reply, frames) -> None:
-            # The holder answered after all (or the grace period ended): it writes no more.
+            # The holder answered after all (or has surely given up): it writes no more. The rpc
+            # layer calls this exactly once for a failed request, also for one failed because
+            # another request's timeout reset the socket.
             self._abandon(pages)
             transport.release(slots)
             self.stats["pages_quarantined"] -= len(pages)
 
         t0 = time.perf_counter()
         try:
-            reply, frames = await conn.lookup.request(request, timeout, on_late=release_late if direct else None)
+            reply, frames = await conn.lookup.request_frames(request, ChunkPullReply, timeout,
+                                                             on_late=release_late if direct else None)
         except RequestFailed as e:
-            if direct:  # the pages and slots stay out of use until release_late
+            if direct:  # the holder may still write: the pages and slots stay out of use until release_late
                 self.stats["pages_quarantined"] += len(pages)
                 batch.pages = []
             else:
                 transport.release(slots)
-            batch.error = str(e)
+            batch.error, batch.peer_failed = str(e), True
+            return batch
+        except RemoteError as e:  # the holder refused (unknown session, layout, its transfer failed)
+            transport.release(slots)
+            batch.error, batch.peer_failed = str(e), True
             return batch
         return await self._land(batch, transport, reply, frames, slots, peer, t0)
 
-    async def _land(self, batch: "_Batch", transport: Transport, reply, frames: list, slots: list[int], peer: Peer,
-                    t0: float) -> "_Batch":
+    async def _land(self, batch: "_Batch", transport: Transport, reply: ChunkPullReply, frames: list,
+                    slots: list[int], peer: Peer, t0: float) -> "_Batch":
         """Place and verify what the holder's reply says it sent; gives the receive slots back."""
-        hashes = batch.hashes[:len(batch.pages)]
-        if not isinstance(reply, ChunkPullReply) or not reply.ok:
-            transport.release(slots)
-            batch.error = getattr(reply, "error", None) or f"unexpected {type(reply).__name__}"
-            return batch
-        batch.answered = True
+        hashes = batch.hashes
         served = min(reply.served, len(hashes))
         t1 = time.perf_counter()
         batch.phases_ms["holder"] = reply.holder_ms
@@ -308,7 +324,7 @@ class P2PClient:
             batch.checksums = unpack_hashes(reply.checksums)
             batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
-            batch.good, batch.answered, batch.error = 0, False, str(e)
+            batch.good, batch.peer_failed, batch.error = 0, True, str(e)
             return batch
         batch.phases_ms["verify"] = (time.perf_counter() - t1) * 1e3 - batch.phases_ms["land"]
         self.stats["transfer_ms"] += (t1 - t0) * 1e3
@@ -316,10 +332,13 @@ class P2PClient:
         if batch.good < served:
             self.stats["checksum_mismatches"] += 1
             batch.error = f"checksum mismatch on chunk {hashes[batch.good]:016x}"
-        elif served < len(batch.hashes):
-            batch.error = f"{peer.instance_id} does not hold chunk {batch.hashes[served]:016x}"
+        elif served < len(hashes):
+            batch.error = f"{peer.instance_id} does not hold chunk {hashes[served]:016x}"
         if batch.error:
-            batch.rest = batch.hashes[batch.good + 1:]
+            batch.skippable, batch.rest = True, hashes[batch.good + 1:]
+        if batch.pool_full:
+            batch.skippable = False
+            batch.error = f"{batch.error}; {batch.pool_full}" if batch.error else batch.pool_full
         return batch
 
     def _commit(self, batch: "_Batch", location: str) -> list[int]:

@@ -1,13 +1,15 @@
 """Serving this rank's chunks to peers (the holder side of P2P).
 
-Two ROUTER sockets: ``p2p_init`` takes a requester's hello (its channel, layout fingerprint and,
-for NIXL, its agent metadata and pool geometry) and opens a session; ``p2p_lookup`` takes chunk
-pulls and move/copy fetches. Each request runs as its own task, so one slow transfer does not
-hold up the others; at most ``max_concurrent_pulls`` pulls pin pages at once.
+Two ROUTER sockets, each an :class:`~lmcache_p2p.rpc.RpcServer`: ``p2p_init`` takes a
+requester's hello (its channel, layout fingerprint and, for NIXL, its agent metadata and pool
+geometry) and opens a session; ``p2p_lookup`` takes chunk pulls and move/copy fetches. Each
+request runs as its own task, so one slow transfer does not hold up the others; at most
+``max_concurrent_pulls`` pulls pin pages at once.
 
 A pull pins the leading chunks we hold (a disk hit is promoted into the CPU tier first), sends
 them over the session's channel with their checksums, and releases the pins once the reply is
-on the wire. A request for another layout (model, dtype, TP rank...) is refused.
+on the wire (``Answer.on_sent``). A request for another layout (model, dtype, TP rank...) is
+refused.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import zmq.asyncio
 
 from lmcache_p2p.keys import in_parallel
 from lmcache_p2p.protocol import (
-    Ack, ChannelHello, ChannelHelloReply, ChunkPull, ChunkPullReply, DecodeError, FetchChunks, FetchReply, encode,
-    pack_hashes, peer_request_decoder, unpack_hashes, unpack_pages,
+    ChannelHello, ChannelHelloReply, ChunkPull, ChunkPullReply, FetchChunks, FetchReply, pack_hashes, unpack_hashes,
+    unpack_pages,
 )
+from lmcache_p2p.rpc import Answer, Handler, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import Transport, TransferError
@@ -43,89 +46,34 @@ class PeerServer:
         self.client = client
         self._sessions: dict[str, Transport] = {}
         self._pull_slots = asyncio.Semaphore(max_concurrent_pulls)
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
-        self._tasks: list[asyncio.Task] = []
-        self._requests: set[asyncio.Task] = set()
-        for name, port in (("p2p_init", identity.p2p_init_port), ("p2p_lookup", identity.p2p_lookup_port)):
-            sock = ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
+        self.stats = {"sessions": 0, "pulls_served": 0, "chunks_served": 0, "bytes_served": 0, "pulls_refused": 0,
+                      "bad_frames": 0}
+        self._servers: list[RpcServer] = []
+        sockets: list[tuple[str, Optional[int], dict[type, Handler]]] = [
+            ("p2p_init", identity.p2p_init_port, {ChannelHello: self._on_hello}),
+            ("p2p_lookup", identity.p2p_lookup_port, {ChunkPull: self._on_pull, FetchChunks: self._on_fetch})]
+        for name, port, handlers in sockets:
+            server = RpcServer(ctx, f"{identity.describe()} {name}", handlers, concurrent=True,
+                               on_bad_frame=self._count_bad_frame)
             try:
-                sock.bind(f"tcp://*:{port}")
+                server.bind(f"tcp://*:{port}")
             except zmq.ZMQError as e:
-                sock.close(linger=0)
                 self.close()
                 raise OSError(f"{identity.describe()}: cannot bind {name} port {port}: {e.strerror} "
                               f"(set {name}_ports to free ports, one per TP rank)") from None
-            self._sockets[name] = sock
-        self.stats = {"sessions": 0, "pulls_served": 0, "chunks_served": 0, "bytes_served": 0, "pulls_refused": 0,
-                      "bad_frames": 0}
+            self._servers.append(server)
 
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._loop(name)) for name in self._sockets]
+        for server in self._servers:
+            server.start()
 
     def close(self) -> None:
-        for task in [*self._tasks, *self._requests]:
-            task.cancel()
-        for sock in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets.clear()
+        for server in self._servers:
+            server.close()
+        self._servers.clear()
 
-    async def _loop(self, name: str) -> None:
-        sock = self._sockets[name]
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3:
-                self.stats["bad_frames"] += 1
-                logger.warning("%s: bad frame on %s: %d frames", self.me.describe(), name, len(frames))
-                continue
-            identity, request_id, payload = frames
-            try:
-                request = peer_request_decoder.decode(payload)
-            except DecodeError as e:
-                self.stats["bad_frames"] += 1
-                logger.warning("%s: undecodable request on %s: %s", self.me.describe(), name, e)
-                await sock.send_multipart([identity, request_id, encode(Ack(ok=False, error=f"undecodable: {e}"))])
-                continue
-            task = asyncio.ensure_future(self._answer(sock, identity, request_id, request))
-            self._requests.add(task)
-            task.add_done_callback(self._requests.discard)
-
-    async def _answer(self, sock: zmq.asyncio.Socket, identity: bytes, request_id: bytes, request) -> None:
-        pins: list[PinnedChunk] = []
-        try:
-            if isinstance(request, ChannelHello):
-                reply, frames = await self._on_hello(request), []
-            elif isinstance(request, ChunkPull):
-                async with self._pull_slots:
-                    reply, frames = await self._on_pull(request, pins)
-                    await self._send(sock, [identity, request_id, encode(reply), *frames])
-                return
-            elif isinstance(request, FetchChunks):
-                reply, frames = await self._on_fetch(request), []
-            else:
-                reply, frames = Ack(ok=False, error=f"{type(request).__name__} is not a peer request"), []
-            await self._send(sock, [identity, request_id, encode(reply), *frames])
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            logger.exception("%s: serving %s failed", self.me.describe(), type(request).__name__)
-            await sock.send_multipart([identity, request_id, encode(Ack(ok=False, error=f"holder error: {e}"))])
-        finally:
-            for chunk in pins:
-                chunk.release()
-
-    @staticmethod
-    async def _send(sock: zmq.asyncio.Socket, frames: list) -> None:
-        if len(frames) <= 3:
-            await sock.send_multipart(frames)
-            return
-        # Payload frames are zero-copy views of pinned pages: wait until ZMQ is done with them
-        # before the caller releases the pins.
-        tracker = await sock.send_multipart(frames, copy=False, track=True)
-        pause = 0.0005
-        while not tracker.done:
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.01)
+    def _count_bad_frame(self, why: str) -> None:
+        self.stats["bad_frames"] += 1
 
     # -- handlers --------------------------------------------------------------------------------
 
@@ -148,7 +96,26 @@ class PeerServer:
         self.stats["sessions"] += 1
         return ChannelHelloReply(ok=True, channels=channels, staged=staged)
 
-    async def _on_pull(self, request: ChunkPull, pins: list[PinnedChunk]) -> tuple[ChunkPullReply, list]:
+    async def _on_pull(self, request: ChunkPull) -> Answer:
+        """A pull, at most ``max_concurrent_pulls`` at once. Its pins and its slot are held until
+        the reply is sent: TCP payload frames are zero-copy views of the pinned pages."""
+        await self._pull_slots.acquire()
+        pins: list[PinnedChunk] = []
+
+        def release() -> None:
+            for chunk in pins:
+                chunk.release()
+            self._pull_slots.release()
+
+        try:
+            reply, frames = await self._serve_pull(request, pins)
+        except BaseException:  # no Answer takes the pins to on_sent
+            release()
+            raise
+        return Answer(reply, frames, on_sent=release)
+
+    async def _serve_pull(self, request: ChunkPull, pins: list[PinnedChunk]) -> tuple[ChunkPullReply, list]:
+        """Pin (into ``pins``) and send the leading chunks we hold; the reply and its frames."""
         transport = self._sessions.get(request.session)
         if transport is None:
             self.stats["pulls_refused"] += 1
@@ -205,9 +172,16 @@ class PeerServer:
         wanted = [h for h in hashes if h not in have_set]
         peer = Peer(src.instance_id, src.rank, src.host, src.p2p_init_port, src.p2p_lookup_port)
         result = await self.client.pull(peer, wanted, request.location, skip_missing=True) if wanted else None
-        held = have + (result.held if result else [])
-        error: Optional[str] = result.error if result and len(result.held) < len(wanted) else None
+        pulled = result.held if result else []
+        problems = [result.error] if result and result.error and len(pulled) < len(wanted) else []
+        # The source evicts what we report (move): only chunks held now count. In a pool smaller
+        # than the move, a later batch's pages can evict a chunk an earlier batch brought.
+        held = [h for h in have + pulled if self.storage.holds(h, request.location)]
+        if len(held) < len(have) + len(pulled):
+            problems.append(f"{len(have) + len(pulled) - len(held)} chunk(s) evicted here again before the fetch "
+                            f"ended (the pool is smaller than the move)")
+        error = "; ".join(problems) or None
         logger.info("%s: %s fetched %d of %d chunk(s) from %s into %s (%d held already)%s", self.me.describe(),
-                    request.event_id, len(held) - len(have), len(wanted), peer.describe(), request.location, len(have),
+                    request.event_id, len(pulled), len(wanted), peer.describe(), request.location, len(have),
                     f"; {error}" if error else "")
         return FetchReply(ok=True, held=pack_hashes(held), error=error)
