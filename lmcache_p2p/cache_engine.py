@@ -1,8 +1,11 @@
 """CacheEngine: one engine rank's KV cache service, the object the vLLM connector drives.
 
-It owns the rank's :class:`StorageManager` (CPU and disk tiers) and, with ``enable_controller``,
-its :class:`Worker` (controller link, commands, peers). The engine's KV lives in paged per-layer
-tensors; the engine hands them in with the block ids of a request's tokens:
+It works on the rank's :class:`StorageManager` (CPU and disk tiers) and, with ``enable_controller``,
+a :class:`PeerService` (the rank's worker: controller link, commands, peers), both handed in by
+``lmcache_p2p.worker.build_engine``: the core never imports the network side. The engine's KV
+lives in paged per-layer tensors; the engine hands them in with the block ids of a request's
+tokens. Prompts arrive as their chained chunk hashes, computed once per request by the caller
+(``keys.chunk_hash_array``); chunk *i* covers tokens ``[i * chunk_size, (i + 1) * chunk_size)``:
 
 * ``store``: gather each full chunk not held yet into a CPU page and admit it;
 * ``lookup``: how many leading tokens can be loaded (local tiers; with ``enable_p2p`` the rest of
@@ -15,6 +18,7 @@ Nothing here raises into the engine for a cache problem: a failure is a shorter 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -25,56 +29,52 @@ import torch
 
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.keys import LayoutFingerprint, TokenIds, chunk_hash_array
+from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
+from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S, EngineCounters, PeerService
 from lmcache_p2p.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
 
-PEER_FETCH_TIMEOUT_S = 30.0
-
 
 class CacheEngine:
-    def __init__(self, config: LMCacheConfig, layout: LayoutFingerprint, rank: int = 0,
-                 pin_memory: Optional[bool] = None, device: Optional[torch.device] = None):
-        config.validate()
-        config.validate_for_tp(layout.tp_size)
-        config.validate_for_block_size(layout.block_size)
+    """One rank's engine over ``storage`` and, when the controller is on, ``peers``; ``counters``
+    are shared with ``peers``, which report them. Build it with ``lmcache_p2p.worker.build_engine``,
+    which validates the configuration against the layout before anything is allocated."""
+
+    def __init__(self, config: LMCacheConfig, layout: LayoutFingerprint, storage: StorageManager, rank: int = 0,
+                 peers: Optional[PeerService] = None, counters: Optional[EngineCounters] = None):
         self.config = config
         self.layout = layout
         self.rank = rank
         self.chunk_size = config.chunk_size
         self.blocks_per_chunk = config.chunk_size // layout.block_size
-        self.storage = StorageManager(config, layout, pin_memory=pin_memory)
-        # Totals since start, in tokens: what status() reports and tests and dashboards read.
-        # The lookup totals also travel to the controller with every heartbeat (Traffic).
-        self.counters = {"stored_tokens": 0, "retrieved_tokens": 0, "retrieves": 0,
-                         "lookups": 0, "lookup_tokens": 0, "hit_tokens": 0}
+        self.storage = storage
+        self.peers = peers
+        self.counters = counters if counters is not None else EngineCounters()  # shared with the peers' reports
         self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
-        self.worker = None
-        if config.enable_controller:
-            from lmcache_p2p.worker import Worker  # the network side only when asked for
-            self.worker = Worker(config, self.storage, layout, rank, engine_counters=self.counters, device=device)
 
     # -- store -----------------------------------------------------------------------------------
 
-    def store(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> int:
-        """Save the full chunks of ``tokens`` whose KV sits in ``block_ids`` (one block id per
-        ``block_size`` tokens, in order); returns the tokens newly stored."""
-        batch = self._reserve(tokens, block_ids)
+    def store(self, chunk_hashes: ChunkHashes, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+              num_tokens: Optional[int] = None) -> int:
+        """Save the chunks ``chunk_hashes`` names whose KV sits in ``block_ids`` (one block id per
+        ``block_size`` tokens from token 0, in order); returns the tokens newly stored.
+        ``num_tokens`` is the prompt's length for the log (default: the chunks' tokens)."""
+        batch = self._reserve(chunk_hashes, block_ids)
         try:
             gpu_ops.gather_chunks(layers, [c.blocks for c in batch], [c.data for c in batch])
         except BaseException:
             self._abandon(batch)
             raise
-        return self._commit(batch, len(tokens))
+        return self._commit(batch, self._prompt_tokens(chunk_hashes, num_tokens))
 
-    def store_async(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
-                    owner: str = "") -> int:
+    def store_async(self, chunk_hashes: ChunkHashes, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+                    owner: str = "", num_tokens: Optional[int] = None) -> int:
         """:meth:`store` without waiting for the copy (the engine's store path on a GPU): the
         chunks are gathered on a copy stream beside the next forward pass and indexed by a later
         :meth:`poll_stores` once the copy is done. The caller keeps ``block_ids`` unchanged until
         then (:meth:`stores_pending` for ``owner`` says when). Returns the chunks launched."""
-        batch = self._reserve(tokens, block_ids)
+        batch = self._reserve(chunk_hashes, block_ids)
         if not batch:
             return 0
         t0 = time.perf_counter()
@@ -84,10 +84,11 @@ class CacheEngine:
         except BaseException:
             self._abandon(batch)
             raise
+        num_tokens = self._prompt_tokens(chunk_hashes, num_tokens)
         if copy is None:  # copied already (no CUDA here)
-            self._commit(batch, len(tokens))
+            self._commit(batch, num_tokens)
         else:
-            self._pending.append(_PendingStore(copy, batch, owner, len(tokens), t0))
+            self._pending.append(_PendingStore(copy, batch, owner, num_tokens, t0))
         return len(batch)
 
     def poll_stores(self, wait: bool = False) -> int:
@@ -110,21 +111,25 @@ class CacheEngine:
         for pending in self._pending:
             pending.copy.order_before(stream)
 
-    def _reserve(self, tokens: TokenIds, block_ids: Sequence[int]) -> list["_ReservedChunk"]:
+    def _reserve(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int]) -> list["_ReservedChunk"]:
         """A page for every chunk not held yet (or on its way), so a store is one gather."""
         on_the_way = {c.chunk_hash for pending in self._pending for c in pending.batch}
         batch = []
-        for span in self.storage.spans(tokens):
-            if self.storage.location_of(span.chunk_hash) is not None or span.chunk_hash in on_the_way:
+        for index, chunk_hash in enumerate(hash_list(chunk_hashes)):
+            if self.storage.location_of(chunk_hash) is not None or chunk_hash in on_the_way:
                 continue
-            blocks = self._blocks(block_ids, span.start)
+            blocks = self._blocks(block_ids, index * self.chunk_size)
             if blocks is None:
                 break
             reserved = self.storage.reserve_page()
             if reserved is None:
                 break  # every page pinned: nothing more can be stored now
-            batch.append(_ReservedChunk(span.chunk_hash, blocks, *reserved))
+            batch.append(_ReservedChunk(chunk_hash, blocks, *reserved))
         return batch
+
+    def _prompt_tokens(self, chunk_hashes: ChunkHashes, num_tokens: Optional[int]) -> int:
+        """The prompt length a log line reports: as given, else the chunks' tokens."""
+        return len(chunk_hashes) * self.chunk_size if num_tokens is None else num_tokens
 
     def _abandon(self, batch: list["_ReservedChunk"]) -> None:
         for chunk in batch:
@@ -133,7 +138,7 @@ class CacheEngine:
     def _commit(self, batch: list["_ReservedChunk"], num_tokens: int, launched: Optional[float] = None) -> int:
         """Index a gathered batch; ``launched`` is when an asynchronous copy of it started."""
         stored = sum(self.chunk_size for c in batch if self.storage.commit_page(c.chunk_hash, c.page))
-        self.counters["stored_tokens"] += stored
+        self.counters.stored_tokens += stored
         took = ("" if launched is None else
                 f" (copied in {(time.perf_counter() - launched) * 1e3:.1f} ms beside the forward pass)")
         logger.log(logging.INFO if stored else logging.DEBUG,
@@ -147,48 +152,47 @@ class CacheEngine:
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def _local_hit(self, tokens: TokenIds) -> tuple[list[int], int]:
-        """The prompt's chunk hashes, and how many leading chunks the local tiers hold."""
-        hashes = chunk_hash_array(tokens, self.chunk_size).tolist()
-        return hashes, self.storage.lookup_prefix(hashes).num_chunks
-
     def count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
         """One prompt looked up and what was found (local tiers or peers), once per request:
         the totals the controller's dashboard turns into a hit ratio."""
-        self.counters["lookups"] += 1
-        self.counters["lookup_tokens"] += num_tokens
-        self.counters["hit_tokens"] += hit_tokens
+        self.counters.lookups += 1
+        self.counters.lookup_tokens += num_tokens
+        self.counters.hit_tokens += hit_tokens
 
-    def lookup(self, tokens: TokenIds, use_peers: bool = True) -> int:
-        """Leading tokens of ``tokens`` that :meth:`retrieve` can load now (pulling from a peer
-        first when P2P is on and the local prefix ends early)."""
-        hashes, hit = self._local_hit(tokens)
-        if use_peers and hit < len(hashes) and self.worker is not None:
-            if self.worker.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S):
-                hit = self.storage.lookup_prefix(hashes).num_chunks
-        self.count_lookup(len(tokens), hit * self.chunk_size)
+    def lookup(self, chunk_hashes: ChunkHashes, num_tokens: Optional[int] = None, use_peers: bool = True) -> int:
+        """Leading tokens of the prompt ``chunk_hashes`` names that :meth:`retrieve` can load now
+        (pulling from a peer first when P2P is on and the local prefix ends early). ``num_tokens``
+        is the prompt's length for the counters (default: its full chunks' tokens)."""
+        hashes = hash_list(chunk_hashes)
+        hit = self.storage.lookup_prefix(hashes).num_chunks
+        if (use_peers and hit < len(hashes) and self.peers is not None
+                and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S)):
+            hit = self.storage.lookup_prefix(hashes).num_chunks
+        self.count_lookup(self._prompt_tokens(hashes, num_tokens), hit * self.chunk_size)
         return hit * self.chunk_size
 
-    def lookup_async(self, tokens: TokenIds) -> tuple[int, Optional[concurrent.futures.Future]]:
+    def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[int, Optional[concurrent.futures.Future]]:
         """The local hit now, and a future for the peer pull of the rest (None when there is
         nothing to pull); for schedulers that must not wait (``enable_async_loading``). The caller
         counts the lookup (:meth:`count_lookup`) once its hit is final."""
-        hashes, hit = self._local_hit(tokens)
+        hashes = hash_list(chunk_hashes)
+        hit = self.storage.lookup_prefix(hashes).num_chunks
         future = None
-        if hit < len(hashes) and self.worker is not None:
-            future = self.worker.fetch_prefix_async(hashes[hit:])
+        if hit < len(hashes) and self.peers is not None:
+            future = self.peers.fetch_prefix_async(hashes[hit:])
         return hit * self.chunk_size, future
 
     # -- retrieve --------------------------------------------------------------------------------
 
-    def pin_prefix(self, tokens: TokenIds, max_tokens: Optional[int] = None) -> "PinnedPrefix":
-        """Hold the leading chunks of ``tokens`` the local tiers have (up to ``max_tokens``)
-        against eviction until released: what a lookup promised stays loadable."""
+    def pin_prefix(self, chunk_hashes: ChunkHashes, max_tokens: Optional[int] = None) -> "PinnedPrefix":
+        """Hold the leading chunks of ``chunk_hashes`` the local tiers have (those starting
+        before ``max_tokens``) against eviction until released: what a lookup promised stays
+        loadable."""
         chunks = []
-        for span in self.storage.spans(tokens):
-            if max_tokens is not None and span.start >= max_tokens:
+        for index, chunk_hash in enumerate(hash_list(chunk_hashes)):
+            if max_tokens is not None and index * self.chunk_size >= max_tokens:
                 break
-            chunk = self.storage.pin(span.chunk_hash)
+            chunk = self.storage.pin(chunk_hash)
             if chunk is None:
                 break
             chunks.append(chunk)
@@ -218,38 +222,40 @@ class CacheEngine:
             loaded_to = min(chunk_start + self.chunk_size, end)
         gpu_ops.scatter_chunks(pages, layers, chunk_blocks, skips)  # one batch; returns when complete
         elapsed = time.perf_counter() - t0
-        self.counters["retrieved_tokens"] += loaded_to - start
-        self.counters["retrieves"] += 1
+        self.counters.retrieved_tokens += loaded_to - start
+        self.counters.retrieves += 1
         logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s",
                     loaded_to - start, total_tokens if total_tokens is not None else end, nbytes / 1e9, elapsed * 1e3,
                     nbytes / 1e9 / max(elapsed, 1e-9))
         return loaded_to
 
-    def retrieve(self, tokens: TokenIds, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
-                 max_tokens: Optional[int] = None) -> int:
-        """Load the held leading chunks of ``tokens`` into ``block_ids``; returns tokens loaded."""
-        with self.pin_prefix(tokens, max_tokens) as prefix:
+    def retrieve(self, chunk_hashes: ChunkHashes, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
+                 max_tokens: Optional[int] = None, num_tokens: Optional[int] = None) -> int:
+        """Load the held leading chunks of ``chunk_hashes`` into ``block_ids``; returns tokens
+        loaded. ``num_tokens`` is the prompt's length for the log (default: its chunks' tokens)."""
+        with self.pin_prefix(chunk_hashes, max_tokens) as prefix:
             end = prefix.num_tokens if max_tokens is None else min(prefix.num_tokens, max_tokens)
-            return self.load(prefix, layers, block_ids, 0, end, total_tokens=len(tokens))
+            total = self._prompt_tokens(chunk_hashes, num_tokens)
+            return self.load(prefix, layers, block_ids, 0, end, total_tokens=total)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def status(self) -> dict:
-        out = self.worker.status() if self.worker is not None else {"storage": self.storage.stats()}
-        out["engine"] = dict(self.counters)
+        out = self.peers.status() if self.peers is not None else {"storage": self.storage.stats()}
+        out["engine"] = dataclasses.asdict(self.counters)
         return out
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait for disk write-behind and for the worker to send its queued admit/evict reports."""
+        """Wait for disk write-behind and for the peers side to send its queued admit/evict reports."""
         self.storage.flush(timeout)
-        if self.worker is not None:
-            self.worker.call(self.worker.link.flush)
+        if self.peers is not None:
+            self.peers.flush()
 
     def close(self) -> None:
         self.poll_stores(wait=True)
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
         self.storage.close()
 
 

@@ -31,6 +31,9 @@ R = TypeVar("R")
 ROOT_HASH: int = _xxh3(b"lmcache-p2p/chunk-hash/v1")
 
 TokenIds = Union[Sequence[int], np.ndarray]
+# A prompt's chained chunk hashes in order: a uint64 array (computed once per request, what the
+# wire carries) or Python ints.
+ChunkHashes = Union[Sequence[int], np.ndarray]
 
 
 class ChunkSpan(NamedTuple):
@@ -75,6 +78,12 @@ def chunk_hashes(tokens: TokenIds, chunk_size: int) -> list[int]:
 def chunk_hash_array(tokens: TokenIds, chunk_size: int) -> np.ndarray:
     """The same hashes as a uint64 array, the form the controller's index and the wire take."""
     return np.fromiter((s.chunk_hash for s in iter_chunk_spans(tokens, chunk_size)), dtype=np.uint64)
+
+
+def hash_list(hashes: ChunkHashes) -> list[int]:
+    """``hashes`` as Python ints, the form chunk keys are made of (a numpy scalar in a key would
+    compare equal but is another type)."""
+    return hashes.tolist() if isinstance(hashes, np.ndarray) else [int(h) for h in hashes]
 
 
 def payload_checksum(payload) -> int:

@@ -1,4 +1,5 @@
-"""The vLLM connector's parts that need no engine: KV layouts and the lookup channel (real ZMQ)."""
+"""The vLLM connector's parts that need no vLLM engine: KV layouts, the lookup channel (real ZMQ),
+and the two halves driven by hand."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import zmq
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.integration.vllm.kv_layout import UnsupportedKVLayout, block_planes, fingerprint
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, LookupReply, LookupServer, socket_path
+from lmcache_p2p.keys import chunk_hash_array
+from lmcache_p2p.protocol import unpack_hashes
+
+HASHES = chunk_hash_array(np.arange(300, dtype=np.int32), 256)  # a 300-token prompt: one full chunk
 
 
 def test_block_first_caches_are_one_plane_per_layer_and_kv_first_caches_two():
@@ -61,9 +66,9 @@ def test_the_scheduler_gets_the_smallest_answer_of_all_ranks_once_none_is_pendin
     servers = [rank(0, 512), rank(1, 256)]
     client = LookupClient([socket_path(engine_id, 0, r) for r in range(2)])
     try:
-        tokens = np.arange(600, dtype=np.int32)
-        assert client.lookup("req-1", tokens, True, 0.001, 5.0) is None
-        assert client.lookup("req-1", tokens, True, 0.001, 5.0) == 256
+        hashes = chunk_hash_array(np.arange(600, dtype=np.int32), 256)
+        assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0) is None
+        assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0, poll=True) == 256
     finally:
         client.close()
         for server in servers:
@@ -78,9 +83,9 @@ def test_a_rank_that_does_not_answer_is_a_miss_and_its_late_answer_is_ignored(en
     server = LookupServer(socket_path(engine_id, 0, 0), slow)
     client = LookupClient([socket_path(engine_id, 0, 0)])
     try:
-        assert client.lookup("slow", np.arange(300, dtype=np.int32), False, 0.0, 0.2) == 0
+        assert client.lookup("slow", HASHES, 300, False, 0.0, 0.2) == 0
         # the late answer to "slow" must not be taken for this one's
-        assert client.lookup("next", np.arange(300, dtype=np.int32), False, 0.0, 2.0) == 256
+        assert client.lookup("next", HASHES, 300, False, 0.0, 2.0) == 256
     finally:
         client.close()
         server.close()
@@ -100,8 +105,8 @@ def test_the_lookup_server_survives_garbage_and_a_failing_handler(engine_id):
     try:
         raw.send(b"\x00not msgpack")
         raw.send_multipart([b"a", b"b"])
-        assert client.lookup("boom", np.arange(300, dtype=np.int32), False, 0.0, 2.0) == 0  # a miss, logged
-        assert client.lookup("fine", np.arange(300, dtype=np.int32), False, 0.0, 2.0) == 256
+        assert client.lookup("boom", HASHES, 300, False, 0.0, 2.0) == 0  # a miss, logged
+        assert client.lookup("fine", HASHES, 300, False, 0.0, 2.0) == 256
     finally:
         raw.close(0)
         client.close()
@@ -164,3 +169,99 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
     finally:
         scheduler.close()
         server.close()
+
+
+def _step(new_reqs=(), num_scheduled=None):
+    from types import SimpleNamespace
+    num_scheduled = num_scheduled or {}
+    return SimpleNamespace(num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
+                           scheduled_new_reqs=list(new_reqs),
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                                                 resumed_req_ids=set()),
+                           preempted_req_ids=set())
+
+
+def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_gets_them_again(engine_id, monkeypatch):
+    from types import SimpleNamespace
+
+    from lmcache_p2p.integration.vllm import scheduler_side
+    hashings = []
+    monkeypatch.setattr(scheduler_side, "chunk_hash_array",
+                        lambda tokens, size: hashings.append(len(tokens)) or chunk_hash_array(tokens, size))
+    received = []
+    held: dict[str, np.ndarray] = {}  # the rank's lookups: what a restart loses
+    pulled = {"done": False}
+
+    def handle(request):
+        received.append(request)
+        if request.hashes is None and request.req_id not in held:
+            return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
+        held.setdefault(request.req_id, unpack_hashes(request.hashes) if request.hashes is not None else None)
+        done = pulled["done"]
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
+
+    server = LookupServer(socket_path(engine_id, 0, 0), handle)
+    scheduler = _scheduler(engine_id)
+    prompt = list(range(800))  # three full chunks and a tail
+    try:
+        ask = lambda: scheduler.get_num_new_matched_tokens(  # noqa: E731
+            SimpleNamespace(request_id="r", prompt_token_ids=prompt), 0)
+        assert ask() == (None, False)
+        first = received[0]
+        assert unpack_hashes(first.hashes).tolist() == chunk_hash_array(prompt, 256).tolist()
+        assert first.num_tokens == 800
+        time.sleep(0.002)  # past the backoff
+        assert ask() == (None, False)
+        assert received[1].hashes is None, "a poll names the request only"
+
+        held.clear()  # the rank restarted: it answers the next poll 'unknown' and is sent the hashes again
+        pulled["done"] = True
+        time.sleep(0.002)
+        assert ask() == (512, False)
+        assert [r.hashes is None for r in received[2:]] == [True, False]
+        assert held["r"].tolist() == chunk_hash_array(prompt, 256).tolist()
+
+        # Loads and stores name the chunks by the same hashes, and nothing hashed the prompt again.
+        scheduler.update_state_after_alloc(SimpleNamespace(request_id="r"), None, 512)
+        new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=(list(range(50)),),
+                              num_computed_tokens=512)
+        meta = scheduler.build_connector_meta(_step([new], {"r": 288}))
+        (load,), (store,) = meta.loads, meta.stores
+        assert load.chunk_hashes.tolist() == held["r"].tolist() and load.num_tokens == 800
+        assert (load.start, load.end) == (0, 512)
+        assert store.chunk_hashes.tolist() == held["r"].tolist() and store.block_ids == list(range(48))
+        assert hashings == [800]
+    finally:
+        scheduler.close()
+        server.close()
+
+
+def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_unknown(engine_id):
+    from types import SimpleNamespace
+
+    from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+    from lmcache_p2p.protocol import pack_hashes
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16), model_config=SimpleNamespace(model="tiny"),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0))
+    side = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 32, "max_local_cpu_size": 0.01}))
+    side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, 16, 2, 4) for i in range(2)})
+    prompt = list(range(100))  # three full chunks and a tail
+    hashes = chunk_hash_array(prompt, 32)
+    try:
+        assert side.engine.store(hashes[:2], side.planes, list(range(8))) == 64
+
+        def ask(**fields):
+            return side._on_lookup(LookupRequest(seq=1, req_id="r", use_peers=False, wait_s=0.0, **fields))
+
+        assert ask().unknown  # a poll for a lookup this rank never had
+        assert ask(hashes=pack_hashes(hashes), num_tokens=100).hit_tokens == 64
+        again = ask()  # a poll: answered from the lookup the rank kept
+        assert again.hit_tokens == 64 and not again.unknown
+        counters = side.engine.counters
+        assert (counters.lookups, counters.lookup_tokens, counters.hit_tokens) == (1, 100, 64)
+    finally:
+        side.close()

@@ -9,7 +9,9 @@ import torch
 
 from lmcache_p2p.cache_engine import CacheEngine
 from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
+from lmcache_p2p.worker import build_engine
 
 CHUNK = 32
 CUDA = torch.cuda.is_available()
@@ -18,25 +20,25 @@ CUDA = torch.cuda.is_available()
 def engine_and_kv(device: str, model: str = "qwen2.5-0.5b") -> tuple[CacheEngine, StandInKV]:
     kv = StandInKV(MODEL_SHAPES[model], num_blocks=64, device=device)
     config = LMCacheConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.2})
-    engine = CacheEngine(config, kv.layout(), pin_memory=device != "cpu",
-                         device=torch.device(device) if device != "cpu" else None)
+    engine = build_engine(config, kv.layout(), pin_memory=device != "cpu",
+                          device=torch.device(device) if device != "cpu" else None)
     return engine, kv
 
 
 def check_async_store(device: str) -> None:
     engine, kv = engine_and_kv(device)
-    tokens, blocks = list(range(8 * CHUNK)), list(range(64))
-    kv.prefill(tokens, blocks, CHUNK)
+    hashes, blocks = chunk_hash_array(list(range(8 * CHUNK)), CHUNK), list(range(64))
+    kv.prefill(hashes, blocks, CHUNK)
     try:
-        assert engine.store_async(tokens, kv.layers, blocks, owner="req-1") == 8
+        assert engine.store_async(hashes, kv.layers, blocks, owner="req-1") == 8
         # The same chunks are not launched twice while the first copy is in flight.
-        assert engine.store_async(tokens, kv.layers, blocks, owner="req-2") == 0
+        assert engine.store_async(hashes, kv.layers, blocks, owner="req-2") == 0
         engine.poll_stores(wait=True)
         assert not engine.stores_pending("req-1")
-        assert engine.counters["stored_tokens"] == 8 * CHUNK
+        assert engine.counters.stored_tokens == 8 * CHUNK
         kv.wipe()
-        assert engine.retrieve(tokens, kv.layers, blocks) == 8 * CHUNK
-        assert kv.matches(tokens, blocks, CHUNK, 8 * CHUNK)
+        assert engine.retrieve(hashes, kv.layers, blocks) == 8 * CHUNK
+        assert kv.matches(hashes, blocks, CHUNK, 8 * CHUNK)
     finally:
         engine.close()
 
@@ -55,16 +57,16 @@ def test_async_store_on_the_gpu_is_indexed_after_its_copy_and_bit_exact():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (runs on the H200 device)")
 def test_a_fenced_stream_writes_blocks_only_after_the_copy_read_them():
     engine, kv = engine_and_kv("cuda", "llama-3.1-8b")  # 32 chunks of 4 MiB: a copy of ~2.5 ms
-    tokens, blocks = list(range(32 * CHUNK)), list(range(64))
-    kv.prefill(tokens, blocks, CHUNK)
+    hashes, blocks = chunk_hash_array(list(range(32 * CHUNK)), CHUNK), list(range(64))
+    kv.prefill(hashes, blocks, CHUNK)
     try:
-        assert engine.store_async(tokens, kv.layers, blocks, owner="req-1") == 32
+        assert engine.store_async(hashes, kv.layers, blocks, owner="req-1") == 32
         engine.order_stores_before(torch.cuda.current_stream())
         for layer in kv.layers:  # what a preempted request's next owner would do to its blocks
             layer.zero_()
         engine.poll_stores(wait=True)
         kv.wipe()
-        assert engine.retrieve(tokens, kv.layers, blocks) == 32 * CHUNK
-        assert kv.matches(tokens, blocks, CHUNK, 32 * CHUNK)  # the pages hold the KV from before
+        assert engine.retrieve(hashes, kv.layers, blocks) == 32 * CHUNK
+        assert kv.matches(hashes, blocks, CHUNK, 32 * CHUNK)  # the pages hold the KV from before
     finally:
         engine.close()

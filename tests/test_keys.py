@@ -93,6 +93,14 @@ def test_hash_array_is_the_same_chain_as_uint64():
     assert chunk_hash_array(TOKENS[:10], 256).tolist() == []
 
 
+def test_hash_arrays_and_lists_become_the_python_ints_keys_are_made_of():
+    from lmcache_p2p.keys import chunk_hash_array, hash_list
+    expected = chunk_hashes(TOKENS, 256)
+    for hashes in (chunk_hash_array(TOKENS, 256), expected, [np.uint64(h) for h in expected]):
+        as_ints = hash_list(hashes)
+        assert as_ints == expected and all(type(h) is int for h in as_ints)
+
+
 def test_unknown_dtype_is_named():
     odd = LayoutFingerprint(**{**{f: getattr(LLAMA_8B, f) for f in LLAMA_8B.__struct_fields__}, "dtype": "int4"})
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):

@@ -4,6 +4,9 @@ The engine calls in from its own thread (store, lookup, retrieve); everything th
 network (controller link, command server, P2P server and client) runs on the worker's loop, so
 no ZMQ socket or NIXL agent is ever used from two threads. Engine-facing calls submit a
 coroutine to the loop and wait with a timeout; they never raise: a failure is a miss.
+
+:func:`build_engine` puts a rank together: its tiers, its :class:`Worker` when the controller is
+on, and the :class:`CacheEngine` they serve (the engine sees the worker only as a ``PeerService``).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from typing import Optional
 import numpy as np
 import zmq.asyncio
 
+from lmcache_p2p.cache_engine import CacheEngine
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.keys import LayoutFingerprint
+from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint
+from lmcache_p2p.peer_service import EngineCounters
 from lmcache_p2p.protocol import Traffic
 from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.transfer import TcpTransport, Transport, TransferError, make_transport
+from lmcache_p2p.transfer import TcpTransport, TransferError, Transport, make_transport
 from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
@@ -34,13 +39,36 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 
 
+def build_engine(config: LMCacheConfig, layout: LayoutFingerprint, rank: int = 0, pin_memory: Optional[bool] = None,
+                 device=None) -> CacheEngine:
+    """One rank's cache engine: its tiers, and with ``enable_controller`` its worker (which
+    reports the engine's counters). ``pin_memory`` is for the CPU pool; ``device`` is the KV's
+    (torch.device) when it is a GPU, where GPU staging goes. Everything that runs an engine builds
+    it here (the vLLM connector's worker half, the stand-in)."""
+    config.validate()
+    config.validate_for_tp(layout.tp_size)
+    config.validate_for_block_size(layout.block_size)
+    storage = StorageManager(config, layout, pin_memory=pin_memory)
+    counters = EngineCounters()
+    peers = None
+    if config.enable_controller:
+        try:
+            peers = Worker(config, storage, layout, rank, counters, device=device)
+        except BaseException:
+            storage.close()  # its disk writer thread
+            raise
+    return CacheEngine(config, layout, storage, rank=rank, peers=peers, counters=counters)
+
+
 class Worker:
+    """The network side of one rank (a ``PeerService`` for its :class:`CacheEngine`)."""
+
     def __init__(self, config: LMCacheConfig, storage: StorageManager, layout: LayoutFingerprint, rank: int,
-                 engine_counters: Optional[dict] = None, device=None):
+                 counters: EngineCounters, device=None):
         self.config = config
         self.device = device  # the engine's KV device (torch.device); GPU staging goes there
         self.storage = storage
-        self.engine_counters = engine_counters if engine_counters is not None else {}  # the engine's lookup totals
+        self.counters = counters  # the engine's totals: the lookup ones go out with each heartbeat
         self.identity = WorkerIdentity.from_config(config, layout, rank)
         self.started_at = time.time()
         self.link: Optional[ControllerLink] = None
@@ -132,14 +160,14 @@ class Worker:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def fetch_prefix_async(self, hashes: np.ndarray) -> Optional[concurrent.futures.Future]:
+    def fetch_prefix_async(self, hashes: ChunkHashes) -> Optional[concurrent.futures.Future]:
         """Start pulling the chunks of ``hashes`` a peer holds; the future gives the number of
         leading chunks now held locally. None when P2P is off."""
         if self.client is None or not len(hashes):
             return None
         return self.submit(self.client.fetch_prefix(np.asarray(hashes, dtype=np.uint64)))
 
-    def fetch_prefix(self, hashes: np.ndarray, timeout: float) -> int:
+    def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
         future = self.fetch_prefix_async(hashes)
         if future is None:
             return 0
@@ -159,21 +187,27 @@ class Worker:
             return fn()
         return self.submit(run()).result(timeout)
 
+    def flush(self) -> None:
+        """Send the queued admit/evict reports now."""
+        link = self.link
+        assert link is not None  # set before the constructor returned
+        self.call(link.flush)
+
     def traffic(self) -> Traffic:
         """This rank's totals for the controller's dashboard (sent with each heartbeat)."""
-        engine = self.engine_counters
+        engine = self.counters
         client = self.client.stats if self.client else {}
         server = self.server.stats if self.server else {}
-        return Traffic(started_at=self.started_at, lookups=engine.get("lookups", 0), lookup_tokens=engine.get("lookup_tokens", 0),
-                       hit_tokens=engine.get("hit_tokens", 0),
+        return Traffic(started_at=self.started_at, lookups=engine.lookups, lookup_tokens=engine.lookup_tokens,
+                       hit_tokens=engine.hit_tokens,
                        peer_hit_tokens=client.get("prefix_hit_chunks", 0) * self.config.chunk_size,
                        pulls=client.get("pulls", 0), pull_failures=client.get("pull_failures", 0),
                        pulled_bytes=client.get("bytes_pulled", 0), served_bytes=server.get("bytes_served", 0))
 
     def status(self) -> dict:
         me = self.identity
-        out = {"instance_id": me.instance_id, "rank": me.rank, "host": me.host, "uptime_s": time.time() - self.started_at,
-               "registered": self.link.registered if self.link else False,
+        out = {"instance_id": me.instance_id, "rank": me.rank, "host": me.host,
+               "uptime_s": time.time() - self.started_at, "registered": self.link.registered if self.link else False,
                "controller_epoch": self.link.epoch if self.link else "", "storage": self.storage.stats()}
         if self.link:
             out["link"] = dict(self.link.stats)

@@ -1,9 +1,10 @@
 """StorageManager: one engine rank's chunk store across the CPU and disk tiers.
 
-It answers the scheduler's question ("how much of this prefix do we hold locally?"), hands out
-pinned chunk payloads (promoting disk hits into the CPU tier), writes CPU admits behind to disk,
-and emits an admit/evict :class:`StorageEvent` for every change of what a location holds: the
-worker forwards those to the controller, which is how the mesh knows who holds what.
+It answers the scheduler's question ("how much of this prefix do we hold locally?") for chunk
+hashes its caller computed (it never sees tokens), hands out pinned chunk payloads (promoting
+disk hits into the CPU tier), writes CPU admits behind to disk, and emits an admit/evict
+:class:`StorageEvent` for every change of what a location holds: the worker forwards those to
+the controller, which is how the mesh knows who holds what.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.keys import ChunkKey, ChunkSpan, LayoutFingerprint, TokenIds, chunk_spans
+from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.memory import PagePool
@@ -79,9 +80,6 @@ class StorageManager:
             logger.warning("neither local_cpu nor local_disk is enabled: this instance caches nothing locally")
 
     # -- keys ------------------------------------------------------------------------------------
-
-    def spans(self, tokens: TokenIds) -> list[ChunkSpan]:
-        return chunk_spans(tokens, self.chunk_size)
 
     def key(self, chunk_hash: int) -> ChunkKey:
         return ChunkKey(self.fingerprint, chunk_hash)

@@ -7,9 +7,11 @@ The KV of a chunk is a pure function of its chained hash (so of the whole prefix
 rank: two instances that "prefill" the same prompt hold identical bytes, and a chunk that
 landed in the wrong rank or the wrong blocks is detected by :meth:`StandInKV.matches`.
 
-Process protocol (:mod:`lmcache_p2p.testing.jsonlines`): one JSON object per line on stdin, one JSON answer per line on stdout (logs go
-to stderr). Operations: ``prefill``, ``fill``, ``lookup``, ``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``;
-see :func:`handler`.
+Process protocol (:mod:`lmcache_p2p.testing.jsonlines`): one JSON object per line on stdin, one
+JSON answer per line on stdout (logs go to stderr). Operations: ``prefill``, ``fill``, ``lookup``,
+``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``; see :func:`handler`.
+Requests name prompts by their tokens; the handler hashes them into chunk keys once per request,
+as the vLLM connector's scheduler half does, and the engine sees only the keys.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Sequence
 
 import torch
 
+from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, chunk_hash_array, hash_list
 from lmcache_p2p.testing import jsonlines
-from lmcache_p2p.keys import LayoutFingerprint, chunk_spans
 
 
 @dataclass(frozen=True)
@@ -73,25 +75,25 @@ class StandInKV:
         words = torch.arange(nbytes // 8, dtype=torch.int64).mul_(0x5DEECE66D).add_(seed)
         return words.view(torch.uint8)
 
-    def _blocks(self, start: int, chunk_size: int, block_ids: Sequence[int]) -> list[int]:
-        first = start // self.shape.block_size
-        return list(block_ids[first:first + chunk_size // self.shape.block_size])
+    def _blocks(self, index: int, chunk_size: int, block_ids: Sequence[int]) -> list[int]:
+        """The blocks of chunk ``index``."""
+        per_chunk = chunk_size // self.shape.block_size
+        return list(block_ids[index * per_chunk:(index + 1) * per_chunk])
 
-    def prefill(self, tokens: Sequence[int], block_ids: Sequence[int], chunk_size: int) -> None:
+    def prefill(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int], chunk_size: int) -> None:
+        """Write the KV of the prompt whose chunks are ``chunk_hashes`` into ``block_ids``."""
         from lmcache_p2p.gpu_ops import scatter_chunk
-        for span in chunk_spans(tokens, chunk_size):
-            scatter_chunk(self.chunk_payload(span.chunk_hash, chunk_size), self.layers,
-                          self._blocks(span.start, chunk_size, block_ids))
+        for index, chunk_hash in enumerate(hash_list(chunk_hashes)):
+            scatter_chunk(self.chunk_payload(chunk_hash, chunk_size), self.layers,
+                          self._blocks(index, chunk_size, block_ids))
 
-    def matches(self, tokens: Sequence[int], block_ids: Sequence[int], chunk_size: int, num_tokens: int) -> bool:
+    def matches(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int], chunk_size: int, num_tokens: int) -> bool:
         """Whether the blocks of the first ``num_tokens`` hold exactly what prefill would put there."""
         from lmcache_p2p.gpu_ops import gather_chunk
         page = torch.empty(chunk_size * self.chunk_bytes_per_token, dtype=torch.uint8)
-        for span in chunk_spans(tokens, chunk_size):
-            if span.end > num_tokens:
-                break
-            gather_chunk(self.layers, self._blocks(span.start, chunk_size, block_ids), page)
-            if not torch.equal(page, self.chunk_payload(span.chunk_hash, chunk_size)):
+        for index, chunk_hash in enumerate(hash_list(chunk_hashes)[:num_tokens // chunk_size]):
+            gather_chunk(self.layers, self._blocks(index, chunk_size, block_ids), page)
+            if not torch.equal(page, self.chunk_payload(chunk_hash, chunk_size)):
                 return False
         return True
 
@@ -106,18 +108,17 @@ def handler(engine, kv: StandInKV, chunk_size: int):
 
     def handle(request: dict) -> dict:
         op = request["op"]
+        t0 = time.perf_counter()  # "ms" covers the whole op, hashing the prompt included
         tokens = request.get("tokens", [])
-        t0 = time.perf_counter()
+        num_tokens, hashes = len(tokens), chunk_hash_array(tokens, chunk_size)  # the prompt's keys, once
         if op == "prefill":
-            kv.prefill(tokens, blocks, chunk_size)
-            answer = {"stored": engine.store(tokens, kv.layers, blocks)}
+            kv.prefill(hashes, blocks, chunk_size)
+            answer = {"stored": engine.store(hashes, kv.layers, blocks, num_tokens=num_tokens)}
         elif op == "fill":  # store the chunks' payloads with no KV tensors involved (benchmarks)
-            spans = chunk_spans(tokens, chunk_size)
             answer = {"stored": chunk_size * sum(
-                engine.storage.put(s.chunk_hash, kv.chunk_payload(s.chunk_hash, chunk_size)) for s in spans)}
+                engine.storage.put(h, kv.chunk_payload(h, chunk_size)) for h in hash_list(hashes))}
         elif op == "corrupt":  # flip one byte of a stored chunk after its checksum (fault tests)
-            span = chunk_spans(tokens, chunk_size)[request["chunk"]]
-            chunk = engine.storage.pin(span.chunk_hash)
+            chunk = engine.storage.pin(int(hashes[request["chunk"]]))
             with chunk:
                 _ = chunk.checksum  # the stored checksum keeps describing the good bytes
                 chunk.data[12345] ^= 0xFF
@@ -125,10 +126,10 @@ def handler(engine, kv: StandInKV, chunk_size: int):
         elif op == "clear":
             answer = {"dropped": engine.storage.clear()}
         elif op == "lookup":
-            answer = {"hit": engine.lookup(tokens, use_peers=request.get("peers", True))}
+            answer = {"hit": engine.lookup(hashes, num_tokens, use_peers=request.get("peers", True))}
         elif op == "lookup_together":  # several prompts' peer pulls started at once, as vLLM's
             # scheduler does with requests that arrive together: when each pull ended (s from start)
-            futures = [engine.lookup_async(p)[1] for p in request["prompts"]]
+            futures = [engine.lookup_async(chunk_hash_array(p, chunk_size))[1] for p in request["prompts"]]
             done_s: list = [None] * len(futures)
             for i, future in enumerate(futures):
                 if future is not None:
@@ -139,8 +140,8 @@ def handler(engine, kv: StandInKV, chunk_size: int):
             answer = {"done_s": done_s}
         elif op == "retrieve":
             kv.wipe()
-            n = engine.retrieve(tokens, kv.layers, blocks)
-            answer = {"retrieved": n, "exact": kv.matches(tokens, blocks, chunk_size, n)}
+            n = engine.retrieve(hashes, kv.layers, blocks, num_tokens=num_tokens)
+            answer = {"retrieved": n, "exact": kv.matches(hashes, blocks, chunk_size, n)}
         elif op == "status":
             answer = engine.status()
         elif op == "flush":
@@ -166,13 +167,13 @@ def main(argv=None) -> None:
     answers = jsonlines.claim_stdout()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from lmcache_p2p.cache_engine import CacheEngine
     from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.worker import build_engine
 
     config = LMCacheConfig.load()
     kv = StandInKV(MODEL_SHAPES[args.model], args.num_blocks, args.tp_size, args.rank, args.device)
     device = kv.layers[0].device
-    engine = CacheEngine(config, kv.layout(), rank=args.rank, device=device if device.type == "cuda" else None)
+    engine = build_engine(config, kv.layout(), rank=args.rank, device=device if device.type == "cuda" else None)
     jsonlines.answer(answers, {"ok": True, "ready": True, "page_bytes": engine.storage.page_bytes})
     try:
         jsonlines.serve(handler(engine, kv, config.chunk_size), sys.stdin, answers)

@@ -8,6 +8,11 @@ and takes the smallest answer (every rank must be able to load the prefix).
 A rank answers at once from its local tiers, or, when the prefix continues on a peer, after the
 pull: within ``wait_s`` it answers the hit, past it it answers ``pending`` and keeps pulling, so a
 scheduler with ``enable_async_loading`` is never held up for longer than its backoff.
+
+A prompt travels as its chunk hashes (computed once by the scheduler), on the first ask only: the
+rank keeps them with the request's lookup, and later asks (polls of a pending lookup) carry just
+the request id. A rank that no longer knows the request (it restarted, or the lookup expired)
+answers ``unknown`` and the client sends it the hashes again within the same call.
 """
 
 from __future__ import annotations
@@ -23,15 +28,20 @@ import msgspec
 import numpy as np
 import zmq
 
+from lmcache_p2p.protocol import pack_hashes
+
 logger = logging.getLogger(__name__)
 
 
 class LookupRequest(msgspec.Struct, tag="lookup"):
     seq: int
     req_id: str
-    tokens: bytes  # the prompt's token ids as little-endian int32
     use_peers: bool
     wait_s: float  # how long the rank may wait for a peer pull before answering pending
+    # The prompt's chunk hashes (protocol.pack_hashes: little-endian uint64) and its length in
+    # tokens; None on a poll, which names a lookup the rank already has.
+    hashes: Optional[bytes] = None
+    num_tokens: int = 0
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
@@ -39,6 +49,7 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     req_id: str
     hit_tokens: int = 0
     pending: bool = False
+    unknown: bool = False  # a poll for a lookup this rank does not have: ask again with the hashes
     error: str = ""
 
 
@@ -129,15 +140,21 @@ class LookupClient:
             self._poller.register(sock, zmq.POLLIN)
         self._seq = 0
 
-    def lookup(self, req_id: str, tokens: np.ndarray, use_peers: bool, wait_s: float,
-               timeout_s: float) -> Optional[int]:
-        """Tokens every rank can load, or None while a rank is still pulling from a peer.
-        A rank that does not answer within ``timeout_s`` makes it a miss (0)."""
+    def lookup(self, req_id: str, chunk_hashes: np.ndarray, num_tokens: int, use_peers: bool, wait_s: float,
+               timeout_s: float, poll: bool = False) -> Optional[int]:
+        """Tokens every rank can load of the prompt ``chunk_hashes`` (uint64) names, or None
+        while a rank is still pulling from a peer. With ``poll`` the ranks were sent the hashes
+        already and are asked by request id alone. A rank that does not answer within
+        ``timeout_s`` makes it a miss (0)."""
         self._seq += 1
         seq = self._seq
-        payload = _encoder.encode(LookupRequest(seq=seq, req_id=req_id,
-                                                tokens=np.asarray(tokens, dtype="<i4").tobytes(),
-                                                use_peers=use_peers, wait_s=wait_s))
+
+        def full_request() -> bytes:
+            return _encoder.encode(LookupRequest(seq=seq, req_id=req_id, use_peers=use_peers, wait_s=wait_s,
+                                                 hashes=pack_hashes(chunk_hashes), num_tokens=num_tokens))
+
+        payload = (_encoder.encode(LookupRequest(seq=seq, req_id=req_id, use_peers=use_peers, wait_s=wait_s))
+                   if poll else full_request())
         for sock in self._socks:
             sock.send(payload, copy=False)
         answers: dict[int, LookupReply] = {}
@@ -151,8 +168,12 @@ class LookupClient:
                 return 0
             for sock, _ in self._poller.poll(left_ms):
                 reply = self._decode(sock.recv())
-                if reply is not None and reply.seq == seq:  # older seqs: answers we gave up on
-                    answers[self._socks.index(sock)] = reply
+                if reply is None or reply.seq != seq:  # older seqs: answers we gave up on
+                    continue
+                if reply.unknown:  # this rank lost the lookup (restarted): it needs the hashes
+                    sock.send(full_request(), copy=False)
+                    continue
+                answers[self._socks.index(sock)] = reply
         if any(a.pending for a in answers.values()):
             return None
         for rank, answer in answers.items():

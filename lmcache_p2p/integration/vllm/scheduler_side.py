@@ -2,7 +2,9 @@
 
 It runs in vLLM's scheduler (EngineCore) process and never touches KV itself: it asks the ranks
 how much of a prompt they can load (:mod:`lookup_channel`), follows each request's blocks through
-the scheduler's outputs, and hands the ranks a :class:`P2PConnectorMetadata` every step.
+the scheduler's outputs, and hands the ranks a :class:`P2PConnectorMetadata` every step. A
+request's prompt is hashed into chunk keys once, when it is first seen; lookups, loads and
+stores carry those keys.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any, Optional
 import numpy as np
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
-from lmcache_p2p.cache_engine import PEER_FETCH_TIMEOUT_S
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata, StoreSpec
+from lmcache_p2p.keys import chunk_hash_array
+from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,9 @@ IDLE_LOOKUP_WAIT_S = 1.0
 
 @dataclass
 class _Request:
-    tokens: np.ndarray  # prompt token ids, int32
+    chunk_hashes: np.ndarray  # the prompt's full chunks' chained hashes, uint64
+    num_tokens: int  # the prompt's length
+    asked: bool = False  # the ranks were sent the hashes: later asks are polls by request id
     hit: Optional[int] = None  # tokens the ranks can load; None until they all answered
     next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
     logged_need: Optional[int] = None
@@ -78,23 +83,29 @@ class SchedulerSide:
         if not self.loads:
             return 0, False
         req_id = request.request_id
-        state = self._requests.get(req_id)
-        if state is None:
-            state = _Request(np.asarray(request.prompt_token_ids or [], dtype=np.int32))
-            self._requests[req_id] = state
-        if len(state.tokens) < self.chunk_size:
+        state = self._request(req_id, request.prompt_token_ids)
+        if not len(state.chunk_hashes):
             return 0, False
         if state.hit is None:
             if not self._ask(req_id, state):
                 return None, False
         # vLLM must compute at least the prompt's last token to sample from it.
-        usable = min(state.hit, len(state.tokens) - 1)
+        usable = min(state.hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
         if need != state.logged_need:
             state.logged_need = need
             logger.info("Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d",
-                        req_id, len(state.tokens), state.hit, need)
+                        req_id, state.num_tokens, state.hit, need)
         return need, False
+
+    def _request(self, req_id: str, prompt_token_ids: Any) -> _Request:
+        """The request's state; made (and its prompt hashed, the one time) when first seen."""
+        state = self._requests.get(req_id)
+        if state is None:
+            tokens = np.asarray(prompt_token_ids or [], dtype=np.int32)
+            state = _Request(chunk_hash_array(tokens, self.chunk_size), len(tokens))
+            self._requests[req_id] = state
+        return state
 
     def _ask(self, req_id: str, state: _Request) -> bool:
         """Ask the ranks; True once ``state.hit`` is known."""
@@ -107,7 +118,9 @@ class SchedulerSide:
                 wait_s, self._idle_wait_taken = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True
         else:
             wait_s = PEER_FETCH_TIMEOUT_S  # what a synchronous engine lookup waits for a peer
-        hit = self.client.lookup(req_id, state.tokens, self.use_peers, wait_s, wait_s + LOOKUP_REPLY_SLACK_S)
+        hit = self.client.lookup(req_id, state.chunk_hashes, state.num_tokens, self.use_peers, wait_s,
+                                 wait_s + LOOKUP_REPLY_SLACK_S, poll=state.asked)
+        state.asked = True
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
             return False
@@ -130,13 +143,10 @@ class SchedulerSide:
         self._engine_busy = scheduler_output.total_num_scheduled_tokens > 0
         self._idle_wait_taken = False  # build_connector_meta ends a scheduling round
         for new in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
-            if state is None:
-                state = _Request(np.asarray(new.prompt_token_ids or [], dtype=np.int32))
-                self._requests[new.req_id] = state
-            state.block_ids = list(new.block_ids[0]) if new.block_ids else []
-            self._add_load(meta, new.req_id, state, new.num_computed_tokens)
-            self._add_store(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            new_state = self._request(new.req_id, new.prompt_token_ids)
+            new_state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._add_load(meta, new.req_id, new_state, new.num_computed_tokens)
+            self._add_store(meta, new.req_id, new_state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
 
         cached = scheduler_output.scheduled_cached_reqs
         resumed = self._resumed(cached)
@@ -158,6 +168,7 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.hit, state.logged_need, state.load_tokens = None, None, 0
+                state.asked = False  # the ranks dropped its lookup when they loaded or released it
         # A preempted request's blocks are freed at once, so copies of them still in flight must
         # finish before this step writes anything. A vLLM that does not say which requests were
         # preempted gets the fence on every step with stores in flight.
@@ -176,18 +187,19 @@ class SchedulerSide:
     def _add_load(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.
         if state.load_tokens:
-            meta.loads.append(LoadSpec(req_id, state.tokens, list(state.block_ids),
+            meta.loads.append(LoadSpec(req_id, state.chunk_hashes, state.num_tokens, list(state.block_ids),
                                        start=computed - state.load_tokens, end=computed))
             state.load_tokens = 0
 
     def _add_store(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed_after: int) -> None:
         if not self.stores:
             return
-        end = min(computed_after, len(state.tokens)) // self.chunk_size * self.chunk_size
+        end = min(computed_after, state.num_tokens) // self.chunk_size * self.chunk_size
         # Chunks the lookup found are held already; storing starts after them.
         if end <= max(state.saved_upto, state.hit or 0) or len(state.block_ids) * self.block_size < end:
             return
-        meta.stores.append(StoreSpec(req_id, state.tokens[:end], state.block_ids[:end // self.block_size]))
+        meta.stores.append(StoreSpec(req_id, state.chunk_hashes[:end // self.chunk_size],
+                                     state.block_ids[:end // self.block_size]))
         state.saved_upto = end
         state.stored = True
 

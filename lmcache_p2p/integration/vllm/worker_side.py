@@ -1,9 +1,11 @@
 """The connector's worker half: one per TP rank, inside vLLM's worker process.
 
-It owns the rank's :class:`CacheEngine` (tiers, controller worker, peer client), answers the
-scheduler's lookups (pulling from a peer first when P2P is on), and moves KV between vLLM's paged
-cache and the CPU tier: loads before the forward pass (``start_load_kv``), stores after it
-(``wait_for_save``), whole chunks of whole blocks as opaque pages (DESIGN.md §4).
+It owns the rank's :class:`CacheEngine` (tiers, controller worker, peer client; built by
+``lmcache_p2p.worker.build_engine``), answers the scheduler's lookups (pulling from a peer first
+when P2P is on), and moves KV between vLLM's paged cache and the CPU tier: loads before the
+forward pass (``start_load_kv``), stores after it (``wait_for_save``), whole chunks of whole
+blocks as opaque pages (DESIGN.md §4). Prompts arrive as chunk hashes; a lookup keeps its
+request's hashes, so the scheduler's later polls name the request only.
 
 Chunks a lookup promised are pinned until the load (or the request's end), so an eviction in
 between cannot turn a promised hit into garbage; should a load still come up short, the blocks it
@@ -27,6 +29,8 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
 from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, LookupServer, engine_socket_path
 from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
+from lmcache_p2p.protocol import unpack_hashes
+from lmcache_p2p.worker import build_engine
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,8 @@ def live_engines() -> dict[tuple[str, int], CacheEngine]:
 
 @dataclass
 class _Lookup:
-    tokens: np.ndarray
+    chunk_hashes: np.ndarray  # the prompt's, uint64: later polls name the request only
+    num_tokens: int  # the prompt's length
     future: Optional[concurrent.futures.Future]
     started: float
     prefix: Optional[PinnedPrefix] = None
@@ -84,8 +89,8 @@ class WorkerSide:
         block_size = int(self.vllm_config.cache_config.block_size)
         model = str(self.vllm_config.model_config.model)
         layout = kv_layout.fingerprint(self.planes, model, block_size, self.tp_size, self.tp_rank)
-        self.engine = CacheEngine(self.config, layout, rank=self.tp_rank, pin_memory=first.is_cuda,
-                                  device=first.device if first.is_cuda else None)
+        self.engine = build_engine(self.config, layout, rank=self.tp_rank, pin_memory=first.is_cuda,
+                                   device=first.device if first.is_cuda else None)
         with _live_lock:
             _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
@@ -101,11 +106,13 @@ class WorkerSide:
         with self._lock:
             state = self._lookups.get(request.req_id)
         if state is None:
-            tokens = np.frombuffer(request.tokens, dtype="<i4").astype(np.int32)
+            if request.hashes is None:  # a poll, but this rank lost the lookup (restart, expiry)
+                return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
+            chunk_hashes = unpack_hashes(request.hashes)
             future = None
             if request.use_peers:
-                _, future = self.engine.lookup_async(tokens)
-            state = _Lookup(tokens, future, time.monotonic())
+                _, future = self.engine.lookup_async(chunk_hashes)
+            state = _Lookup(chunk_hashes, request.num_tokens, future, time.monotonic())
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
@@ -116,8 +123,8 @@ class WorkerSide:
                     return LookupReply(seq=request.seq, req_id=request.req_id, pending=True)
                 except Exception:
                     logger.exception("peer pull for request %s failed; using the local hit", request.req_id)
-            state.prefix = self.engine.pin_prefix(state.tokens)
-            self.engine.count_lookup(len(state.tokens), state.prefix.num_tokens)
+            state.prefix = self.engine.pin_prefix(state.chunk_hashes)
+            self.engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
 
     def _take_lookup(self, req_id: str) -> Optional[_Lookup]:
@@ -154,10 +161,10 @@ class WorkerSide:
             state = self._take_lookup(spec.req_id)
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
-                prefix = self.engine.pin_prefix(spec.tokens, spec.end)
+                prefix = self.engine.pin_prefix(spec.chunk_hashes, spec.end)
             try:
                 loaded_to = self.engine.load(prefix, self.planes, spec.block_ids, spec.start, spec.end,
-                                             total_tokens=len(spec.tokens))
+                                             total_tokens=spec.num_tokens)
             except Exception:
                 logger.exception("request %s: loading tokens [%d, %d) failed", spec.req_id, spec.start, spec.end)
                 loaded_to = spec.start
@@ -181,9 +188,10 @@ class WorkerSide:
         for spec in meta.stores:
             self._saving.add(spec.req_id)
             try:
-                self.engine.store_async(spec.tokens, self.planes, spec.block_ids, owner=spec.req_id)
+                self.engine.store_async(spec.chunk_hashes, self.planes, spec.block_ids, owner=spec.req_id)
             except Exception:  # a failed store is a future miss, never a failed request
-                logger.exception("request %s: storing %d tokens failed", spec.req_id, len(spec.tokens))
+                logger.exception("request %s: storing %d tokens failed", spec.req_id,
+                                 len(spec.chunk_hashes) * self.engine.chunk_size)
 
     def finished_stores(self, finished_req_ids: set) -> set:
         """Of the finished requests we stored from, those whose store copies are done: vLLM frees

@@ -1,0 +1,56 @@
+"""The contract between a rank's :class:`CacheEngine` and its network side.
+
+The engine is core and the worker package (controller link, commands, peer pulls) is built on
+the core, so the engine must not import the worker: it asks for peers through the
+:class:`PeerService` interface, and ``lmcache_p2p.worker.build_engine`` hands it the rank's
+:class:`Worker`. :class:`EngineCounters` are the totals both sides read: the engine counts, the
+worker reports them to the controller.
+
+Torch-free (the vLLM connector's scheduler half reads :data:`PEER_FETCH_TIMEOUT_S` here).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from lmcache_p2p.keys import ChunkHashes
+
+# How long a synchronous lookup waits for a peer pull before the rest of the prompt is a miss.
+PEER_FETCH_TIMEOUT_S = 30.0
+
+
+@dataclass
+class EngineCounters:
+    """A rank's totals since start, in tokens: what the engine's ``status()`` reports and tests
+    and dashboards read. The lookup totals also travel to the controller with every heartbeat
+    (``protocol.Traffic``)."""
+
+    stored_tokens: int = 0
+    retrieved_tokens: int = 0
+    retrieves: int = 0
+    lookups: int = 0  # prompts looked up, each once, when its hit is final
+    lookup_tokens: int = 0
+    hit_tokens: int = 0  # of lookup_tokens, those found locally or pulled from a peer
+
+
+class PeerService(Protocol):
+    """What the engine needs from the network side (the rank's worker)."""
+
+    def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
+        """Pull the leading chunks of ``hashes`` a peer holds, waiting up to ``timeout``; the
+        number of leading chunks now held locally (0 on any failure)."""
+
+    def fetch_prefix_async(self, hashes: ChunkHashes) -> Optional[concurrent.futures.Future]:
+        """:meth:`fetch_prefix` without waiting: a future of that number, or None when there is
+        nothing to pull from (P2P off, no hashes)."""
+
+    def status(self) -> dict:
+        """The rank's state for operators and tests, its storage's stats under ``"storage"``."""
+
+    def flush(self) -> None:
+        """Send the admit/evict reports queued for the controller now."""
+
+    def close(self) -> None:
+        """Deregister and close every socket."""
