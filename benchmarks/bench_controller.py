@@ -26,7 +26,7 @@ import zmq
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from protocol_client import ControllerProcess, layout  # noqa: E402
 
-from lmcache_p2p.controller.api import parse_token_array, _LookupFastPath  # noqa: E402
+from lmcache_p2p.controller.api import _LookupFastPath, parse_token_array  # noqa: E402
 from lmcache_p2p.controller.index import ChunkIndex  # noqa: E402
 from lmcache_p2p.keys import chunk_hash_array  # noqa: E402
 from lmcache_p2p.protocol import PROTOCOL_VERSION, KeyEvents, Register, encode, pack_hashes  # noqa: E402
@@ -53,9 +53,23 @@ class Load:
         req = self.ctx.socket(zmq.DEALER)
         req.connect(f"tcp://127.0.0.1:{controller.reply}")
         for n, (inst, rank) in enumerate(self.workers):
-            req.send_multipart([b"%d" % n, encode(Register(
-                version=PROTOCOL_VERSION, instance_id=inst, rank=rank, host="127.0.0.1", worker_port=1,
-                layout=layout("bench-model", rank, ranks), chunk_size=CHUNK, locations=[CPU]))])
+            req.send_multipart(
+                [
+                    b"%d" % n,
+                    encode(
+                        Register(
+                            version=PROTOCOL_VERSION,
+                            instance_id=inst,
+                            rank=rank,
+                            host="127.0.0.1",
+                            worker_port=1,
+                            layout=layout("bench-model", rank, ranks),
+                            chunk_size=CHUNK,
+                            locations=[CPU],
+                        )
+                    ),
+                ]
+            )
             assert req.poll(5000), "controller did not answer register"
             req.recv_multipart()
         req.close()
@@ -63,8 +77,12 @@ class Load:
     def admit(self, worker, keys: np.ndarray) -> None:
         self.seq[worker] += 1
         inst, rank = worker
-        self.push.send(encode(KeyEvents(instance_id=inst, rank=rank, location=CPU, seq=self.seq[worker],
-                                        admitted=pack_hashes(keys))), copy=False)
+        self.push.send(
+            encode(
+                KeyEvents(instance_id=inst, rank=rank, location=CPU, seq=self.seq[worker], admitted=pack_hashes(keys))
+            ),
+            copy=False,
+        )
 
 
 def wait_keys(controller: ControllerProcess, expected: int, timeout: float = 300) -> None:
@@ -80,7 +98,7 @@ def ingest(controller: ControllerProcess, load: Load, rng: np.random.Generator, 
     keys = rng.integers(1, 2**63, size=count, dtype=np.int64).astype(np.uint64)
     t0 = time.perf_counter()
     for i, start in enumerate(range(0, count, batch)):
-        load.admit(load.workers[i % len(load.workers)], keys[start:start + batch])
+        load.admit(load.workers[i % len(load.workers)], keys[start : start + batch])
     wait_keys(controller, before + count)
     seconds = time.perf_counter() - t0
     return {"keys": count, "seconds": round(seconds, 3), "keys_per_s": round(count / seconds)}
@@ -101,9 +119,12 @@ def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int) -> dict:
                 samples.append((time.perf_counter() - t0) * 1e3)
         answer = json.loads(data)
         samples.sort()
-        out[name] = {"p50_ms": round(statistics.median(samples), 3), "p99_ms": round(samples[int(len(samples) * 0.99) - 1], 3),
-                     "matched_tokens": max((v[1] for v in answer["layout_info"].values()), default=0),
-                     "holders": len(answer["holders"])}
+        out[name] = {
+            "p50_ms": round(statistics.median(samples), 3),
+            "p99_ms": round(samples[int(len(samples) * 0.99) - 1], 3),
+            "matched_tokens": max((v[1] for v in answer["layout_info"].values()), default=0),
+            "holders": len(answer["holders"]),
+        }
     conn.close()
     return out
 
@@ -119,10 +140,12 @@ def lookup_breakdown(tokens: list[int], repeat: int) -> dict:
     hashes = chunk_hash_array(array, CHUNK)
     index = ChunkIndex()
     index.add(1, hashes)
-    steps = {"extract_tokens_json": lambda: msgspec.json.decode(body, type=_LookupFastPath),
-             "parse_int64": lambda: parse_token_array(raw),
-             "hash_chunks": lambda: chunk_hash_array(array, CHUNK),
-             "index_prefix_walk": lambda: index.prefix_holders(hashes)}
+    steps = {
+        "extract_tokens_json": lambda: msgspec.json.decode(body, type=_LookupFastPath),
+        "parse_int64": lambda: parse_token_array(raw),
+        "hash_chunks": lambda: chunk_hash_array(array, CHUNK),
+        "index_prefix_walk": lambda: index.prefix_holders(hashes),
+    }
     out = {}
     for name, step in steps.items():
         samples = []
@@ -147,15 +170,23 @@ def main() -> None:
     pid = controller.proc.pid
     try:
         time.sleep(1.0)  # let the interpreter settle before the idle reading
-        result: dict = {"bench": "controller", "startup_s": round(controller.ready_after, 3), "rss_idle_mb": round(rss_mb(pid), 1),
-                        "instances": args.instances, "ranks": args.ranks, "batch_keys": args.batch}
+        result: dict = {
+            "bench": "controller",
+            "startup_s": round(controller.ready_after, 3),
+            "rss_idle_mb": round(rss_mb(pid), 1),
+            "instances": args.instances,
+            "ranks": args.ranks,
+            "batch_keys": args.batch,
+        }
         load = Load(controller, args.instances, args.ranks)
         rng = np.random.default_rng(0)
 
         # Query prompts, held by two instances (rank 0) so /lookup walks a two-holder prefix.
         prompt_rng = np.random.default_rng(1)
-        prompts = {f"{n // 1000}k" if n % 1000 == 0 else f"{n / 1000:g}k": prompt_rng.integers(0, 128_000, n).tolist()
-                   for n in (1_000, 4_000, 25_600)}
+        prompts = {
+            f"{n // 1000}k" if n % 1000 == 0 else f"{n / 1000:g}k": prompt_rng.integers(0, 128_000, n).tolist()
+            for n in (1_000, 4_000, 25_600)
+        }
         for tokens in prompts.values():
             hashes = chunk_hash_array(tokens, CHUNK)
             for rank in range(args.ranks):  # every TP rank holds its own part of each chunk
@@ -170,7 +201,8 @@ def main() -> None:
             held = target
             rss = rss_mb(pid)
             result["sizes"][str(target)] = {
-                "ingest": stats, "rss_mb": round(rss, 1),
+                "ingest": stats,
+                "rss_mb": round(rss, 1),
                 "bytes_per_key_holder": round((rss - result["rss_idle_mb"]) * 2**20 / target, 1),
                 "lookup": time_lookups(controller.http_port, prompts, args.repeat) if target <= 1_000_000 else None,
             }

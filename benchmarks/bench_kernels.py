@@ -81,40 +81,64 @@ def main() -> None:
     for n in batches:
         ids = [rng.sample(range(args.num_blocks), BLOCKS_PER_CHUNK) for _ in range(n)]
         flat = rng.sample(range(args.num_blocks), n * BLOCKS_PER_CHUNK)  # scatter targets, all distinct
-        targets = [flat[i * BLOCKS_PER_CHUNK:(i + 1) * BLOCKS_PER_CHUNK] for i in range(n)]
+        targets = [flat[i * BLOCKS_PER_CHUNK : (i + 1) * BLOCKS_PER_CHUNK] for i in range(n)]
         nbytes = n * chunk_bytes
-        host_pages = [host[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(n)]
-        gpu_pages = [device_pages[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(n)]
+        host_pages = [host[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
+        gpu_pages = [device_pages[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
 
         def rate(seconds: float) -> float:
             return round(nbytes / seconds / 1e9, 2)
 
         row = {"chunks": n, "bytes": nbytes}
-        row["ceiling_d2h_gbps"] = rate(timed(lambda: host[:nbytes].copy_(contiguous[:nbytes], non_blocking=True), args.reps))
-        row["ceiling_h2d_gbps"] = rate(timed(lambda: contiguous[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps))
+        row["ceiling_d2h_gbps"] = rate(
+            timed(lambda: host[:nbytes].copy_(contiguous[:nbytes], non_blocking=True), args.reps)
+        )
+        row["ceiling_h2d_gbps"] = rate(
+            timed(lambda: contiguous[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps)
+        )
         row["ceiling_d2d_gbps"] = rate(timed(lambda: device_pages[:nbytes].copy_(contiguous[:nbytes]), args.reps))
         row["gather_to_host_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, host_pages), args.reps))
-        row["scatter_from_host_gbps"] = rate(timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), args.reps))
+        row["scatter_from_host_gbps"] = rate(
+            timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), args.reps)
+        )
         row["gather_to_gpu_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, gpu_pages), args.reps))
         row["scatter_from_gpu_gbps"] = rate(timed(lambda: gpu_ops.scatter_chunks(gpu_pages, cache, targets), args.reps))
         os.environ["LMCACHE_KV_KERNELS"] = "torch"  # the fallback, for comparison (load() is cached: force per call)
         kv_kernels.load.cache_clear()
-        row["torch_gather_to_host_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, host_pages), max(3, args.reps // 4)))
-        row["torch_scatter_from_host_gbps"] = rate(timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), max(3, args.reps // 4)))
+        row["torch_gather_to_host_gbps"] = rate(
+            timed(lambda: gpu_ops.gather_chunks(cache, ids, host_pages), max(3, args.reps // 4))
+        )
+        row["torch_scatter_from_host_gbps"] = rate(
+            timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), max(3, args.reps // 4))
+        )
         del os.environ["LMCACHE_KV_KERNELS"]
         kv_kernels.load.cache_clear()
         kv_kernels.load()
         row["gather_to_host_vs_ceiling"] = round(row["gather_to_host_gbps"] / row["ceiling_d2h_gbps"], 3)
         row["scatter_from_host_vs_ceiling"] = round(row["scatter_from_host_gbps"] / row["ceiling_h2d_gbps"], 3)
         results.append(row)
-        print(f"[bench_kernels] {n} chunks: gather->host {row['gather_to_host_gbps']} GB/s "
-              f"({row['gather_to_host_vs_ceiling']:.0%} of {row['ceiling_d2h_gbps']}), scatter<-host "
-              f"{row['scatter_from_host_gbps']} GB/s ({row['scatter_from_host_vs_ceiling']:.0%} of {row['ceiling_h2d_gbps']})",
-              file=sys.stderr, flush=True)
+        print(
+            f"[bench_kernels] {n} chunks: gather->host {row['gather_to_host_gbps']} GB/s "
+            f"({row['gather_to_host_vs_ceiling']:.0%} of {row['ceiling_d2h_gbps']}), scatter<-host "
+            f"{row['scatter_from_host_gbps']} GB/s ({row['scatter_from_host_vs_ceiling']:.0%} of {row['ceiling_h2d_gbps']})",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    print(json.dumps({"bench": "kernels", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "cuda": torch.version.cuda, "shape": "llama-3.1-8b bf16, 32 layers, 16-token blocks, 256-token chunks",
-                      "chunk_bytes": chunk_bytes, "kernel_build_or_load_s": round(build_s, 1), "results": results}))
+    print(
+        json.dumps(
+            {
+                "bench": "kernels",
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "shape": "llama-3.1-8b bf16, 32 layers, 16-token blocks, 256-token chunks",
+                "chunk_bytes": chunk_bytes,
+                "kernel_build_or_load_s": round(build_s, 1),
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -56,14 +56,20 @@ def time_ms(fn, repeat: int) -> list[float]:
 
 def summary(samples: list[float], tokens: int) -> dict:
     p50 = statistics.median(samples)
-    return {"p50_ms": round(p50, 4), "p99_ms": round(sorted(samples)[int(len(samples) * 0.99) - 1], 4),
-            "mtokens_per_s": round(tokens / p50 / 1e3, 1)}
+    return {
+        "p50_ms": round(p50, 4),
+        "p99_ms": round(sorted(samples)[int(len(samples) * 0.99) - 1], 4),
+        "mtokens_per_s": round(tokens / p50 / 1e3, 1),
+    }
 
 
 def spread(samples: list[float]) -> dict:
     deciles = statistics.quantiles(samples, n=10)
-    return {"p50_ms": round(statistics.median(samples), 3), "p10_ms": round(deciles[0], 3),
-            "p90_ms": round(deciles[-1], 3)}
+    return {
+        "p50_ms": round(statistics.median(samples), 3),
+        "p10_ms": round(deciles[0], 3),
+        "p90_ms": round(deciles[-1], 3),
+    }
 
 
 def request_keys(tokens: np.ndarray, chunk_size: int, store_steps: int, polls: int, repeat: int) -> dict:
@@ -98,13 +104,21 @@ def request_keys(tokens: np.ndarray, chunk_size: int, store_steps: int, polls: i
         hash_list(held)  # pin the hit
         pickle.loads(pickle.dumps(hashes))  # the load's spec
         for end in step_ends:
-            hash_list(pickle.loads(pickle.dumps(hashes[:end // chunk_size])))  # the step's spec, the store
+            hash_list(pickle.loads(pickle.dumps(hashes[: end // chunk_size])))  # the step's spec, the store
 
     old_ms, new_ms = time_ms(old, repeat), time_ms(new, repeat)
     saved = statistics.median(old_ms) - statistics.median(new_ms)
-    return {"prompt_tokens": n, "chunk_size": chunk_size, "store_steps": store_steps, "polls": polls,
-            "repeat": repeat, "old": spread(old_ms), "new": spread(new_ms), "saved_p50_ms": round(saved, 3),
-            "saved_p50_pct": round(100 * saved / statistics.median(old_ms), 1)}
+    return {
+        "prompt_tokens": n,
+        "chunk_size": chunk_size,
+        "store_steps": store_steps,
+        "polls": polls,
+        "repeat": repeat,
+        "old": spread(old_ms),
+        "new": spread(new_ms),
+        "saved_p50_ms": round(saved, 3),
+        "saved_p50_pct": round(100 * saved / statistics.median(old_ms), 1),
+    }
 
 
 def main() -> None:
@@ -127,9 +141,13 @@ def main() -> None:
         "from_python_list": summary(time_ms(lambda: chunk_hashes(as_list, args.chunk_size), args.repeat), args.tokens),
         "from_int32_array": summary(time_ms(lambda: chunk_hashes(as_array, args.chunk_size), args.repeat), args.tokens),
         "target_ms": 2.0,
-        "request_keys": request_keys(np.array([rng.randrange(128_256) for _ in range(args.request_tokens)],
-                                              dtype=np.int32), args.chunk_size, args.store_steps, args.polls,
-                                     args.request_repeat),
+        "request_keys": request_keys(
+            np.array([rng.randrange(128_256) for _ in range(args.request_tokens)], dtype=np.int32),
+            args.chunk_size,
+            args.store_steps,
+            args.polls,
+            args.request_repeat,
+        ),
     }
     print(json.dumps(result))
 

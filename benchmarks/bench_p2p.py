@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from instances import InstanceProcess, instance_config, tokens  # noqa: E402
 from protocol_client import ControllerProcess, wait_for  # noqa: E402
 
-from lmcache_p2p.testing.standin import MODEL_SHAPES  # noqa: E402
 from lmcache_p2p.storage.memory import PagePool  # noqa: E402
+from lmcache_p2p.testing.standin import MODEL_SHAPES  # noqa: E402
 
 CHUNK_TOKENS = 256
 SHAPE = MODEL_SHAPES["llama-3.1-8b"]
@@ -36,6 +36,7 @@ FRESH_PAGES = 8  # pages per first-touch measurement
 
 
 # -- raw NIXL ceiling --------------------------------------------------------------------------------
+
 
 def _raw_agent(name: str, pages: int, fill: int, conn) -> None:
     """The writer's buffer holds ``pages`` pages; the reader's holds ``pages`` written ones and
@@ -49,7 +50,7 @@ def _raw_agent(name: str, pages: int, fill: int, conn) -> None:
     if name == "reader":
         pages += FRESH_PAGES
     buf = torch.empty((pages * PAGE_BYTES,), dtype=torch.uint8)
-    buf[:(pages - (FRESH_PAGES if name == "reader" else 0)) * PAGE_BYTES].fill_(fill)
+    buf[: (pages - (FRESH_PAGES if name == "reader" else 0)) * PAGE_BYTES].fill_(fill)
     agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
     descs = np.zeros((pages, 3), dtype=np.uint64)
     descs[:, 0] = buf.data_ptr() + np.arange(pages, dtype=np.uint64) * np.uint64(PAGE_BYTES)
@@ -88,8 +89,10 @@ class RawNixl:
     def __init__(self, pages: int):
         ctx = mp.get_context("spawn")
         (self.conn, w_child), (self.r_conn, r_child) = ctx.Pipe(), ctx.Pipe()
-        self.procs = [ctx.Process(target=_raw_agent, args=("writer", pages, 1, w_child)),
-                      ctx.Process(target=_raw_agent, args=("reader", pages, 0, r_child))]
+        self.procs = [
+            ctx.Process(target=_raw_agent, args=("writer", pages, 1, w_child)),
+            ctx.Process(target=_raw_agent, args=("reader", pages, 0, r_child)),
+        ]
         for proc in self.procs:
             proc.start()
         w_info, r_info = self.conn.recv(), self.r_conn.recv()
@@ -125,8 +128,10 @@ def local_first_touch() -> float:
 
 # -- our P2P pull -----------------------------------------------------------------------------------
 
-def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = None, device: str = "cpu",
-        **extra) -> dict[int, dict]:
+
+def p2p(
+    channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = None, device: str = "cpu", **extra
+) -> dict[int, dict]:
     """Median pull time per batch size; with ``raw``, the raw NIXL figure for the same bytes is
     measured right before each one (same minute, same host noise). ``device`` is where the
     stand-ins' KV lives; ``extra`` goes into both instances' configs."""
@@ -135,11 +140,21 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = 
     procs = []
     try:
         common = dict(chunk_size=CHUNK_TOKENS, cpu_gb=pool_gb, **extra)
-        holder = InstanceProcess(instance_config("bench_holder", controller, channel, **common), tmp,
-                                 num_blocks=16, env={"OMP_NUM_THREADS": "1"}, device=device).start()
+        holder = InstanceProcess(
+            instance_config("bench_holder", controller, channel, **common),
+            tmp,
+            num_blocks=16,
+            env={"OMP_NUM_THREADS": "1"},
+            device=device,
+        ).start()
         procs.append(holder)
-        puller = InstanceProcess(instance_config("bench_puller", controller, channel, **common), tmp,
-                                 num_blocks=16, env={"OMP_NUM_THREADS": "1"}, device=device).start()
+        puller = InstanceProcess(
+            instance_config("bench_puller", controller, channel, **common),
+            tmp,
+            num_blocks=16,
+            env={"OMP_NUM_THREADS": "1"},
+            device=device,
+        ).start()
         procs.append(puller)
         out = {}
         # Warm-up, untimed: connections, and a first pull of the largest batch so every pool page
@@ -148,8 +163,11 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = 
             prompt = tokens(n * CHUNK_TOKENS, seed=1000 + seed)
             assert holder.request("fill", tokens=prompt)["stored"] == n * CHUNK_TOKENS
             holder.request("flush")
-            wait_for(lambda: controller.holders(prompt).get("bench_holder", [0, 0])[1] == n * CHUNK_TOKENS,
-                     timeout=10, what="the controller to index the holder's chunks")
+            wait_for(
+                lambda: controller.holders(prompt).get("bench_holder", [0, 0])[1] == n * CHUNK_TOKENS,
+                timeout=10,
+                what="the controller to index the holder's chunks",
+            )
             times = []
             before = puller.status()["p2p_client"]
             for _ in range(reps if seed else 1):
@@ -160,10 +178,13 @@ def p2p(channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = 
             after = puller.status()["p2p_client"]
             if seed:
                 t = statistics.median(times)
-                out[n] = {"GB/s": round(n * PAGE_BYTES / t / 1e9, 3), "ms": round(t * 1e3, 2),
-                          # summed over the pull's requests (they overlap), per pull
-                          "request_ms": round((after["transfer_ms"] - before["transfer_ms"]) / reps, 2),
-                          "land_verify_ms": round((after["verify_ms"] - before["verify_ms"]) / reps, 2)}
+                out[n] = {
+                    "GB/s": round(n * PAGE_BYTES / t / 1e9, 3),
+                    "ms": round(t * 1e3, 2),
+                    # summed over the pull's requests (they overlap), per pull
+                    "request_ms": round((after["transfer_ms"] - before["transfer_ms"]) / reps, 2),
+                    "land_verify_ms": round((after["verify_ms"] - before["verify_ms"]) / reps, 2),
+                }
                 if raw is not None:
                     out[n]["raw_nixl_GB/s"] = round(raw.measure(n, reps), 3)
                     out[n]["vs_raw"] = round(out[n]["GB/s"] / out[n]["raw_nixl_GB/s"], 3)
@@ -182,18 +203,31 @@ def idle_cpu(tmp: Path, delays_us=(0, 200), seconds: float = 3.0) -> dict[str, f
     controller = ControllerProcess().start()
     try:
         for delay in delays_us:
-            proc = InstanceProcess(instance_config(f"idle_{delay}", controller, "nixl", chunk_size=CHUNK_TOKENS,
-                                                   cpu_gb=2 * PAGE_BYTES / 2**30, nixl_progress_delay_us=delay),
-                                   tmp, num_blocks=16, env={"OMP_NUM_THREADS": "1"}).start()
+            proc = InstanceProcess(
+                instance_config(
+                    f"idle_{delay}",
+                    controller,
+                    "nixl",
+                    chunk_size=CHUNK_TOKENS,
+                    cpu_gb=2 * PAGE_BYTES / 2**30,
+                    nixl_progress_delay_us=delay,
+                ),
+                tmp,
+                num_blocks=16,
+                env={"OMP_NUM_THREADS": "1"},
+            ).start()
             try:
+
                 def cpu_ticks() -> int:  # utime + stime of every thread of the process
                     fields = open(f"/proc/{proc.proc.pid}/stat").read().rsplit(")", 1)[1].split()
                     return int(fields[11]) + int(fields[12])
+
                 time.sleep(1.0)  # past start-up
                 before = cpu_ticks()
                 time.sleep(seconds)
                 out[f"progress_delay_{delay}us"] = round(
-                    (cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds * 100, 1)
+                    (cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds * 100, 1
+                )
             finally:
                 proc.stop()
     finally:
@@ -209,8 +243,10 @@ def main() -> None:
     batches = [(int(n), args.reps) for n in args.batches.split(",")]
     largest = max(n for n, _ in batches)
     raw = RawNixl(largest)
-    first_touch = {"remote_nixl_write_GB/s": round(raw.measure_fresh(), 3),
-                   "local_make_resident_GB/s": round(local_first_touch(), 3)}
+    first_touch = {
+        "remote_nixl_write_GB/s": round(raw.measure_fresh(), 3),
+        "local_make_resident_GB/s": round(local_first_touch(), 3),
+    }
     try:
         with tempfile.TemporaryDirectory() as tmp:
             nixl = p2p("nixl", batches, Path(tmp), raw)
@@ -218,13 +254,23 @@ def main() -> None:
             idle = idle_cpu(Path(tmp))
     finally:
         raw.close()
-    print(json.dumps({
-        "bench": "p2p", "chunk_tokens": CHUNK_TOKENS, "chunk_bytes": PAGE_BYTES, "shape": "Llama-3.1-8B bf16",
-        "p2p_nixl": nixl, "p2p_tcp": tcp, f"nixl_vs_raw_at_{largest}": nixl[largest]["vs_raw"],
-        "first_touch": first_touch, "idle_instance_cpu_pct": idle,
-        "note": "p2p = the requester's lookup call (controller lookup + transfer + checksum + admit); "
+    print(
+        json.dumps(
+            {
+                "bench": "p2p",
+                "chunk_tokens": CHUNK_TOKENS,
+                "chunk_bytes": PAGE_BYTES,
+                "shape": "Llama-3.1-8B bf16",
+                "p2p_nixl": nixl,
+                "p2p_tcp": tcp,
+                f"nixl_vs_raw_at_{largest}": nixl[largest]["vs_raw"],
+                "first_touch": first_touch,
+                "idle_instance_cpu_pct": idle,
+                "note": "p2p = the requester's lookup call (controller lookup + transfer + checksum + admit); "
                 "raw = two bare NIXL agents writing the same pages, measured just before",
-    }))
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,14 +23,23 @@ import torch
 from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
 from lmcache_p2p.storage import CpuTier, DiskTier, PagePool
 
-LLAMA_8B = LayoutFingerprint(model="meta-llama/Llama-3.1-8B", dtype="bfloat16", block_size=16,
-                             block_shape=(2, 16, 8, 128), block_stride=(32768, 2048, 128, 1), num_layers=32)
+LLAMA_8B = LayoutFingerprint(
+    model="meta-llama/Llama-3.1-8B",
+    dtype="bfloat16",
+    block_size=16,
+    block_shape=(2, 16, 8, 128),
+    block_stride=(32768, 2048, 128, 1),
+    num_layers=32,
+)
 
 
 def gbps(nbytes: int, seconds: list[float]) -> dict:
     p50 = statistics.median(seconds)
-    return {"p50_ms": round(p50 * 1e3, 3), "gb_per_s": round(nbytes / p50 / 1e9, 2),
-            "aggregate_gb_per_s": round(nbytes * len(seconds) / sum(seconds) / 1e9, 2)}
+    return {
+        "p50_ms": round(p50 * 1e3, 3),
+        "gb_per_s": round(nbytes / p50 / 1e9, 2),
+        "aggregate_gb_per_s": round(nbytes * len(seconds) / sum(seconds) / 1e9, 2),
+    }
 
 
 def drop_from_page_cache(path: str) -> None:
@@ -49,8 +58,11 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=96, help="puts into the CPU tier (more than fit: evictions)")
     ap.add_argument("--disk-chunks", type=int, default=24)
     ap.add_argument("--disk-dir", default=None)
-    ap.add_argument("--disk-only", action="store_true",
-                    help="skip the CPU stage: disk figures from a process with no large touched buffer")
+    ap.add_argument(
+        "--disk-only",
+        action="store_true",
+        help="skip the CPU stage: disk figures from a process with no large touched buffer",
+    )
     args = ap.parse_args()
 
     page = LLAMA_8B.bytes_per_token * args.chunk_size
@@ -75,8 +87,13 @@ def main() -> None:
             with tier.pin(key) as chunk:
                 sink.copy_(chunk.data)
             gets.append(time.perf_counter() - t0)
-        result.update(cpu_pool_pages=tier.pool.num_pages, cpu_pinned=tier.pool.pinned, cpu_put=gbps(page, puts),
-                      cpu_get=gbps(page, gets), cpu_evictions=tier.evictions)
+        result.update(
+            cpu_pool_pages=tier.pool.num_pages,
+            cpu_pinned=tier.pool.pinned,
+            cpu_put=gbps(page, puts),
+            cpu_get=gbps(page, gets),
+            cpu_evictions=tier.evictions,
+        )
 
     root = args.disk_dir or tempfile.mkdtemp(prefix="lmcache-bench-disk-")
     disk = DiskTier(root, (args.disk_chunks + 1) * (page + 4096))
@@ -97,7 +114,9 @@ def main() -> None:
     if not args.disk_dir:
         shutil.rmtree(root)
 
-    result.update(disk_write=gbps(page, writes), disk_read_cold=gbps(page, reads), torch_threads=torch.get_num_threads())
+    result.update(
+        disk_write=gbps(page, writes), disk_read_cold=gbps(page, reads), torch_threads=torch.get_num_threads()
+    )
     print(json.dumps(result))
 
 

@@ -53,8 +53,11 @@ def ttfts(engine: InstanceProcess, prompts: list[list[int]]) -> list[float]:
 
 
 def summary(values: list[float], baseline: float = None) -> dict:
-    out = {"median_ms": round(statistics.median(values) * 1e3, 2), "min_ms": round(min(values) * 1e3, 2),
-           "max_ms": round(max(values) * 1e3, 2)}
+    out = {
+        "median_ms": round(statistics.median(values) * 1e3, 2),
+        "min_ms": round(min(values) * 1e3, 2),
+        "max_ms": round(max(values) * 1e3, 2),
+    }
     if baseline:
         out["vs_off"] = round(statistics.median(values) / baseline, 3)
     return out
@@ -87,9 +90,13 @@ def main() -> None:
     controller = ControllerProcess().start()
     try:
         page_mib = 0.5  # one 256-token chunk of the tiny model: 2 layers x 2 x 256 x 2 heads x 64 x 4 B
-        seed_004 = dict(chunk_size=CHUNK, channel="nixl", cpu_gb=args.pool_pages * page_mib / 1024,
-                        enable_async_loading=True,
-                        extra_config={"lookup_backoff_time": 0.001})
+        seed_004 = dict(
+            chunk_size=CHUNK,
+            channel="nixl",
+            cpu_gb=args.pool_pages * page_mib / 1024,
+            enable_async_loading=True,
+            extra_config={"lookup_backoff_time": 0.001},
+        )
         a = driver(model, instance_config("bench_a", controller, **seed_004), tmp, "a")
         b = driver(model, instance_config("bench_b", controller, **seed_004), tmp, "b")
         cold_fresh = ttfts(a, warm_a)[1:]  # the first request of an engine also pays start-up costs
@@ -106,18 +113,30 @@ def main() -> None:
 
     base = statistics.median(off)
     held = args.prompt_tokens // CHUNK * CHUNK
-    print(json.dumps({
-        "bench": "vllm_cpu", "model": "tiny-llama (2 layers, hidden 128, fp32)", "prompt_tokens": args.prompt_tokens,
-        "prompts": args.prompts, "chunk_tokens": CHUNK, "tokens_loadable": min(held, args.prompt_tokens - 1),
-        "pool_pages": args.pool_pages,
-        "ttft": {"off": summary(off), "cold_fresh_pool": summary(cold_fresh, base), "cold": summary(cold, base),
-                 "cpu_hit": summary(cpu_hit, base),
-                 "peer_hit": summary(peer_hit, base)},
-        "miss_overhead_pct": round((statistics.median(cold) / base - 1) * 100, 1),
-        "peer_chunks_pulled": pulled["chunks_pulled"],
-        "note": "TTFT from vLLM's request metrics (arrival to first token), median over the prompts; "
+    print(
+        json.dumps(
+            {
+                "bench": "vllm_cpu",
+                "model": "tiny-llama (2 layers, hidden 128, fp32)",
+                "prompt_tokens": args.prompt_tokens,
+                "prompts": args.prompts,
+                "chunk_tokens": CHUNK,
+                "tokens_loadable": min(held, args.prompt_tokens - 1),
+                "pool_pages": args.pool_pages,
+                "ttft": {
+                    "off": summary(off),
+                    "cold_fresh_pool": summary(cold_fresh, base),
+                    "cold": summary(cold, base),
+                    "cpu_hit": summary(cpu_hit, base),
+                    "peer_hit": summary(peer_hit, base),
+                },
+                "miss_overhead_pct": round((statistics.median(cold) / base - 1) * 100, 1),
+                "peer_chunks_pulled": pulled["chunks_pulled"],
+                "note": "TTFT from vLLM's request metrics (arrival to first token), median over the prompts; "
                 "cold = connector on with nothing cached (local miss + controller lookup + store)",
-    }))
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,14 +51,21 @@ def make_traffic(controller, a: InstanceProcess, b: InstanceProcess, seconds: fl
         b.lookup(tokens(4 * CHUNK, seed=-rounds), peers=True)  # nobody has it: a miss
         old = prompt
         if rounds % 5 == 0:
-            event = controller.api("/copy", {"old_position": ["lmcache_instance_1", CPU],
-                                             "new_position": ["lmcache_instance_2", CPU], "tokens": prompt})
+            event = controller.api(
+                "/copy",
+                {
+                    "old_position": ["lmcache_instance_1", CPU],
+                    "new_position": ["lmcache_instance_2", CPU],
+                    "tokens": prompt,
+                },
+            )
             controller.finish(event["event_id"])
             # One pinned prompt at a time: pins outlive eviction, and a pool full of them
             # refuses every pull ("no free page in the CPU pool (every page is pinned)").
             if pinned is not None:
-                controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": pinned,
-                                        "unpin": True})
+                controller.api(
+                    "/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": pinned, "unpin": True}
+                )
             controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": prompt})
             pinned = prompt
         time.sleep(0.5)
@@ -72,8 +79,11 @@ def time_dashboard(controller, calls: int) -> dict:
         response = controller.http.get("/controller/dashboard")
         latencies.append((time.perf_counter() - t0) * 1e3)
         size = len(response.content)
-    return {"median_ms": round(statistics.median(latencies), 2), "p95_ms": round(sorted(latencies)[int(0.95 * calls)], 2),
-            "bytes": size}
+    return {
+        "median_ms": round(statistics.median(latencies), 2),
+        "p95_ms": round(sorted(latencies)[int(0.95 * calls)], 2),
+        "bytes": size,
+    }
 
 
 def page_loads(chromium: Chromium, url: str, loads: int) -> dict:
@@ -81,15 +91,20 @@ def page_loads(chromium: Chromium, url: str, loads: int) -> dict:
     for _ in range(loads):
         page, log = chromium.open(url)
         page.wait_for_selector("#refreshed:not(:empty)", timeout=10_000)  # the first poll rendered
-        timing = page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0];"
-                               " return {dcl: n.domContentLoadedEventEnd}; }")
+        timing = page.evaluate(
+            "() => { const n = performance.getEntriesByType('navigation')[0];"
+            " return {dcl: n.domContentLoadedEventEnd}; }"
+        )
         weights.append(log.response_bytes)
         requests.append(len(log.requests))
         dcl.append(timing["dcl"])
         assert not log.console_errors and not log.page_errors, (log.console_errors, log.page_errors)
         page.close()
-    return {"bytes_transferred_first_poll": max(weights), "requests": max(requests),
-            "dom_content_loaded_ms_median": round(statistics.median(dcl), 1)}
+    return {
+        "bytes_transferred_first_poll": max(weights),
+        "requests": max(requests),
+        "dom_content_loaded_ms_median": round(statistics.median(dcl), 1),
+    }
 
 
 def main() -> None:
@@ -103,8 +118,10 @@ def main() -> None:
 
     controller = ControllerProcess("--worker-timeout", "6").start()
     tmp = Path(tempfile.mkdtemp(prefix="bench_webui_"))
-    instances = [InstanceProcess(instance_config(f"lmcache_instance_{i}", controller, "nixl", chunk_size=CHUNK), tmp).start()
-                 for i in (1, 2)]
+    instances = [
+        InstanceProcess(instance_config(f"lmcache_instance_{i}", controller, "nixl", chunk_size=CHUNK), tmp).start()
+        for i in (1, 2)
+    ]
     chromium = Chromium()
     fakes: list[FakeWorker] = []
     try:
@@ -129,16 +146,25 @@ def main() -> None:
             fake.register()
             fake.admit_tokens(tokens(64 * 16, seed=i))
             fakes.append(fake)
-        wait_for(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2 + args.fake_workers,
-                 what="fake workers registered")
+        wait_for(
+            lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2 + args.fake_workers,
+            what="fake workers registered",
+        )
         many = time_dashboard(controller, args.calls)
-        print(json.dumps({
-            "bench": "webui", "traffic": traffic,
-            "overview_after_traffic": {k: overview[k] for k in ("hit_ratio", "lookups_per_s", "p2p_bytes_per_s",
-                                                                "traffic_totals")},
-            "page": loads,
-            "dashboard_endpoint": {"workers_2": two, f"workers_{2 + args.fake_workers}": many},
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "bench": "webui",
+                    "traffic": traffic,
+                    "overview_after_traffic": {
+                        k: overview[k] for k in ("hit_ratio", "lookups_per_s", "p2p_bytes_per_s", "traffic_totals")
+                    },
+                    "page": loads,
+                    "dashboard_endpoint": {"workers_2": two, f"workers_{2 + args.fake_workers}": many},
+                },
+                indent=2,
+            )
+        )
     finally:
         for fake in fakes:
             fake.close()

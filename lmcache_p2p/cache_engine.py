@@ -22,8 +22,9 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -41,8 +42,15 @@ class CacheEngine:
     are shared with ``peers``, which report them. Build it with ``lmcache_p2p.worker.build_engine``,
     which validates the configuration against the layout before anything is allocated."""
 
-    def __init__(self, config: LMCacheConfig, layout: LayoutFingerprint, storage: StorageManager, rank: int = 0,
-                 peers: Optional[PeerService] = None, counters: Optional[EngineCounters] = None):
+    def __init__(
+        self,
+        config: LMCacheConfig,
+        layout: LayoutFingerprint,
+        storage: StorageManager,
+        rank: int = 0,
+        peers: PeerService | None = None,
+        counters: EngineCounters | None = None,
+    ):
         self.config = config
         self.layout = layout
         self.rank = rank
@@ -55,8 +63,13 @@ class CacheEngine:
 
     # -- store -----------------------------------------------------------------------------------
 
-    def store(self, chunk_hashes: ChunkHashes, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
-              num_tokens: Optional[int] = None) -> int:
+    def store(
+        self,
+        chunk_hashes: ChunkHashes,
+        layers: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        num_tokens: int | None = None,
+    ) -> int:
         """Save the chunks ``chunk_hashes`` names whose KV sits in ``block_ids`` (one block id per
         ``block_size`` tokens from token 0, in order); returns the tokens newly stored.
         ``num_tokens`` is the prompt's length for the log (default: the chunks' tokens)."""
@@ -68,8 +81,14 @@ class CacheEngine:
             raise
         return self._commit(batch, self._prompt_tokens(chunk_hashes, num_tokens))
 
-    def store_async(self, chunk_hashes: ChunkHashes, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
-                    owner: str = "", num_tokens: Optional[int] = None) -> int:
+    def store_async(
+        self,
+        chunk_hashes: ChunkHashes,
+        layers: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        owner: str = "",
+        num_tokens: int | None = None,
+    ) -> int:
         """:meth:`store` without waiting for the copy (the engine's store path on a GPU): the
         chunks are gathered on a copy stream beside the next forward pass and indexed by a later
         :meth:`poll_stores` once the copy is done. The caller keeps ``block_ids`` unchanged until
@@ -79,8 +98,9 @@ class CacheEngine:
             return 0
         t0 = time.perf_counter()
         try:
-            copy = gpu_ops.gather_chunks_async(layers, [c.blocks for c in batch], [c.data for c in batch],
-                                               max_ctas=self.config.store_ctas)
+            copy = gpu_ops.gather_chunks_async(
+                layers, [c.blocks for c in batch], [c.data for c in batch], max_ctas=self.config.store_ctas
+            )
         except BaseException:
             self._abandon(batch)
             raise
@@ -105,13 +125,13 @@ class CacheEngine:
     def stores_pending(self, owner: str) -> bool:
         return any(p.owner == owner for p in self._pending)
 
-    def order_stores_before(self, stream: "torch.cuda.Stream") -> None:
+    def order_stores_before(self, stream: torch.cuda.Stream) -> None:
         """Make work queued on ``stream`` from now on wait (on the device) for every store copy
         in flight: blocks about to be reused must be read first."""
         for pending in self._pending:
             pending.copy.order_before(stream)
 
-    def _reserve(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int]) -> list["_ReservedChunk"]:
+    def _reserve(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int]) -> list[_ReservedChunk]:
         """A page for every chunk not held yet (or on its way), so a store is one gather."""
         on_the_way = {c.chunk_hash for pending in self._pending for c in pending.batch}
         batch = []
@@ -127,27 +147,35 @@ class CacheEngine:
             batch.append(_ReservedChunk(chunk_hash, blocks, *reserved))
         return batch
 
-    def _prompt_tokens(self, chunk_hashes: ChunkHashes, num_tokens: Optional[int]) -> int:
+    def _prompt_tokens(self, chunk_hashes: ChunkHashes, num_tokens: int | None) -> int:
         """The prompt length a log line reports: as given, else the chunks' tokens."""
         return len(chunk_hashes) * self.chunk_size if num_tokens is None else num_tokens
 
-    def _abandon(self, batch: list["_ReservedChunk"]) -> None:
+    def _abandon(self, batch: list[_ReservedChunk]) -> None:
         for chunk in batch:
             self.storage.abandon_page(chunk.page)
 
-    def _commit(self, batch: list["_ReservedChunk"], num_tokens: int, launched: Optional[float] = None) -> int:
+    def _commit(self, batch: list[_ReservedChunk], num_tokens: int, launched: float | None = None) -> int:
         """Index a gathered batch; ``launched`` is when an asynchronous copy of it started."""
         stored = sum(self.chunk_size for c in batch if self.storage.commit_page(c.chunk_hash, c.page))
         self.counters.stored_tokens += stored
-        took = ("" if launched is None else
-                f" (copied in {(time.perf_counter() - launched) * 1e3:.1f} ms beside the forward pass)")
-        logger.log(logging.INFO if stored else logging.DEBUG,
-                   "Storing KV cache for %d out of %d tokens%s", stored, num_tokens, took)
+        took = (
+            ""
+            if launched is None
+            else f" (copied in {(time.perf_counter() - launched) * 1e3:.1f} ms beside the forward pass)"
+        )
+        logger.log(
+            logging.INFO if stored else logging.DEBUG,
+            "Storing KV cache for %d out of %d tokens%s",
+            stored,
+            num_tokens,
+            took,
+        )
         return stored
 
-    def _blocks(self, block_ids: Sequence[int], start: int) -> Optional[list[int]]:
+    def _blocks(self, block_ids: Sequence[int], start: int) -> list[int] | None:
         first = start // self.layout.block_size
-        blocks = list(block_ids[first:first + self.blocks_per_chunk])
+        blocks = list(block_ids[first : first + self.blocks_per_chunk])
         return blocks if len(blocks) == self.blocks_per_chunk else None
 
     # -- lookup ----------------------------------------------------------------------------------
@@ -159,19 +187,23 @@ class CacheEngine:
         self.counters.lookup_tokens += num_tokens
         self.counters.hit_tokens += hit_tokens
 
-    def lookup(self, chunk_hashes: ChunkHashes, num_tokens: Optional[int] = None, use_peers: bool = True) -> int:
+    def lookup(self, chunk_hashes: ChunkHashes, num_tokens: int | None = None, use_peers: bool = True) -> int:
         """Leading tokens of the prompt ``chunk_hashes`` names that :meth:`retrieve` can load now
         (pulling from a peer first when P2P is on and the local prefix ends early). ``num_tokens``
         is the prompt's length for the counters (default: its full chunks' tokens)."""
         hashes = hash_list(chunk_hashes)
         hit = self.storage.lookup_prefix(hashes).num_chunks
-        if (use_peers and hit < len(hashes) and self.peers is not None
-                and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S)):
+        if (
+            use_peers
+            and hit < len(hashes)
+            and self.peers is not None
+            and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S)
+        ):
             hit = self.storage.lookup_prefix(hashes).num_chunks
         self.count_lookup(self._prompt_tokens(hashes, num_tokens), hit * self.chunk_size)
         return hit * self.chunk_size
 
-    def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[int, Optional[concurrent.futures.Future]]:
+    def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[int, concurrent.futures.Future | None]:
         """The local hit now, and a future for the peer pull of the rest (None when there is
         nothing to pull); for schedulers that must not wait (``enable_async_loading``). The caller
         counts the lookup (:meth:`count_lookup`) once its hit is final."""
@@ -184,7 +216,7 @@ class CacheEngine:
 
     # -- retrieve --------------------------------------------------------------------------------
 
-    def pin_prefix(self, chunk_hashes: ChunkHashes, max_tokens: Optional[int] = None) -> "PinnedPrefix":
+    def pin_prefix(self, chunk_hashes: ChunkHashes, max_tokens: int | None = None) -> PinnedPrefix:
         """Hold the leading chunks of ``chunk_hashes`` the local tiers have (those starting
         before ``max_tokens``) against eviction until released: what a lookup promised stays
         loadable."""
@@ -198,8 +230,15 @@ class CacheEngine:
             chunks.append(chunk)
         return PinnedPrefix(chunks, self.chunk_size)
 
-    def load(self, prefix: "PinnedPrefix", layers: Sequence[torch.Tensor], block_ids: Sequence[int],
-             start: int = 0, end: Optional[int] = None, total_tokens: Optional[int] = None) -> int:
+    def load(
+        self,
+        prefix: PinnedPrefix,
+        layers: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        start: int = 0,
+        end: int | None = None,
+        total_tokens: int | None = None,
+    ) -> int:
         """Scatter the pinned chunks covering tokens ``[start, end)`` into ``block_ids`` (the
         request's blocks from token 0). Blocks before ``start`` are left alone: the engine computed
         them already. Returns the end of what was loaded (``start`` when nothing was)."""
@@ -224,13 +263,24 @@ class CacheEngine:
         elapsed = time.perf_counter() - t0
         self.counters.retrieved_tokens += loaded_to - start
         self.counters.retrieves += 1
-        logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s",
-                    loaded_to - start, total_tokens if total_tokens is not None else end, nbytes / 1e9, elapsed * 1e3,
-                    nbytes / 1e9 / max(elapsed, 1e-9))
+        logger.info(
+            "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s",
+            loaded_to - start,
+            total_tokens if total_tokens is not None else end,
+            nbytes / 1e9,
+            elapsed * 1e3,
+            nbytes / 1e9 / max(elapsed, 1e-9),
+        )
         return loaded_to
 
-    def retrieve(self, chunk_hashes: ChunkHashes, layers: Sequence[torch.Tensor], block_ids: Sequence[int],
-                 max_tokens: Optional[int] = None, num_tokens: Optional[int] = None) -> int:
+    def retrieve(
+        self,
+        chunk_hashes: ChunkHashes,
+        layers: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        max_tokens: int | None = None,
+        num_tokens: int | None = None,
+    ) -> int:
         """Load the held leading chunks of ``chunk_hashes`` into ``block_ids``; returns tokens
         loaded. ``num_tokens`` is the prompt's length for the log (default: its chunks' tokens)."""
         with self.pin_prefix(chunk_hashes, max_tokens) as prefix:
@@ -261,6 +311,7 @@ class CacheEngine:
 
 class _ReservedChunk(NamedTuple):
     """A chunk a store will gather: its blocks in the engine's cache and the pool page reserved for it."""
+
     chunk_hash: int
     blocks: list[int]
     page: int
@@ -288,7 +339,7 @@ class PinnedPrefix:
         for chunk in chunks:
             chunk.release()
 
-    def __enter__(self) -> "PinnedPrefix":
+    def __enter__(self) -> PinnedPrefix:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,7 +1,7 @@
 """``lmcache-p2p``: operator tools that need no engine.
 
-    lmcache-p2p config [--tp-size N]     validate the LMCACHE_CONFIG_FILE / LMCACHE_* settings
-    lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument)
+lmcache-p2p config [--tp-size N]     validate the LMCACHE_CONFIG_FILE / LMCACHE_* settings
+lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _hash(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p", description="lmcache-p2p operator tools (no engine needed)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("config", help="validate and show the effective configuration and where each value came from")

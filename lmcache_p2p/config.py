@@ -19,8 +19,9 @@ import difflib
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import yaml
 
@@ -43,7 +44,7 @@ class ConfigError(ValueError):
     was expected, so an operator can fix the right file or variable at once.
     """
 
-    def __init__(self, key: str, message: str, value: Any = None, source: Optional[str] = None):
+    def __init__(self, key: str, message: str, value: Any = None, source: str | None = None):
         self.key = key
         self.value = value
         self.source = source
@@ -148,7 +149,7 @@ def _to_local_disk(raw: Any) -> str:
     """``file:///path/`` as in LMCache; a plain absolute path is accepted too."""
     s = _to_str(raw)
     if s.startswith("file://"):
-        s = s[len("file://"):]
+        s = s[len("file://") :]
     elif "://" in s:
         raise _Invalid("expected a local path as file:///path/ (no other scheme is supported)")
     if not s.startswith("/"):
@@ -165,8 +166,9 @@ def split_host_port(url: str) -> tuple[str, int]:
         raise ValueError(f"expected host:port or tcp://host:port; the {scheme}:// scheme is not supported")
     host, sep, port = (rest if sep else url).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("expected host:port such as localhost:8300 (or tcp://localhost:8300), "
-                         "with a port from 1 to 65535")
+        raise ValueError(
+            "expected host:port such as localhost:8300 (or tcp://localhost:8300), with a port from 1 to 65535"
+        )
     return host, int(port)
 
 
@@ -203,31 +205,38 @@ class LMCacheConfig:
     chunk_size: int = _key(_to_int, 256, "tokens per chunk; a multiple of vLLM's block size")
     local_cpu: bool = _key(_to_bool, True, "keep chunks in the CPU pool (LocalCPUBackend)")
     max_local_cpu_size: float = _key(_to_float, 5.0, "CPU pool size in GB (1 GB = 1024**3 bytes)")
-    local_disk: Optional[str] = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
+    local_disk: str | None = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
     max_local_disk_size: float = _key(_to_float, 0.0, "disk tier size cap in GB")
     enable_async_loading: bool = _key(_to_bool, False, "peer lookups do not block the scheduler")
-    store_ctas: int = _key(_to_int, 4, "CTAs a store's GPU gather runs on beside the forward pass; "
-                           "0 = one per block (every SM)")
+    store_ctas: int = _key(
+        _to_int, 4, "CTAs a store's GPU gather runs on beside the forward pass; 0 = one per block (every SM)"
+    )
     # P2P
     enable_p2p: bool = _key(_to_bool, False, "pull missing chunks from peers")
-    p2p_host: Optional[str] = _key(_optional(_to_str), None, "host peers reach this instance on")
-    p2p_init_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "handshake port per TP rank")
-    p2p_lookup_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "transfer request port per TP rank")
-    transfer_channel: Optional[str] = _key(_optional(_to_str), None, '"nixl" or "tcp"')
+    p2p_host: str | None = _key(_optional(_to_str), None, "host peers reach this instance on")
+    p2p_init_ports: list[int] | None = _key(_optional(_to_int_list), None, "handshake port per TP rank")
+    p2p_lookup_ports: list[int] | None = _key(_optional(_to_int_list), None, "transfer request port per TP rank")
+    transfer_channel: str | None = _key(_optional(_to_str), None, '"nixl" or "tcp"')
     nixl_progress_delay_us: int = _key(_to_int, 200, "pause between NIXL progress-thread rounds; 0 spins a core")
     p2p_batch_chunks: int = _key(_to_int, 8, "chunks per peer pull request")
     p2p_pipeline_depth: int = _key(_to_int, 3, "peer pull requests in flight per pull")
-    nixl_buffer_device: str = _key(_to_str, "auto", 'NIXL staging for same-host pulls: "auto" (GPU when CUDA is '
-                                   'here), "cuda" (required) or "cpu" (none: pool to pool)')
-    nixl_buffer_size: Optional[int] = _key(_optional(_to_int), None, "GPU staging bytes; default 32 chunk pages")
+    nixl_buffer_device: str = _key(
+        _to_str,
+        "auto",
+        'NIXL staging for same-host pulls: "auto" (GPU when CUDA is '
+        'here), "cuda" (required) or "cpu" (none: pool to pool)',
+    )
+    nixl_buffer_size: int | None = _key(_optional(_to_int), None, "GPU staging bytes; default 32 chunk pages")
     # Controller
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
-    lmcache_instance_id: Optional[str] = _key(_optional(_to_str), None, "this instance's id at the controller")
-    controller_pull_url: Optional[str] = _key(_optional(_to_url), None,
-                                              "controller PULL socket, host:port (or tcp://host:port)")
-    controller_reply_url: Optional[str] = _key(_optional(_to_url), None,
-                                               "controller ROUTER socket, host:port (or tcp://host:port)")
-    lmcache_worker_ports: Optional[list[int]] = _key(_optional(_to_int_list), None, "command port per TP rank")
+    lmcache_instance_id: str | None = _key(_optional(_to_str), None, "this instance's id at the controller")
+    controller_pull_url: str | None = _key(
+        _optional(_to_url), None, "controller PULL socket, host:port (or tcp://host:port)"
+    )
+    controller_reply_url: str | None = _key(
+        _optional(_to_url), None, "controller ROUTER socket, host:port (or tcp://host:port)"
+    )
+    lmcache_worker_ports: list[int] | None = _key(_optional(_to_int_list), None, "command port per TP rank")
     lmcache_worker_heartbeat_time: float = _key(_to_float, 5.0, "seconds between worker heartbeats")
     extra_config: dict = _key(_optional(_to_dict), {}, "free-form extras, e.g. lookup_backoff_time")
 
@@ -237,7 +246,7 @@ class LMCacheConfig:
     # -- loading ------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, env: Optional[Mapping[str, str]] = None) -> "LMCacheConfig":
+    def load(cls, env: Mapping[str, str] | None = None) -> LMCacheConfig:
         """The config an engine process sees: ``LMCACHE_CONFIG_FILE`` then ``LMCACHE_*`` env."""
         env = os.environ if env is None else env
         path = env.get(CONFIG_FILE_ENV)
@@ -248,15 +257,15 @@ class LMCacheConfig:
         return cls._from_raw(raw)
 
     @classmethod
-    def from_file(cls, path: str) -> "LMCacheConfig":
+    def from_file(cls, path: str) -> LMCacheConfig:
         return cls._from_raw(_read_yaml(path))
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "dict") -> "LMCacheConfig":
+    def from_dict(cls, values: Mapping[str, Any], source: str = "dict") -> LMCacheConfig:
         return cls._from_raw({k: (v, source) for k, v in _fold_misplaced_extras(dict(values), source).items()})
 
     @classmethod
-    def _from_raw(cls, raw: Mapping[str, tuple[Any, str]]) -> "LMCacheConfig":
+    def _from_raw(cls, raw: Mapping[str, tuple[Any, str]]) -> LMCacheConfig:
         fields = _config_fields()
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
@@ -317,20 +326,28 @@ class LMCacheConfig:
             except _Invalid:
                 ok = False
             if not ok:
-                raise ConfigError("extra_config.lookup_backoff_time", "expected seconds >= 0",
-                                  value=backoff, source=self.sources.get("extra_config"))
+                raise ConfigError(
+                    "extra_config.lookup_backoff_time",
+                    "expected seconds >= 0",
+                    value=backoff,
+                    source=self.sources.get("extra_config"),
+                )
         if self.enable_controller:
             for key in ("lmcache_instance_id", "controller_pull_url", "controller_reply_url", "lmcache_worker_ports"):
                 if getattr(self, key) is None:
                     raise self._err(key, "required when enable_controller is true")
         if self.enable_p2p:
             if not self.enable_controller:
-                raise self._err("enable_controller", "must be true when enable_p2p is true: peers are found through the controller")
+                raise self._err(
+                    "enable_controller", "must be true when enable_p2p is true: peers are found through the controller"
+                )
             for key in ("p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
                 if getattr(self, key) is None:
                     raise self._err(key, "required when enable_p2p is true")
             if not self.local_cpu:
-                raise self._err("local_cpu", "must be true when enable_p2p is true: peer transfers land in the CPU tier")
+                raise self._err(
+                    "local_cpu", "must be true when enable_p2p is true: peer transfers land in the CPU tier"
+                )
 
     def validate_for_tp(self, tp_size: int) -> None:
         """At engine start-up: every per-rank port list must cover every TP rank."""
@@ -340,13 +357,19 @@ class LMCacheConfig:
         for key in keys:
             ports = getattr(self, key)
             if ports is not None and len(ports) < tp_size:
-                raise self._err(key, f"has {len(ports)} port(s) but tensor parallel size is {tp_size}: give one port per rank, e.g. 8200,8202")
+                raise self._err(
+                    key,
+                    f"has {len(ports)} port(s) but tensor parallel size is {tp_size}: give one port per rank, e.g. 8200,8202",
+                )
 
     def validate_for_block_size(self, block_size: int) -> None:
         """At engine start-up: chunks are whole KV blocks (DESIGN.md §4)."""
         if self.chunk_size % block_size:
-            raise self._err("chunk_size", f"must be a multiple of the engine's KV block size ({block_size}); "
-                                          f"change chunk_size, or vLLM's --block-size")
+            raise self._err(
+                "chunk_size",
+                f"must be a multiple of the engine's KV block size ({block_size}); "
+                f"change chunk_size, or vLLM's --block-size",
+            )
 
     # -- derived values -------------------------------------------------------------------------
 
@@ -412,8 +435,15 @@ def _fold_misplaced_extras(data: dict, source: str) -> dict:
 
 # LMCACHE_* variables that are not config keys (LMCache's own switches, and ours for the log level
 # and the CUDA kernels' build, see kv_kernels): never an error.
-_NON_CONFIG_ENV = {"CONFIG_FILE", "LOG_LEVEL", "TRACK_USAGE", "USE_EXPERIMENTAL", "DISABLE_USAGE_STATS",
-                   "KV_KERNELS", "KERNEL_CACHE"}
+_NON_CONFIG_ENV = {
+    "CONFIG_FILE",
+    "LOG_LEVEL",
+    "TRACK_USAGE",
+    "USE_EXPERIMENTAL",
+    "DISABLE_USAGE_STATS",
+    "KV_KERNELS",
+    "KERNEL_CACHE",
+}
 _NON_CONFIG_ENV_PREFIXES = ("EC_",)  # LMCache's extra-config variables
 
 
@@ -422,7 +452,7 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     for var, value in env.items():
         if not var.startswith(ENV_PREFIX):
             continue
-        suffix = var[len(ENV_PREFIX):]
+        suffix = var[len(ENV_PREFIX) :]
         if suffix in _NON_CONFIG_ENV or suffix.startswith(_NON_CONFIG_ENV_PREFIXES):
             continue
         out[suffix.lower()] = (value, f"env {var}")
@@ -437,34 +467,110 @@ _ALIASES = {
 
 # Keys of the original LMCache (v0 and v1) that we accept and ignore, so users' files load.
 _IGNORED_LMCACHE_KEYS = frozenset(
-    """
-    local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding remote_url remote_serde
-    use_layerwise save_decode_cache pre_caching_hash_algorithm enable_blending
-    blend_recompute_ratios blend_thresholds blend_check_layers blend_min_tokens blend_special_str
-    retrieve_locations store_location mp_host mp_port lmcache_worker_ids
-    lmcache_worker_heartbeat_delay_time enable_pd pd_role pd_buffer_size pd_buffer_device
-    pd_peer_host pd_peer_init_port pd_peer_alloc_port pd_peer_query_port pd_proxy_host
-    pd_proxy_port pd_allocation_timeout_sec pd_shutdown_timeout_sec
-    pd_condition_poll_interval_sec pd_max_prefill_len pd_backend_mode pd_skip_proxy_notification
-    pd_bidirectional nixl_backends gds_path
-    gds_path_sharding gds_buffer_size maru_path maru_pool_size use_gds gds_backend
-    audit_actual_remote_url internal_api_server_host internal_api_server_enabled
-    internal_api_server_port_start internal_api_server_include_index_list
-    internal_api_server_socket_path_prefix save_unfull_chunk blocking_timeout_secs
-    external_lookup_client py_enable_gc cache_policy cost_aware_half_life_seconds
-    cost_aware_ewma_alpha numa_mode priority_limit runtime_plugin_locations storage_plugins
-    remote_storage_plugins lookup_timeout_ms min_retrieve_tokens hit_miss_ratio
-    lookup_server_worker_ids enable_scheduler_bypass_lookup script_allowed_imports
-    enable_lazy_memory_allocator lazy_memory_initial_ratio lazy_memory_expand_trigger_ratio
-    lazy_memory_step_ratio lazy_memory_safe_size enable_chunk_statistics
-    chunk_statistics_auto_start_statistics chunk_statistics_auto_exit_timeout_hours
-    chunk_statistics_auto_exit_target_unique_chunks chunk_statistics_strategy enable_kv_events
-    use_gpu_connector_v3 pin_timeout_sec pin_check_interval_sec remote_config_url app_id
-    enable_hidden_state_cache max_hidden_state_cpu_size hidden_state_layers
-    hidden_states_retrieve_mode enable_xpyd nixl_peer_host nixl_peer_init_port
-    nixl_peer_alloc_port nixl_proxy_host nixl_proxy_port nixl_role nixl_receiver_port
-    nixl_peer_port plugin_locations external_backends local_device pipelined_backend
-    """.split()
+    [
+        "local_cpu_use_hugepages",
+        "reserve_local_cpu_size",
+        "local_disk_path_sharding",
+        "remote_url",
+        "remote_serde",
+        "use_layerwise",
+        "save_decode_cache",
+        "pre_caching_hash_algorithm",
+        "enable_blending",
+        "blend_recompute_ratios",
+        "blend_thresholds",
+        "blend_check_layers",
+        "blend_min_tokens",
+        "blend_special_str",
+        "retrieve_locations",
+        "store_location",
+        "mp_host",
+        "mp_port",
+        "lmcache_worker_ids",
+        "lmcache_worker_heartbeat_delay_time",
+        "enable_pd",
+        "pd_role",
+        "pd_buffer_size",
+        "pd_buffer_device",
+        "pd_peer_host",
+        "pd_peer_init_port",
+        "pd_peer_alloc_port",
+        "pd_peer_query_port",
+        "pd_proxy_host",
+        "pd_proxy_port",
+        "pd_allocation_timeout_sec",
+        "pd_shutdown_timeout_sec",
+        "pd_condition_poll_interval_sec",
+        "pd_max_prefill_len",
+        "pd_backend_mode",
+        "pd_skip_proxy_notification",
+        "pd_bidirectional",
+        "nixl_backends",
+        "gds_path",
+        "gds_path_sharding",
+        "gds_buffer_size",
+        "maru_path",
+        "maru_pool_size",
+        "use_gds",
+        "gds_backend",
+        "audit_actual_remote_url",
+        "internal_api_server_host",
+        "internal_api_server_enabled",
+        "internal_api_server_port_start",
+        "internal_api_server_include_index_list",
+        "internal_api_server_socket_path_prefix",
+        "save_unfull_chunk",
+        "blocking_timeout_secs",
+        "external_lookup_client",
+        "py_enable_gc",
+        "cache_policy",
+        "cost_aware_half_life_seconds",
+        "cost_aware_ewma_alpha",
+        "numa_mode",
+        "priority_limit",
+        "runtime_plugin_locations",
+        "storage_plugins",
+        "remote_storage_plugins",
+        "lookup_timeout_ms",
+        "min_retrieve_tokens",
+        "hit_miss_ratio",
+        "lookup_server_worker_ids",
+        "enable_scheduler_bypass_lookup",
+        "script_allowed_imports",
+        "enable_lazy_memory_allocator",
+        "lazy_memory_initial_ratio",
+        "lazy_memory_expand_trigger_ratio",
+        "lazy_memory_step_ratio",
+        "lazy_memory_safe_size",
+        "enable_chunk_statistics",
+        "chunk_statistics_auto_start_statistics",
+        "chunk_statistics_auto_exit_timeout_hours",
+        "chunk_statistics_auto_exit_target_unique_chunks",
+        "chunk_statistics_strategy",
+        "enable_kv_events",
+        "use_gpu_connector_v3",
+        "pin_timeout_sec",
+        "pin_check_interval_sec",
+        "remote_config_url",
+        "app_id",
+        "enable_hidden_state_cache",
+        "max_hidden_state_cpu_size",
+        "hidden_state_layers",
+        "hidden_states_retrieve_mode",
+        "enable_xpyd",
+        "nixl_peer_host",
+        "nixl_peer_init_port",
+        "nixl_peer_alloc_port",
+        "nixl_proxy_host",
+        "nixl_proxy_port",
+        "nixl_role",
+        "nixl_receiver_port",
+        "nixl_peer_port",
+        "plugin_locations",
+        "external_backends",
+        "local_device",
+        "pipelined_backend",
+    ]
 )
 
 _warned_ignored: set[str] = set()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,18 +32,25 @@ from lmcache_p2p import kv_kernels
 
 # What a KV cache is stored as. The copy itself is byte-wise, so this only guards against
 # handing it something that is not a KV cache.
-KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32,
-             *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-               if hasattr(torch, name)))
+KV_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    *(
+        getattr(torch, name)
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+        if hasattr(torch, name)
+    ),
+)
 
-_layer_tables: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()  # layer addresses on the device, per cache
-_copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_layer_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # layer addresses on the device, per cache
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 class PendingCopy:
     """A gather still running on the copy stream. It holds the launch's inputs until done."""
 
-    def __init__(self, event: "torch.cuda.Event", keep: tuple):
+    def __init__(self, event: torch.cuda.Event, keep: tuple):
         self.event = event
         self._keep = keep
 
@@ -53,7 +60,7 @@ class PendingCopy:
     def wait(self) -> None:
         self.event.synchronize()
 
-    def order_before(self, stream: "torch.cuda.Stream") -> None:
+    def order_before(self, stream: torch.cuda.Stream) -> None:
         """Make work queued on ``stream`` from now on start after this copy (no host wait)."""
         stream.wait_event(self.event)
 
@@ -61,8 +68,13 @@ class PendingCopy:
 class _Batch:
     """A validated batch: the cache's geometry and each chunk's block ids."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
-                 pages: Sequence[torch.Tensor], first_blocks: Optional[Sequence[int]]):
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        block_ids: Sequence[Sequence[int]],
+        pages: Sequence[torch.Tensor],
+        first_blocks: Sequence[int] | None,
+    ):
         if not layers:
             raise ValueError("layers is empty: expected one KV cache tensor per layer")
         first = layers[0]
@@ -70,8 +82,10 @@ class _Batch:
             if layer.dtype not in KV_DTYPES:
                 raise TypeError(f"layers[{i}] is {layer.dtype}; a KV cache is one of {[str(d) for d in KV_DTYPES]}")
             if layer.dtype != first.dtype or layer.shape != first.shape or layer.device != first.device:
-                raise ValueError(f"layers[{i}] is {layer.dtype} {tuple(layer.shape)} on {layer.device}; layers[0] is "
-                                 f"{first.dtype} {tuple(first.shape)} on {first.device}: all layers must match")
+                raise ValueError(
+                    f"layers[{i}] is {layer.dtype} {tuple(layer.shape)} on {layer.device}; layers[0] is "
+                    f"{first.dtype} {tuple(first.shape)} on {first.device}: all layers must match"
+                )
         if len(block_ids) != len(pages):
             raise ValueError(f"{len(block_ids)} block id lists for {len(pages)} pages: one list per chunk")
         self.layers, self.pages = list(layers), list(pages)
@@ -82,8 +96,10 @@ class _Batch:
         for c, ids in enumerate(block_ids):
             ids = [int(b) for b in ids]
             if len(ids) != self.blocks_per_chunk or not ids:
-                raise ValueError(f"chunk {c} has {len(ids)} block ids; every chunk of a batch needs "
-                                 f"{self.blocks_per_chunk or 'at least one'}")
+                raise ValueError(
+                    f"chunk {c} has {len(ids)} block ids; every chunk of a batch needs "
+                    f"{self.blocks_per_chunk or 'at least one'}"
+                )
             bad = [b for b in ids if not 0 <= b < self.num_blocks]
             if bad:
                 raise IndexError(f"chunk {c}: block ids {bad} out of range [0, {self.num_blocks})")
@@ -97,10 +113,12 @@ class _Batch:
         need = len(layers) * self.blocks_per_chunk * self.block_bytes
         for c, page in enumerate(pages):
             if page.dtype != torch.uint8 or page.numel() != need or not page.is_contiguous():
-                raise ValueError(f"page {c} is {page.numel()} {page.dtype} elements"
-                                 f"{'' if page.is_contiguous() else ', not contiguous'}; {len(layers)} layers x "
-                                 f"{self.blocks_per_chunk} blocks of {tuple(first.shape[1:])} {first.dtype} need "
-                                 f"{need} contiguous uint8")
+                raise ValueError(
+                    f"page {c} is {page.numel()} {page.dtype} elements"
+                    f"{'' if page.is_contiguous() else ', not contiguous'}; {len(layers)} layers x "
+                    f"{self.blocks_per_chunk} blocks of {tuple(first.shape[1:])} {first.dtype} need "
+                    f"{need} contiguous uint8"
+                )
 
     def kernel_ok(self) -> bool:
         """Whether the CUDA kernel can do this batch: cache on CUDA, blocks contiguous, and every
@@ -116,21 +134,28 @@ class _Batch:
 
 
 def backend(layers: Sequence[torch.Tensor]) -> str:
-    """"cuda-kernel" where the batch copies run as one kernel launch, else "torch"."""
+    """ "cuda-kernel" where the batch copies run as one kernel launch, else "torch"."""
     return "cuda-kernel" if layers and layers[0].is_cuda and kv_kernels.load() is not None else "torch"
 
 
 # -- the public calls --------------------------------------------------------------------------------
 
-def gather_chunks(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], pages: Sequence[torch.Tensor]) -> None:
+
+def gather_chunks(
+    layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], pages: Sequence[torch.Tensor]
+) -> None:
     """Copy each chunk's blocks (``block_ids[c]``, in order) from every layer into ``pages[c]``."""
     batch = _Batch(layers, block_ids, pages, None)
     if pages:
         _run(batch, to_pages=True)
 
 
-def scatter_chunks(pages: Sequence[torch.Tensor], layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
-                   first_blocks: Optional[Sequence[int]] = None) -> None:
+def scatter_chunks(
+    pages: Sequence[torch.Tensor],
+    layers: Sequence[torch.Tensor],
+    block_ids: Sequence[Sequence[int]],
+    first_blocks: Sequence[int] | None = None,
+) -> None:
     """Copy each page into its chunk's blocks of every layer. With ``first_blocks[c]`` only
     ``block_ids[c][first_blocks[c]:]`` are written (the engine computed the leading ones already,
     and they may be shared with other requests)."""
@@ -139,8 +164,9 @@ def scatter_chunks(pages: Sequence[torch.Tensor], layers: Sequence[torch.Tensor]
         _run(batch, to_pages=False)
 
 
-def gather_chunks_async(layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]],
-                        pages: Sequence[torch.Tensor], max_ctas: int = 0) -> Optional[PendingCopy]:
+def gather_chunks_async(
+    layers: Sequence[torch.Tensor], block_ids: Sequence[Sequence[int]], pages: Sequence[torch.Tensor], max_ctas: int = 0
+) -> PendingCopy | None:
     """:func:`gather_chunks` without waiting: on CUDA the copy runs on a stream of its own after
     the work already queued on the current stream (the forward pass that wrote the KV), and the
     caller polls the returned copy before using the pages and keeps the blocks unchanged until it
@@ -173,11 +199,14 @@ def gather_chunk(layers: Sequence[torch.Tensor], block_ids: Sequence[int], page:
     gather_chunks(layers, [block_ids], [page])
 
 
-def scatter_chunk(page: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int], first_block: int = 0) -> None:
+def scatter_chunk(
+    page: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: Sequence[int], first_block: int = 0
+) -> None:
     scatter_chunks([page], layers, [block_ids], [first_block])
 
 
 # -- the two paths -----------------------------------------------------------------------------------
+
 
 def _kernels_for(batch: _Batch):
     """The compiled kernels when they can do this batch, else None (torch indexing)."""
@@ -222,8 +251,16 @@ def _launch(module, batch: _Batch, to_pages: bool, max_ctas: int = 0) -> tuple:
     host = torch.tensor(ids + [p.data_ptr() for p in batch.pages] + batch.first_blocks, dtype=torch.int64).pin_memory()
     meta = host.to(device, non_blocking=True)
     table = _layer_table(batch.layers)
-    module.copy_blocks(table, meta, len(batch.pages), batch.blocks_per_chunk, batch.block_bytes,
-                       _vector_bytes(batch), to_pages, max_ctas)
+    module.copy_blocks(
+        table,
+        meta,
+        len(batch.pages),
+        batch.blocks_per_chunk,
+        batch.block_bytes,
+        _vector_bytes(batch),
+        to_pages,
+        max_ctas,
+    )
     return host, meta, table
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence, TypeVar, Union
+from typing import NamedTuple, TypeVar, Union
 
 import msgspec
 import numpy as np
@@ -66,7 +67,7 @@ def iter_chunk_spans(tokens: TokenIds, chunk_size: int) -> Iterator[ChunkSpan]:
     step = chunk_size * 4
     h = ROOT_HASH
     for start in range(0, len(data) - step + 1, step):
-        h = _xxh3(data[start:start + step], h)
+        h = _xxh3(data[start : start + step], h)
         yield ChunkSpan(start // 4, start // 4 + chunk_size, h)
 
 
@@ -93,7 +94,7 @@ def payload_checksum(payload) -> int:
     return xxhash.xxh3_64(payload).intdigest()
 
 
-_parallel_pool: Optional[ThreadPoolExecutor] = None
+_parallel_pool: ThreadPoolExecutor | None = None
 _parallel_lock = threading.Lock()
 
 
@@ -142,8 +143,15 @@ class LayoutFingerprint(msgspec.Struct, frozen=True):
 
 
 _DTYPE_BYTES = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "uint8": 1,
 }
 
 
@@ -157,6 +165,6 @@ class ChunkKey(msgspec.Struct, frozen=True, order=True):
         return f"{self.fingerprint:016x}:{self.chunk_hash:016x}"
 
     @classmethod
-    def parse(cls, text: str) -> "ChunkKey":
+    def parse(cls, text: str) -> ChunkKey:
         fp, _, h = text.partition(":")
         return cls(int(fp, 16), int(h, 16))

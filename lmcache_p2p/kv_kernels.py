@@ -20,7 +20,6 @@ import os
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
 
 import torch
 
@@ -45,7 +44,10 @@ def _arch_flags(capability: tuple[int, int]) -> tuple[str, list[str]]:
         # sm_90a: Hopper's arch-specific features; the PTX serves newer GPUs.
         return "sm_90a", ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]
     arch = f"{major}{minor}"
-    return f"sm_{arch}", [f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{arch},code=compute_{arch}"]
+    return f"sm_{arch}", [
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        f"-gencode=arch=compute_{arch},code=compute_{arch}",
+    ]
 
 
 def _build_dir(arch: str) -> Path:
@@ -54,8 +56,8 @@ def _build_dir(arch: str) -> Path:
     return root / f"{digest}-torch{torch.__version__}-cuda{torch.version.cuda}-{arch}".replace("+", "_")
 
 
-@functools.lru_cache(maxsize=None)
-def load() -> Optional[ModuleType]:
+@functools.cache
+def load() -> ModuleType | None:
     mode = os.environ.get("LMCACHE_KV_KERNELS", "auto").lower()
     if mode not in ("auto", "cuda", "torch"):
         raise ValueError(f"LMCACHE_KV_KERNELS={mode!r}: expected auto, cuda or torch")
@@ -74,13 +76,24 @@ def load() -> Optional[ModuleType]:
     try:
         from torch.utils import cpp_extension
 
-        module = cpp_extension.load(name="lmcache_p2p_kv_transfer", sources=[str(SOURCE)], build_directory=str(build_dir),
-                                    extra_cflags=["-O3"], extra_cuda_cflags=["-O3", *flags], verbose=False)
+        module = cpp_extension.load(
+            name="lmcache_p2p_kv_transfer",
+            sources=[str(SOURCE)],
+            build_directory=str(build_dir),
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3", *flags],
+            verbose=False,
+        )
     except Exception as e:
         if mode == "cuda":
             raise
         logger.warning("KV copies: torch indexing; building %s for %s failed: %s", SOURCE.name, arch, e)
         return None
-    logger.info("KV copies: CUDA kernels (%s, %s) ready in %.1f s from %s", SOURCE.name, arch,
-                time.perf_counter() - t0, build_dir)
+    logger.info(
+        "KV copies: CUDA kernels (%s, %s) ready in %.1f s from %s",
+        SOURCE.name,
+        arch,
+        time.perf_counter() - t0,
+        build_dir,
+    )
     return module

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 from lmcache_p2p.keys import ChunkHashes
 
@@ -42,7 +42,7 @@ class PeerService(Protocol):
         """Pull the leading chunks of ``hashes`` a peer holds, waiting up to ``timeout``; the
         number of leading chunks now held locally (0 on any failure)."""
 
-    def fetch_prefix_async(self, hashes: ChunkHashes) -> Optional[concurrent.futures.Future]:
+    def fetch_prefix_async(self, hashes: ChunkHashes) -> concurrent.futures.Future | None:
         """:meth:`fetch_prefix` without waiting: a future of that number, or None when there is
         nothing to pull from (P2P off, no hashes)."""
 

@@ -17,7 +17,8 @@ million keys is then a zero-copy ``np.frombuffer`` rather than a million Python 
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Literal, Union
 
 import msgspec
 import numpy as np
@@ -32,7 +33,7 @@ HASH_DTYPE = np.dtype("<u8")
 PAGE_DTYPE = np.dtype("<u4")
 
 
-def _pack(values: Union[Sequence[int], np.ndarray], dtype: np.dtype) -> bytes:
+def _pack(values: Sequence[int] | np.ndarray, dtype: np.dtype) -> bytes:
     return np.asarray(values, dtype=dtype).tobytes()
 
 
@@ -42,7 +43,7 @@ def _unpack(data: bytes, dtype: np.dtype, what: str) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def pack_hashes(hashes: Union[Sequence[int], np.ndarray]) -> bytes:
+def pack_hashes(hashes: Sequence[int] | np.ndarray) -> bytes:
     return _pack(hashes, HASH_DTYPE)
 
 
@@ -77,14 +78,14 @@ class Register(_Msg, tag="register"):
     layout: LayoutFingerprint
     chunk_size: int
     locations: list[str]  # e.g. ["LocalCPUBackend", "LocalDiskBackend"]
-    p2p_init_port: Optional[int] = None
-    p2p_lookup_port: Optional[int] = None
-    transfer_channel: Optional[str] = None
+    p2p_init_port: int | None = None
+    p2p_lookup_port: int | None = None
+    transfer_channel: str | None = None
 
 
 class RegisterReply(_Msg, tag="register_reply"):
     ok: bool
-    error: Optional[str] = None
+    error: str | None = None
     controller_epoch: str = ""
     heartbeat_interval: float = 5.0
     heartbeat_port: int = 0  # the heartbeat socket, on the host of controller_reply_url
@@ -143,7 +144,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
     instance_id: str
     rank: int
     controller_epoch: str  # the epoch the worker registered with ("" if never)
-    traffic: Optional[Traffic] = None  # None from senders that keep no totals
+    traffic: Traffic | None = None  # None from senders that keep no totals
 
 
 class HeartbeatReply(_Msg, tag="heartbeat_reply"):
@@ -168,9 +169,9 @@ class PeerHolder(msgspec.Struct, kw_only=True):
     location: str
     matched_chunks: int  # leading chunks of the asked hashes this holder has
     host: str
-    p2p_init_port: Optional[int]
-    p2p_lookup_port: Optional[int]
-    transfer_channel: Optional[str]
+    p2p_init_port: int | None
+    p2p_lookup_port: int | None
+    transfer_channel: str | None
 
 
 class P2PLookupReply(_Msg, tag="p2p_lookup_reply"):
@@ -185,12 +186,12 @@ class CommandDone(_Msg, tag="command_done"):
     rank: int
     ok: bool
     num_tokens: int = 0
-    error: Optional[str] = None
+    error: str | None = None
 
 
 class Ack(_Msg, tag="ack"):
     ok: bool
-    error: Optional[str] = None
+    error: str | None = None
 
 
 # -- controller -> worker (command socket) -------------------------------------------------------
@@ -201,8 +202,8 @@ class PeerAddress(msgspec.Struct, kw_only=True):
     rank: int
     location: str
     host: str
-    p2p_init_port: Optional[int]
-    p2p_lookup_port: Optional[int]
+    p2p_init_port: int | None
+    p2p_lookup_port: int | None
 
 
 class MoveCommand(_Msg, tag="move"):
@@ -241,7 +242,7 @@ class CommandReply(_Msg, tag="command_reply"):
     ok: bool
     pending: bool = False  # accepted; a CommandDone follows
     num_tokens: int = 0
-    error: Optional[str] = None
+    error: str | None = None
     detail: dict = {}
 
 
@@ -272,7 +273,7 @@ class ChannelHello(_Msg, tag="channel_hello"):
 
 class ChannelHelloReply(_Msg, tag="channel_hello_reply"):
     ok: bool
-    error: Optional[str] = None
+    error: str | None = None
     channels: list[str] = []  # what this holder can serve
     staged: bool = False  # the holder will write through GPU staging (pulls carry slots)
 
@@ -297,7 +298,7 @@ class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
     ok: bool
     served: int = 0
     checksums: bytes = b""
-    error: Optional[str] = None
+    error: str | None = None
     staged: bool = False  # the payloads are in the requester's slots, not its pages
     holder_ms: float = 0.0  # the holder's time on it: pins, checksums, copies, the write
 
@@ -316,7 +317,7 @@ class FetchChunks(_Msg, tag="fetch_chunks"):
 class FetchReply(_Msg, tag="fetch_reply"):
     ok: bool
     held: bytes = b""  # hashes the destination holds now (pulled, or held already)
-    error: Optional[str] = None
+    error: str | None = None
 
 
 WorkerMessage = Union[Register, Deregister, KeyEvents, ResyncBatch, Heartbeat, P2PLookup, CommandDone]

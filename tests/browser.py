@@ -12,8 +12,14 @@ from pathlib import Path
 from playwright.sync_api import Browser, Page, sync_playwright
 
 CHROMIUM = os.environ.get("CHROMIUM_BIN", "/usr/bin/chromium")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--no-first-run"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 # Screenshots and other test output; gitignored. (Test-only variables stay out of LMCACHE_*:
 # every LMCACHE_* variable is read as engine configuration.)
 ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR", Path(__file__).resolve().parent.parent / ".artifacts"))
@@ -21,8 +27,10 @@ ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR", Path(__file__).resolve().p
 
 def chromium_path() -> str:
     if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
-        raise RuntimeError(f"Chromium not found at {CHROMIUM}: `make test` installs Debian's chromium "
-                           "(apt-get install -y chromium), or set CHROMIUM_BIN to a chromium binary")
+        raise RuntimeError(
+            f"Chromium not found at {CHROMIUM}: `make test` installs Debian's chromium "
+            "(apt-get install -y chromium), or set CHROMIUM_BIN to a chromium binary"
+        )
     return CHROMIUM
 
 

@@ -11,24 +11,30 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Optional
 
 import yaml
-
 from protocol_client import free_ports
 
 
-def instance_config(instance_id: str, controller, channel: str = "tcp", tp: int = 1, chunk_size: int = 32,
-                    cpu_gb: float = 0.25, **extra) -> dict:
+def instance_config(
+    instance_id: str, controller, channel: str = "tcp", tp: int = 1, chunk_size: int = 32, cpu_gb: float = 0.25, **extra
+) -> dict:
     """A seed-003/004 style instance config on free loopback ports."""
     ports = free_ports(3 * tp)
     config = {
-        "chunk_size": chunk_size, "local_cpu": True, "max_local_cpu_size": cpu_gb,
-        "enable_controller": True, "lmcache_instance_id": instance_id,
-        "controller_pull_url": f"127.0.0.1:{controller.pull}", "controller_reply_url": f"127.0.0.1:{controller.reply}",
+        "chunk_size": chunk_size,
+        "local_cpu": True,
+        "max_local_cpu_size": cpu_gb,
+        "enable_controller": True,
+        "lmcache_instance_id": instance_id,
+        "controller_pull_url": f"127.0.0.1:{controller.pull}",
+        "controller_reply_url": f"127.0.0.1:{controller.reply}",
         "lmcache_worker_ports": ports[:tp],
-        "enable_p2p": True, "p2p_host": "127.0.0.1", "p2p_init_ports": ports[tp:2 * tp],
-        "p2p_lookup_ports": ports[2 * tp:], "transfer_channel": channel,
+        "enable_p2p": True,
+        "p2p_host": "127.0.0.1",
+        "p2p_init_ports": ports[tp : 2 * tp],
+        "p2p_lookup_ports": ports[2 * tp :],
+        "transfer_channel": channel,
     }
     config.update(extra)
     return config
@@ -37,26 +43,49 @@ def instance_config(instance_id: str, controller, channel: str = "tcp", tp: int 
 class InstanceProcess:
     """One engine rank as a process."""
 
-    def __init__(self, config: dict, tmp_path, rank: int = 0, tp: int = 1, model: str = "llama-3.1-8b",
-                 num_blocks: int = 64, env: Optional[dict] = None, name: Optional[str] = None,
-                 command: Optional[list[str]] = None, device: str = "cpu"):
+    def __init__(
+        self,
+        config: dict,
+        tmp_path,
+        rank: int = 0,
+        tp: int = 1,
+        model: str = "llama-3.1-8b",
+        num_blocks: int = 64,
+        env: dict | None = None,
+        name: str | None = None,
+        command: list[str] | None = None,
+        device: str = "cpu",
+    ):
         self.config = config
         self.name = name or f"{config['lmcache_instance_id']}-r{rank}"
         path = tmp_path / f"{self.name}.yaml"
         path.write_text(yaml.safe_dump(config))
         self.log_path = tmp_path / f"{self.name}.log"
         # The stand-in by default; any process speaking the same JSON lines (the vLLM offline driver).
-        self.args = command or [sys.executable, "-m", "lmcache_p2p.testing.standin", "--model", model,
-                                "--num-blocks", str(num_blocks), "--tp-size", str(tp), "--rank", str(rank),
-                                "--device", device]
+        self.args = command or [
+            sys.executable,
+            "-m",
+            "lmcache_p2p.testing.standin",
+            "--model",
+            model,
+            "--num-blocks",
+            str(num_blocks),
+            "--tp-size",
+            str(tp),
+            "--rank",
+            str(rank),
+            "--device",
+            device,
+        ]
         self.env = {**os.environ, "LMCACHE_CONFIG_FILE": str(path), **(env or {})}
-        self.proc: Optional[subprocess.Popen] = None
-        self._answers: "queue.Queue[Optional[dict]]" = queue.Queue()
+        self.proc: subprocess.Popen | None = None
+        self._answers: queue.Queue[dict | None] = queue.Queue()
 
-    def start(self, timeout: float = 60.0) -> "InstanceProcess":
+    def start(self, timeout: float = 60.0) -> InstanceProcess:
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=self.env)
+        self.proc = subprocess.Popen(
+            self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env
+        )
         threading.Thread(target=self._read, daemon=True).start()
         ready = self._next(timeout)
         assert ready.get("ready"), f"{self.name} did not start: {ready}\n{self.log()}"

@@ -11,15 +11,27 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import httpx
 import zmq
 
 from lmcache_p2p.keys import LayoutFingerprint, chunk_hashes
 from lmcache_p2p.protocol import (
-    PROTOCOL_VERSION, CommandDone, CommandReply, Deregister, Heartbeat, KeyEvents, P2PLookup, Register, ResyncBatch, Traffic,
-    command_decoder, controller_reply_decoder, encode, pack_hashes,
+    PROTOCOL_VERSION,
+    CommandDone,
+    CommandReply,
+    Deregister,
+    Heartbeat,
+    KeyEvents,
+    P2PLookup,
+    Register,
+    ResyncBatch,
+    Traffic,
+    command_decoder,
+    controller_reply_decoder,
+    encode,
+    pack_hashes,
 )
 
 # The installed console script, as a user runs it.
@@ -30,8 +42,16 @@ CHUNK = 16
 
 
 def layout(model: str = "tiny-llama", rank: int = 0, tp: int = 1) -> LayoutFingerprint:
-    return LayoutFingerprint(model=model, dtype="float16", block_size=16, block_shape=(2, 16, 2, 8),
-                             block_stride=(256, 16, 8, 1), num_layers=2, tp_size=tp, tp_rank=rank)
+    return LayoutFingerprint(
+        model=model,
+        dtype="float16",
+        block_size=16,
+        block_shape=(2, 16, 2, 8),
+        block_stride=(256, 16, 8, 1),
+        num_layers=2,
+        tp_size=tp,
+        tp_rank=rank,
+    )
 
 
 def _ephemeral_low() -> int:
@@ -80,13 +100,22 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str =
 class ControllerProcess:
     """``lmcache_controller`` as a user starts it, on free loopback ports."""
 
-    def __init__(self, *extra: str, ports: Optional[list[int]] = None, env: Optional[dict] = None,
-                 argv: Optional[list[str]] = None):
+    def __init__(
+        self, *extra: str, ports: list[int] | None = None, env: dict | None = None, argv: list[str] | None = None
+    ):
         self.http_port, self.pull, self.reply, self.heartbeat = ports or free_ports(4)
-        self.args = argv or [CONTROLLER_SCRIPT, "--host", "127.0.0.1", "--port", str(self.http_port), "--monitor-ports",
-                             f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}', *extra]
+        self.args = argv or [
+            CONTROLLER_SCRIPT,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.http_port),
+            "--monitor-ports",
+            f'{{"pull": {self.pull}, "reply": {self.reply}, "heartbeat": {self.heartbeat}}}',
+            *extra,
+        ]
         self.env = {**os.environ, **(env or {})}
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.http = httpx.Client(base_url=self.url, timeout=10)
 
@@ -94,9 +123,11 @@ class ControllerProcess:
     def ports(self) -> list[int]:
         return [self.http_port, self.pull, self.reply, self.heartbeat]
 
-    def start(self) -> "ControllerProcess":
+    def start(self) -> ControllerProcess:
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+        )
         wait_for(self._up, 15, "controller HTTP")
         self.ready_after = time.monotonic() - self.started_at
         return self
@@ -138,9 +169,11 @@ class ControllerProcess:
 
     def finish(self, event_id: str, timeout: float = 30.0) -> dict:
         """The command event once it is no longer pending."""
+
         def done():
             state = self.api("/check_finish", {"event_id": event_id})
             return state if state["status"] != "pending" else None
+
         return wait_for(done, timeout, f"event {event_id}")
 
     def metric(self, name: str, **labels: str) -> float:
@@ -155,8 +188,16 @@ class ControllerProcess:
 class FakeWorker:
     """One rank: PUSH to pull, DEALER to reply and heartbeat, ROUTER for commands."""
 
-    def __init__(self, controller: ControllerProcess, instance_id: str, rank: int = 0, tp: int = 1,
-                 locations=(CPU,), model: str = "tiny-llama", answer_commands: bool = True):
+    def __init__(
+        self,
+        controller: ControllerProcess,
+        instance_id: str,
+        rank: int = 0,
+        tp: int = 1,
+        locations=(CPU,),
+        model: str = "tiny-llama",
+        answer_commands: bool = True,
+    ):
         self.controller = controller
         self.instance_id, self.rank = instance_id, rank
         self.layout = layout(model, rank, tp)
@@ -213,22 +254,45 @@ class FakeWorker:
     # -- protocol actions --------------------------------------------------------------------------
 
     def register(self):
-        reply = self._ask(self.req, Register(
-            version=PROTOCOL_VERSION, instance_id=self.instance_id, rank=self.rank, host="127.0.0.1",
-            worker_port=self.worker_port, layout=self.layout, chunk_size=CHUNK, locations=self.locations,
-            p2p_init_port=9100 + self.rank, p2p_lookup_port=9200 + self.rank, transfer_channel="tcp"))
+        reply = self._ask(
+            self.req,
+            Register(
+                version=PROTOCOL_VERSION,
+                instance_id=self.instance_id,
+                rank=self.rank,
+                host="127.0.0.1",
+                worker_port=self.worker_port,
+                layout=self.layout,
+                chunk_size=CHUNK,
+                locations=self.locations,
+                p2p_init_port=9100 + self.rank,
+                p2p_lookup_port=9200 + self.rank,
+                transfer_channel="tcp",
+            ),
+        )
         self.epoch = reply.controller_epoch
         return reply
 
-    def heartbeat(self, traffic: Optional[Traffic] = None):
-        return self._ask(self.hb, Heartbeat(instance_id=self.instance_id, rank=self.rank, controller_epoch=self.epoch,
-                                            traffic=traffic))
+    def heartbeat(self, traffic: Traffic | None = None):
+        return self._ask(
+            self.hb,
+            Heartbeat(instance_id=self.instance_id, rank=self.rank, controller_epoch=self.epoch, traffic=traffic),
+        )
 
-    def events(self, location: str = CPU, admitted=(), evicted=(), seq: Optional[int] = None) -> int:
+    def events(self, location: str = CPU, admitted=(), evicted=(), seq: int | None = None) -> int:
         self.seq[location] = seq if seq is not None else self.seq[location] + 1
-        self.push.send(encode(KeyEvents(instance_id=self.instance_id, rank=self.rank, location=location,
-                                        seq=self.seq[location], admitted=pack_hashes(list(admitted)),
-                                        evicted=pack_hashes(list(evicted)))))
+        self.push.send(
+            encode(
+                KeyEvents(
+                    instance_id=self.instance_id,
+                    rank=self.rank,
+                    location=location,
+                    seq=self.seq[location],
+                    admitted=pack_hashes(list(admitted)),
+                    evicted=pack_hashes(list(evicted)),
+                )
+            )
+        )
         return self.seq[location]
 
     def admit_tokens(self, tokens, location: str = CPU) -> list[int]:
@@ -238,28 +302,48 @@ class FakeWorker:
 
     def resync(self, location: str, keys, batch_size: int = 1000):
         keys = list(keys)
-        batches = [keys[i:i + batch_size] for i in range(0, len(keys), batch_size)] or [[]]
+        batches = [keys[i : i + batch_size] for i in range(0, len(keys), batch_size)] or [[]]
         reply = None
         for i, batch in enumerate(batches):
-            reply = self._ask(self.req, ResyncBatch(instance_id=self.instance_id, rank=self.rank, location=location,
-                                                    snapshot_seq=self.seq[location], batch=i,
-                                                    last=i == len(batches) - 1, keys=pack_hashes(batch)))
+            reply = self._ask(
+                self.req,
+                ResyncBatch(
+                    instance_id=self.instance_id,
+                    rank=self.rank,
+                    location=location,
+                    snapshot_seq=self.seq[location],
+                    batch=i,
+                    last=i == len(batches) - 1,
+                    keys=pack_hashes(batch),
+                ),
+            )
             assert reply.ok, reply.error
         return reply
 
     def p2p_lookup(self, hashes):
         return self._ask(self.req, P2PLookup(instance_id=self.instance_id, rank=self.rank, hashes=pack_hashes(hashes)))
 
-    def done(self, event_id: str, ok: bool = True, num_tokens: int = 0, error: Optional[str] = None) -> None:
-        self.push.send(encode(CommandDone(event_id=event_id, instance_id=self.instance_id, rank=self.rank, ok=ok,
-                                          num_tokens=num_tokens, error=error)))
+    def done(self, event_id: str, ok: bool = True, num_tokens: int = 0, error: str | None = None) -> None:
+        self.push.send(
+            encode(
+                CommandDone(
+                    event_id=event_id,
+                    instance_id=self.instance_id,
+                    rank=self.rank,
+                    ok=ok,
+                    num_tokens=num_tokens,
+                    error=error,
+                )
+            )
+        )
 
     def deregister(self) -> None:
         self.push.send(encode(Deregister(instance_id=self.instance_id, rank=self.rank)))
 
     def send_raw(self, socket_name: str, payload: bytes) -> None:
         {"pull": self.push, "reply": self.req, "heartbeat": self.hb}[socket_name].send_multipart(
-            [payload] if socket_name == "pull" else [b"garbage", payload])
+            [payload] if socket_name == "pull" else [b"garbage", payload]
+        )
 
     def close(self) -> None:
         self._stop.set()

@@ -94,8 +94,14 @@ def test_defaults_match_lmcache():
 
 def test_env_overrides_the_file(tmp_path):
     path = str(CONFIGS / "example1.yaml")
-    cfg = load({"LMCACHE_CONFIG_FILE": path, "LMCACHE_CHUNK_SIZE": "512", "LMCACHE_P2P_INIT_PORTS": "8200,8202",
-                "LMCACHE_ENABLE_ASYNC_LOADING": "false"})
+    cfg = load(
+        {
+            "LMCACHE_CONFIG_FILE": path,
+            "LMCACHE_CHUNK_SIZE": "512",
+            "LMCACHE_P2P_INIT_PORTS": "8200,8202",
+            "LMCACHE_ENABLE_ASYNC_LOADING": "false",
+        }
+    )
     assert cfg.chunk_size == 512 and cfg.p2p_init_ports == [8200, 8202] and not cfg.enable_async_loading
     assert cfg.sources["chunk_size"] == "env LMCACHE_CHUNK_SIZE" and cfg.sources["max_local_cpu_size"] == path
 
@@ -105,15 +111,22 @@ def test_env_only_as_in_seeds_000_and_002():
     assert cfg.local_cpu is True and cfg.chunk_size == 256 and cfg.max_local_cpu_size == 5.0
 
 
-@pytest.mark.parametrize("raw,expected", [("True", True), ("true", True), ("1", True), ("False", False),
-                                          ("false", False), ("0", False)])
+@pytest.mark.parametrize(
+    "raw,expected", [("True", True), ("true", True), ("1", True), ("False", False), ("false", False), ("0", False)]
+)
 def test_env_bools(raw, expected):
     assert load({"LMCACHE_LOCAL_CPU": raw}).local_cpu is expected
 
 
 def test_env_lists_dicts_and_disk_url():
-    cfg = load({"LMCACHE_LMCACHE_WORKER_PORTS": "[8500, 8501]", "LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": 0.01}',
-                "LMCACHE_LOCAL_DISK": "file:///tmp/lmcache-disk/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "2"})
+    cfg = load(
+        {
+            "LMCACHE_LMCACHE_WORKER_PORTS": "[8500, 8501]",
+            "LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": 0.01}',
+            "LMCACHE_LOCAL_DISK": "file:///tmp/lmcache-disk/",
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": "2",
+        }
+    )
     assert cfg.lmcache_worker_ports == [8500, 8501]
     assert cfg.lookup_backoff_time == 0.01
     assert cfg.local_disk == "/tmp/lmcache-disk/" and cfg.max_local_disk_bytes == 2 * 1024**3
@@ -126,21 +139,28 @@ def test_yaml_lists_and_aliases(tmp_path):
 
 def test_controller_urls_read_both_spellings_as_host_port(tmp_path):
     """ZMQ's tcp://host:port is what many users write; the worker puts tcp:// in front itself."""
-    cfg = load({"LMCACHE_CONFIG_FILE": write(tmp_path, 'controller_pull_url: "tcp://127.0.0.1:8300"\n'),
-                "LMCACHE_CONTROLLER_REPLY_URL": "tcp://controller.example:08400"})
+    cfg = load(
+        {
+            "LMCACHE_CONFIG_FILE": write(tmp_path, 'controller_pull_url: "tcp://127.0.0.1:8300"\n'),
+            "LMCACHE_CONTROLLER_REPLY_URL": "tcp://controller.example:08400",
+        }
+    )
     assert cfg.controller_pull_url == "127.0.0.1:8300" and cfg.controller_reply_url == "controller.example:8400"
     assert load({"LMCACHE_CONTROLLER_URL": "tcp://localhost:8300"}).controller_pull_url == "localhost:8300"
     assert load({"LMCACHE_CONTROLLER_PULL_URL": "localhost:8300"}).controller_pull_url == "localhost:8300"
 
 
-@pytest.mark.parametrize("value,why", [
-    ("http://localhost:8300", "the http:// scheme is not supported"),
-    ("ipc:///tmp/controller", "the ipc:// scheme is not supported"),
-    ("tcp://localhost", "expected host:port"),
-    ("tcp://localhost:0", "port from 1 to 65535"),
-    ("localhost:70000", "port from 1 to 65535"),
-    ("tcp://:8300", "expected host:port"),
-])
+@pytest.mark.parametrize(
+    "value,why",
+    [
+        ("http://localhost:8300", "the http:// scheme is not supported"),
+        ("ipc:///tmp/controller", "the ipc:// scheme is not supported"),
+        ("tcp://localhost", "expected host:port"),
+        ("tcp://localhost:0", "port from 1 to 65535"),
+        ("localhost:70000", "port from 1 to 65535"),
+        ("tcp://:8300", "expected host:port"),
+    ],
+)
 def test_a_bad_controller_url_names_key_value_and_why(value, why):
     with pytest.raises(ConfigError) as e:
         load({"LMCACHE_CONTROLLER_REPLY_URL": value})
@@ -149,8 +169,15 @@ def test_a_bad_controller_url_names_key_value_and_why(value, why):
 
 
 def test_lmcache_switches_that_are_not_config_keys_are_left_alone():
-    cfg = load({"LMCACHE_LOG_LEVEL": "DEBUG", "LMCACHE_TRACK_USAGE": "false", "LMCACHE_CHUNK_SIZE": "128",
-                "LMCACHE_KV_KERNELS": "torch", "LMCACHE_KERNEL_CACHE": "/tmp/k"})
+    cfg = load(
+        {
+            "LMCACHE_LOG_LEVEL": "DEBUG",
+            "LMCACHE_TRACK_USAGE": "false",
+            "LMCACHE_CHUNK_SIZE": "128",
+            "LMCACHE_KV_KERNELS": "torch",
+            "LMCACHE_KERNEL_CACHE": "/tmp/k",
+        }
+    )
     assert cfg.chunk_size == 128
 
 
@@ -179,8 +206,10 @@ def test_chunk_size_must_be_positive(value):
 
 
 def test_p2p_without_controller(tmp_path):
-    path = write(tmp_path, "enable_p2p: true\np2p_host: localhost\np2p_init_ports: 8200\np2p_lookup_ports: 8201\n"
-                           "transfer_channel: nixl\n")
+    path = write(
+        tmp_path,
+        "enable_p2p: true\np2p_host: localhost\np2p_init_ports: 8200\np2p_lookup_ports: 8201\ntransfer_channel: nixl\n",
+    )
     with pytest.raises(ConfigError, match=r"enable_controller.*must be true when enable_p2p"):
         load({"LMCACHE_CONFIG_FILE": path})
 
@@ -205,18 +234,21 @@ def test_port_lists_must_cover_every_tp_rank():
     assert str(CONFIGS / "example1.yaml") in str(e.value)
 
 
-@pytest.mark.parametrize("env,key", [
-    ({"LMCACHE_TRANSFER_CHANNEL": "mooncake"}, "transfer_channel"),
-    ({"LMCACHE_CONTROLLER_PULL_URL": "localhost"}, "controller_pull_url"),
-    ({"LMCACHE_LOCAL_DISK": "s3://bucket/x"}, "local_disk"),
-    ({"LMCACHE_LOCAL_DISK": "file:///tmp/x"}, "max_local_disk_size"),
-    ({"LMCACHE_P2P_INIT_PORTS": "8200,eighty"}, "p2p_init_ports"),
-    ({"LMCACHE_EXTRA_CONFIG": "{not json"}, "extra_config"),
-    ({"LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": "soon"}'}, "extra_config.lookup_backoff_time"),
-    ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size"),
-    ({"LMCACHE_STORE_CTAS": "-2"}, "store_ctas"),
-    ({"LMCACHE_STORE_CTAS": "many"}, "store_ctas"),
-])
+@pytest.mark.parametrize(
+    "env,key",
+    [
+        ({"LMCACHE_TRANSFER_CHANNEL": "mooncake"}, "transfer_channel"),
+        ({"LMCACHE_CONTROLLER_PULL_URL": "localhost"}, "controller_pull_url"),
+        ({"LMCACHE_LOCAL_DISK": "s3://bucket/x"}, "local_disk"),
+        ({"LMCACHE_LOCAL_DISK": "file:///tmp/x"}, "max_local_disk_size"),
+        ({"LMCACHE_P2P_INIT_PORTS": "8200,eighty"}, "p2p_init_ports"),
+        ({"LMCACHE_EXTRA_CONFIG": "{not json"}, "extra_config"),
+        ({"LMCACHE_EXTRA_CONFIG": '{"lookup_backoff_time": "soon"}'}, "extra_config.lookup_backoff_time"),
+        ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size"),
+        ({"LMCACHE_STORE_CTAS": "-2"}, "store_ctas"),
+        ({"LMCACHE_STORE_CTAS": "many"}, "store_ctas"),
+    ],
+)
 def test_each_bad_value_is_a_config_error_naming_the_key(env, key):
     with pytest.raises(ConfigError) as e:
         load(env)
@@ -231,7 +263,9 @@ def test_unknown_key_suggests_the_right_one(tmp_path):
 
 
 def test_unknown_env_key_is_an_error_too():
-    with pytest.raises(ConfigError, match=r"max_local_cpu_sise.*env LMCACHE_MAX_LOCAL_CPU_SISE.*did you mean 'max_local_cpu_size'"):
+    with pytest.raises(
+        ConfigError, match=r"max_local_cpu_sise.*env LMCACHE_MAX_LOCAL_CPU_SISE.*did you mean 'max_local_cpu_size'"
+    ):
         load({"LMCACHE_MAX_LOCAL_CPU_SISE": "5"})
 
 

@@ -61,6 +61,7 @@ def test_the_scheduler_gets_the_smallest_answer_of_all_ranks_once_none_is_pendin
             calls[r] += 1
             pending = r == 1 and calls[r] == 1  # rank 1 is still pulling at the first ask
             return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=hit, pending=pending)
+
         return LookupServer(socket_path(engine_id, 0, r), handle)
 
     servers = [rank(0, 512), rank(1, 256)]
@@ -118,22 +119,31 @@ def _scheduler(engine_id: str):
 
     from lmcache_p2p.config import LMCacheConfig
     from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
+
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=16),
         kv_transfer_config=SimpleNamespace(engine_id=engine_id, is_kv_consumer=True, is_kv_producer=True),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0))
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
+    )
     # The rank (a stand-in handler below) does the pulling; the scheduler side only asks.
-    config = LMCacheConfig.from_dict({"chunk_size": 256, "enable_async_loading": True,
-                                      "extra_config": {"lookup_backoff_time": 0.001}})
+    config = LMCacheConfig.from_dict(
+        {"chunk_size": 256, "enable_async_loading": True, "extra_config": {"lookup_backoff_time": 0.001}}
+    )
     return SchedulerSide(vllm_config, config)
 
 
 def _empty_step():
     from types import SimpleNamespace
-    return SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_new_reqs=[],
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                                 resumed_req_ids=set()),
-                           preempted_req_ids=set())
+
+    return SimpleNamespace(
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+        ),
+        preempted_req_ids=set(),
+    )
 
 
 def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every_pull(engine_id):
@@ -142,6 +152,7 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
     from types import SimpleNamespace
 
     from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S
+
     waits: list[tuple[str, float]] = []
     pulled = {"a"}  # "a"'s pull ends within its wait; the others are still pulling
 
@@ -154,7 +165,8 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
     scheduler = _scheduler(engine_id)
     try:
         ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
-            SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0)
+            SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
+        )
         assert ask("a") == (512, False)
         assert ask("b") == (None, False)
         assert ask("c") == (None, False)
@@ -173,21 +185,30 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
 
 def _step(new_reqs=(), num_scheduled=None):
     from types import SimpleNamespace
+
     num_scheduled = num_scheduled or {}
-    return SimpleNamespace(num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
-                           scheduled_new_reqs=list(new_reqs),
-                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[],
-                                                                 resumed_req_ids=set()),
-                           preempted_req_ids=set())
+    return SimpleNamespace(
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=sum(num_scheduled.values()),
+        scheduled_new_reqs=list(new_reqs),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
+        ),
+        preempted_req_ids=set(),
+    )
 
 
 def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_gets_them_again(engine_id, monkeypatch):
     from types import SimpleNamespace
 
     from lmcache_p2p.integration.vllm import scheduler_side
+
     hashings = []
-    monkeypatch.setattr(scheduler_side, "chunk_hash_array",
-                        lambda tokens, size: hashings.append(len(tokens)) or chunk_hash_array(tokens, size))
+    monkeypatch.setattr(
+        scheduler_side,
+        "chunk_hash_array",
+        lambda tokens, size: hashings.append(len(tokens)) or chunk_hash_array(tokens, size),
+    )
     received = []
     held: dict[str, np.ndarray] = {}  # the rank's lookups: what a restart loses
     pulled = {"done": False}
@@ -205,7 +226,8 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
     prompt = list(range(800))  # three full chunks and a tail
     try:
         ask = lambda: scheduler.get_num_new_matched_tokens(  # noqa: E731
-            SimpleNamespace(request_id="r", prompt_token_ids=prompt), 0)
+            SimpleNamespace(request_id="r", prompt_token_ids=prompt), 0
+        )
         assert ask() == (None, False)
         first = received[0]
         assert unpack_hashes(first.hashes).tolist() == chunk_hash_array(prompt, 256).tolist()
@@ -223,8 +245,9 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
 
         # Loads and stores name the chunks by the same hashes, and nothing hashed the prompt again.
         scheduler.update_state_after_alloc(SimpleNamespace(request_id="r"), None, 512)
-        new = SimpleNamespace(req_id="r", prompt_token_ids=prompt, block_ids=(list(range(50)),),
-                              num_computed_tokens=512)
+        new = SimpleNamespace(
+            req_id="r", prompt_token_ids=prompt, block_ids=(list(range(50)),), num_computed_tokens=512
+        )
         meta = scheduler.build_connector_meta(_step([new], {"r": 288}))
         (load,), (store,) = meta.loads, meta.stores
         assert load.chunk_hashes.tolist() == held["r"].tolist() and load.num_tokens == 800
@@ -243,10 +266,13 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
     from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
     from lmcache_p2p.integration.vllm.worker_side import WorkerSide
     from lmcache_p2p.protocol import pack_hashes
+
     vllm_config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=16), model_config=SimpleNamespace(model="tiny"),
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(model="tiny"),
         kv_transfer_config=SimpleNamespace(engine_id=engine_id),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0))
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
+    )
     side = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 32, "max_local_cpu_size": 0.01}))
     side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, 16, 2, 4) for i in range(2)})
     prompt = list(range(100))  # three full chunks and a tail

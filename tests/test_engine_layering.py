@@ -10,10 +10,12 @@ import sys
 
 
 def modules_after_import(*modules: str) -> set[str]:
-    code = ("import importlib, json, sys\n"
-            f"for name in {list(modules)!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print(json.dumps(sorted(sys.modules)))\n")
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {list(modules)!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return set(json.loads(done.stdout.splitlines()[-1]))

@@ -13,9 +13,9 @@ import threading
 
 import pytest
 import torch
-
 from instances import InstanceProcess, instance_config, tokens
 from protocol_client import ControllerProcess, wait_for
+
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.transfer import TransferError
 from lmcache_p2p.transfer.gpu_staging import _SlotList, staging_device
@@ -35,15 +35,18 @@ def controller():
 
 def staged(spawn, controller, instance_id: str, **extra) -> InstanceProcess:
     """A nixl instance whose KV lives on the GPU (staging on by default there)."""
-    return spawn(instance_config(instance_id, controller, "nixl", chunk_size=CHUNK, **extra), num_blocks=32,
-                 device="cuda")
+    return spawn(
+        instance_config(instance_id, controller, "nixl", chunk_size=CHUNK, **extra), num_blocks=32, device="cuda"
+    )
 
 
 def pull_and_check(controller, a: InstanceProcess, b: InstanceProcess, chunks: int, seed: int = 0) -> None:
     prompt = tokens(chunks * CHUNK, seed=seed)
     assert a.prefill(prompt) == chunks * CHUNK
-    wait_for(lambda: controller.holders(prompt).get(a.config["lmcache_instance_id"]) == [CPU, chunks * CHUNK],
-             what="the holder's keys")
+    wait_for(
+        lambda: controller.holders(prompt).get(a.config["lmcache_instance_id"]) == [CPU, chunks * CHUNK],
+        what="the holder's keys",
+    )
     assert b.lookup(prompt) == chunks * CHUNK
     got = b.retrieve(prompt)  # wipes B's GPU KV, scatters the pulled pages back, compares
     assert got["retrieved"] == chunks * CHUNK and got["exact"], got
@@ -94,11 +97,15 @@ def test_two_instances_pulling_from_each_other_at_once(controller, spawn):
     pa, pb = tokens(16 * CHUNK, seed=11), tokens(16 * CHUNK, seed=12)
     a.prefill(pa)
     b.prefill(pb)
-    wait_for(lambda: controller.holders(pa).get("lmcache_instance_1") and controller.holders(pb).get("lmcache_instance_2"),
-             what="both instances' keys")
+    wait_for(
+        lambda: controller.holders(pa).get("lmcache_instance_1") and controller.holders(pb).get("lmcache_instance_2"),
+        what="both instances' keys",
+    )
     hits = {}
-    threads = [threading.Thread(target=lambda: hits.__setitem__("b", b.lookup(pa))),
-               threading.Thread(target=lambda: hits.__setitem__("a", a.lookup(pb)))]
+    threads = [
+        threading.Thread(target=lambda: hits.__setitem__("b", b.lookup(pa))),
+        threading.Thread(target=lambda: hits.__setitem__("a", a.lookup(pb))),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -125,6 +132,7 @@ def test_slot_lists_hand_out_whole_batches_or_what_is_free():
         assert not waiter.done()
         slots.give(first[:2])
         assert sorted(await waiter) == sorted(first[:2])
+
     asyncio.run(scenario())
 
 

@@ -20,8 +20,9 @@ CUDA = torch.cuda.is_available()
 def engine_and_kv(device: str, model: str = "qwen2.5-0.5b") -> tuple[CacheEngine, StandInKV]:
     kv = StandInKV(MODEL_SHAPES[model], num_blocks=64, device=device)
     config = LMCacheConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.2})
-    engine = build_engine(config, kv.layout(), pin_memory=device != "cpu",
-                          device=torch.device(device) if device != "cpu" else None)
+    engine = build_engine(
+        config, kv.layout(), pin_memory=device != "cpu", device=torch.device(device) if device != "cpu" else None
+    )
     return engine, kv
 
 

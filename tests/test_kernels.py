@@ -24,7 +24,9 @@ def make_cache(layers: int, blocks: int, block_shape=(2, 16, 2, 64), dtype=torch
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(layers):
-        raw = torch.randint(0, 256, (blocks, *block_shape, torch.finfo(dtype).bits // 8), dtype=torch.uint8, generator=gen)
+        raw = torch.randint(
+            0, 256, (blocks, *block_shape, torch.finfo(dtype).bits // 8), dtype=torch.uint8, generator=gen
+        )
         out.append(raw.view(dtype).reshape(blocks, *block_shape).to(device))
     return out
 
@@ -35,8 +37,9 @@ def page_bytes(cache, blocks_per_chunk: int) -> int:
 
 def reference_page(cache, ids) -> torch.Tensor:
     """What a chunk page must hold: every layer's blocks, in order, as bytes."""
-    return torch.cat([layer[torch.tensor(ids, device=layer.device)].cpu().reshape(-1).view(torch.uint8)
-                      for layer in cache])
+    return torch.cat(
+        [layer[torch.tensor(ids, device=layer.device)].cpu().reshape(-1).view(torch.uint8) for layer in cache]
+    )
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -44,6 +47,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- checks that run everywhere ------------------------------------------------------------------------
+
 
 def test_bad_inputs_are_named_before_anything_moves():
     cache = make_cache(2, 8)
@@ -84,6 +88,7 @@ def test_torch_path_matches_the_reference_and_skips_leading_blocks():
 
 # -- the CUDA kernels ---------------------------------------------------------------------------------
 
+
 @gpu
 def test_kernels_build_and_are_chosen():
     assert kv_kernels.load() is not None
@@ -97,8 +102,10 @@ def test_gather_matches_reference(dtype, pages_on):
     rng = random.Random(3)
     cache = make_cache(4, 64, block_shape=(2, 16, 8, 128), dtype=dtype, device="cuda", seed=3)
     ids = [rng.sample(range(64), 4) for _ in range(5)]
-    pages = [torch.full((page_bytes(cache, 4),), 0xAB, dtype=torch.uint8,
-                        device="cuda" if pages_on == "cuda" else "cpu") for _ in ids]
+    pages = [
+        torch.full((page_bytes(cache, 4),), 0xAB, dtype=torch.uint8, device="cuda" if pages_on == "cuda" else "cpu")
+        for _ in ids
+    ]
     if pages_on == "pinned":
         pages = [p.pin_memory() for p in pages]
     gpu_ops.gather_chunks(cache, ids, pages)
@@ -135,7 +142,7 @@ def test_round_trip_gpu_to_host_to_other_blocks_is_bit_exact():
     b = make_cache(8, 128, block_shape=(2, 16, 8, 128), device="cuda", seed=7)
     ids_a = [rng.sample(range(128), 16) for _ in range(4)]
     flat = rng.sample(range(128), 64)  # distinct targets across chunks
-    ids_b = [flat[i:i + 16] for i in range(0, 64, 16)]
+    ids_b = [flat[i : i + 16] for i in range(0, 64, 16)]
     pages = [torch.empty(page_bytes(a, 16), dtype=torch.uint8).pin_memory() for _ in ids_a]
     gpu_ops.gather_chunks(a, ids_a, pages)
     gpu_ops.scatter_chunks(pages, b, ids_b)

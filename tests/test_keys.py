@@ -14,8 +14,14 @@ from lmcache_p2p.keys import ChunkKey, LayoutFingerprint, chunk_hashes, chunk_sp
 
 TOKENS = [random.Random(7).randrange(128_256) for _ in range(1000)]
 
-LLAMA_8B = LayoutFingerprint(model="meta-llama/Llama-3.1-8B", dtype="bfloat16", block_size=16,
-                             block_shape=(2, 16, 8, 128), block_stride=(32768, 2048, 128, 1), num_layers=32)
+LLAMA_8B = LayoutFingerprint(
+    model="meta-llama/Llama-3.1-8B",
+    dtype="bfloat16",
+    block_size=16,
+    block_shape=(2, 16, 8, 128),
+    block_stride=(32768, 2048, 128, 1),
+    num_layers=32,
+)
 
 
 def test_full_chunks_only_with_their_spans():
@@ -49,12 +55,20 @@ def test_format_is_frozen():
 
 
 def test_same_hashes_under_any_pythonhashseed():
-    code = ("import json,sys; from lmcache_p2p.keys import chunk_hashes; "
-            "print(json.dumps(chunk_hashes(json.loads(sys.stdin.read()), 256)))")
+    code = (
+        "import json,sys; from lmcache_p2p.keys import chunk_hashes; "
+        "print(json.dumps(chunk_hashes(json.loads(sys.stdin.read()), 256)))"
+    )
     results = set()
     for seed in ("0", "123", "random", "4242"):
-        out = subprocess.run([sys.executable, "-c", code], input=json.dumps(TOKENS), capture_output=True,
-                             text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed})
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            input=json.dumps(TOKENS),
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
         results.add(out.stdout.strip())
     assert results == {json.dumps(chunk_hashes(TOKENS, 256))}
 
@@ -63,9 +77,16 @@ def test_layout_fingerprint_distinguishes_every_field():
     base = LLAMA_8B.digest
     variants = [
         LayoutFingerprint(**{**{f: getattr(LLAMA_8B, f) for f in LLAMA_8B.__struct_fields__}, field: value})
-        for field, value in [("model", "other"), ("dtype", "float16"), ("block_size", 32),
-                             ("block_shape", (2, 16, 8, 64)), ("block_stride", (1, 2, 3, 4)),
-                             ("num_layers", 31), ("tp_size", 2), ("tp_rank", 1)]
+        for field, value in [
+            ("model", "other"),
+            ("dtype", "float16"),
+            ("block_size", 32),
+            ("block_shape", (2, 16, 8, 64)),
+            ("block_stride", (1, 2, 3, 4)),
+            ("num_layers", 31),
+            ("tp_size", 2),
+            ("tp_rank", 1),
+        ]
     ]
     digests = {v.digest for v in variants}
     assert base not in digests and len(digests) == len(variants)
@@ -88,6 +109,7 @@ def test_chunk_size_must_be_positive():
 
 def test_hash_array_is_the_same_chain_as_uint64():
     from lmcache_p2p.keys import chunk_hash_array
+
     arr = chunk_hash_array(TOKENS, 256)
     assert arr.dtype == np.uint64 and arr.tolist() == chunk_hashes(TOKENS, 256)
     assert chunk_hash_array(TOKENS[:10], 256).tolist() == []
@@ -95,6 +117,7 @@ def test_hash_array_is_the_same_chain_as_uint64():
 
 def test_hash_arrays_and_lists_become_the_python_ints_keys_are_made_of():
     from lmcache_p2p.keys import chunk_hash_array, hash_list
+
     expected = chunk_hashes(TOKENS, 256)
     for hashes in (chunk_hash_array(TOKENS, 256), expected, [np.uint64(h) for h in expected]):
         as_ints = hash_list(hashes)

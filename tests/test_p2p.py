@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-
 from instances import InstanceProcess, instance_config, tokens
 from protocol_client import ControllerProcess, wait_for
 
@@ -29,8 +28,7 @@ def controller():
 
 def two_instances(controller, spawn, channel: str) -> tuple[InstanceProcess, InstanceProcess]:
     """lmcache_instance_1 and lmcache_instance_2, as in the seeds, on free ports."""
-    return tuple(spawn(instance_config(f"lmcache_instance_{i}", controller, channel, chunk_size=CHUNK))
-                 for i in (1, 2))
+    return tuple(spawn(instance_config(f"lmcache_instance_{i}", controller, channel, chunk_size=CHUNK)) for i in (1, 2))
 
 
 def keys_at(controller, instance_id: str) -> int:
@@ -58,8 +56,11 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     assert f"over {channel})" in b.log() or f"over {channel} via GPU staging)" in b.log()
     assert "Retrieved 256 out of total 256 tokens. size: 0.0336 gb, cost " in b.log()
     # ... and where the pull's time went, the holder's part as the holder measured it
-    phases = re.search(r"\[1 batches, ms summed: slots [\d.]+, holder ([\d.]+), queue\+wire [\d.]+, "
-                       r"land [\d.]+, verify [\d.]+\]", b.log())
+    phases = re.search(
+        r"\[1 batches, ms summed: slots [\d.]+, holder ([\d.]+), queue\+wire [\d.]+, "
+        r"land [\d.]+, verify [\d.]+\]",
+        b.log(),
+    )
     assert phases and float(phases[1]) > 0, b.log()[-2000:]
     # The pulled chunks are B's now too: the controller hears B's admits.
     wait_for(lambda: controller.holders(prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
@@ -70,13 +71,21 @@ def test_prefix_pulls_asked_together_take_turns_in_order(controller, spawn):
     full rate: the first is ready after about a third of the time, not when all three are."""
     # Batches of 2 chunks, 3 in flight: each pull is 12 batches, longer than its window, so pulls
     # sharing the link would interleave theirs.
-    a, b = (spawn(instance_config(f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK, cpu_gb=0.5,
-                                  p2p_batch_chunks=2)) for i in (1, 2))
+    a, b = (
+        spawn(
+            instance_config(
+                f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK, cpu_gb=0.5, p2p_batch_chunks=2
+            )
+        )
+        for i in (1, 2)
+    )
     prompts = [tokens(24 * CHUNK, seed=s) for s in (1, 2, 3)]  # 3 x 96 MiB
     for prompt in prompts:
         assert a.prefill(prompt) == 24 * CHUNK
-    wait_for(lambda: all(controller.holders(p).get("lmcache_instance_1") == [CPU, 24 * CHUNK] for p in prompts),
-             what="A's keys")
+    wait_for(
+        lambda: all(controller.holders(p).get("lmcache_instance_1") == [CPU, 24 * CHUNK] for p in prompts),
+        what="A's keys",
+    )
     done = b.request("lookup_together", prompts=[list(p) for p in prompts])["done_s"]
     assert done[0] < done[1] < done[2], done
     assert done[0] < 0.6 * done[2], done  # sharing the link, all three would end together
@@ -87,15 +96,15 @@ def test_prefix_pulls_asked_together_take_turns_in_order(controller, spawn):
 def test_partial_prefix_pulls_only_the_missing_middle(controller, spawn, channel):
     a, b = two_instances(controller, spawn, channel)
     prompt = tokens(8 * CHUNK, seed=1)
-    a.prefill(prompt[:5 * CHUNK])  # A holds chunks 0-4
-    b.prefill(prompt[:2 * CHUNK])  # B holds chunks 0-1 itself
+    a.prefill(prompt[: 5 * CHUNK])  # A holds chunks 0-4
+    b.prefill(prompt[: 2 * CHUNK])  # B holds chunks 0-1 itself
     wait_for(lambda: controller.holders(prompt).get("lmcache_instance_1") == [CPU, 5 * CHUNK], what="A's keys")
     assert b.lookup(prompt) == 5 * CHUNK  # 2 local + 3 from A; chunks 5-7 nobody has
     assert b.status()["p2p_client"]["chunks_pulled"] == 3
     got = b.retrieve(prompt)
     assert got["retrieved"] == 5 * CHUNK and got["exact"], got
     # A prompt that diverges after chunk 1 shares only those chunks with A.
-    other = prompt[:2 * CHUNK] + tokens(6 * CHUNK, seed=2)
+    other = prompt[: 2 * CHUNK] + tokens(6 * CHUNK, seed=2)
     assert b.lookup(other) == 2 * CHUNK
 
 
@@ -105,9 +114,15 @@ def test_seed_003_move_flow(controller, spawn, channel):
     prompt = tokens(6 * CHUNK + 7, seed=3)
     a.prefill(prompt)
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 6, what="A's keys")
-    answer = controller.api("/move", {"old_position": ["lmcache_instance_1", CPU],
-                                       "new_position": ["lmcache_instance_2", CPU],
-                                       "tokens": prompt, "copy": False})
+    answer = controller.api(
+        "/move",
+        {
+            "old_position": ["lmcache_instance_1", CPU],
+            "new_position": ["lmcache_instance_2", CPU],
+            "tokens": prompt,
+            "copy": False,
+        },
+    )
     assert answer["num_tokens"] == 6 * CHUNK
     state = controller.finish(answer["event_id"])
     assert state["status"] == "done" and state["num_tokens"] == 6 * CHUNK, state
@@ -128,8 +143,9 @@ def test_copy_of_everything_and_partial_copy(controller, spawn, channel):
     b.prefill(two[:CHUNK])  # B already holds one of the chunks
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 5, what="A's keys")
     # tokens omitted: every chunk A holds at that location.
-    answer = controller.api("/copy", {"old_position": ["lmcache_instance_1", CPU],
-                                       "new_position": ["lmcache_instance_2", CPU]})
+    answer = controller.api(
+        "/copy", {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU]}
+    )
     state = controller.finish(answer["event_id"])
     assert state["status"] == "done" and state["num_tokens"] == 5 * CHUNK, state
     for prompt in (one, two):
@@ -138,8 +154,15 @@ def test_copy_of_everything_and_partial_copy(controller, spawn, channel):
         assert b.retrieve(prompt)["exact"]
     # /move with copy: true is a copy too; a prompt A holds only partly copies that part.
     longer = one + tokens(CHUNK, seed=6)
-    answer = controller.api("/move", {"old_position": ["lmcache_instance_1", CPU],
-                                       "new_position": ["lmcache_instance_2", CPU], "tokens": longer, "copy": True})
+    answer = controller.api(
+        "/move",
+        {
+            "old_position": ["lmcache_instance_1", CPU],
+            "new_position": ["lmcache_instance_2", CPU],
+            "tokens": longer,
+            "copy": True,
+        },
+    )
     assert answer["num_tokens"] == 3 * CHUNK
     assert controller.finish(answer["event_id"])["status"] == "done"
     assert a.lookup(one, peers=False) == 3 * CHUNK
@@ -154,8 +177,14 @@ def test_move_to_an_instance_without_p2p_fails_cleanly(controller, spawn):
     prompt = tokens(2 * CHUNK, seed=7)
     a.prefill(prompt)
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 2, what="A's keys")
-    response = controller.http.post("/move", json={"old_position": ["lmcache_instance_1", CPU],
-                                                   "new_position": ["lmcache_instance_3", CPU], "tokens": prompt})
+    response = controller.http.post(
+        "/move",
+        json={
+            "old_position": ["lmcache_instance_1", CPU],
+            "new_position": ["lmcache_instance_3", CPU],
+            "tokens": prompt,
+        },
+    )
     assert response.status_code == 409
     assert "no p2p_lookup port" in response.json()["error"]
     assert a.lookup(prompt, peers=False) == 2 * CHUNK  # nothing lost
@@ -217,8 +246,11 @@ def test_controller_restart_converges_without_admin_action(controller, spawn):
     assert a.lookup(second) == 3 * CHUNK
     assert b.lookup(first) == 0  # no controller, no peers: a miss, not an error
     controller.start()  # a new process, empty index, same ports
-    wait_for(lambda: controller.holders(first).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 15,
-               "A's keys after the restart")
+    wait_for(
+        lambda: controller.holders(first).get("lmcache_instance_1") == [CPU, 4 * CHUNK],
+        15,
+        "A's keys after the restart",
+    )
     assert controller.holders(second)["lmcache_instance_1"] == [CPU, 3 * CHUNK]  # stored while it was away
     wait_for(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2, 15, "B registered")
     assert b.lookup(first) == 4 * CHUNK
@@ -235,13 +267,14 @@ def test_a_move_into_a_full_pool_stops_there_and_says_so(controller, spawn):
     resident = tokens(7 * CHUNK, seed=18)  # B's 7 pages of 4 MiB, all of them pinned
     assert b.prefill(resident) == 7 * CHUNK
     wait_for(lambda: keys_at(controller, "lmcache_instance_2") == 7, what="B's keys")
-    assert controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU,
-                                   "tokens": resident})["num_tokens"] == 7 * CHUNK
+    assert (
+        controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": resident})["num_tokens"]
+        == 7 * CHUNK
+    )
     moving = tokens(5 * CHUNK, seed=19)
     a.prefill(moving)
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 5, what="A's keys")
-    move = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU],
-            "tokens": moving}
+    move = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU], "tokens": moving}
 
     # No page free: nothing moves, the event fails with the reason, and A keeps every chunk.
     state = controller.finish(controller.api("/move", move)["event_id"])
@@ -249,8 +282,9 @@ def test_a_move_into_a_full_pool_stops_there_and_says_so(controller, spawn):
     assert a.lookup(moving, peers=False) == 5 * CHUNK
 
     # Two pages free (B's first two chunks unpinned): two chunks move; the other three stay at A.
-    controller.api("/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": resident[:2 * CHUNK],
-                            "unpin": True})
+    controller.api(
+        "/pin", {"instance_id": "lmcache_instance_2", "location": CPU, "tokens": resident[: 2 * CHUNK], "unpin": True}
+    )
     state = controller.finish(controller.api("/move", move)["event_id"])
     assert state["status"] == "done" and state["num_tokens"] == 2 * CHUNK, state
     assert "CPU pool full: reserved 2 of 5 pages" in a.log()  # the CommandDone's error, as the source logs it
@@ -263,9 +297,14 @@ def test_a_move_into_a_full_pool_stops_there_and_says_so(controller, spawn):
 def test_controller_urls_written_as_tcp_urls(controller, spawn):
     """``tcp://host:port`` is read as ``host:port``: the worker registers, with the address
     that routes to the controller, and its events arrive."""
-    config = instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK,
-                             controller_pull_url=f"tcp://127.0.0.1:{controller.pull}",
-                             controller_reply_url=f"tcp://127.0.0.1:{controller.reply}")
+    config = instance_config(
+        "lmcache_instance_1",
+        controller,
+        "tcp",
+        chunk_size=CHUNK,
+        controller_pull_url=f"tcp://127.0.0.1:{controller.pull}",
+        controller_reply_url=f"tcp://127.0.0.1:{controller.reply}",
+    )
     for key in ("enable_p2p", "p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
         config.pop(key)  # without p2p_host the worker takes its address from the controller's URL
     a = spawn(config)
@@ -310,8 +349,9 @@ def test_clear_pin_health_and_status_reach_the_worker(controller, spawn):
     pinned = controller.api("/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt})
     assert pinned["num_tokens"] == 3 * CHUNK
     assert a.status()["command_pins"] == 3
-    unpinned = controller.api("/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt,
-                                        "unpin": True})
+    unpinned = controller.api(
+        "/pin", {"instance_id": "lmcache_instance_1", "location": CPU, "tokens": prompt, "unpin": True}
+    )
     assert unpinned["num_tokens"] == 3 * CHUNK and a.status()["storage"]["cpu"]["pins_held"] == 0
 
     cleared = controller.api("/clear", {"instance_id": "lmcache_instance_1", "location": CPU})
@@ -322,6 +362,7 @@ def test_clear_pin_health_and_status_reach_the_worker(controller, spawn):
 
 def test_bad_frames_and_foreign_layouts_do_not_hurt_a_holder(controller, spawn):
     import zmq
+
     from lmcache_p2p.protocol import ChannelHello, encode, peer_reply_decoder
 
     config = instance_config("lmcache_instance_1", controller, "tcp", chunk_size=CHUNK)
@@ -337,8 +378,9 @@ def test_bad_frames_and_foreign_layouts_do_not_hurt_a_holder(controller, spawn):
             sock.close(linger=500)
         hello = ctx.socket(zmq.DEALER)
         hello.connect(f"tcp://127.0.0.1:{config['p2p_init_ports'][0]}")
-        hello.send_multipart([b"7", encode(ChannelHello(instance_id="other", rank=0, fingerprint=12345, channel="tcp",
-                                                        session="s"))])
+        hello.send_multipart(
+            [b"7", encode(ChannelHello(instance_id="other", rank=0, fingerprint=12345, channel="tcp", session="s"))]
+        )
         assert hello.poll(5000)
         request_id, payload = hello.recv_multipart()
         reply = peer_reply_decoder.decode(payload)

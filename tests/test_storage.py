@@ -11,8 +11,9 @@ from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
 from lmcache_p2p.storage import CPU, DISK, CpuTier, DiskTier, PagePool, StorageManager
 
 # A tiny layout: 2 layers of fp16 blocks (2, 16, 2, 8) -> 128 bytes a token, 2 KiB a 16-token chunk.
-LAYOUT = LayoutFingerprint(model="tiny", dtype="float16", block_size=16, block_shape=(2, 16, 2, 8),
-                           block_stride=(256, 16, 8, 1), num_layers=2)
+LAYOUT = LayoutFingerprint(
+    model="tiny", dtype="float16", block_size=16, block_shape=(2, 16, 2, 8), block_stride=(256, 16, 8, 1), num_layers=2
+)
 CHUNK = 16
 PAGE = LAYOUT.bytes_per_token * CHUNK
 
@@ -27,8 +28,9 @@ def key(i: int) -> ChunkKey:
 
 
 def make_tier(pages: int, evicted=None) -> CpuTier:
-    return CpuTier(PagePool(PAGE, pages * PAGE, pin_memory=False),
-                   on_evict=evicted.append if evicted is not None else None)
+    return CpuTier(
+        PagePool(PAGE, pages * PAGE, pin_memory=False), on_evict=evicted.append if evicted is not None else None
+    )
 
 
 def make_manager(tmp_path=None, cpu_pages=4, disk_pages=0, local_cpu=True) -> StorageManager:
@@ -127,6 +129,7 @@ def test_removed_while_pinned_keeps_its_page_until_the_reader_is_done():
 
 def test_pin_carries_the_payload_checksum():
     from lmcache_p2p.keys import payload_checksum
+
     tier = make_tier(1)
     tier.put(key(0), payload(0))
     with tier.pin(key(0)) as chunk:
@@ -254,7 +257,12 @@ def test_events_follow_every_change(tmp_path):
     m = make_manager(tmp_path, cpu_pages=2, disk_pages=10)
     events = collect(m)
     put_all(m, [1, 2, 3])
-    assert [e for e in events if e[1] == CPU] == [("admit", CPU, 1), ("admit", CPU, 2), ("evict", CPU, 1), ("admit", CPU, 3)]
+    assert [e for e in events if e[1] == CPU] == [
+        ("admit", CPU, 1),
+        ("admit", CPU, 2),
+        ("evict", CPU, 1),
+        ("admit", CPU, 3),
+    ]
     assert sorted(e for e in events if e[1] == DISK) == [("admit", DISK, 1), ("admit", DISK, 2), ("admit", DISK, 3)]
     events.clear()
     assert m.clear(CPU) == 2

@@ -11,11 +11,11 @@ import os
 import sys
 
 import pytest
-
 from instances import InstanceProcess, instance_config
+from protocol_client import ControllerProcess, free_ports, wait_for
+
 from lmcache_p2p.demo import CPU_ENGINE_ENV
 from lmcache_p2p.testing import offline_driver
-from protocol_client import ControllerProcess, free_ports, wait_for
 
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks and a tail vLLM computes itself
@@ -25,12 +25,14 @@ ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     from lmcache_p2p.testing.tiny_model import build
+
     return build(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="session")
 def prompt(tiny_model) -> list[int]:
     from lmcache_p2p.testing.tiny_model import sample_prompts
+
     return sample_prompts(tiny_model, PROMPT_TOKENS, seeds=[11])[0]
 
 
@@ -39,8 +41,9 @@ def engine(tmp_path, tiny_model):
     started: list[InstanceProcess] = []
 
     def start(config: dict, name: str = "engine", connector: bool = True) -> InstanceProcess:
-        proc = InstanceProcess(config, tmp_path, name=name, command=offline_driver.command(tiny_model, connector=connector),
-                               env=ENGINE_ENV).start(timeout=240)
+        proc = InstanceProcess(
+            config, tmp_path, name=name, command=offline_driver.command(tiny_model, connector=connector), env=ENGINE_ENV
+        ).start(timeout=240)
         started.append(proc)
         return proc
 
@@ -76,7 +79,7 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
 
 def test_a_prompt_whose_every_chunk_is_cached_still_computes_its_last_token(engine, prompt):
     eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25})
-    exact = prompt[:2 * CHUNK]
+    exact = prompt[: 2 * CHUNK]
     cold = generate(eng, exact)
     assert generate(eng, exact) == cold
     # The connector may not claim the whole prompt: vLLM samples from the last token's logits.
@@ -84,8 +87,13 @@ def test_a_prompt_whose_every_chunk_is_cached_still_computes_its_last_token(engi
 
 
 def test_b_disk_tier_reloads_in_a_fresh_engine_process(engine, prompt, tmp_path):
-    config = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25,
-              "local_disk": f"file://{tmp_path}/kv/", "max_local_disk_size": 1}
+    config = {
+        "chunk_size": CHUNK,
+        "local_cpu": True,
+        "max_local_cpu_size": 0.25,
+        "local_disk": f"file://{tmp_path}/kv/",
+        "max_local_disk_size": 1,
+    }
     first = engine(config, name="first")
     cold = generate(first, prompt)
     first.request("flush")
@@ -96,8 +104,11 @@ def test_b_disk_tier_reloads_in_a_fresh_engine_process(engine, prompt, tmp_path)
     assert generate(second, prompt) == cold
     # Loaded, not recomputed: nothing was stored, and this process started with an empty CPU tier.
     got = counters(second)
-    assert {k: got[k] for k in ("stored_tokens", "retrieved_tokens", "retrieves")} == \
-        {"stored_tokens": 0, "retrieved_tokens": 2 * CHUNK, "retrieves": 1}
+    assert {k: got[k] for k in ("stored_tokens", "retrieved_tokens", "retrieves")} == {
+        "stored_tokens": 0,
+        "retrieved_tokens": 2 * CHUNK,
+        "retrieves": 1,
+    }
     assert got["lookups"] == 1 and got["hit_tokens"] == 2 * CHUNK  # what the dashboard's hit ratio counts
 
 
@@ -105,8 +116,13 @@ def test_b_disk_tier_reloads_in_a_fresh_engine_process(engine, prompt, tmp_path)
 def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(engine, prompt, channel):
     controller = ControllerProcess().start()
     try:
-        seed_004 = dict(chunk_size=CHUNK, channel=channel, cpu_gb=0.25, enable_async_loading=True,
-                        extra_config={"lookup_backoff_time": 0.001})
+        seed_004 = dict(
+            chunk_size=CHUNK,
+            channel=channel,
+            cpu_gb=0.25,
+            enable_async_loading=True,
+            extra_config={"lookup_backoff_time": 0.001},
+        )
         a = engine(instance_config("lmcache_instance_1", controller, **seed_004), name="a")
         b = engine(instance_config("lmcache_instance_2", controller, **seed_004), name="b")
         cold = generate(a, prompt)
@@ -141,9 +157,14 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
             path.write_text(yaml.safe_dump(config))
             port = free_ports(1)[0]
             env = {**ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)}
-            engines.append(ServedProcess(name, vllm_server_command(tiny_model, port, *CPU_ENGINE_ARGS,
-                                                                   "--no-enable-prefix-caching"),
-                                         tmp_path / f"{name}.log", env).start())
+            engines.append(
+                ServedProcess(
+                    name,
+                    vllm_server_command(tiny_model, port, *CPU_ENGINE_ARGS, "--no-enable-prefix-caching"),
+                    tmp_path / f"{name}.log",
+                    env,
+                ).start()
+            )
             ports[name] = port
         for engine in engines:
             engine.wait_http(f"http://127.0.0.1:{ports[engine.name]}/health", timeout=300)
@@ -155,14 +176,22 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
         assert len(tokens) > 2 * CHUNK
         wait_for(lambda: controller.holders(tokens), timeout=10, what="the controller to index engine A's chunks")
 
-        moved = controller.api("/move", {"old_position": ["lmcache_instance_1", "LocalCPUBackend"],
-                                         "new_position": ["lmcache_instance_2", "LocalCPUBackend"],
-                                         "tokens": tokens})
+        moved = controller.api(
+            "/move",
+            {
+                "old_position": ["lmcache_instance_1", "LocalCPUBackend"],
+                "new_position": ["lmcache_instance_2", "LocalCPUBackend"],
+                "tokens": tokens,
+            },
+        )
         assert moved["num_tokens"] == 2 * CHUNK
         state = controller.finish(moved["event_id"])
         assert state["status"] == "done", state
-        wait_for(lambda: list(controller.holders(tokens)) == ["lmcache_instance_2"],
-                 timeout=10, what="only engine B to hold the chunks")
+        wait_for(
+            lambda: list(controller.holders(tokens)) == ["lmcache_instance_2"],
+            timeout=10,
+            what="only engine B to hold the chunks",
+        )
 
         pulls_before = engines[1].log().count("(from lmcache_instance_1")
         on_b = stream_completion(b_url, tiny_model, prompt)
@@ -184,9 +213,14 @@ def test_make_demo_shows_a_peer_hit_and_stops_everything_it_started(tmp_path):
     import subprocess
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "lmcache_p2p.demo", "--no-wait", "--workdir", str(tmp_path)],
-                          cwd=repo, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **ENGINE_ENV})
+    done = subprocess.run(
+        [sys.executable, "-m", "lmcache_p2p.demo", "--no-wait", "--workdir", str(tmp_path)],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **ENGINE_ENV},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "engine 2 pulled" in done.stdout and "over nixl" in done.stdout, done.stdout
     assert "same output on both engines: True" in done.stdout
@@ -203,9 +237,15 @@ def test_a_chunk_size_that_is_not_a_multiple_of_the_vllm_block_size_stops_the_en
 
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"chunk_size": 200, "local_cpu": True, "max_local_cpu_size": 0.25}))
-    done = subprocess.run(offline_driver.command(tiny_model),
-                          input="", capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)})
+    done = subprocess.run(
+        offline_driver.command(tiny_model),
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **ENGINE_ENV, "LMCACHE_CONFIG_FILE": str(path)},
+    )
     assert done.returncode != 0
-    assert "chunk_size=200" in done.stderr and "must be a multiple of the engine's KV block size (128)" in done.stderr, \
-        done.stderr[-3000:]
+    assert (
+        "chunk_size=200" in done.stderr and "must be a multiple of the engine's KV block size (128)" in done.stderr
+    ), done.stderr[-3000:]

@@ -8,10 +8,10 @@ import time
 from urllib.parse import urlparse
 
 import pytest
-
 from browser import Chromium, screenshot
 from instances import InstanceProcess, instance_config, tokens
 from protocol_client import ControllerProcess, FakeWorker, wait_for
+
 from lmcache_p2p.protocol import CommandReply, Traffic
 
 pytestmark = pytest.mark.browser
@@ -51,8 +51,9 @@ def assert_clean(log, controller) -> None:
 def wait_refreshed(page) -> None:
     """Until the page has rendered one more poll ("updated HH:MM:SS" changes: polls are 2 s apart)."""
     before = page.locator("#refreshed").inner_text()
-    page.wait_for_function("old => document.getElementById('refreshed').textContent !== old", arg=before,
-                           timeout=ONE_REFRESH_MS)
+    page.wait_for_function(
+        "old => document.getElementById('refreshed').textContent !== old", arg=before, timeout=ONE_REFRESH_MS
+    )
 
 
 def test_page_loads_offline_small_and_without_errors(chromium, controller):
@@ -64,8 +65,12 @@ def test_page_loads_offline_small_and_without_errors(chromium, controller):
     page.wait_for_selector("#refreshed:not(:empty)", timeout=ONE_REFRESH_MS)  # one poll went through
     assert page.locator("#banner").is_hidden()
     assert_clean(log, controller)
-    assert set(urlparse(u).path for u in log.requests) >= {"/", "/static/app.js", "/static/app.css",
-                                                            "/controller/dashboard"}
+    assert set(urlparse(u).path for u in log.requests) >= {
+        "/",
+        "/static/app.js",
+        "/static/app.css",
+        "/controller/dashboard",
+    }
     assert log.response_bytes < 200_000, f"{log.response_bytes} bytes transferred"
     page.close()
 
@@ -107,8 +112,9 @@ def test_registered_worker_appears_within_one_refresh_and_expands(chromium, cont
 def test_worker_text_is_escaped(chromium, controller):
     """An instance id (and a command error) full of markup renders as text and runs nothing."""
     worker = FakeWorker(controller, XSS)
-    worker.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=False,
-                                                  error="<script>alert(2)</script> refused")
+    worker.command_reply = lambda c: CommandReply(
+        event_id=c.event_id, ok=False, error="<script>alert(2)</script> refused"
+    )
     try:
         worker.register()
         assert controller.post("/clear", {"instance_id": XSS, "location": CPU}).status_code == 409
@@ -136,12 +142,23 @@ def test_overview_shows_fleet_traffic_from_heartbeats(chromium, controller):
         # Every second for a few seconds: 10 lookups of 1,000 tokens, 800 of them hits, and 2 peer
         # pulls of 50 MB each.
         for i in range(1, 6):
-            worker.heartbeat(Traffic(started_at=t0, lookups=10 * i, lookup_tokens=1000 * i,
-                                     hit_tokens=800 * i, peer_hit_tokens=300 * i, pulls=2 * i,
-                                     pulled_bytes=100_000_000 * i))
+            worker.heartbeat(
+                Traffic(
+                    started_at=t0,
+                    lookups=10 * i,
+                    lookup_tokens=1000 * i,
+                    hit_tokens=800 * i,
+                    peer_hit_tokens=300 * i,
+                    pulls=2 * i,
+                    pulled_bytes=100_000_000 * i,
+                )
+            )
             time.sleep(1.0)
-        wait_for(lambda: page.locator("[data-card=hit-ratio] .value").inner_text() == "80.0%", timeout=6,
-                 what="hit ratio card")
+        wait_for(
+            lambda: page.locator("[data-card=hit-ratio] .value").inner_text() == "80.0%",
+            timeout=6,
+            what="hit ratio card",
+        )
         p2p = page.locator("[data-card=p2p] .value").inner_text()
         assert p2p.endswith("MB/s") and 50 <= float(p2p.split()[0]) <= 150, p2p
         lookups = float(page.locator("[data-card=lookups] .value").inner_text())
@@ -171,18 +188,22 @@ def test_unreachable_banner_and_recovery(chromium, controller):
     finally:
         restarted.stop()
     # Failed polls log "Failed to load resource" in the console; only those are expected.
-    assert all("Failed to load resource" in e or "ERR_CONNECTION_REFUSED" in e for e in log.console_errors), \
+    assert all("Failed to load resource" in e or "ERR_CONNECTION_REFUSED" in e for e in log.console_errors), (
         log.console_errors
+    )
     assert not log.page_errors
     page.close()
 
 
 # -- commands from the page, against real instances ------------------------------------------------
 
+
 @pytest.fixture
 def pair(controller, tmp_path):
-    started = [InstanceProcess(instance_config(f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK),
-                               tmp_path).start() for i in (1, 2)]
+    started = [
+        InstanceProcess(instance_config(f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK), tmp_path).start()
+        for i in (1, 2)
+    ]
     yield started
     for proc in started:
         proc.stop()
@@ -201,8 +222,7 @@ def test_lookup_move_clear_from_the_page(chromium, controller, pair):
     page.fill("#lookup-tokens", str(moved))
     page.click("#lookup-form button[type=submit]")
     page.wait_for_selector("#lookup-result .summary")
-    assert page.locator("#lookup-result .summary").inner_text() == \
-        f"lmcache_instance_1 holds 128 of 128 tokens ({CPU})"
+    assert page.locator("#lookup-result .summary").inner_text() == f"lmcache_instance_1 holds 128 of 128 tokens ({CPU})"
     # ...and a bad paste names the bad token.
     page.fill("#lookup-tokens", "1, 2, three")
     page.click("#lookup-form button[type=submit]")
@@ -241,11 +261,15 @@ def test_lookup_move_clear_from_the_page(chromium, controller, pair):
     def b_traffic():
         totals = controller.http.get("/controller/dashboard").json()["overview"]["traffic_totals"]
         return totals if totals["peer_hit_tokens"] else None
+
     totals = wait_for(b_traffic, timeout=10, what="B's traffic in a heartbeat")
     assert totals["peer_hit_tokens"] == 6 * CHUNK and totals["lookups"] >= 1
     assert totals["pulled_bytes"] >= 6 * a.page_bytes
-    wait_for(lambda: page.locator("[data-card=p2p] .sub").inner_text().split("·")[-1].strip() != "0 B total",
-             timeout=10, what="P2P totals on the overview")
+    wait_for(
+        lambda: page.locator("[data-card=p2p] .sub").inner_text().split("·")[-1].strip() != "0 B total",
+        timeout=10,
+        what="P2P totals on the overview",
+    )
     page.locator("tr.instance[data-instance=lmcache_instance_1]").click()
     shot = screenshot(page, "webui.png")
     assert shot.stat().st_size > 10_000

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import zmq.asyncio
+from protocol_client import free_ports, layout
 
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey
@@ -18,8 +19,6 @@ from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.identity import WorkerIdentity, _route_address
 from lmcache_p2p.worker.link import EventBatcher
 
-from protocol_client import free_ports, layout
-
 
 def event(kind, h, location=CPU):
     return StorageEvent(kind, location, ChunkKey(1, h))
@@ -27,9 +26,14 @@ def event(kind, h, location=CPU):
 
 def test_batches_keep_the_last_event_per_key_and_number_batches_per_location():
     batcher = EventBatcher()
-    for e in [event("admit", 1), event("admit", 2), event("evict", 1),  # 1 came and went
-              event("evict", 3), event("admit", 3),  # 3 went and came back
-              event("admit", 9, DISK)]:
+    for e in [
+        event("admit", 1),
+        event("admit", 2),
+        event("evict", 1),  # 1 came and went
+        event("evict", 3),
+        event("admit", 3),  # 3 went and came back
+        event("admit", 9, DISK),
+    ]:
         batcher.add(e)
     batches = {b.location: b for b in batcher.cut("inst", 0)}
     cpu = batches[CPU]
@@ -94,14 +98,21 @@ def test_the_controller_route_accepts_both_url_forms_and_warns_when_it_falls_bac
 
 def test_pin_and_unpin_on_disk_are_refused_naming_the_location(tmp_path):
     """A pin holds a CPU page; a disk file cannot be held, so a disk pin would be a false success."""
-    config = LMCacheConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.001,
-                                      "local_disk": f"file://{tmp_path}/", "max_local_disk_size": 0.01})
+    config = LMCacheConfig.from_dict(
+        {
+            "chunk_size": 16,
+            "max_local_cpu_size": 0.001,
+            "local_disk": f"file://{tmp_path}/",
+            "max_local_disk_size": 0.01,
+        }
+    )
     storage = StorageManager(config, layout(), pin_memory=False)
     assert storage.put(7, torch.zeros(storage.page_bytes, dtype=torch.uint8))
     assert storage.flush() and storage.holds(7, DISK) and storage.holds(7, CPU)
     port = free_ports(1)[0]
-    identity = WorkerIdentity(instance_id="inst", rank=0, host="127.0.0.1", worker_port=port, layout=layout(),
-                              chunk_size=16)
+    identity = WorkerIdentity(
+        instance_id="inst", rank=0, host="127.0.0.1", worker_port=port, layout=layout(), chunk_size=16
+    )
 
     async def main():
         ctx = zmq.asyncio.Context()
@@ -111,14 +122,18 @@ def test_pin_and_unpin_on_disk_are_refused_naming_the_location(tmp_path):
         try:
             for unpin in (False, True):
                 with pytest.raises(RemoteError) as refused:
-                    await client.request(PinCommand(event_id=f"disk-{unpin}", location=DISK, hashes=pack_hashes([7]),
-                                                    unpin=unpin), CommandReply, 5)
+                    await client.request(
+                        PinCommand(event_id=f"disk-{unpin}", location=DISK, hashes=pack_hashes([7]), unpin=unpin),
+                        CommandReply,
+                        5,
+                    )
                 assert "pinning is supported on LocalCPUBackend only, not LocalDiskBackend" in str(refused.value)
                 assert refused.value.reply.event_id == f"disk-{unpin}"
             assert storage.cpu.pins_held == 0 and commands.pinned_chunks == 0
             # The CPU tier pins as before.
-            pinned = await client.request(PinCommand(event_id="cpu", location=CPU, hashes=pack_hashes([7])),
-                                          CommandReply, 5)
+            pinned = await client.request(
+                PinCommand(event_id="cpu", location=CPU, hashes=pack_hashes([7])), CommandReply, 5
+            )
             assert pinned.num_tokens == 16 and storage.cpu.pins_held == 1
         finally:
             client.close()

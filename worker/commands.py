@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from lmcache_p2p.protocol import (
-    ClearCommand, CommandDone, CommandReply, FetchChunks, FetchReply, HealthCommand, MoveCommand, PeerAddress,
-    PinCommand, StatusCommand, unpack_hashes,
+    ClearCommand,
+    CommandDone,
+    CommandReply,
+    FetchChunks,
+    FetchReply,
+    HealthCommand,
+    MoveCommand,
+    PeerAddress,
+    PinCommand,
+    StatusCommand,
+    unpack_hashes,
 )
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
@@ -33,25 +42,39 @@ logger = logging.getLogger(__name__)
 
 
 class CommandServer:
-    def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
-                 link: ControllerLink, peers: Optional[P2PClient], status: Callable[[], dict]):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        identity: WorkerIdentity,
+        storage: StorageManager,
+        link: ControllerLink,
+        peers: P2PClient | None,
+        status: Callable[[], dict],
+    ):
         self.me = identity
         self.storage = storage
         self.link = link
         self.peers = peers  # None when enable_p2p is off: this rank can be no move/copy source
         self.status = status
-        self.server = RpcServer(ctx, f"{identity.describe()} worker", {
-            MoveCommand: self._on_move,
-            ClearCommand: self._on_clear,
-            PinCommand: self._on_pin,
-            HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.storage.stats()),
-            StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.status()),
-        }, error_reply=lambda e: CommandReply(event_id="", ok=False, error=e))
+        self.server = RpcServer(
+            ctx,
+            f"{identity.describe()} worker",
+            {
+                MoveCommand: self._on_move,
+                ClearCommand: self._on_clear,
+                PinCommand: self._on_pin,
+                HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.storage.stats()),
+                StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.status()),
+            },
+            error_reply=lambda e: CommandReply(event_id="", ok=False, error=e),
+        )
         try:
             self.server.bind(f"tcp://*:{identity.worker_port}")
         except zmq.ZMQError as e:
-            raise OSError(f"{identity.describe()}: cannot bind lmcache_worker_ports port {identity.worker_port}: "
-                          f"{e.strerror} (give one free port per TP rank)") from None
+            raise OSError(
+                f"{identity.describe()}: cannot bind lmcache_worker_ports port {identity.worker_port}: "
+                f"{e.strerror} (give one free port per TP rank)"
+            ) from None
         self._pins: dict[int, list[PinnedChunk]] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -67,10 +90,13 @@ class CommandServer:
                 chunk.release()
         self._pins.clear()
 
-    def _check_location(self, event_id: str, location: str) -> Optional[CommandReply]:
+    def _check_location(self, event_id: str, location: str) -> CommandReply | None:
         if location not in self.storage.locations:
-            return CommandReply(event_id=event_id, ok=False,
-                                error=f"{self.me.describe()} has no location {location!r} (it has {self.storage.locations})")
+            return CommandReply(
+                event_id=event_id,
+                ok=False,
+                error=f"{self.me.describe()} has no location {location!r} (it has {self.storage.locations})",
+            )
         return None
 
     # -- move and copy ---------------------------------------------------------------------------
@@ -81,11 +107,17 @@ class CommandServer:
             return refused
         dest = command.destination
         if self.peers is None:
-            return CommandReply(event_id=command.event_id, ok=False,
-                                error=f"{self.me.describe()} does not serve peers (enable_p2p is off)")
+            return CommandReply(
+                event_id=command.event_id,
+                ok=False,
+                error=f"{self.me.describe()} does not serve peers (enable_p2p is off)",
+            )
         if not dest.p2p_lookup_port:
-            return CommandReply(event_id=command.event_id, ok=False,
-                                error=f"{dest.instance_id} rank {dest.rank} has no p2p_lookup port (enable_p2p is off there)")
+            return CommandReply(
+                event_id=command.event_id,
+                ok=False,
+                error=f"{dest.instance_id} rank {dest.rank} has no p2p_lookup port (enable_p2p is off there)",
+            )
         task = asyncio.ensure_future(self._run_move(command))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -96,17 +128,32 @@ class CommandServer:
         kind = "copy" if command.copy else "move"
         hashes = unpack_hashes(command.hashes)
         ok, tokens = False, 0
-        error: Optional[str] = None
+        error: str | None = None
         assert self.peers is not None  # _on_move refuses a move without them
         try:
-            destination = self.peers.lookup_socket(Peer(dest.instance_id, dest.rank, dest.host, dest.p2p_init_port,
-                                                        dest.p2p_lookup_port))
+            destination = self.peers.lookup_socket(
+                Peer(dest.instance_id, dest.rank, dest.host, dest.p2p_init_port, dest.p2p_lookup_port)
+            )
             timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
-            source = PeerAddress(instance_id=me.instance_id, rank=me.rank, location=command.location, host=me.host,
-                                 p2p_init_port=me.p2p_init_port, p2p_lookup_port=me.p2p_lookup_port)
+            source = PeerAddress(
+                instance_id=me.instance_id,
+                rank=me.rank,
+                location=command.location,
+                host=me.host,
+                p2p_init_port=me.p2p_init_port,
+                p2p_lookup_port=me.p2p_lookup_port,
+            )
             reply = await destination.request(
-                FetchChunks(event_id=command.event_id, source=source, location=dest.location, hashes=command.hashes,
-                            fingerprint=self.storage.fingerprint), FetchReply, timeout)
+                FetchChunks(
+                    event_id=command.event_id,
+                    source=source,
+                    location=dest.location,
+                    hashes=command.hashes,
+                    fingerprint=self.storage.fingerprint,
+                ),
+                FetchReply,
+                timeout,
+            )
             held = unpack_hashes(reply.held)
             if not command.copy:
                 for h in held:
@@ -115,8 +162,17 @@ class CommandServer:
             tokens = len(held) * self.storage.chunk_size
             ok = len(held) > 0 or len(hashes) == 0
             error = reply.error if not ok or len(held) < len(hashes) else None
-            logger.info("%s: %s %s: %d of %d chunk(s) now at %s/%s%s", me.describe(), kind, command.event_id,
-                        len(held), len(hashes), dest.instance_id, dest.location, f" ({error})" if error else "")
+            logger.info(
+                "%s: %s %s: %d of %d chunk(s) now at %s/%s%s",
+                me.describe(),
+                kind,
+                command.event_id,
+                len(held),
+                len(hashes),
+                dest.instance_id,
+                dest.location,
+                f" ({error})" if error else "",
+            )
         except RequestFailed as e:
             error = f"destination {dest.instance_id} rank {dest.rank}: {e}"
         except RemoteError as e:  # the destination refused (no such location, another layout...)
@@ -126,8 +182,16 @@ class CommandServer:
             error = f"worker error: {e}"
         if error and not ok:
             logger.warning("%s: %s %s failed: %s", me.describe(), kind, command.event_id, error)
-        self.link.send(CommandDone(event_id=command.event_id, instance_id=me.instance_id, rank=me.rank, ok=ok,
-                                   num_tokens=tokens, error=error))
+        self.link.send(
+            CommandDone(
+                event_id=command.event_id,
+                instance_id=me.instance_id,
+                rank=me.rank,
+                ok=ok,
+                num_tokens=tokens,
+                error=error,
+            )
+        )
 
     # -- clear and pin ---------------------------------------------------------------------------
 
@@ -149,9 +213,11 @@ class CommandServer:
         if command.location != CPU:
             # A pin holds a CPU page against eviction; nothing holds a disk file, so a pin there
             # would report success for a chunk the disk may evict at any time.
-            return CommandReply(event_id=command.event_id, ok=False,
-                                error=f"{self.me.describe()}: pinning is supported on {CPU} only, "
-                                      f"not {command.location}")
+            return CommandReply(
+                event_id=command.event_id,
+                ok=False,
+                error=f"{self.me.describe()}: pinning is supported on {CPU} only, not {command.location}",
+            )
         hashes = [int(h) for h in unpack_hashes(command.hashes)]
         count = 0
         for chunk_hash in hashes:  # a prompt's chunks: the run ends at the first one not held

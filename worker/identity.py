@@ -7,7 +7,6 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import Optional
 
 from lmcache_p2p.config import LMCacheConfig, split_host_port
 from lmcache_p2p.keys import LayoutFingerprint
@@ -25,28 +24,34 @@ class WorkerIdentity:
     worker_port: int
     layout: LayoutFingerprint
     chunk_size: int
-    p2p_init_port: Optional[int] = None
-    p2p_lookup_port: Optional[int] = None
-    transfer_channel: Optional[str] = None
+    p2p_init_port: int | None = None
+    p2p_lookup_port: int | None = None
+    transfer_channel: str | None = None
     session: str = ""  # unique per process: the NIXL agent name and the peer session id
 
     @classmethod
-    def from_config(cls, config: LMCacheConfig, layout: LayoutFingerprint, rank: int) -> "WorkerIdentity":
+    def from_config(cls, config: LMCacheConfig, layout: LayoutFingerprint, rank: int) -> WorkerIdentity:
         config.validate_for_tp(rank + 1)
         p2p = config.enable_p2p
         host = config.p2p_host or _route_address(config.controller_reply_url)
-        return cls(instance_id=config.lmcache_instance_id, rank=rank, host=host,
-                   worker_port=config.lmcache_worker_ports[rank], layout=layout, chunk_size=config.chunk_size,
-                   p2p_init_port=config.p2p_init_ports[rank] if p2p else None,
-                   p2p_lookup_port=config.p2p_lookup_ports[rank] if p2p else None,
-                   transfer_channel=config.transfer_channel if p2p else None,
-                   session=f"{config.lmcache_instance_id}-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        return cls(
+            instance_id=config.lmcache_instance_id,
+            rank=rank,
+            host=host,
+            worker_port=config.lmcache_worker_ports[rank],
+            layout=layout,
+            chunk_size=config.chunk_size,
+            p2p_init_port=config.p2p_init_ports[rank] if p2p else None,
+            p2p_lookup_port=config.p2p_lookup_ports[rank] if p2p else None,
+            transfer_channel=config.transfer_channel if p2p else None,
+            session=f"{config.lmcache_instance_id}-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+        )
 
     def describe(self) -> str:
         return f"{self.instance_id} rank {self.rank}"
 
 
-def _route_address(url: Optional[str]) -> str:
+def _route_address(url: str | None) -> str:
     """The local address that routes to the controller: what it should call us back on when
     p2p_host is not set (no packet is sent; a UDP connect only picks the route). A host that
     does not resolve falls back to loopback, with a warning: only this host reaches that."""
@@ -58,6 +63,11 @@ def _route_address(url: Optional[str]) -> str:
             s.connect((host, 9))
             return s.getsockname()[0]
     except (ValueError, OSError) as e:
-        logger.warning("no local address routes to the controller at %s (%s); registering as %s, which only "
-                       "this host can reach: set p2p_host to the address peers should use", url, e, LOOPBACK)
+        logger.warning(
+            "no local address routes to the controller at %s (%s); registering as %s, which only "
+            "this host can reach: set p2p_host to the address peers should use",
+            url,
+            e,
+            LOOPBACK,
+        )
         return LOOPBACK

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -26,8 +26,22 @@ import zmq.asyncio
 
 from lmcache_p2p.config import split_host_port
 from lmcache_p2p.protocol import (
-    PROTOCOL_VERSION, Ack, Deregister, Heartbeat, HeartbeatReply, KeyEvents, P2PLookup, P2PLookupReply, PeerHolder,
-    Register, RegisterReply, ResyncBatch, Traffic, controller_reply_decoder, encode, pack_hashes,
+    PROTOCOL_VERSION,
+    Ack,
+    Deregister,
+    Heartbeat,
+    HeartbeatReply,
+    KeyEvents,
+    P2PLookup,
+    P2PLookupReply,
+    PeerHolder,
+    Register,
+    RegisterReply,
+    ResyncBatch,
+    Traffic,
+    controller_reply_decoder,
+    encode,
+    pack_hashes,
 )
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
 from lmcache_p2p.storage.manager import StorageEvent, StorageManager
@@ -51,7 +65,7 @@ class EventBatcher:
         # what a cut would send, not how many events came in.
         self._count = 0
         self.seq: dict[str, int] = {}  # last batch number sent per location
-        self.wake: Optional[Callable[[], object]] = None  # called (from any thread) when a full batch is waiting
+        self.wake: Callable[[], object] | None = None  # called (from any thread) when a full batch is waiting
 
     def add(self, event: StorageEvent) -> None:
         with self._lock:
@@ -63,11 +77,11 @@ class EventBatcher:
         if full and self.wake is not None:
             self.wake()
 
-    def cut(self, instance_id: str, rank: int, only: Optional[str] = None) -> list[KeyEvents]:
+    def cut(self, instance_id: str, rank: int, only: str | None = None) -> list[KeyEvents]:
         """Everything waiting, as numbered batches (for one location or all)."""
         out = []
         with self._lock:
-            for location in ([only] if only else list(self._pending)):
+            for location in [only] if only else list(self._pending):
                 events = self._pending.pop(location, None)
                 if not events:
                     continue
@@ -75,8 +89,16 @@ class EventBatcher:
                 seq = self.seq[location] = self.seq.get(location, 0) + 1
                 admitted = [h for h, admit in events.items() if admit]
                 evicted = [h for h, admit in events.items() if not admit]
-                out.append(KeyEvents(instance_id=instance_id, rank=rank, location=location, seq=seq,
-                                     admitted=pack_hashes(admitted), evicted=pack_hashes(evicted)))
+                out.append(
+                    KeyEvents(
+                        instance_id=instance_id,
+                        rank=rank,
+                        location=location,
+                        seq=seq,
+                        admitted=pack_hashes(admitted),
+                        evicted=pack_hashes(evicted),
+                    )
+                )
         return out
 
     def drop(self) -> int:
@@ -92,9 +114,17 @@ class EventBatcher:
 
 
 class ControllerLink:
-    def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
-                 pull_url: str, reply_url: str, heartbeat_time: float, flush_interval: float = 0.05,
-                 traffic: Optional[Callable[[], Traffic]] = None):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        identity: WorkerIdentity,
+        storage: StorageManager,
+        pull_url: str,
+        reply_url: str,
+        heartbeat_time: float,
+        flush_interval: float = 0.05,
+        traffic: Callable[[], Traffic] | None = None,
+    ):
         self.ctx = ctx
         self.traffic = traffic  # this rank's totals, for the controller's dashboard
         self.me = identity
@@ -102,9 +132,10 @@ class ControllerLink:
         # Either spelling of a controller URL (host:port, tcp://host:port) names the same socket.
         self.reply_host, reply_port = split_host_port(reply_url)
         pull_host, pull_port = split_host_port(pull_url)
-        self.reply = RpcClient(ctx, f"tcp://{self.reply_host}:{reply_port}", controller_reply_decoder,
-                               "controller reply socket")
-        self.heartbeat: Optional[RpcClient] = None
+        self.reply = RpcClient(
+            ctx, f"tcp://{self.reply_host}:{reply_port}", controller_reply_decoder, "controller reply socket"
+        )
+        self.heartbeat: RpcClient | None = None
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.setsockopt(zmq.IMMEDIATE, 1)
@@ -119,8 +150,15 @@ class ControllerLink:
         self._resyncing: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self.stats = {"registrations": 0, "heartbeats": 0, "heartbeat_misses": 0, "batches_sent": 0,
-                      "events_dropped": 0, "resyncs_sent": 0, "p2p_lookups": 0}
+        self.stats = {
+            "registrations": 0,
+            "heartbeats": 0,
+            "heartbeat_misses": 0,
+            "batches_sent": 0,
+            "events_dropped": 0,
+            "resyncs_sent": 0,
+            "p2p_lookups": 0,
+        }
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -150,7 +188,7 @@ class ControllerLink:
     # -- registration and heartbeats -------------------------------------------------------------
 
     async def _liveness_loop(self) -> None:
-        away_since: Optional[float] = None  # when the controller stopped answering
+        away_since: float | None = None  # when the controller stopped answering
         warned = False  # said so in the log, once per absence
         while True:
             try:
@@ -162,15 +200,21 @@ class ControllerLink:
                     continue
                 if await self._register():
                     if away_since is not None:
-                        logger.info("%s: controller back after %.1f s away; registered again", self.me.describe(),
-                                    time.monotonic() - away_since)
+                        logger.info(
+                            "%s: controller back after %.1f s away; registered again",
+                            self.me.describe(),
+                            time.monotonic() - away_since,
+                        )
                     away_since, warned = None, False
                     continue
                 if not warned:
                     away_since = away_since or time.monotonic()
                     warned = True
-                    logger.warning("%s: controller at %s unreachable; serving from local tiers and retrying",
-                                   self.me.describe(), self.reply.address)
+                    logger.warning(
+                        "%s: controller at %s unreachable; serving from local tiers and retrying",
+                        self.me.describe(),
+                        self.reply.address,
+                    )
                 await asyncio.sleep(min(1.0, self.interval))
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
@@ -182,10 +226,19 @@ class ControllerLink:
 
     async def _register(self) -> bool:
         me = self.me
-        message = Register(version=PROTOCOL_VERSION, instance_id=me.instance_id, rank=me.rank, host=me.host,
-                           worker_port=me.worker_port, layout=me.layout, chunk_size=me.chunk_size,
-                           locations=self.storage.locations, p2p_init_port=me.p2p_init_port,
-                           p2p_lookup_port=me.p2p_lookup_port, transfer_channel=me.transfer_channel)
+        message = Register(
+            version=PROTOCOL_VERSION,
+            instance_id=me.instance_id,
+            rank=me.rank,
+            host=me.host,
+            worker_port=me.worker_port,
+            layout=me.layout,
+            chunk_size=me.chunk_size,
+            locations=self.storage.locations,
+            p2p_init_port=me.p2p_init_port,
+            p2p_lookup_port=me.p2p_lookup_port,
+            transfer_channel=me.transfer_channel,
+        )
         try:
             reply = await self.reply.request(message, RegisterReply, REQUEST_TIMEOUT_S)
         except RequestFailed as e:
@@ -199,13 +252,24 @@ class ControllerLink:
         self.interval = min(self.heartbeat_time, reply.heartbeat_interval or self.heartbeat_time)
         if self.heartbeat is not None:
             self.heartbeat.close()
-        self.heartbeat = RpcClient(self.ctx, f"tcp://{self.reply_host}:{reply.heartbeat_port or 8082}",
-                                   controller_reply_decoder, "controller heartbeat socket")
+        self.heartbeat = RpcClient(
+            self.ctx,
+            f"tcp://{self.reply_host}:{reply.heartbeat_port or 8082}",
+            controller_reply_decoder,
+            "controller heartbeat socket",
+        )
         dropped = self.batcher.drop()  # the re-sync below carries their effect
         self.registered = True
         self.stats["registrations"] += 1
-        logger.info("%s registered with the controller (epoch %s, heartbeat every %.2f s, %d queued events "
-                    "superseded by re-sync of %s)", me.describe(), self.epoch, self.interval, dropped, reply.resync)
+        logger.info(
+            "%s registered with the controller (epoch %s, heartbeat every %.2f s, %d queued events "
+            "superseded by re-sync of %s)",
+            me.describe(),
+            self.epoch,
+            self.interval,
+            dropped,
+            reply.resync,
+        )
         for location in reply.resync:
             self._start_resync(location)
         return True
@@ -214,13 +278,20 @@ class ControllerLink:
         assert self.heartbeat is not None  # made by the registration that set self.registered
         try:
             reply = await self.heartbeat.request(
-                Heartbeat(instance_id=self.me.instance_id, rank=self.me.rank, controller_epoch=self.epoch,
-                          traffic=self.traffic() if self.traffic else None),
-                HeartbeatReply, timeout=max(1.0, 2 * self.interval))
+                Heartbeat(
+                    instance_id=self.me.instance_id,
+                    rank=self.me.rank,
+                    controller_epoch=self.epoch,
+                    traffic=self.traffic() if self.traffic else None,
+                ),
+                HeartbeatReply,
+                timeout=max(1.0, 2 * self.interval),
+            )
         except RequestFailed as e:
             self.stats["heartbeat_misses"] += 1
-            logger.warning("%s: heartbeat unanswered (%s); the controller looks away, serving locally",
-                           self.me.describe(), e)
+            logger.warning(
+                "%s: heartbeat unanswered (%s); the controller looks away, serving locally", self.me.describe(), e
+            )
             self.registered = False
             return
         except RemoteError as e:
@@ -230,8 +301,12 @@ class ControllerLink:
             return
         self.stats["heartbeats"] += 1
         if reply.status != "ok" or reply.controller_epoch != self.epoch:
-            logger.info("%s: controller does not know us (epoch %s -> %s); registering again", self.me.describe(),
-                        self.epoch, reply.controller_epoch)
+            logger.info(
+                "%s: controller does not know us (epoch %s -> %s); registering again",
+                self.me.describe(),
+                self.epoch,
+                reply.controller_epoch,
+            )
             self.registered = False
             return
         for location in reply.resync:
@@ -277,9 +352,16 @@ class ControllerLink:
         t0 = time.perf_counter()
         count = max(1, -(-len(keys) // RESYNC_BATCH_KEYS))
         for i in range(count):
-            part = keys[i * RESYNC_BATCH_KEYS:(i + 1) * RESYNC_BATCH_KEYS]
-            message = ResyncBatch(instance_id=me.instance_id, rank=me.rank, location=location,
-                                  snapshot_seq=snapshot_seq, batch=i, last=i == count - 1, keys=pack_hashes(part))
+            part = keys[i * RESYNC_BATCH_KEYS : (i + 1) * RESYNC_BATCH_KEYS]
+            message = ResyncBatch(
+                instance_id=me.instance_id,
+                rank=me.rank,
+                location=location,
+                snapshot_seq=snapshot_seq,
+                batch=i,
+                last=i == count - 1,
+                keys=pack_hashes(part),
+            )
             try:
                 await self.reply.request(message, Ack, REQUEST_TIMEOUT_S)
             except RequestFailed as e:
@@ -289,8 +371,14 @@ class ControllerLink:
                 logger.warning("%s: controller rejected re-sync batch %d of %s: %s", me.describe(), i, location, e)
                 return
         self.stats["resyncs_sent"] += 1
-        logger.info("%s: re-synced %d keys of %s with the controller in %.1f ms (snapshot seq %d)", me.describe(),
-                    len(keys), location, (time.perf_counter() - t0) * 1e3, snapshot_seq)
+        logger.info(
+            "%s: re-synced %d keys of %s with the controller in %.1f ms (snapshot seq %d)",
+            me.describe(),
+            len(keys),
+            location,
+            (time.perf_counter() - t0) * 1e3,
+            snapshot_seq,
+        )
 
     # -- peer lookup -----------------------------------------------------------------------------
 
@@ -302,7 +390,9 @@ class ControllerLink:
         try:
             reply = await self.reply.request(
                 P2PLookup(instance_id=self.me.instance_id, rank=self.me.rank, hashes=pack_hashes(hashes)),
-                P2PLookupReply, timeout)
+                P2PLookupReply,
+                timeout,
+            )
         except (RequestFailed, RemoteError) as e:
             logger.warning("%s: peer lookup of %d chunk(s) failed: %s", self.me.describe(), len(hashes), e)
             return []

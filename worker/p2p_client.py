@@ -18,18 +18,23 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import zmq.asyncio
 
 from lmcache_p2p.keys import in_parallel, payload_checksum
 from lmcache_p2p.protocol import (
-    ChannelHelloReply, ChunkPull, ChunkPullReply, pack_hashes, pack_pages, peer_reply_decoder, unpack_hashes,
+    ChannelHelloReply,
+    ChunkPull,
+    ChunkPullReply,
+    pack_hashes,
+    pack_pages,
+    peer_reply_decoder,
+    unpack_hashes,
 )
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
 from lmcache_p2p.storage.manager import CPU, StorageManager
-from lmcache_p2p.transfer import Transport, TransferError
+from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
 
@@ -56,7 +61,7 @@ class Peer:
 @dataclass
 class PullResult:
     held: list[int] = field(default_factory=list)  # hashes now held here (in order of the request)
-    error: Optional[str] = None  # why the run ended early, if it did
+    error: str | None = None  # why the run ended early, if it did
 
 
 # Where a pull's batches spend their time, in its log line (see _Batch.phases_ms).
@@ -70,8 +75,8 @@ class _Batch:
     good: int = 0  # leading chunks landed with matching checksums
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
-    pool_full: Optional[str] = None  # fewer pages were free than the batch had chunks: the run ends here
-    error: Optional[str] = None
+    pool_full: str | None = None  # fewer pages were free than the batch had chunks: the run ends here
+    error: str | None = None
     # The error is a chunk the holder lacks or sent damaged: a move/copy (skip_missing) goes on
     # with ``rest``, the hashes after it.
     skippable: bool = False
@@ -83,18 +88,20 @@ class _Batch:
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 class _Connection:
     """One peer's sockets and the channel agreed with it at hello."""
 
     def __init__(self, ctx: zmq.asyncio.Context, peer: Peer):
-        self.init = RpcClient(ctx, f"tcp://{peer.host}:{peer.init_port}", peer_reply_decoder,
-                              f"{peer.describe()} p2p_init")
-        self.lookup = RpcClient(ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder,
-                                f"{peer.describe()} p2p_lookup")
-        self.channel: Optional[str] = None
+        self.init = RpcClient(
+            ctx, f"tcp://{peer.host}:{peer.init_port}", peer_reply_decoder, f"{peer.describe()} p2p_init"
+        )
+        self.lookup = RpcClient(
+            ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder, f"{peer.describe()} p2p_lookup"
+        )
+        self.channel: str | None = None
         self.staged = False  # the holder writes through GPU staging (agreed at hello)
 
     def close(self) -> None:
@@ -103,9 +110,17 @@ class _Connection:
 
 
 class P2PClient:
-    def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
-                 link: ControllerLink, transports: dict[str, Transport], preferred: str, batch_chunks: int = 8,
-                 pipeline_depth: int = 3):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        identity: WorkerIdentity,
+        storage: StorageManager,
+        link: ControllerLink,
+        transports: dict[str, Transport],
+        preferred: str,
+        batch_chunks: int = 8,
+        pipeline_depth: int = 3,
+    ):
         self.ctx = ctx
         self.me = identity
         self.storage = storage
@@ -119,23 +134,35 @@ class P2PClient:
         # together then become ready one after another, each at full bandwidth, instead of all
         # sharing it and all being ready only when the last pull ends.
         self._prefix_turn = asyncio.Lock()
-        self.stats = {"pulls": 0, "chunks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0, "prefix_hit_chunks": 0,
-                      "checksum_mismatches": 0, "pages_quarantined": 0,
-                      "transfer_ms": 0.0, "verify_ms": 0.0}
+        self.stats = {
+            "pulls": 0,
+            "chunks_pulled": 0,
+            "bytes_pulled": 0,
+            "pull_failures": 0,
+            "prefix_hit_chunks": 0,
+            "checksum_mismatches": 0,
+            "pages_quarantined": 0,
+            "transfer_ms": 0.0,
+            "verify_ms": 0.0,
+        }
 
     # -- the engine's question: pull the rest of this prefix -------------------------------------
 
     async def fetch_prefix(self, hashes: np.ndarray) -> int:
         """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds;
         returns how many leading chunks are now held locally."""
-        holders = [h for h in await self.link.p2p_lookup(hashes)
-                   if h.p2p_lookup_port and h.p2p_init_port and h.matched_chunks > 0]
+        holders = [
+            h
+            for h in await self.link.p2p_lookup(hashes)
+            if h.p2p_lookup_port and h.p2p_init_port and h.matched_chunks > 0
+        ]
         if not holders:
             return 0
         best = max(h.matched_chunks for h in holders)
         # Longest prefix first; among equals the peer we have the fewest requests in flight to.
-        holder = min((h for h in holders if h.matched_chunks == best),
-                     key=lambda h: self._busy((h.host, h.p2p_lookup_port)))
+        holder = min(
+            (h for h in holders if h.matched_chunks == best), key=lambda h: self._busy((h.host, h.p2p_lookup_port))
+        )
         peer = Peer(holder.instance_id, holder.rank, holder.host, holder.p2p_init_port, holder.p2p_lookup_port)
         async with self._prefix_turn:
             result = await self.pull(peer, hashes[:best], CPU)
@@ -195,23 +222,37 @@ class P2PClient:
         self._report(peer, channel, len(hashes), result, time.perf_counter() - t0, batches, phases_ms)
         return result
 
-    def _report(self, peer: Peer, channel: str, asked: int, result: PullResult, elapsed: float, batches: int,
-                phases_ms: dict) -> None:
+    def _report(
+        self, peer: Peer, channel: str, asked: int, result: PullResult, elapsed: float, batches: int, phases_ms: dict
+    ) -> None:
         nbytes = len(result.held) * self.storage.page_bytes
         self.stats["pulls"] += 1
         self.stats["chunks_pulled"] += len(result.held)
         self.stats["bytes_pulled"] += nbytes
         if result.held:
             # The seed's line, then where the batches' time went (summed: batches overlap).
-            logger.info("Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
-                        "(from %s over %s) [%d batches, ms summed: %s]", len(result.held) * self.me.chunk_size,
-                        asked * self.me.chunk_size, nbytes / 1e9, elapsed * 1e3, nbytes / 1e9 / max(elapsed, 1e-9),
-                        peer.describe(), channel, batches,
-                        ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases_ms.items()))
+            logger.info(
+                "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
+                "(from %s over %s) [%d batches, ms summed: %s]",
+                len(result.held) * self.me.chunk_size,
+                asked * self.me.chunk_size,
+                nbytes / 1e9,
+                elapsed * 1e3,
+                nbytes / 1e9 / max(elapsed, 1e-9),
+                peer.describe(),
+                channel,
+                batches,
+                ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases_ms.items()),
+            )
         if result.error:
             self.stats["pull_failures"] += 1
-            logger.warning("peer pull from %s: %d of %d chunks; the rest is a miss: %s", peer.describe(),
-                           len(result.held), asked, result.error)
+            logger.warning(
+                "peer pull from %s: %d of %d chunks; the rest is a miss: %s",
+                peer.describe(),
+                len(result.held),
+                asked,
+                result.error,
+            )
 
     def _connection(self, peer: Peer) -> _Connection:
         key = (peer.host, peer.lookup_port)
@@ -251,7 +292,7 @@ class P2PClient:
         if conn is not None:
             conn.close()
 
-    async def _fetch(self, conn: _Connection, peer: Peer, hashes: list[int]) -> "_Batch":
+    async def _fetch(self, conn: _Connection, peer: Peer, hashes: list[int]) -> _Batch:
         """One ChunkPull into freshly reserved pages, landed and verified, not yet committed."""
         batch = _Batch(hashes)
         for _ in hashes:
@@ -262,9 +303,11 @@ class P2PClient:
         if len(batch.pages) < len(hashes):
             # Only the chunks we have pages for are asked for. The rest are no miss at the
             # holder: our pool is full, and the run ends here (a move/copy must not skip them).
-            batch.pool_full = (f"CPU pool full: reserved {len(batch.pages)} of {len(hashes)} pages (every other "
-                               f"page of {self.storage.cpu.pool.num_pages} is pinned or in a transfer)")
-            batch.hashes = hashes = hashes[:len(batch.pages)]
+            batch.pool_full = (
+                f"CPU pool full: reserved {len(batch.pages)} of {len(hashes)} pages (every other "
+                f"page of {self.storage.cpu.pool.num_pages} is pinned or in a transfer)"
+            )
+            batch.hashes = hashes = hashes[: len(batch.pages)]
         if not batch.pages:
             batch.error = batch.pool_full
             return batch
@@ -277,9 +320,14 @@ class P2PClient:
         t_slots = time.perf_counter()
         slots = await transport.prepare(pages, conn.staged, timeout)
         batch.phases_ms["slots"] = (time.perf_counter() - t_slots) * 1e3
-        request = ChunkPull(session=transport.session, fingerprint=self.storage.fingerprint, hashes=pack_hashes(hashes),
-                            pages=pack_pages(batch.pages) if direct else b"", slots=pack_pages(slots),
-                            timeout_s=timeout)
+        request = ChunkPull(
+            session=transport.session,
+            fingerprint=self.storage.fingerprint,
+            hashes=pack_hashes(hashes),
+            pages=pack_pages(batch.pages) if direct else b"",
+            slots=pack_pages(slots),
+            timeout_s=timeout,
+        )
 
         def release_late(reply, frames) -> None:
             # The holder answered after all (or has surely given up): it writes no more. The rpc
@@ -291,8 +339,9 @@ class P2PClient:
 
         t0 = time.perf_counter()
         try:
-            reply, frames = await conn.lookup.request_frames(request, ChunkPullReply, timeout,
-                                                             on_late=release_late if direct else None)
+            reply, frames = await conn.lookup.request_frames(
+                request, ChunkPullReply, timeout, on_late=release_late if direct else None
+            )
         except RequestFailed as e:
             if direct:  # the holder may still write: the pages and slots stay out of use until release_late
                 self.stats["pages_quarantined"] += len(pages)
@@ -307,8 +356,16 @@ class P2PClient:
             return batch
         return await self._land(batch, transport, reply, frames, slots, peer, t0)
 
-    async def _land(self, batch: "_Batch", transport: Transport, reply: ChunkPullReply, frames: list,
-                    slots: list[int], peer: Peer, t0: float) -> "_Batch":
+    async def _land(
+        self,
+        batch: _Batch,
+        transport: Transport,
+        reply: ChunkPullReply,
+        frames: list,
+        slots: list[int],
+        peer: Peer,
+        t0: float,
+    ) -> _Batch:
         """Place and verify what the holder's reply says it sent; gives the receive slots back."""
         hashes = batch.hashes
         served = min(reply.served, len(hashes))
@@ -335,25 +392,25 @@ class P2PClient:
         elif served < len(hashes):
             batch.error = f"{peer.instance_id} does not hold chunk {hashes[served]:016x}"
         if batch.error:
-            batch.skippable, batch.rest = True, hashes[batch.good + 1:]
+            batch.skippable, batch.rest = True, hashes[batch.good + 1 :]
         if batch.pool_full:
             batch.skippable = False
             batch.error = f"{batch.error}; {batch.pool_full}" if batch.error else batch.pool_full
         return batch
 
-    def _commit(self, batch: "_Batch", location: str) -> list[int]:
+    def _commit(self, batch: _Batch, location: str) -> list[int]:
         """Index the verified leading pages of a batch; the rest go back to the pool."""
         held = []
         for i in range(batch.good):
             self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)
             held.append(batch.hashes[i])
-        self._abandon(batch.pages[batch.good:])
+        self._abandon(batch.pages[batch.good :])
         return held
 
     def _verify(self, pages: list[int], checksums: np.ndarray) -> int:
         """How many leading pages match their checksums (hashed on several threads)."""
         pool = self.storage.cpu.pool
-        got = in_parallel(lambda page: payload_checksum(pool.page(page).numpy()), pages[:len(checksums)])
+        got = in_parallel(lambda page: payload_checksum(pool.page(page).numpy()), pages[: len(checksums)])
         for i, checksum in enumerate(got):
             if checksum != int(checksums[i]):
                 return i

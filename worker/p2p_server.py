@@ -17,20 +17,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Optional
 
 import zmq
 import zmq.asyncio
 
 from lmcache_p2p.keys import in_parallel
 from lmcache_p2p.protocol import (
-    ChannelHello, ChannelHelloReply, ChunkPull, ChunkPullReply, FetchChunks, FetchReply, pack_hashes, unpack_hashes,
+    ChannelHello,
+    ChannelHelloReply,
+    ChunkPull,
+    ChunkPullReply,
+    FetchChunks,
+    FetchReply,
+    pack_hashes,
+    unpack_hashes,
     unpack_pages,
 )
 from lmcache_p2p.rpc import Answer, Handler, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.transfer import Transport, TransferError
+from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.p2p_client import P2PClient, Peer
 
@@ -38,29 +44,46 @@ logger = logging.getLogger(__name__)
 
 
 class PeerServer:
-    def __init__(self, ctx: zmq.asyncio.Context, identity: WorkerIdentity, storage: StorageManager,
-                 transports: dict[str, Transport], client: P2PClient, max_concurrent_pulls: int = 4):
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        identity: WorkerIdentity,
+        storage: StorageManager,
+        transports: dict[str, Transport],
+        client: P2PClient,
+        max_concurrent_pulls: int = 4,
+    ):
         self.me = identity
         self.storage = storage
         self.transports = transports
         self.client = client
         self._sessions: dict[str, Transport] = {}
         self._pull_slots = asyncio.Semaphore(max_concurrent_pulls)
-        self.stats = {"sessions": 0, "pulls_served": 0, "chunks_served": 0, "bytes_served": 0, "pulls_refused": 0,
-                      "bad_frames": 0}
+        self.stats = {
+            "sessions": 0,
+            "pulls_served": 0,
+            "chunks_served": 0,
+            "bytes_served": 0,
+            "pulls_refused": 0,
+            "bad_frames": 0,
+        }
         self._servers: list[RpcServer] = []
-        sockets: list[tuple[str, Optional[int], dict[type, Handler]]] = [
+        sockets: list[tuple[str, int | None, dict[type, Handler]]] = [
             ("p2p_init", identity.p2p_init_port, {ChannelHello: self._on_hello}),
-            ("p2p_lookup", identity.p2p_lookup_port, {ChunkPull: self._on_pull, FetchChunks: self._on_fetch})]
+            ("p2p_lookup", identity.p2p_lookup_port, {ChunkPull: self._on_pull, FetchChunks: self._on_fetch}),
+        ]
         for name, port, handlers in sockets:
-            server = RpcServer(ctx, f"{identity.describe()} {name}", handlers, concurrent=True,
-                               on_bad_frame=self._count_bad_frame)
+            server = RpcServer(
+                ctx, f"{identity.describe()} {name}", handlers, concurrent=True, on_bad_frame=self._count_bad_frame
+            )
             try:
                 server.bind(f"tcp://*:{port}")
             except zmq.ZMQError as e:
                 self.close()
-                raise OSError(f"{identity.describe()}: cannot bind {name} port {port}: {e.strerror} "
-                              f"(set {name}_ports to free ports, one per TP rank)") from None
+                raise OSError(
+                    f"{identity.describe()}: cannot bind {name} port {port}: {e.strerror} "
+                    f"(set {name}_ports to free ports, one per TP rank)"
+                ) from None
             self._servers.append(server)
 
     def start(self) -> None:
@@ -80,14 +103,20 @@ class PeerServer:
     async def _on_hello(self, hello: ChannelHello) -> ChannelHelloReply:
         channels = list(self.transports)
         if hello.fingerprint != self.storage.fingerprint:
-            return ChannelHelloReply(ok=False, channels=channels, error=(
-                f"layout mismatch: {self.me.describe()} stores {self.me.layout.model}/{self.me.layout.dtype} "
-                f"tp {self.me.layout.tp_rank}/{self.me.layout.tp_size} (fingerprint {self.storage.fingerprint:016x}), "
-                f"requester has {hello.fingerprint:016x}"))
+            return ChannelHelloReply(
+                ok=False,
+                channels=channels,
+                error=(
+                    f"layout mismatch: {self.me.describe()} stores {self.me.layout.model}/{self.me.layout.dtype} "
+                    f"tp {self.me.layout.tp_rank}/{self.me.layout.tp_size} (fingerprint {self.storage.fingerprint:016x}), "
+                    f"requester has {hello.fingerprint:016x}"
+                ),
+            )
         transport = self.transports.get(hello.channel)
         if transport is None:
-            return ChannelHelloReply(ok=False, channels=channels,
-                                     error=f"channel {hello.channel!r} not served here (serving {channels})")
+            return ChannelHelloReply(
+                ok=False, channels=channels, error=f"channel {hello.channel!r} not served here (serving {channels})"
+            )
         try:
             staged = await transport.accept(hello)
         except TransferError as e:
@@ -150,17 +179,27 @@ class PeerServer:
         self.stats["pulls_served"] += 1
         self.stats["chunks_served"] += len(pins)
         self.stats["bytes_served"] += nbytes
-        logger.debug("%s: served %d chunk(s), %.1f MiB over %s%s in %.2f ms (%.2f GB/s)", self.me.describe(), len(pins),
-                     nbytes / 2**20, transport.name, " (GPU staged)" if staged else "", elapsed * 1e3,
-                     nbytes / 1e9 / max(elapsed, 1e-9))
-        return ChunkPullReply(ok=True, served=len(pins), checksums=pack_hashes(checksums), staged=staged,
-                              holder_ms=elapsed * 1e3), frames
+        logger.debug(
+            "%s: served %d chunk(s), %.1f MiB over %s%s in %.2f ms (%.2f GB/s)",
+            self.me.describe(),
+            len(pins),
+            nbytes / 2**20,
+            transport.name,
+            " (GPU staged)" if staged else "",
+            elapsed * 1e3,
+            nbytes / 1e9 / max(elapsed, 1e-9),
+        )
+        return ChunkPullReply(
+            ok=True, served=len(pins), checksums=pack_hashes(checksums), staged=staged, holder_ms=elapsed * 1e3
+        ), frames
 
     async def _on_fetch(self, request: FetchChunks) -> FetchReply:
         """Move/copy destination: pull the listed chunks from the source into ``location``."""
         if request.location not in self.storage.locations:
-            return FetchReply(ok=False, error=f"{self.me.describe()} has no location {request.location!r} "
-                                              f"(it has {self.storage.locations})")
+            return FetchReply(
+                ok=False,
+                error=f"{self.me.describe()} has no location {request.location!r} (it has {self.storage.locations})",
+            )
         if request.fingerprint != self.storage.fingerprint:
             return FetchReply(ok=False, error=f"layout mismatch with {self.me.describe()}")
         src = request.source
@@ -178,10 +217,20 @@ class PeerServer:
         # than the move, a later batch's pages can evict a chunk an earlier batch brought.
         held = [h for h in have + pulled if self.storage.holds(h, request.location)]
         if len(held) < len(have) + len(pulled):
-            problems.append(f"{len(have) + len(pulled) - len(held)} chunk(s) evicted here again before the fetch "
-                            f"ended (the pool is smaller than the move)")
+            problems.append(
+                f"{len(have) + len(pulled) - len(held)} chunk(s) evicted here again before the fetch "
+                f"ended (the pool is smaller than the move)"
+            )
         error = "; ".join(problems) or None
-        logger.info("%s: %s fetched %d of %d chunk(s) from %s into %s (%d held already)%s", self.me.describe(),
-                    request.event_id, len(pulled), len(wanted), peer.describe(), request.location, len(have),
-                    f"; {error}" if error else "")
+        logger.info(
+            "%s: %s fetched %d of %d chunk(s) from %s into %s (%d held already)%s",
+            self.me.describe(),
+            request.event_id,
+            len(pulled),
+            len(wanted),
+            peer.describe(),
+            request.location,
+            len(have),
+            f"; {error}" if error else "",
+        )
         return FetchReply(ok=True, held=pack_hashes(held), error=error)

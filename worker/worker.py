@@ -16,7 +16,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from typing import Optional
 
 import numpy as np
 import zmq.asyncio
@@ -39,8 +38,9 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
 
 
-def build_engine(config: LMCacheConfig, layout: LayoutFingerprint, rank: int = 0, pin_memory: Optional[bool] = None,
-                 device=None) -> CacheEngine:
+def build_engine(
+    config: LMCacheConfig, layout: LayoutFingerprint, rank: int = 0, pin_memory: bool | None = None, device=None
+) -> CacheEngine:
     """One rank's cache engine: its tiers, and with ``enable_controller`` its worker (which
     reports the engine's counters). ``pin_memory`` is for the CPU pool; ``device`` is the KV's
     (torch.device) when it is a GPU, where GPU staging goes. Everything that runs an engine builds
@@ -63,22 +63,29 @@ def build_engine(config: LMCacheConfig, layout: LayoutFingerprint, rank: int = 0
 class Worker:
     """The network side of one rank (a ``PeerService`` for its :class:`CacheEngine`)."""
 
-    def __init__(self, config: LMCacheConfig, storage: StorageManager, layout: LayoutFingerprint, rank: int,
-                 counters: EngineCounters, device=None):
+    def __init__(
+        self,
+        config: LMCacheConfig,
+        storage: StorageManager,
+        layout: LayoutFingerprint,
+        rank: int,
+        counters: EngineCounters,
+        device=None,
+    ):
         self.config = config
         self.device = device  # the engine's KV device (torch.device); GPU staging goes there
         self.storage = storage
         self.counters = counters  # the engine's totals: the lookup ones go out with each heartbeat
         self.identity = WorkerIdentity.from_config(config, layout, rank)
         self.started_at = time.time()
-        self.link: Optional[ControllerLink] = None
-        self.client: Optional[P2PClient] = None
-        self.server: Optional[PeerServer] = None
-        self.commands: Optional[CommandServer] = None
+        self.link: ControllerLink | None = None
+        self.client: P2PClient | None = None
+        self.server: PeerServer | None = None
+        self.commands: CommandServer | None = None
         self.transports: dict[str, Transport] = {}
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._start_error: Optional[BaseException] = None
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"lmcache-worker-r{rank}", daemon=True)
         self._thread.start()
         if not self._ready.wait(START_TIMEOUT_S):
@@ -105,13 +112,28 @@ class Worker:
     async def _start(self) -> None:
         config, me = self.config, self.identity
         self.ctx = zmq.asyncio.Context()
-        self.link = ControllerLink(self.ctx, me, self.storage, config.controller_pull_url, config.controller_reply_url,
-                                   config.lmcache_worker_heartbeat_time, traffic=self.traffic)
+        self.link = ControllerLink(
+            self.ctx,
+            me,
+            self.storage,
+            config.controller_pull_url,
+            config.controller_reply_url,
+            config.lmcache_worker_heartbeat_time,
+            traffic=self.traffic,
+        )
         try:
             if config.enable_p2p:
                 self.transports = self._make_transports()
-                self.client = P2PClient(self.ctx, me, self.storage, self.link, self.transports, config.transfer_channel,
-                                        config.p2p_batch_chunks, config.p2p_pipeline_depth)
+                self.client = P2PClient(
+                    self.ctx,
+                    me,
+                    self.storage,
+                    self.link,
+                    self.transports,
+                    config.transfer_channel,
+                    config.p2p_batch_chunks,
+                    config.p2p_pipeline_depth,
+                )
                 self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client)
             self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.client, self.status)
         except BaseException:
@@ -121,9 +143,15 @@ class Worker:
         if self.server is not None:
             self.server.start()
         self.commands.start()
-        logger.info("worker %s up: commands on %d%s, controller %s", me.describe(), me.worker_port,
-                    f", p2p init/lookup {me.p2p_init_port}/{me.p2p_lookup_port} ({', '.join(self.transports)})"
-                    if self.server else "", config.controller_reply_url)
+        logger.info(
+            "worker %s up: commands on %d%s, controller %s",
+            me.describe(),
+            me.worker_port,
+            f", p2p init/lookup {me.p2p_init_port}/{me.p2p_lookup_port} ({', '.join(self.transports)})"
+            if self.server
+            else "",
+            config.controller_reply_url,
+        )
 
     def _make_transports(self) -> dict[str, Transport]:
         pool, session = self.storage.cpu.pool, self.identity.session
@@ -131,14 +159,24 @@ class Worker:
         if self.config.transfer_channel != "tcp":
             try:
                 transports[self.config.transfer_channel] = make_transport(
-                    self.config.transfer_channel, pool, session, self.config.nixl_progress_delay_us,
-                    self.config.nixl_buffer_device, self.config.nixl_buffer_size, self.device)
+                    self.config.transfer_channel,
+                    pool,
+                    session,
+                    self.config.nixl_progress_delay_us,
+                    self.config.nixl_buffer_device,
+                    self.config.nixl_buffer_size,
+                    self.device,
+                )
             except TransferError as e:
                 if self.config.nixl_buffer_device == "cuda":  # the fast path was asked for by name
                     why = str(e) if "nixl_buffer_device" in str(e) else f"nixl_buffer_device is cuda, but {e}"
                     raise TransferError(f"{self.identity.describe()}: {why}") from None
-                logger.warning("%s: transfer_channel %s unavailable (%s); peers will use tcp", self.identity.describe(),
-                               self.config.transfer_channel, e)
+                logger.warning(
+                    "%s: transfer_channel %s unavailable (%s); peers will use tcp",
+                    self.identity.describe(),
+                    self.config.transfer_channel,
+                    e,
+                )
         transports["tcp"] = TcpTransport(pool, session)
         return transports
 
@@ -160,7 +198,7 @@ class Worker:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def fetch_prefix_async(self, hashes: ChunkHashes) -> Optional[concurrent.futures.Future]:
+    def fetch_prefix_async(self, hashes: ChunkHashes) -> concurrent.futures.Future | None:
         """Start pulling the chunks of ``hashes`` a peer holds; the future gives the number of
         leading chunks now held locally. None when P2P is off."""
         if self.client is None or not len(hashes):
@@ -175,16 +213,22 @@ class Worker:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            logger.warning("%s: peer fetch of %d chunk(s) took over %.1f s; treating as a miss",
-                           self.identity.describe(), len(hashes), timeout)
+            logger.warning(
+                "%s: peer fetch of %d chunk(s) took over %.1f s; treating as a miss",
+                self.identity.describe(),
+                len(hashes),
+                timeout,
+            )
         except Exception:
             logger.exception("%s: peer fetch failed; treating as a miss", self.identity.describe())
         return 0
 
     def call(self, fn, timeout: float = 10.0):
         """Run ``fn()`` on the worker's loop (for state that lives there) and return its result."""
+
         async def run():
             return fn()
+
         return self.submit(run()).result(timeout)
 
     def flush(self) -> None:
@@ -198,17 +242,29 @@ class Worker:
         engine = self.counters
         client = self.client.stats if self.client else {}
         server = self.server.stats if self.server else {}
-        return Traffic(started_at=self.started_at, lookups=engine.lookups, lookup_tokens=engine.lookup_tokens,
-                       hit_tokens=engine.hit_tokens,
-                       peer_hit_tokens=client.get("prefix_hit_chunks", 0) * self.config.chunk_size,
-                       pulls=client.get("pulls", 0), pull_failures=client.get("pull_failures", 0),
-                       pulled_bytes=client.get("bytes_pulled", 0), served_bytes=server.get("bytes_served", 0))
+        return Traffic(
+            started_at=self.started_at,
+            lookups=engine.lookups,
+            lookup_tokens=engine.lookup_tokens,
+            hit_tokens=engine.hit_tokens,
+            peer_hit_tokens=client.get("prefix_hit_chunks", 0) * self.config.chunk_size,
+            pulls=client.get("pulls", 0),
+            pull_failures=client.get("pull_failures", 0),
+            pulled_bytes=client.get("bytes_pulled", 0),
+            served_bytes=server.get("bytes_served", 0),
+        )
 
     def status(self) -> dict:
         me = self.identity
-        out = {"instance_id": me.instance_id, "rank": me.rank, "host": me.host,
-               "uptime_s": time.time() - self.started_at, "registered": self.link.registered if self.link else False,
-               "controller_epoch": self.link.epoch if self.link else "", "storage": self.storage.stats()}
+        out = {
+            "instance_id": me.instance_id,
+            "rank": me.rank,
+            "host": me.host,
+            "uptime_s": time.time() - self.started_at,
+            "registered": self.link.registered if self.link else False,
+            "controller_epoch": self.link.epoch if self.link else "",
+            "storage": self.storage.stats(),
+        }
         if self.link:
             out["link"] = dict(self.link.stats)
         if self.client:

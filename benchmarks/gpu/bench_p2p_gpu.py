@@ -44,10 +44,13 @@ def checksum_rates(pages: int = 8, reps: int = 3) -> dict:
     import torch
 
     from lmcache_p2p.keys import in_parallel, payload_checksum
+
     data = [torch.randint(0, 256, (PAGE,), dtype=torch.uint8).pin_memory().numpy() for _ in range(pages)]
     out = {}
-    for name, run in (("one_thread", lambda: [payload_checksum(d) for d in data]),
-                      ("in_parallel", lambda: in_parallel(payload_checksum, data))):
+    for name, run in (
+        ("one_thread", lambda: [payload_checksum(d) for d in data]),
+        ("in_parallel", lambda: in_parallel(payload_checksum, data)),
+    ):
         run()
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -66,8 +69,14 @@ def main() -> None:
     variants = {**VARIANTS, **SWEEP}
     names = args.variants.split(",") + (list(SWEEP) if args.sweep else [])
     batches = [(int(n), args.reps) for n in args.batches.split(",")]
-    out = {"bench": "p2p_gpu", "chunk_tokens": bench_p2p.CHUNK_TOKENS, "chunk_bytes": bench_p2p.PAGE_BYTES,
-           "shape": "Llama-3.1-8B bf16", "kv_device": "cuda", "checksums_8_pages": checksum_rates()}
+    out = {
+        "bench": "p2p_gpu",
+        "chunk_tokens": bench_p2p.CHUNK_TOKENS,
+        "chunk_bytes": bench_p2p.PAGE_BYTES,
+        "shape": "Llama-3.1-8B bf16",
+        "kv_device": "cuda",
+        "checksums_8_pages": checksum_rates(),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             settings = dict(variants[name])
@@ -81,8 +90,10 @@ def main() -> None:
     if "nixl_gpu_staging" in out:
         out["target_GB/s"] = 20.0
         out[f"staged_GB/s_at_{largest}"] = out["nixl_gpu_staging"][largest]["GB/s"]
-    out["note"] = ("GB/s = chunk bytes / the puller's lookup call; request_ms = request->reply time summed over a "
-                   "pull's pipelined requests; land_verify_ms = staging->pool copy + checksum, summed likewise")
+    out["note"] = (
+        "GB/s = chunk bytes / the puller's lookup call; request_ms = request->reply time summed over a "
+        "pull's pipelined requests; land_verify_ms = staging->pool copy + checksum, summed likewise"
+    )
     print(json.dumps(out))
 
 

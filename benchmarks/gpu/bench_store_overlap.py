@@ -51,9 +51,9 @@ def main() -> None:
     num_blocks = 2048
     cache, chunk_bytes = llama_cache(num_blocks)
     host = torch.empty(DOC_CHUNKS * chunk_bytes, dtype=torch.uint8).pin_memory()
-    pages = [host[i * chunk_bytes:(i + 1) * chunk_bytes] for i in range(DOC_CHUNKS)]
+    pages = [host[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(DOC_CHUNKS)]
     flat = random.Random(0).sample(range(num_blocks), DOC_CHUNKS * BLOCKS_PER_CHUNK)
-    ids = [flat[i * BLOCKS_PER_CHUNK:(i + 1) * BLOCKS_PER_CHUNK] for i in range(DOC_CHUNKS)]
+    ids = [flat[i * BLOCKS_PER_CHUNK : (i + 1) * BLOCKS_PER_CHUNK] for i in range(DOC_CHUNKS)]
     nbytes = DOC_CHUNKS * chunk_bytes
     a = torch.randn(8192, 4096, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(4096, 14336, dtype=torch.bfloat16, device="cuda")
@@ -90,14 +90,27 @@ def main() -> None:
         runs = [together(cap) for _ in range(args.reps)]
         gemm_s = statistics.median(r[0] for r in runs)
         copy_s = statistics.median(r[1] for r in runs)
-        row = {"ctas": cap or "one per block", "gather_alone_GB/s": round(nbytes / alone / 1e9, 2),
-               "gemm_slowdown": round(gemm_s / base - 1, 4), "gather_beside_gemms_GB/s": round(nbytes / copy_s / 1e9, 2)}
+        row = {
+            "ctas": cap or "one per block",
+            "gather_alone_GB/s": round(nbytes / alone / 1e9, 2),
+            "gemm_slowdown": round(gemm_s / base - 1, 4),
+            "gather_beside_gemms_GB/s": round(nbytes / copy_s / 1e9, 2),
+        }
         rows.append(row)
         print(f"[bench_store_overlap] {row}", file=sys.stderr, flush=True)
-    print(json.dumps({"bench": "store_overlap", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "request": f"{DOC_CHUNKS} chunks of 256 tokens, {nbytes / 1e9:.2f} GB",
-                      "gemm": f"{args.gemms} x bf16 8192x4096 @ 4096x14336", "gemms_alone_s": round(base, 4),
-                      "results": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "store_overlap",
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "request": f"{DOC_CHUNKS} chunks of 256 tokens, {nbytes / 1e9:.2f} GB",
+                "gemm": f"{args.gemms} x bf16 8192x4096 @ 4096x14336",
+                "gemms_alone_s": round(base, 4),
+                "results": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

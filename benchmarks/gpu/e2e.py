@@ -27,18 +27,33 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # InstanceProcess: a JSON-lines child with its log and config file
-CONNECTOR = {"kv_connector": "LMCacheConnectorV1", "kv_connector_module_path": "lmcache_p2p.integration.vllm",
-             "kv_role": "kv_both"}
-LLAMA_8B = dict(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-                max_positions=32768, dtype="bfloat16", initializer_range=0.02)
+CONNECTOR = {
+    "kv_connector": "LMCacheConnectorV1",
+    "kv_connector_module_path": "lmcache_p2p.integration.vllm",
+    "kv_role": "kv_both",
+}
+LLAMA_8B = dict(
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    intermediate_size=14336,
+    max_positions=32768,
+    dtype="bfloat16",
+    initializer_range=0.02,
+)
 # The load of a hit (CPU pool into vLLM's GPU blocks); the pull's line is demo.P2P_LINE.
-LOAD_LINE = re.compile(r"Retrieved (\d+) out of total (\d+) tokens\. size: ([\d.]+) gb, cost ([\d.]+) ms, "
-                       r"throughput: ([\d.]+) GB/s(?! \(from)")
+LOAD_LINE = re.compile(
+    r"Retrieved (\d+) out of total (\d+) tokens\. size: ([\d.]+) gb, cost ([\d.]+) ms, "
+    r"throughput: ([\d.]+) GB/s(?! \(from)"
+)
 
 
 # Where a pull's batches spent their time (after the pull's line; summed over its batches).
-PULL_PHASES = re.compile(r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+), "
-                         r"queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), verify (?P<verify>[\d.]+)\]")
+PULL_PHASES = re.compile(
+    r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+), "
+    r"queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), verify (?P<verify>[\d.]+)\]"
+)
 
 
 def say(*args) -> None:
@@ -47,6 +62,7 @@ def say(*args) -> None:
 
 def documents(model_dir: str, count: int, tokens: int, first_seed: int = 0) -> list[list[int]]:
     from lmcache_p2p.testing.tiny_model import sample_prompts
+
     return sample_prompts(model_dir, tokens, range(first_seed, first_seed + count))
 
 
@@ -55,6 +71,7 @@ def documents(model_dir: str, count: int, tokens: int, first_seed: int = 0) -> l
 
 def cmd_model(args) -> dict:
     from lmcache_p2p.testing.tiny_model import build
+
     t0 = time.perf_counter()
     out = build(args.out, device="cuda", **LLAMA_8B)
     return {"step": "model", "dir": out, "shape": LLAMA_8B, "s": round(time.perf_counter() - t0, 1)}
@@ -70,16 +87,21 @@ def cmd_engine(args) -> None:
     import asyncio
 
     from lmcache_p2p.testing import jsonlines
+
     answers = jsonlines.claim_stdout()  # before vLLM prints anything
 
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    extra = ({"dtype": "float32", "max_model_len": 8192} if args.cpu_smoke
-             else {"gpu_memory_utilization": args.gpu_util, "max_model_len": 16384})
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=args.model, enforce_eager=True, kv_transfer_config=CONNECTOR, **extra))
+    extra = (
+        {"dtype": "float32", "max_model_len": 8192}
+        if args.cpu_smoke
+        else {"gpu_memory_utilization": args.gpu_util, "max_model_len": 16384}
+    )
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=args.model, enforce_eager=True, kv_transfer_config=CONNECTOR, **extra)
+    )
     loop = asyncio.new_event_loop()
 
     async def one(prompt: list[int], output_len: int, rid: str) -> dict:
@@ -98,6 +120,7 @@ def cmd_engine(args) -> None:
         async def gated(i: int, prompt: list[int]) -> dict:
             async with gate:
                 return await one(prompt, request["output_len"], f"{request['name']}-{i}")
+
         t0 = time.perf_counter()
         results = await asyncio.gather(*(gated(i, p) for i, p in enumerate(request["prompts"])))
         return {"round_s": time.perf_counter() - t0, "results": results}
@@ -116,9 +139,13 @@ def cmd_engine(args) -> None:
 
 def summarize(name: str, answer: dict) -> dict:
     results = answer["results"]
-    r = {"mean_ttft_s": round(statistics.mean(x["ttft_s"] for x in results), 4),
-         "ttfts_s": [round(x["ttft_s"], 4) for x in results], "round_s": round(answer["round_s"], 3),
-         "prompts": len(results), "successful": sum(1 for x in results if x["token_ids"])}
+    r = {
+        "mean_ttft_s": round(statistics.mean(x["ttft_s"] for x in results), 4),
+        "ttfts_s": [round(x["ttft_s"], 4) for x in results],
+        "round_s": round(answer["round_s"], 3),
+        "prompts": len(results),
+        "successful": sum(1 for x in results if x["token_ids"]),
+    }
     say(f"{name} round mean TTFT: {r['mean_ttft_s']:.3f}s")
     say(f"{name} round time: {r['round_s']:.3f}s")
     say(f"{name} round prompt count: {r['prompts']} (successful {r['successful']})")
@@ -127,10 +154,11 @@ def summarize(name: str, answer: dict) -> dict:
 
 def cmd_peer(args) -> dict:
     import httpx
-
     from instances import InstanceProcess
     from protocol_client import wait_for
+
     from lmcache_p2p.demo import P2P_LINE, ServedProcess
+
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     docs = documents(args.model, args.docs, args.doc_tokens)
@@ -140,9 +168,19 @@ def cmd_peer(args) -> dict:
     procs: list = []
     try:
         controller_bin = str(Path(sys.executable).with_name("lmcache_controller"))
-        controller = ServedProcess("controller", [controller_bin, "--host", "localhost", "--port", "9000", "--monitor-ports",
-                                                  '{"pull": 8300, "reply": 8400, "heartbeat": 8082}'],
-                                   workdir / "controller.log").start()
+        controller = ServedProcess(
+            "controller",
+            [
+                controller_bin,
+                "--host",
+                "localhost",
+                "--port",
+                "9000",
+                "--monitor-ports",
+                '{"pull": 8300, "reply": 8400, "heartbeat": 8082}',
+            ],
+            workdir / "controller.log",
+        ).start()
         procs.append(controller)
         controller.wait_http("http://localhost:9000/controller/workers", 60)
         engines = []
@@ -152,6 +190,7 @@ def cmd_peer(args) -> dict:
             env = {}
             if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
                 from lmcache_p2p.demo import CPU_ENGINE_ENV
+
                 cmd, env = cmd + ["--cpu-smoke"], dict(CPU_ENGINE_ENV)
             else:
                 # The engine's GPU first (vLLM takes cuda:0), the other still visible: CUDA IPC
@@ -163,40 +202,78 @@ def cmd_peer(args) -> dict:
             say(f"engine {i} up")
             procs.append(engine)
             engines.append(engine)
-        out = {"step": "peer", "docs": args.docs, "doc_tokens": args.doc_tokens, "output_len": args.output_len,
-               "inflight": args.inflight, "gpus": gpus, "gpu_util": args.gpu_util}
+        out = {
+            "step": "peer",
+            "docs": args.docs,
+            "doc_tokens": args.doc_tokens,
+            "output_len": args.output_len,
+            "inflight": args.inflight,
+            "gpus": gpus,
+            "gpu_util": args.gpu_util,
+        }
         for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
-            engine.request("round", timeout=300, name="hello", prompts=documents(args.model, 1, 512, 10_000 + i),
-                           output_len=4, inflight=1)
+            engine.request(
+                "round",
+                timeout=300,
+                name="hello",
+                prompts=documents(args.model, 1, 512, 10_000 + i),
+                output_len=4,
+                inflight=1,
+            )
         texts = {}
         for i, engine in enumerate(engines, start=1):
             if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
                 want = args.docs * (args.doc_tokens // 256)
-                wait_for(lambda: httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()["instances"]
-                         .get("lmcache_instance_1", {}).get("LocalCPUBackend", 0) >= want,
-                         timeout=60, what="engine 1's chunks at the controller")
+                wait_for(
+                    lambda: (
+                        httpx.get("http://localhost:9000/controller/key-stats", timeout=5)
+                        .json()["instances"]
+                        .get("lmcache_instance_1", {})
+                        .get("LocalCPUBackend", 0)
+                        >= want
+                    ),
+                    timeout=60,
+                    what="engine 1's chunks at the controller",
+                )
             for name in ("warmup", "query"):
-                answer = engine.request("round", timeout=900, name=f"e{i}{name}", prompts=docs,
-                                        output_len=args.output_len, inflight=args.inflight)
+                answer = engine.request(
+                    "round",
+                    timeout=900,
+                    name=f"e{i}{name}",
+                    prompts=docs,
+                    output_len=args.output_len,
+                    inflight=args.inflight,
+                )
                 out[f"engine{i}_{name}"] = summarize(f"engine {i} {name}", answer)
                 texts[(i, name)] = [x["token_ids"] for x in answer["results"]]
         log2 = engines[1].log()
-        pulls = [{k: v if k in ("peer", "channel") else float(v) for k, v in m.groupdict().items()}
-                 for m in P2P_LINE.finditer(log2)]
-        loads = [dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4])) for m in LOAD_LINE.findall(log2)]
-        out["engine2_pulls"] = {"count": len(pulls), "tokens": int(sum(p["tokens"] for p in pulls)),
-                                "checksum_mismatches": log2.count("checksum mismatch"),
-                                "gb": round(sum(p["gb"] for p in pulls), 3),
-                                "median_GB/s": statistics.median(p["gbps"] for p in pulls) if pulls else None,
-                                "min_GB/s": min((p["gbps"] for p in pulls), default=None),
-                                "max_GB/s": max((p["gbps"] for p in pulls), default=None),
-                                "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
-                                "channels": sorted({p["channel"] for p in pulls})}
+        pulls = [
+            {k: v if k in ("peer", "channel") else float(v) for k, v in m.groupdict().items()}
+            for m in P2P_LINE.finditer(log2)
+        ]
+        loads = [
+            dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4])) for m in LOAD_LINE.findall(log2)
+        ]
+        out["engine2_pulls"] = {
+            "count": len(pulls),
+            "tokens": int(sum(p["tokens"] for p in pulls)),
+            "checksum_mismatches": log2.count("checksum mismatch"),
+            "gb": round(sum(p["gb"] for p in pulls), 3),
+            "median_GB/s": statistics.median(p["gbps"] for p in pulls) if pulls else None,
+            "min_GB/s": min((p["gbps"] for p in pulls), default=None),
+            "max_GB/s": max((p["gbps"] for p in pulls), default=None),
+            "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
+            "channels": sorted({p["channel"] for p in pulls}),
+        }
         phases = [{k: float(v) for k, v in m.groupdict().items()} for m in PULL_PHASES.finditer(log2)]
-        out["engine2_pull_phases_median_ms"] = {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else None
-        out["engine2_loads"] = {"count": len(loads),
-                                "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None,
-                                "median_ms": statistics.median(p["ms"] for p in loads) if loads else None}
+        out["engine2_pull_phases_median_ms"] = (
+            {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else None
+        )
+        out["engine2_loads"] = {
+            "count": len(loads),
+            "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None,
+            "median_ms": statistics.median(p["ms"] for p in loads) if loads else None,
+        }
         e1, e2 = out["engine1_warmup"], out["engine2_warmup"]
         out["ttft_ratio"] = round(e2["mean_ttft_s"] / e1["mean_ttft_s"], 4)
         out["round_ratio"] = round(e2["round_s"] / e1["round_s"], 4)
@@ -207,7 +284,8 @@ def cmd_peer(args) -> dict:
         out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(1, "query")]))
         for key, other in (("peer", texts[(2, "warmup")]), ("own_cache", texts[(1, "query")])):
             out[f"greedy_leading_tokens_equal_{key}_vs_cold"] = [
-                next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cold, other)]
+                next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cold, other)
+            ]
         return out
     finally:
         for proc in reversed(procs):
@@ -216,6 +294,7 @@ def cmd_peer(args) -> dict:
 
 def yaml_config(path: Path, **overrides) -> dict:
     import yaml
+
     config = yaml.safe_load(path.read_text())
     config.update(overrides)
     return config
@@ -232,22 +311,35 @@ def cmd_offload(args) -> dict:
     import torch
 
     if args.connector == "on":
-        os.environ.update({"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True",
-                           "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)})
+        os.environ.update(
+            {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)}
+        )
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
-    llm = LLM(model=args.model, max_model_len=16384, enable_prefix_caching=False, enforce_eager=True,
-              gpu_memory_utilization=args.gpu_gb / total_gb,
-              kv_transfer_config=KVTransferConfig(**CONNECTOR) if args.connector == "on" else None)
+    llm = LLM(
+        model=args.model,
+        max_model_len=16384,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        gpu_memory_utilization=args.gpu_gb / total_gb,
+        kv_transfer_config=KVTransferConfig(**CONNECTOR) if args.connector == "on" else None,
+    )
     params = SamplingParams(temperature=0, max_tokens=1)
     reused = documents(args.model, args.prompts, args.tokens, first_seed=100)
     fresh = documents(args.model, args.prompts, args.tokens, first_seed=200)
     llm.generate([{"prompt_token_ids": p} for p in documents(args.model, 2, 512, first_seed=300)], params)  # warm-up
     from lmcache_p2p.config import LMCacheConfig
-    out = {"step": "offload", "connector": args.connector, "prompts": args.prompts, "tokens": args.tokens,
-           "gpu_gb": args.gpu_gb, "store_ctas": LMCacheConfig.load().store_ctas if args.connector == "on" else None}
+
+    out = {
+        "step": "offload",
+        "connector": args.connector,
+        "prompts": args.prompts,
+        "tokens": args.tokens,
+        "gpu_gb": args.gpu_gb,
+        "store_ctas": LMCacheConfig.load().store_ctas if args.connector == "on" else None,
+    }
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
     for name, prompts in (("run1", reused), ("run2", reused), ("run3_new_prompts", fresh)):
@@ -306,6 +398,7 @@ def main() -> None:
     if args.cmd == "engine":
         return cmd_engine(args)
     from lmcache_p2p.testing import jsonlines
+
     result = jsonlines.claim_stdout()  # progress, vLLM and its engine processes print to stderr
     out = {"model": cmd_model, "peer": cmd_peer, "offload": cmd_offload, "report": cmd_report}[args.cmd](args)
     print(json.dumps(out), file=result, flush=True)

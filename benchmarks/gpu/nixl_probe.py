@@ -20,7 +20,13 @@ import time
 import traceback
 
 DESCS, DESC_BYTES = 64, 16 * 2**20
-DEFAULT_TLS = ["default", "cuda_ipc,cuda_copy,sm,self,tcp", "cuda_ipc,cuda_copy,tcp", "sm,cuda_copy,self,tcp", "tcp,cuda_copy"]
+DEFAULT_TLS = [
+    "default",
+    "cuda_ipc,cuda_copy,sm,self,tcp",
+    "cuda_ipc,cuda_copy,tcp",
+    "sm,cuda_copy,self,tcp",
+    "tcp,cuda_copy",
+]
 PAIRS = [("DRAM", "DRAM"), ("VRAM", "VRAM"), ("DRAM", "VRAM"), ("VRAM", "DRAM")]
 
 
@@ -81,8 +87,10 @@ def _agent(role: str, mem: str, tls: str, conn) -> None:
 def case(src: str, dst: str, tls: str, limit: float = 90.0) -> dict:
     ctx = mp.get_context("spawn")
     (w, w_child), (r, r_child) = ctx.Pipe(), ctx.Pipe()
-    procs = [ctx.Process(target=_agent, args=("writer", src, tls, w_child)),
-             ctx.Process(target=_agent, args=("reader", dst, tls, r_child))]
+    procs = [
+        ctx.Process(target=_agent, args=("writer", src, tls, w_child)),
+        ctx.Process(target=_agent, args=("reader", dst, tls, r_child)),
+    ]
     for p in procs:
         p.start()
     out: dict = {"src": src, "dst": dst, "ucx_tls": tls}
@@ -120,9 +128,12 @@ def main() -> None:
     for tls in args.tls.split(";"):
         for src, dst in PAIRS:
             result = case(src, dst, tls)
-            print(f"[nixl_probe] {src}->{dst} UCX_TLS={tls}: "
-                  f"{result.get('gbps', result.get('error'))} {'' if result.get('data_ok', True) else 'DATA WRONG'}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[nixl_probe] {src}->{dst} UCX_TLS={tls}: "
+                f"{result.get('gbps', result.get('error'))} {'' if result.get('data_ok', True) else 'DATA WRONG'}",
+                file=sys.stderr,
+                flush=True,
+            )
             results.append(result)
     print(json.dumps({"bench": "nixl_probe", "bytes": DESCS * DESC_BYTES, "results": results}))
 

@@ -5,4 +5,14 @@ from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.manager import CPU, DISK, PrefixHit, StorageEvent, StorageManager
 from lmcache_p2p.storage.memory import PagePool
 
-__all__ = ["CPU", "DISK", "CpuTier", "DiskTier", "PagePool", "PinnedChunk", "PrefixHit", "StorageEvent", "StorageManager"]
+__all__ = [
+    "CPU",
+    "DISK",
+    "CpuTier",
+    "DiskTier",
+    "PagePool",
+    "PinnedChunk",
+    "PrefixHit",
+    "StorageEvent",
+    "StorageManager",
+]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 class _Entry:
     __slots__ = ("page", "pins", "checksum", "detached")
 
-    def __init__(self, page: int, checksum: Optional[int]):
+    def __init__(self, page: int, checksum: int | None):
         self.page = page
         self.pins = 0
         self.checksum = checksum
@@ -36,9 +36,14 @@ class PinnedChunk:
 
     __slots__ = ("key", "data", "_checksum", "_compute_checksum", "_release")
 
-    def __init__(self, key: ChunkKey, data: torch.Tensor, checksum: Optional[int] = None,
-                 release: Optional[Callable[[], None]] = None,
-                 compute_checksum: Optional[Callable[[], int]] = None):
+    def __init__(
+        self,
+        key: ChunkKey,
+        data: torch.Tensor,
+        checksum: int | None = None,
+        release: Callable[[], None] | None = None,
+        compute_checksum: Callable[[], int] | None = None,
+    ):
         self.key = key
         self.data = data  # uint8 tensor view of the payload; valid until release
         self._checksum = checksum
@@ -58,7 +63,7 @@ class PinnedChunk:
         if release is not None:
             release()
 
-    def __enter__(self) -> "PinnedChunk":
+    def __enter__(self) -> PinnedChunk:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,10 +75,10 @@ class CpuTier:
 
     location = "LocalCPUBackend"
 
-    def __init__(self, pool: PagePool, on_evict: Optional[Callable[[ChunkKey], None]] = None):
+    def __init__(self, pool: PagePool, on_evict: Callable[[ChunkKey], None] | None = None):
         self.pool = pool
         self.on_evict = on_evict
-        self._entries: "OrderedDict[ChunkKey, _Entry]" = OrderedDict()  # LRU first
+        self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
         self._lock = threading.RLock()
         self.evictions = 0
         self.rejected_puts = 0  # every page pinned: nothing could be evicted
@@ -102,7 +107,7 @@ class CpuTier:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def allocate(self) -> Optional[int]:
+    def allocate(self) -> int | None:
         """A free page, evicting least recently used unpinned chunks if needed; None if all pinned."""
         with self._lock:
             page = self.pool.alloc()
@@ -117,7 +122,7 @@ class CpuTier:
             self.on_evict(victim)
         return entry.page
 
-    def admit(self, key: ChunkKey, page: int, checksum: Optional[int] = None) -> bool:
+    def admit(self, key: ChunkKey, page: int, checksum: int | None = None) -> bool:
         """Index a filled page under ``key``; False (and the page freed) if the key is already held."""
         with self._lock:
             if key in self._entries:
@@ -127,7 +132,7 @@ class CpuTier:
             self._entries[key] = _Entry(page, checksum)
             return True
 
-    def put(self, key: ChunkKey, payload: torch.Tensor, checksum: Optional[int] = None) -> bool:
+    def put(self, key: ChunkKey, payload: torch.Tensor, checksum: int | None = None) -> bool:
         """Copy a payload of exactly one page into the tier. False if held already or no room."""
         if payload.numel() * payload.element_size() != self.pool.page_bytes:
             raise ValueError(
@@ -171,7 +176,7 @@ class CpuTier:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def pin(self, key: ChunkKey) -> Optional[PinnedChunk]:
+    def pin(self, key: ChunkKey) -> PinnedChunk | None:
         """Hold a chunk (counts as a use for LRU). None if the tier does not hold it."""
         with self._lock:
             entry = self._entries.get(key)
@@ -181,8 +186,13 @@ class CpuTier:
             entry.pins += 1
             self.pins_held += 1
         data = self.pool.page(entry.page)
-        return PinnedChunk(key, data, entry.checksum, release=lambda: self._unpin(entry),
-                           compute_checksum=lambda: self._checksum_of(entry, data))
+        return PinnedChunk(
+            key,
+            data,
+            entry.checksum,
+            release=lambda: self._unpin(entry),
+            compute_checksum=lambda: self._checksum_of(entry, data),
+        )
 
     @staticmethod
     def _checksum_of(entry: _Entry, data: torch.Tensor) -> int:
@@ -199,11 +209,10 @@ class CpuTier:
             if entry.pins == 0 and entry.detached:
                 self.pool.free(entry.page)
 
-    def get(self, key: ChunkKey) -> Optional[bytes]:
+    def get(self, key: ChunkKey) -> bytes | None:
         """A copy of the payload (tests, small tools); hot paths use :meth:`pin`."""
         chunk = self.pin(key)
         if chunk is None:
             return None
         with chunk:
             return chunk.data.numpy().tobytes()
-

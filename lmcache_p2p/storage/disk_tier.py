@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from lmcache_p2p.keys import ChunkKey, payload_checksum
 
@@ -33,11 +33,11 @@ class DiskTier:
 
     location = "LocalDiskBackend"
 
-    def __init__(self, root: str, capacity_bytes: int, on_evict: Optional[Callable[[ChunkKey], None]] = None):
+    def __init__(self, root: str, capacity_bytes: int, on_evict: Callable[[ChunkKey], None] | None = None):
         self.root = root
         self.capacity_bytes = capacity_bytes
         self.on_evict = on_evict
-        self._files: "OrderedDict[ChunkKey, int]" = OrderedDict()  # key -> file size, LRU first
+        self._files: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> file size, LRU first
         self._used = 0
         self._lock = threading.Lock()
         self.corrupt_files = 0
@@ -89,14 +89,16 @@ class DiskTier:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def write(self, key: ChunkKey, payload, checksum: Optional[int] = None) -> bool:
+    def write(self, key: ChunkKey, payload, checksum: int | None = None) -> bool:
         """Store a payload (any bytes-like). False if already held or larger than the cap."""
         view = memoryview(payload).cast("B")
         size = _HEADER.size + len(view)
         if key in self._files:
             return False
         if size > self.capacity_bytes:
-            logger.warning("chunk %s (%d bytes) exceeds the disk tier cap (%d bytes); not stored", key, size, self.capacity_bytes)
+            logger.warning(
+                "chunk %s (%d bytes) exceeds the disk tier cap (%d bytes); not stored", key, size, self.capacity_bytes
+            )
             return False
         if checksum is None:
             checksum = payload_checksum(view)
@@ -149,7 +151,7 @@ class DiskTier:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def read_into(self, key: ChunkKey, out) -> Optional[int]:
+    def read_into(self, key: ChunkKey, out) -> int | None:
         """Read a payload into ``out`` (writable bytes-like of exactly the payload size).
 
         Returns the verified checksum, or None on a miss; a damaged file is deleted and logged.
@@ -186,12 +188,12 @@ class DiskTier:
         self._lost(key)
         return None
 
-    def read(self, key: ChunkKey, payload_bytes: int) -> Optional[bytes]:
+    def read(self, key: ChunkKey, payload_bytes: int) -> bytes | None:
         buf = bytearray(payload_bytes)
         return bytes(buf) if self.read_into(key, buf) is not None else None
 
     @staticmethod
-    def _check_header(key: ChunkKey, header: bytes, expected_len: int) -> Optional[str]:
+    def _check_header(key: ChunkKey, header: bytes, expected_len: int) -> str | None:
         if len(header) != _HEADER.size:
             return f"header truncated ({len(header)} bytes)"
         magic, version, _, fp, h, length, _ = _HEADER.unpack(header)

@@ -13,8 +13,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
@@ -53,8 +54,13 @@ Listener = Callable[[StorageEvent], None]
 
 
 class StorageManager:
-    def __init__(self, config: LMCacheConfig, layout: LayoutFingerprint,
-                 pin_memory: Optional[bool] = None, write_behind_depth: int = 100_000):
+    def __init__(
+        self,
+        config: LMCacheConfig,
+        layout: LayoutFingerprint,
+        pin_memory: bool | None = None,
+        write_behind_depth: int = 100_000,
+    ):
         self.config = config
         self.layout = layout
         self.fingerprint = layout.digest
@@ -62,18 +68,22 @@ class StorageManager:
         self.page_bytes = layout.bytes_per_token * config.chunk_size
         self._listeners: list[Listener] = []
 
-        self.cpu: Optional[CpuTier] = None
+        self.cpu: CpuTier | None = None
         if config.local_cpu:
             pool = PagePool(self.page_bytes, config.max_local_cpu_bytes, pin_memory=pin_memory)
             if pool.num_pages == 0:
-                logger.warning("max_local_cpu_size=%s GB holds no %.1f MiB chunk; the CPU tier is empty",
-                               config.max_local_cpu_size, self.page_bytes / 2**20)
+                logger.warning(
+                    "max_local_cpu_size=%s GB holds no %.1f MiB chunk; the CPU tier is empty",
+                    config.max_local_cpu_size,
+                    self.page_bytes / 2**20,
+                )
             self.cpu = CpuTier(pool, on_evict=lambda key: self._emit("evict", CPU, key))
-        self.disk: Optional[DiskTier] = None
-        self._writer: Optional[_DiskWriter] = None
+        self.disk: DiskTier | None = None
+        self._writer: _DiskWriter | None = None
         if config.local_disk:
-            self.disk = DiskTier(config.local_disk, config.max_local_disk_bytes,
-                                 on_evict=lambda key: self._emit("evict", DISK, key))
+            self.disk = DiskTier(
+                config.local_disk, config.max_local_disk_bytes, on_evict=lambda key: self._emit("evict", DISK, key)
+            )
             if self.cpu is not None:
                 self._writer = _DiskWriter(self.cpu, self.disk, write_behind_depth, self._on_disk_written)
         if self.cpu is None and self.disk is None:
@@ -99,7 +109,7 @@ class StorageManager:
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def location_of(self, chunk_hash: int) -> Optional[str]:
+    def location_of(self, chunk_hash: int) -> str | None:
         key = self.key(chunk_hash)
         if self.cpu is not None and self.cpu.contains(key):
             return CPU
@@ -134,7 +144,7 @@ class StorageManager:
 
     # -- store -----------------------------------------------------------------------------------
 
-    def put(self, chunk_hash: int, payload: torch.Tensor, checksum: Optional[int] = None) -> bool:
+    def put(self, chunk_hash: int, payload: torch.Tensor, checksum: int | None = None) -> bool:
         """Store one chunk's payload; True if it is newly held."""
         key = self.key(chunk_hash)
         if self.cpu is None:
@@ -149,14 +159,14 @@ class StorageManager:
         self._after_cpu_admit(key)
         return True
 
-    def reserve_page(self) -> Optional[tuple[int, torch.Tensor]]:
+    def reserve_page(self) -> tuple[int, torch.Tensor] | None:
         """A free CPU page for a producer that fills it in place (kernel gather, peer transfer)."""
         if self.cpu is None:
             return None
         page = self.cpu.allocate()
         return None if page is None else (page, self.cpu.pool.page(page))
 
-    def commit_page(self, chunk_hash: int, page: int, checksum: Optional[int] = None, location: str = CPU) -> bool:
+    def commit_page(self, chunk_hash: int, page: int, checksum: int | None = None, location: str = CPU) -> bool:
         """Index a page filled after :meth:`reserve_page`; False if the key was held already.
         With ``location`` DISK the page is written to the disk tier and returned to the pool."""
         key = self.key(chunk_hash)
@@ -188,7 +198,7 @@ class StorageManager:
 
     # -- retrieve --------------------------------------------------------------------------------
 
-    def pin(self, chunk_hash: int) -> Optional[PinnedChunk]:
+    def pin(self, chunk_hash: int) -> PinnedChunk | None:
         """The chunk's payload held until released; disk hits are promoted into the CPU tier."""
         key = self.key(chunk_hash)
         if self.cpu is not None:
@@ -213,21 +223,21 @@ class StorageManager:
 
     # -- removal ---------------------------------------------------------------------------------
 
-    def remove(self, chunk_hash: int, location: Optional[str] = None) -> list[str]:
+    def remove(self, chunk_hash: int, location: str | None = None) -> list[str]:
         """Drop a chunk from one location (or all); returns the locations it was dropped from."""
         key = self.key(chunk_hash)
         dropped = []
-        for loc in ([location] if location else [CPU, DISK]):
+        for loc in [location] if location else [CPU, DISK]:
             tier = self._tier(loc)
             if tier is not None and tier.remove(key):
                 dropped.append(loc)
                 self._emit("evict", loc, key)
         return dropped
 
-    def clear(self, location: Optional[str] = None) -> int:
+    def clear(self, location: str | None = None) -> int:
         """Drop everything from one location (or all); returns the number of chunks dropped."""
         n = 0
-        for loc in ([location] if location else [CPU, DISK]):
+        for loc in [location] if location else [CPU, DISK]:
             tier = self._tier(loc)
             if tier is None:
                 continue
@@ -257,12 +267,21 @@ class StorageManager:
     def stats(self) -> dict:
         out: dict = {"chunk_size": self.chunk_size, "page_bytes": self.page_bytes}
         if self.cpu is not None:
-            out["cpu"] = {"chunks": len(self.cpu), "capacity_chunks": self.cpu.pool.num_pages,
-                          "free_pages": self.cpu.pool.free_pages, "pins_held": self.cpu.pins_held,
-                          "evictions": self.cpu.evictions, "rejected_puts": self.cpu.rejected_puts}
+            out["cpu"] = {
+                "chunks": len(self.cpu),
+                "capacity_chunks": self.cpu.pool.num_pages,
+                "free_pages": self.cpu.pool.free_pages,
+                "pins_held": self.cpu.pins_held,
+                "evictions": self.cpu.evictions,
+                "rejected_puts": self.cpu.rejected_puts,
+            }
         if self.disk is not None:
-            out["disk"] = {"chunks": len(self.disk), "used_bytes": self.disk.used_bytes,
-                           "evictions": self.disk.evictions, "corrupt_files": self.disk.corrupt_files}
+            out["disk"] = {
+                "chunks": len(self.disk),
+                "used_bytes": self.disk.used_bytes,
+                "evictions": self.disk.evictions,
+                "corrupt_files": self.disk.corrupt_files,
+            }
         if self._writer is not None:
             out["disk_writes_dropped"] = self._writer.dropped
             out["disk_writes_missed"] = self._writer.missed
@@ -281,7 +300,7 @@ class _DiskWriter:
         self.on_written = on_written
         self.dropped = 0
         self.missed = 0
-        self._queue: "queue.Queue[Optional[ChunkKey]]" = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[ChunkKey | None] = queue.Queue(maxsize=depth)
         self._thread = threading.Thread(target=self._run, name="lmcache-disk-writer", daemon=True)
         self._thread.start()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
 
 import torch
 
@@ -20,7 +19,7 @@ logger = logging.getLogger(__name__)
 class PagePool:
     """``num_pages`` pages of ``page_bytes`` each in one uint8 buffer; thread-safe alloc/free."""
 
-    def __init__(self, page_bytes: int, capacity_bytes: int, pin_memory: Optional[bool] = None):
+    def __init__(self, page_bytes: int, capacity_bytes: int, pin_memory: bool | None = None):
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.page_bytes = page_bytes
@@ -38,7 +37,9 @@ class PagePool:
         self._lock = threading.Lock()
         logger.info(
             "CPU page pool: %d pages x %.2f MiB = %.2f GiB (%s)",
-            self.num_pages, page_bytes / 2**20, self.num_pages * page_bytes / 2**30,
+            self.num_pages,
+            page_bytes / 2**20,
+            self.num_pages * page_bytes / 2**30,
             "pinned" if pin_memory else "pageable",
         )
 
@@ -50,7 +51,7 @@ class PagePool:
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
-    def alloc(self) -> Optional[int]:
+    def alloc(self) -> int | None:
         """A free page index, or None when every page is in use."""
         with self._lock:
             return self._free.pop() if self._free else None
@@ -62,7 +63,7 @@ class PagePool:
     def page(self, page: int) -> torch.Tensor:
         """The page as a uint8 tensor view (no copy)."""
         start = page * self.page_bytes
-        return self.buffer[start:start + self.page_bytes]
+        return self.buffer[start : start + self.page_bytes]
 
     def make_resident(self, pages) -> int:
         """Write-touch pages that were never written, before another process writes into them

@@ -11,7 +11,8 @@ import json
 import logging
 import os
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 logger = logging.getLogger(__name__)
 

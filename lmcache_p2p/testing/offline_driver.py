@@ -85,12 +85,14 @@ def handler(llm):
             _engine().flush()
             return {}
         raise ValueError(f"unknown op {op!r}")
+
     return handle
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.testing.offline_driver",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lmcache_p2p.testing.offline_driver", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("model")
     parser.add_argument("--no-connector", action="store_true", help="plain vLLM, for baselines")
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -107,13 +109,23 @@ def main(argv=None) -> None:
 
     kv_transfer = None
     if not args.no_connector:
-        kv_transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1",
-                                       kv_connector_module_path="lmcache_p2p.integration.vllm",
-                                       kv_role=args.kv_role)
-    llm = LLM(args.model, dtype="float32", enforce_eager=True, max_model_len=args.max_model_len,
-              enable_prefix_caching=False, kv_cache_memory_bytes=args.kv_cache_mib << 20,
-              distributed_executor_backend="uni", kv_transfer_config=kv_transfer, seed=0,
-              disable_log_stats=False)
+        kv_transfer = KVTransferConfig(
+            kv_connector="LMCacheConnectorV1",
+            kv_connector_module_path="lmcache_p2p.integration.vllm",
+            kv_role=args.kv_role,
+        )
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=args.kv_cache_mib << 20,
+        distributed_executor_backend="uni",
+        kv_transfer_config=kv_transfer,
+        seed=0,
+        disable_log_stats=False,
+    )
     jsonlines.answer(answers, {"ok": True, "ready": True})
     try:
         jsonlines.serve(handler(llm), sys.stdin, answers)

@@ -20,8 +20,8 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -54,15 +54,22 @@ class StandInKV:
         self.shape = shape
         self.tp_size, self.tp_rank = tp_size, tp_rank
         block = (2, shape.block_size, shape.kv_heads // tp_size, shape.head_size)
-        self.layers = [torch.zeros(num_blocks, *block, dtype=shape.dtype, device=device)
-                       for _ in range(shape.num_layers)]
+        self.layers = [
+            torch.zeros(num_blocks, *block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
+        ]
 
     def layout(self) -> LayoutFingerprint:
         first = self.layers[0]
-        return LayoutFingerprint(model=self.shape.name, dtype=str(first.dtype).removeprefix("torch."),
-                                 block_size=self.shape.block_size, block_shape=tuple(first.shape[1:]),
-                                 block_stride=tuple(first.stride()[1:]), num_layers=len(self.layers),
-                                 tp_size=self.tp_size, tp_rank=self.tp_rank)
+        return LayoutFingerprint(
+            model=self.shape.name,
+            dtype=str(first.dtype).removeprefix("torch."),
+            block_size=self.shape.block_size,
+            block_shape=tuple(first.shape[1:]),
+            block_stride=tuple(first.stride()[1:]),
+            num_layers=len(self.layers),
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+        )
 
     @property
     def chunk_bytes_per_token(self) -> int:
@@ -78,20 +85,23 @@ class StandInKV:
     def _blocks(self, index: int, chunk_size: int, block_ids: Sequence[int]) -> list[int]:
         """The blocks of chunk ``index``."""
         per_chunk = chunk_size // self.shape.block_size
-        return list(block_ids[index * per_chunk:(index + 1) * per_chunk])
+        return list(block_ids[index * per_chunk : (index + 1) * per_chunk])
 
     def prefill(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int], chunk_size: int) -> None:
         """Write the KV of the prompt whose chunks are ``chunk_hashes`` into ``block_ids``."""
         from lmcache_p2p.gpu_ops import scatter_chunk
+
         for index, chunk_hash in enumerate(hash_list(chunk_hashes)):
-            scatter_chunk(self.chunk_payload(chunk_hash, chunk_size), self.layers,
-                          self._blocks(index, chunk_size, block_ids))
+            scatter_chunk(
+                self.chunk_payload(chunk_hash, chunk_size), self.layers, self._blocks(index, chunk_size, block_ids)
+            )
 
     def matches(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int], chunk_size: int, num_tokens: int) -> bool:
         """Whether the blocks of the first ``num_tokens`` hold exactly what prefill would put there."""
         from lmcache_p2p.gpu_ops import gather_chunk
+
         page = torch.empty(chunk_size * self.chunk_bytes_per_token, dtype=torch.uint8)
-        for index, chunk_hash in enumerate(hash_list(chunk_hashes)[:num_tokens // chunk_size]):
+        for index, chunk_hash in enumerate(hash_list(chunk_hashes)[: num_tokens // chunk_size]):
             gather_chunk(self.layers, self._blocks(index, chunk_size, block_ids), page)
             if not torch.equal(page, self.chunk_payload(chunk_hash, chunk_size)):
                 return False
@@ -115,8 +125,10 @@ def handler(engine, kv: StandInKV, chunk_size: int):
             kv.prefill(hashes, blocks, chunk_size)
             answer = {"stored": engine.store(hashes, kv.layers, blocks, num_tokens=num_tokens)}
         elif op == "fill":  # store the chunks' payloads with no KV tensors involved (benchmarks)
-            answer = {"stored": chunk_size * sum(
-                engine.storage.put(h, kv.chunk_payload(h, chunk_size)) for h in hash_list(hashes))}
+            answer = {
+                "stored": chunk_size
+                * sum(engine.storage.put(h, kv.chunk_payload(h, chunk_size)) for h in hash_list(hashes))
+            }
         elif op == "corrupt":  # flip one byte of a stored chunk after its checksum (fault tests)
             chunk = engine.storage.pin(int(hashes[request["chunk"]]))
             with chunk:
@@ -165,8 +177,9 @@ def main(argv=None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     answers = jsonlines.claim_stdout()
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from lmcache_p2p.config import LMCacheConfig
     from lmcache_p2p.worker import build_engine
 

@@ -18,20 +18,111 @@ import json
 import os
 import random
 import sys
-from typing import Optional
 
 MODEL_NAME = "tiny-llama"
 
 # Words the tokenizer learns from and the demo's documents are written in.
-_WORDS = (
-    "the cache holds keys and values for every token of a prompt so that an engine does not "
-    "compute them twice when many requests share a prefix such as a system prompt a document "
-    "or a long chat history peers pull chunks from each other over the network instead of "
-    "recomputing them and the controller knows which instance holds which chunk river mountain "
-    "engine memory disk tier page block layer head model token transfer latency throughput "
-    "question answer summary report market weather garden library station energy signal "
-    "forest harbor planet circuit theory method result sample figure table section chapter"
-).split()
+_WORDS = [
+    "the",
+    "cache",
+    "holds",
+    "keys",
+    "and",
+    "values",
+    "for",
+    "every",
+    "token",
+    "of",
+    "a",
+    "prompt",
+    "so",
+    "that",
+    "an",
+    "engine",
+    "does",
+    "not",
+    "compute",
+    "them",
+    "twice",
+    "when",
+    "many",
+    "requests",
+    "share",
+    "a",
+    "prefix",
+    "such",
+    "as",
+    "a",
+    "system",
+    "prompt",
+    "a",
+    "document",
+    "or",
+    "a",
+    "long",
+    "chat",
+    "history",
+    "peers",
+    "pull",
+    "chunks",
+    "from",
+    "each",
+    "other",
+    "over",
+    "the",
+    "network",
+    "instead",
+    "of",
+    "recomputing",
+    "them",
+    "and",
+    "the",
+    "controller",
+    "knows",
+    "which",
+    "instance",
+    "holds",
+    "which",
+    "chunk",
+    "river",
+    "mountain",
+    "engine",
+    "memory",
+    "disk",
+    "tier",
+    "page",
+    "block",
+    "layer",
+    "head",
+    "model",
+    "token",
+    "transfer",
+    "latency",
+    "throughput",
+    "question",
+    "answer",
+    "summary",
+    "report",
+    "market",
+    "weather",
+    "garden",
+    "library",
+    "station",
+    "energy",
+    "signal",
+    "forest",
+    "harbor",
+    "planet",
+    "circuit",
+    "theory",
+    "method",
+    "result",
+    "sample",
+    "figure",
+    "table",
+    "section",
+    "chapter",
+]
 
 
 def sample_text(num_words: int, seed: int) -> str:
@@ -61,27 +152,50 @@ def _train_tokenizer(out_dir: str, vocab_size: int) -> int:
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     corpus = [sample_text(200, seed) for seed in range(200)]
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", model_max_length=16384)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", model_max_length=16384
+    )
     fast.save_pretrained(out_dir)
     return tokenizer.get_vocab_size()
 
 
-def build(out_dir: str, seed: int = 0, num_layers: int = 2, hidden_size: int = 128,
-          num_heads: int = 2, num_kv_heads: int = 2, vocab_size: int = 1024,
-          max_positions: int = 8192, intermediate_size: Optional[int] = None, dtype: str = "float32",
-          initializer_range: float = 0.2, device: str = "cpu") -> str:
+def build(
+    out_dir: str,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 2,
+    num_kv_heads: int = 2,
+    vocab_size: int = 1024,
+    max_positions: int = 8192,
+    intermediate_size: int | None = None,
+    dtype: str = "float32",
+    initializer_range: float = 0.2,
+    device: str = "cpu",
+) -> str:
     """Write the model and tokenizer into ``out_dir`` (skipped when already built there).
     The defaults are the tiny test model; benchmarks/gpu/e2e.py builds Llama-3.1-8B's shape in
     bf16 with a trained model's initializer range, on the GPU (``device``)."""
     marker = os.path.join(out_dir, "lmcache_p2p_tiny_model.json")
-    recipe = dict(seed=seed, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                  num_kv_heads=num_kv_heads, vocab_size=vocab_size, max_positions=max_positions,
-                  intermediate_size=intermediate_size, dtype=dtype, initializer_range=initializer_range)
+    recipe = dict(
+        seed=seed,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        vocab_size=vocab_size,
+        max_positions=max_positions,
+        intermediate_size=intermediate_size,
+        dtype=dtype,
+        initializer_range=initializer_range,
+    )
     if os.path.exists(marker):
         with open(marker) as f:
             if json.load(f) == recipe:
@@ -93,11 +207,19 @@ def build(out_dir: str, seed: int = 0, num_layers: int = 2, hidden_size: int = 1
     os.makedirs(out_dir, exist_ok=True)
     real_vocab = _train_tokenizer(out_dir, vocab_size)
     config = LlamaConfig(
-        vocab_size=real_vocab, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, torch_dtype=dtype, initializer_range=initializer_range,
+        vocab_size=real_vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype=dtype,
+        initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     with torch.device(device):

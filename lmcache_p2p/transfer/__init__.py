@@ -15,7 +15,7 @@ chunks from a tcp-only peer.
 import logging
 from typing import Optional
 
-from lmcache_p2p.transfer.base import Transport, TransferError
+from lmcache_p2p.transfer.base import TransferError, Transport
 from lmcache_p2p.transfer.tcp_transport import TcpTransport
 
 __all__ = ["Transport", "TransferError", "TcpTransport", "make_transport"]
@@ -23,9 +23,15 @@ __all__ = ["Transport", "TransferError", "TcpTransport", "make_transport"]
 logger = logging.getLogger(__name__)
 
 
-def make_transport(channel: str, pool, session: str, nixl_progress_delay_us: int = 200,
-                   nixl_buffer_device: str = "cpu", nixl_buffer_size: Optional[int] = None,
-                   engine_device=None) -> Transport:
+def make_transport(
+    channel: str,
+    pool,
+    session: str,
+    nixl_progress_delay_us: int = 200,
+    nixl_buffer_device: str = "cpu",
+    nixl_buffer_size: int | None = None,
+    engine_device=None,
+) -> Transport:
     """The transport for ``channel``; raises TransferError if it cannot run here. Under nixl,
     GPU staging goes on ``engine_device`` (or this process's CUDA device) unless
     ``nixl_buffer_device`` is "cpu"; with "auto", a staging buffer that cannot be had is logged
@@ -35,6 +41,7 @@ def make_transport(channel: str, pool, session: str, nixl_progress_delay_us: int
     if channel == "nixl":
         from lmcache_p2p.transfer.gpu_staging import GpuStaging, staging_device
         from lmcache_p2p.transfer.nixl_transport import NixlTransport
+
         staging = None
         device = staging_device(nixl_buffer_device, engine_device)
         if device is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -25,11 +25,18 @@ class Transport:
     # -- requester side --------------------------------------------------------------------------
 
     def hello(self, instance_id: str, rank: int, fingerprint: int) -> ChannelHello:
-        return ChannelHello(instance_id=instance_id, rank=rank, fingerprint=fingerprint, channel=self.name,
-                            session=self.session, page_bytes=self.pool.page_bytes, num_pages=self.pool.num_pages)
+        return ChannelHello(
+            instance_id=instance_id,
+            rank=rank,
+            fingerprint=fingerprint,
+            channel=self.name,
+            session=self.session,
+            page_bytes=self.pool.page_bytes,
+            num_pages=self.pool.num_pages,
+        )
 
     @property
-    def max_batch(self) -> Optional[int]:
+    def max_batch(self) -> int | None:
         """The most chunks one request may carry on this channel (None: no limit of its own)."""
         return None
 
@@ -57,8 +64,9 @@ class Transport:
         """Whether this channel can send ``chunk`` (NIXL only reaches the registered pool)."""
         return True
 
-    async def send(self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray,
-                   dst_slots: np.ndarray, timeout: float) -> tuple[list, bool]:
+    async def send(
+        self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray, dst_slots: np.ndarray, timeout: float
+    ) -> tuple[list, bool]:
         """Deliver ``chunks`` to the requester: written into its ``dst_pages`` (or, returning
         staged=True, its receive ``dst_slots``) before this returns, or returned as frames to
         append to the reply. Returns (frames, staged). The caller keeps the chunks pinned until

@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
 
 import torch
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SLOTS = 32
 
 
-def staging_device(setting: str, engine_device: Optional[torch.device]) -> Optional[torch.device]:
+def staging_device(setting: str, engine_device: torch.device | None) -> torch.device | None:
     """Where the staging buffer lives for ``nixl_buffer_device`` (``auto``/``cuda``/``cpu``), or
     None for no staging (pulls go pool to pool)."""
     if setting == "cpu":
@@ -91,26 +91,37 @@ class _SlotList:
 
 
 class GpuStaging:
-    def __init__(self, device: torch.device, page_bytes: int, size_bytes: Optional[int] = None):
+    def __init__(self, device: torch.device, page_bytes: int, size_bytes: int | None = None):
         num_slots = (size_bytes // page_bytes) if size_bytes is not None else DEFAULT_SLOTS
         if num_slots < 2:
-            raise TransferError(f"nixl_buffer_size {size_bytes} holds {num_slots} chunk page(s) of {page_bytes} "
-                                f"bytes; it needs at least 2 (one to send, one to receive)")
+            raise TransferError(
+                f"nixl_buffer_size {size_bytes} holds {num_slots} chunk page(s) of {page_bytes} "
+                f"bytes; it needs at least 2 (one to send, one to receive)"
+            )
         self.device = device
         self.page_bytes = page_bytes
         self.num_slots = num_slots
         try:
             self.buffer = torch.empty(num_slots * page_bytes, dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:
-            raise TransferError(f"no room on {device} for {num_slots} staging pages "
-                                f"({num_slots * page_bytes / 2**30:.2f} GiB); lower nixl_buffer_size") from None
+            raise TransferError(
+                f"no room on {device} for {num_slots} staging pages "
+                f"({num_slots * page_bytes / 2**30:.2f} GiB); lower nixl_buffer_size"
+            ) from None
         half = num_slots // 2
         self.receiving = _SlotList(range(0, half))
         self.sending = _SlotList(range(half, num_slots))
         self._streams = {d: torch.cuda.Stream(device) for d in ("h2d", "d2h")}
         self._threads = {d: ThreadPoolExecutor(1, thread_name_prefix=f"lmcache-staging-{d}") for d in ("h2d", "d2h")}
-        logger.info("GPU staging on %s: %d slots x %.2f MiB = %.2f GiB (%d receive, %d send)", device, num_slots,
-                    page_bytes / 2**20, num_slots * page_bytes / 2**30, self.receiving.capacity, self.sending.capacity)
+        logger.info(
+            "GPU staging on %s: %d slots x %.2f MiB = %.2f GiB (%d receive, %d send)",
+            device,
+            num_slots,
+            page_bytes / 2**20,
+            num_slots * page_bytes / 2**30,
+            self.receiving.capacity,
+            self.sending.capacity,
+        )
 
     @property
     def base(self) -> int:
@@ -122,7 +133,7 @@ class GpuStaging:
 
     def slot(self, index: int) -> torch.Tensor:
         start = index * self.page_bytes
-        return self.buffer[start:start + self.page_bytes]
+        return self.buffer[start : start + self.page_bytes]
 
     # -- copies ----------------------------------------------------------------------------------
 

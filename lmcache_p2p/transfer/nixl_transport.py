@@ -25,9 +25,9 @@ import functools
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -103,8 +103,7 @@ def _progress_thread_delay(delay_us: int):
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, pool: PagePool, session: str, progress_delay_us: int = 200,
-                 staging: Optional[GpuStaging] = None):
+    def __init__(self, pool: PagePool, session: str, progress_delay_us: int = 200, staging: GpuStaging | None = None):
         super().__init__(pool, session)
         self.staging = staging
         if pool.num_pages == 0:
@@ -112,7 +111,9 @@ class NixlTransport(Transport):
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
-            raise TransferError(f"NIXL is not importable here ({e}); install nixl or use transfer_channel: tcp") from None
+            raise TransferError(
+                f"NIXL is not importable here ({e}); install nixl or use transfer_channel: tcp"
+            ) from None
         # UCX's cuda transports work in the calling thread's CUDA context: make it current there.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="lmcache-nixl", initializer=self._bind_device)
         try:
@@ -127,22 +128,29 @@ class NixlTransport(Transport):
         t0 = time.perf_counter()
         self._registered = self.agent.register_memory([(self.base, size, 0, "")], "DRAM")
         self._local_pages = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _page_descs(self.base, pool.num_pages, pool.page_bytes), "DRAM")
+            "NIXL_INIT_AGENT", _page_descs(self.base, pool.num_pages, pool.page_bytes), "DRAM"
+        )
         self._staged_registration = self._local_slots = None
         if staging is not None:
             try:
                 self._thread.submit(self._register_staging).result()
             except Exception as e:
-                logger.warning("NIXL cannot register the GPU staging buffer on %s (%s); pulls go pool to pool",
-                               staging.device, e)
+                logger.warning(
+                    "NIXL cannot register the GPU staging buffer on %s (%s); pulls go pool to pool", staging.device, e
+                )
                 staging.close()
                 self.staging = staging = None
         self._metadata = self.agent.get_agent_metadata()
         self._peers: dict[str, _RemotePool] = {}
-        logger.info("NIXL agent %s: registered %d pages x %.2f MiB (%.2f GiB)%s in %.1f ms", session, pool.num_pages,
-                    pool.page_bytes / 2**20, size / 2**30,
-                    f" and {staging.num_slots} GPU staging slots on {staging.device}" if staging else "",
-                    (time.perf_counter() - t0) * 1e3)
+        logger.info(
+            "NIXL agent %s: registered %d pages x %.2f MiB (%.2f GiB)%s in %.1f ms",
+            session,
+            pool.num_pages,
+            pool.page_bytes / 2**20,
+            size / 2**30,
+            f" and {staging.num_slots} GPU staging slots on {staging.device}" if staging else "",
+            (time.perf_counter() - t0) * 1e3,
+        )
 
     def _bind_device(self) -> None:
         if self.staging is not None:
@@ -152,9 +160,11 @@ class NixlTransport(Transport):
         staging = self.staging
         dev = staging.device_index
         self._staged_registration = self.agent.register_memory(
-            [(staging.base, staging.num_slots * staging.page_bytes, dev, "")], "VRAM")
+            [(staging.base, staging.num_slots * staging.page_bytes, dev, "")], "VRAM"
+        )
         self._local_slots = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _page_descs(staging.base, staging.num_slots, staging.page_bytes, dev), "VRAM")
+            "NIXL_INIT_AGENT", _page_descs(staging.base, staging.num_slots, staging.page_bytes, dev), "VRAM"
+        )
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -173,7 +183,7 @@ class NixlTransport(Transport):
         return hello
 
     @property
-    def max_batch(self) -> Optional[int]:
+    def max_batch(self) -> int | None:
         return self.staging.receiving.capacity if self.staging is not None else None
 
     async def prepare(self, pages: Sequence[int], staged: bool, timeout: float) -> list[int]:
@@ -207,16 +217,26 @@ class NixlTransport(Transport):
         name = await self._call(self.agent.add_remote_agent, hello.agent_metadata)
         if isinstance(name, bytes):
             name = name.decode()
-        pages = await self._call(self.agent.prep_xfer_dlist, name,
-                                 _page_descs(hello.pool_base, hello.num_pages, hello.page_bytes), "DRAM")
+        pages = await self._call(
+            self.agent.prep_xfer_dlist, name, _page_descs(hello.pool_base, hello.num_pages, hello.page_bytes), "DRAM"
+        )
         peer = self._peers[hello.session] = _RemotePool(name, instance, pages, hello.num_pages)
         if self.staging is not None and hello.staging_slots > 0 and hello.host_id == host_id():
             peer.slots = await self._call(
-                self.agent.prep_xfer_dlist, name, _page_descs(hello.staging_base, hello.staging_slots, hello.page_bytes,
-                                                              hello.staging_device), "VRAM")
+                self.agent.prep_xfer_dlist,
+                name,
+                _page_descs(hello.staging_base, hello.staging_slots, hello.page_bytes, hello.staging_device),
+                "VRAM",
+            )
             peer.num_slots = hello.staging_slots
-        logger.info("NIXL session from %s rank %d (%s, %d pages%s)", hello.instance_id, hello.rank, name,
-                    hello.num_pages, f", staged through {peer.num_slots} GPU slots" if peer.slots is not None else "")
+        logger.info(
+            "NIXL session from %s rank %d (%s, %d pages%s)",
+            hello.instance_id,
+            hello.rank,
+            name,
+            hello.num_pages,
+            f", staged through {peer.num_slots} GPU slots" if peer.slots is not None else "",
+        )
         return peer.slots is not None
 
     def _forget(self, peer: _RemotePool) -> None:
@@ -232,42 +252,59 @@ class NixlTransport(Transport):
         offset = chunk.data.data_ptr() - self.base
         return 0 <= offset < self.pool.num_pages * self.pool.page_bytes and offset % self.pool.page_bytes == 0
 
-    async def send(self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray,
-                   dst_slots: np.ndarray, timeout: float) -> tuple[list, bool]:
+    async def send(
+        self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray, dst_slots: np.ndarray, timeout: float
+    ) -> tuple[list, bool]:
         peer = self._peers.get(session)
         if peer is None:
             raise TransferError(f"no NIXL session {session!r}: the requester must say hello first")
         deadline = time.monotonic() + timeout
         if peer.slots is not None and len(dst_slots) >= len(chunks):
             if int(dst_slots.max()) >= peer.num_slots:
-                raise TransferError(f"destination slots {dst_slots.tolist()[:8]}... do not fit the requester's "
-                                    f"{peer.num_slots} GPU receive slots")
+                raise TransferError(
+                    f"destination slots {dst_slots.tolist()[:8]}... do not fit the requester's "
+                    f"{peer.num_slots} GPU receive slots"
+                )
             try:
                 await self._send_staged(peer, chunks, dst_slots, deadline)
                 return [], True
             except TransferError as e:  # the pages are still there to write
-                logger.warning("staged write of %d chunk(s) to %s failed (%s); writing its pool pages instead",
-                               len(chunks), peer.agent_name, e)
+                logger.warning(
+                    "staged write of %d chunk(s) to %s failed (%s); writing its pool pages instead",
+                    len(chunks),
+                    peer.agent_name,
+                    e,
+                )
         if len(dst_pages) < len(chunks) or (len(dst_pages) and int(dst_pages.max()) >= peer.num_pages):
-            raise TransferError(f"destination pages {dst_pages.tolist()[:8]}... do not fit the requester's "
-                                f"{peer.num_pages}-page pool")
+            raise TransferError(
+                f"destination pages {dst_pages.tolist()[:8]}... do not fit the requester's {peer.num_pages}-page pool"
+            )
         src = [(c.data.data_ptr() - self.base) // self.pool.page_bytes for c in chunks]
-        await self._write(peer, self._local_pages, src, peer.pages, [int(p) for p in dst_pages[:len(chunks)]], deadline)
+        await self._write(
+            peer, self._local_pages, src, peer.pages, [int(p) for p in dst_pages[: len(chunks)]], deadline
+        )
         return [], False
 
-    async def _send_staged(self, peer: _RemotePool, chunks: Sequence[PinnedChunk], dst_slots: np.ndarray,
-                           deadline: float) -> None:
+    async def _send_staged(
+        self, peer: _RemotePool, chunks: Sequence[PinnedChunk], dst_slots: np.ndarray, deadline: float
+    ) -> None:
         """Pool pages -> our send slots -> the requester's receive slots, as many at a time as
         send slots are free."""
         staging = self.staging
         mine = await staging.sending.take(len(chunks), deadline - time.monotonic())
         try:
             for start in range(0, len(chunks), len(mine)):
-                group = chunks[start:start + len(mine)]
-                used = mine[:len(group)]
+                group = chunks[start : start + len(mine)]
+                used = mine[: len(group)]
                 await staging.to_slots([c.data for c in group], used)
-                await self._write(peer, self._local_slots, used, peer.slots,
-                                  [int(s) for s in dst_slots[start:start + len(group)]], deadline)
+                await self._write(
+                    peer,
+                    self._local_slots,
+                    used,
+                    peer.slots,
+                    [int(s) for s in dst_slots[start : start + len(group)]],
+                    deadline,
+                )
         finally:
             staging.sending.give(mine)
 
@@ -308,6 +345,7 @@ class NixlTransport(Transport):
                     self.agent.deregister_memory(self._staged_registration)
             except Exception as e:
                 logger.debug("NIXL shutdown: %s", e)
+
         self._thread.submit(shutdown).result(timeout=10)
         self._thread.shutdown(wait=False)
         if self.staging is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -22,8 +22,9 @@ class TcpTransport(Transport):
                 raise TransferError(f"payload frame of {data.size} bytes; pages are {self.pool.page_bytes}")
             self.pool.page(page).numpy()[:] = data
 
-    async def send(self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray,
-                   dst_slots: np.ndarray, timeout: float) -> tuple[list, bool]:
+    async def send(
+        self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray, dst_slots: np.ndarray, timeout: float
+    ) -> tuple[list, bool]:
         # Zero-copy: ZMQ reads straight from the pinned pages (the caller holds the pins until
         # the send is tracked as done).
         return [chunk.data.numpy() for chunk in chunks], False

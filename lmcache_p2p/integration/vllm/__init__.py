@@ -11,8 +11,10 @@ __all__ = ["LMCacheConnectorV1", "live_engines"]
 def __getattr__(name: str):
     if name == "LMCacheConnectorV1":
         from lmcache_p2p.integration.vllm.connector import LMCacheConnectorV1
+
         return LMCacheConnectorV1
     if name == "live_engines":
         from lmcache_p2p.integration.vllm.worker_side import live_engines
+
         return live_engines
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ class). Both halves read the same LMCache configuration: ``LMCACHE_CONFIG_FILE``
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class LMCacheConnectorV1(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         logs.ensure_handler()
         config = LMCacheConfig.load()
@@ -38,14 +38,16 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
+
             self._scheduler = SchedulerSide(vllm_config, config)
         else:
             from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+
             self._worker = WorkerSide(vllm_config, config, kv_cache_config)
 
     # -- scheduler side --------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -54,7 +56,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
     # -- worker side -----------------------------------------------------------------------------
@@ -80,7 +82,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         if isinstance(meta, P2PConnectorMetadata):
             self._worker.wait_for_save(meta)
 
-    def get_finished(self, finished_req_ids: set) -> tuple[Optional[set], Optional[set]]:
+    def get_finished(self, finished_req_ids: set) -> tuple[set | None, set | None]:
         """Requests whose store copies are done (blocks vLLM may free now); loads finish in
         start_load_kv, so nothing is ever still receiving."""
         if self._worker is None or self._worker.engine is None:

@@ -13,7 +13,7 @@ Anything else is refused with the tensor's shape in the message rather than gues
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -35,7 +35,8 @@ def block_planes(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list
         else:
             raise UnsupportedKVLayout(
                 f"KV cache of layer {name!r} has shape {tuple(tensor.shape)}; expected the block "
-                f"dimension ({num_blocks} blocks) first or second")
+                f"dimension ({num_blocks} blocks) first or second"
+            )
     if not planes:
         raise UnsupportedKVLayout("vLLM registered no KV cache tensors")
     first = planes[0]
@@ -43,12 +44,14 @@ def block_planes(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list
         if plane.shape[1:] != first.shape[1:] or plane.dtype != first.dtype:
             raise UnsupportedKVLayout(
                 f"layers differ in block shape or dtype ({tuple(first.shape[1:])} {first.dtype} vs "
-                f"{tuple(plane.shape[1:])} {plane.dtype}); hybrid models are not supported")
+                f"{tuple(plane.shape[1:])} {plane.dtype}); hybrid models are not supported"
+            )
     return planes
 
 
-def fingerprint(planes: list[torch.Tensor], model: str, block_size: int, tp_size: int,
-                tp_rank: int) -> LayoutFingerprint:
+def fingerprint(
+    planes: list[torch.Tensor], model: str, block_size: int, tp_size: int, tp_rank: int
+) -> LayoutFingerprint:
     first = planes[0]
     return LayoutFingerprint(
         model=model,

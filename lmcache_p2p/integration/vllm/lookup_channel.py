@@ -22,7 +22,7 @@ import os
 import tempfile
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -40,7 +40,7 @@ class LookupRequest(msgspec.Struct, tag="lookup"):
     wait_s: float  # how long the rank may wait for a peer pull before answering pending
     # The prompt's chunk hashes (protocol.pack_hashes: little-endian uint64) and its length in
     # tokens; None on a poll, which names a lookup the rank already has.
-    hashes: Optional[bytes] = None
+    hashes: bytes | None = None
     num_tokens: int = 0
 
 
@@ -140,8 +140,16 @@ class LookupClient:
             self._poller.register(sock, zmq.POLLIN)
         self._seq = 0
 
-    def lookup(self, req_id: str, chunk_hashes: np.ndarray, num_tokens: int, use_peers: bool, wait_s: float,
-               timeout_s: float, poll: bool = False) -> Optional[int]:
+    def lookup(
+        self,
+        req_id: str,
+        chunk_hashes: np.ndarray,
+        num_tokens: int,
+        use_peers: bool,
+        wait_s: float,
+        timeout_s: float,
+        poll: bool = False,
+    ) -> int | None:
         """Tokens every rank can load of the prompt ``chunk_hashes`` (uint64) names, or None
         while a rank is still pulling from a peer. With ``poll`` the ranks were sent the hashes
         already and are asked by request id alone. A rank that does not answer within
@@ -150,11 +158,22 @@ class LookupClient:
         seq = self._seq
 
         def full_request() -> bytes:
-            return _encoder.encode(LookupRequest(seq=seq, req_id=req_id, use_peers=use_peers, wait_s=wait_s,
-                                                 hashes=pack_hashes(chunk_hashes), num_tokens=num_tokens))
+            return _encoder.encode(
+                LookupRequest(
+                    seq=seq,
+                    req_id=req_id,
+                    use_peers=use_peers,
+                    wait_s=wait_s,
+                    hashes=pack_hashes(chunk_hashes),
+                    num_tokens=num_tokens,
+                )
+            )
 
-        payload = (_encoder.encode(LookupRequest(seq=seq, req_id=req_id, use_peers=use_peers, wait_s=wait_s))
-                   if poll else full_request())
+        payload = (
+            _encoder.encode(LookupRequest(seq=seq, req_id=req_id, use_peers=use_peers, wait_s=wait_s))
+            if poll
+            else full_request()
+        )
         for sock in self._socks:
             sock.send(payload, copy=False)
         answers: dict[int, LookupReply] = {}
@@ -163,8 +182,12 @@ class LookupClient:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 missing = [r for r in range(len(self._socks)) if r not in answers]
-                logger.warning("lookup of request %s: TP rank(s) %s did not answer within %.1f s; "
-                               "treating it as a miss", req_id, missing, timeout_s)
+                logger.warning(
+                    "lookup of request %s: TP rank(s) %s did not answer within %.1f s; treating it as a miss",
+                    req_id,
+                    missing,
+                    timeout_s,
+                )
                 return 0
             for sock, _ in self._poller.poll(left_ms):
                 reply = self._decode(sock.recv())
@@ -178,13 +201,14 @@ class LookupClient:
             return None
         for rank, answer in answers.items():
             if answer.error:
-                logger.warning("lookup of request %s: rank %d failed (%s); treating it as a miss",
-                               req_id, rank, answer.error)
+                logger.warning(
+                    "lookup of request %s: rank %d failed (%s); treating it as a miss", req_id, rank, answer.error
+                )
                 return 0
         return min(a.hit_tokens for a in answers.values())
 
     @staticmethod
-    def _decode(payload: bytes) -> Optional[LookupReply]:
+    def _decode(payload: bytes) -> LookupReply | None:
         try:
             return _reply_decoder.decode(payload)
         except msgspec.DecodeError as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -43,9 +43,9 @@ class _Request:
     chunk_hashes: np.ndarray  # the prompt's full chunks' chained hashes, uint64
     num_tokens: int  # the prompt's length
     asked: bool = False  # the ranks were sent the hashes: later asks are polls by request id
-    hit: Optional[int] = None  # tokens the ranks can load; None until they all answered
+    hit: int | None = None  # tokens the ranks can load; None until they all answered
     next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
-    logged_need: Optional[int] = None
+    logged_need: int | None = None
     load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # prompt tokens already handed to the ranks to store
@@ -62,8 +62,11 @@ class SchedulerSide:
         self.stores = bool(getattr(transfer, "is_kv_producer", True))
         parallel = vllm_config.parallel_config
         if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-            raise ConfigError("pipeline_parallel_size", "lmcache-p2p supports tensor parallelism only",
-                              value=parallel.pipeline_parallel_size)
+            raise ConfigError(
+                "pipeline_parallel_size",
+                "lmcache-p2p supports tensor parallelism only",
+                value=parallel.pipeline_parallel_size,
+            )
         paths = [engine_socket_path(vllm_config, r) for r in range(parallel.tensor_parallel_size)]
         self.client = LookupClient(paths)
         self.use_peers = config.enable_p2p
@@ -73,13 +76,20 @@ class SchedulerSide:
         self._released: list[str] = []
         self._engine_busy = False  # did the last step schedule any tokens?
         self._idle_wait_taken = False  # a lookup of this scheduling round already waited long
-        logger.info("lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
-                    "async loading %s (backoff %.3f s)", self.chunk_size, self.block_size, len(paths),
-                    "on" if self.use_peers else "off", "on" if self.async_loading else "off", self.backoff_s)
+        logger.info(
+            "lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
+            "async loading %s (backoff %.3f s)",
+            self.chunk_size,
+            self.block_size,
+            len(paths),
+            "on" if self.use_peers else "off",
+            "on" if self.async_loading else "off",
+            self.backoff_s,
+        )
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.loads:
             return 0, False
         req_id = request.request_id
@@ -94,8 +104,13 @@ class SchedulerSide:
         need = max(0, usable - num_computed_tokens)
         if need != state.logged_need:
             state.logged_need = need
-            logger.info("Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d",
-                        req_id, state.num_tokens, state.hit, need)
+            logger.info(
+                "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d",
+                req_id,
+                state.num_tokens,
+                state.hit,
+                need,
+            )
         return need, False
 
     def _request(self, req_id: str, prompt_token_ids: Any) -> _Request:
@@ -118,8 +133,15 @@ class SchedulerSide:
                 wait_s, self._idle_wait_taken = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True
         else:
             wait_s = PEER_FETCH_TIMEOUT_S  # what a synchronous engine lookup waits for a peer
-        hit = self.client.lookup(req_id, state.chunk_hashes, state.num_tokens, self.use_peers, wait_s,
-                                 wait_s + LOOKUP_REPLY_SLACK_S, poll=state.asked)
+        hit = self.client.lookup(
+            req_id,
+            state.chunk_hashes,
+            state.num_tokens,
+            self.use_peers,
+            wait_s,
+            wait_s + LOOKUP_REPLY_SLACK_S,
+            poll=state.asked,
+        )
         state.asked = True
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
@@ -187,8 +209,16 @@ class SchedulerSide:
     def _add_load(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.
         if state.load_tokens:
-            meta.loads.append(LoadSpec(req_id, state.chunk_hashes, state.num_tokens, list(state.block_ids),
-                                       start=computed - state.load_tokens, end=computed))
+            meta.loads.append(
+                LoadSpec(
+                    req_id,
+                    state.chunk_hashes,
+                    state.num_tokens,
+                    list(state.block_ids),
+                    start=computed - state.load_tokens,
+                    end=computed,
+                )
+            )
             state.load_tokens = 0
 
     def _add_store(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed_after: int) -> None:
@@ -198,12 +228,13 @@ class SchedulerSide:
         # Chunks the lookup found are held already; storing starts after them.
         if end <= max(state.saved_upto, state.hit or 0) or len(state.block_ids) * self.block_size < end:
             return
-        meta.stores.append(StoreSpec(req_id, state.chunk_hashes[:end // self.chunk_size],
-                                     state.block_ids[:end // self.block_size]))
+        meta.stores.append(
+            StoreSpec(req_id, state.chunk_hashes[: end // self.chunk_size], state.block_ids[: end // self.block_size])
+        )
         state.saved_upto = end
         state.stored = True
 
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict]]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Blocks of a request we stored from stay allocated until the ranks report its store
         copies done (get_finished): they are read beside the next forward pass."""
         state = self._requests.pop(request.request_id, None)

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,9 +52,9 @@ def live_engines() -> dict[tuple[str, int], CacheEngine]:
 class _Lookup:
     chunk_hashes: np.ndarray  # the prompt's, uint64: later polls name the request only
     num_tokens: int  # the prompt's length
-    future: Optional[concurrent.futures.Future]
+    future: concurrent.futures.Future | None
     started: float
-    prefix: Optional[PinnedPrefix] = None
+    prefix: PinnedPrefix | None = None
 
 
 class WorkerSide:
@@ -62,9 +62,9 @@ class WorkerSide:
         self.vllm_config = vllm_config
         self.config = config
         self.kv_cache_config = kv_cache_config
-        self.engine: Optional[CacheEngine] = None
+        self.engine: CacheEngine | None = None
         self.planes: list[torch.Tensor] = []
-        self.server: Optional[LookupServer] = None
+        self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
         self._load_errors: set[int] = set()
@@ -76,6 +76,7 @@ class WorkerSide:
         size = int(self.vllm_config.parallel_config.tensor_parallel_size)
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             return int(get_tensor_model_parallel_rank()), size
         except Exception:  # not initialised (single process): rank 0
             return 0, size
@@ -89,15 +90,31 @@ class WorkerSide:
         block_size = int(self.vllm_config.cache_config.block_size)
         model = str(self.vllm_config.model_config.model)
         layout = kv_layout.fingerprint(self.planes, model, block_size, self.tp_size, self.tp_rank)
-        self.engine = build_engine(self.config, layout, rank=self.tp_rank, pin_memory=first.is_cuda,
-                                   device=first.device if first.is_cuda else None)
+        self.engine = build_engine(
+            self.config,
+            layout,
+            rank=self.tp_rank,
+            pin_memory=first.is_cuda,
+            device=first.device if first.is_cuda else None,
+        )
         with _live_lock:
             _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
-        logger.info("lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
-                    "on %s; chunk %d tokens = %.2f MiB", self.tp_rank, self.tp_size, len(kv_caches),
-                    len(self.planes), tuple(self.planes[0].shape[1:]), layout.dtype, num_blocks, block_size,
-                    first.device, self.config.chunk_size, self.engine.storage.page_bytes / 2**20)
+        logger.info(
+            "lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
+            "on %s; chunk %d tokens = %.2f MiB",
+            self.tp_rank,
+            self.tp_size,
+            len(kv_caches),
+            len(self.planes),
+            tuple(self.planes[0].shape[1:]),
+            layout.dtype,
+            num_blocks,
+            block_size,
+            first.device,
+            self.config.chunk_size,
+            self.engine.storage.page_bytes / 2**20,
+        )
 
     # -- lookups (lookup thread) -----------------------------------------------------------------
 
@@ -127,7 +144,7 @@ class WorkerSide:
             self.engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
 
-    def _take_lookup(self, req_id: str) -> Optional[_Lookup]:
+    def _take_lookup(self, req_id: str) -> _Lookup | None:
         with self._lock:
             return self._lookups.pop(req_id, None)
 
@@ -163,8 +180,9 @@ class WorkerSide:
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = self.engine.pin_prefix(spec.chunk_hashes, spec.end)
             try:
-                loaded_to = self.engine.load(prefix, self.planes, spec.block_ids, spec.start, spec.end,
-                                             total_tokens=spec.num_tokens)
+                loaded_to = self.engine.load(
+                    prefix, self.planes, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens
+                )
             except Exception:
                 logger.exception("request %s: loading tokens [%d, %d) failed", spec.req_id, spec.start, spec.end)
                 loaded_to = spec.start
@@ -178,8 +196,15 @@ class WorkerSide:
         first, last = loaded_to // block_size, -(-spec.end // block_size)
         failed = spec.block_ids[first:last]
         self._load_errors.update(failed)
-        logger.warning("request %s: loaded tokens [%d, %d) of the promised [%d, %d); %d block(s) will be "
-                       "recomputed", spec.req_id, spec.start, loaded_to, spec.start, spec.end, len(failed))
+        logger.warning(
+            "request %s: loaded tokens [%d, %d) of the promised [%d, %d); %d block(s) will be recomputed",
+            spec.req_id,
+            spec.start,
+            loaded_to,
+            spec.start,
+            spec.end,
+            len(failed),
+        )
 
     def wait_for_save(self, meta: P2PConnectorMetadata) -> None:
         """Launch this step's stores; on a GPU they copy beside the next forward pass, and the
@@ -190,8 +215,9 @@ class WorkerSide:
             try:
                 self.engine.store_async(spec.chunk_hashes, self.planes, spec.block_ids, owner=spec.req_id)
             except Exception:  # a failed store is a future miss, never a failed request
-                logger.exception("request %s: storing %d tokens failed", spec.req_id,
-                                 len(spec.chunk_hashes) * self.engine.chunk_size)
+                logger.exception(
+                    "request %s: storing %d tokens failed", spec.req_id, len(spec.chunk_hashes) * self.engine.chunk_size
+                )
 
     def finished_stores(self, finished_req_ids: set) -> set:
         """Of the finished requests we stored from, those whose store copies are done: vLLM frees
