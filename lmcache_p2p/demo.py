@@ -119,13 +119,22 @@ class ServedProcess:
         lines = [line for line in self.log().splitlines() if line.strip()]
         return lines[-1][-140:] if lines else ""
 
+    @property
+    def process(self) -> subprocess.Popen:
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was not started")
+        return self.proc
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
     def wait_http(self, url: str, timeout: float, progress: bool = False) -> None:
         """Until ``url`` answers 200; raises with the log tail if the process dies or time runs out."""
         started = last_report = time.monotonic()
         while True:
-            if self.proc.poll() is not None:
+            if self.exited():
                 raise RuntimeError(
-                    f"{self.name} exited with code {self.proc.returncode}; "
+                    f"{self.name} exited with code {self.process.returncode}; "
                     f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}"
                 )
             if http_status(url, timeout=2) == 200:
@@ -190,7 +199,7 @@ def _config_ports(path: str) -> list[int]:
 
     with open(path) as f:
         data = yaml.safe_load(f) or {}
-    ports = []
+    ports: list[int] = []
     for key in ("p2p_init_ports", "p2p_lookup_ports", "lmcache_worker_ports"):
         value = data.get(key)
         ports += value if isinstance(value, list) else ([int(value)] if value is not None else [])
@@ -327,9 +336,9 @@ def main(argv=None) -> int:
         if args.no_wait:
             return 0 if ok else 1
         print("Running; press Ctrl-C to stop everything.", flush=True)
-        while all(p.proc.poll() is None for p in processes):
+        while not any(p.exited() for p in processes):
             time.sleep(1)
-        dead = [p.name for p in processes if p.proc.poll() is not None]
+        dead = [p.name for p in processes if p.exited()]
         print(f"demo: {', '.join(dead)} exited; stopping the rest", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

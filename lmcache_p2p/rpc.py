@@ -163,17 +163,18 @@ class RpcClient:
             # asyncio.wait, not wait_for: a reset fails pending futures, and that must read as a
             # failed request, not as a cancellation of the caller's task.
             send = asyncio.ensure_future(conn.sock.send_multipart([request_id, encode(message), *extra], copy=False))
-            done, _ = await asyncio.wait({send}, timeout=timeout)
-            if done and (send.cancelled() or send.exception() is not None):
+            sent, _ = await asyncio.wait({send}, timeout=timeout)
+            if sent and (send.cancelled() or send.exception() is not None):
                 # Never sent, so nothing can come back (unless a reset took the request over).
                 if self._waiting.pop(request_id, None) is not None and on_late is not None:
                     asyncio.get_running_loop().call_soon(_call_late, self.name, on_late, None, [])
                 raise RequestFailed(f"{self.name}: send to {self.address} failed")
-            if done:
-                done, _ = await asyncio.wait({waiting.future}, timeout=max(0.0, deadline - time.monotonic()))
+            answered: set = set()
+            if sent:
+                answered, _ = await asyncio.wait({waiting.future}, timeout=max(0.0, deadline - time.monotonic()))
             else:
                 send.cancel()
-            if not done:
+            if not answered:
                 self.timeouts += 1
                 if self._waiting.pop(request_id, None) is not None:  # else a reset failed it already
                     self._owe(request_id, waiting)
@@ -323,7 +324,7 @@ class RpcServer:
     ):
         self.name = name
         self.handlers = dict(handlers)
-        self.decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(Union[tuple(self.handlers)])  # type: ignore  # noqa: UP007
+        self.decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(Union[tuple(self.handlers)])  # noqa: UP007  (built at run time)
         self.concurrent = concurrent
         self.error_reply = error_reply
         self.on_message = on_message
@@ -406,7 +407,7 @@ class RpcServer:
             # before on_sent lets the caller reuse the memory.
             tracker = await self.sock.send_multipart([*head, *answer.frames], copy=False, track=True)
             pause = 0.0005
-            while not tracker.done:
+            while tracker is not None and not tracker.done:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.01)
         except zmq.ZMQError as e:
