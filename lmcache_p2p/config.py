@@ -359,7 +359,8 @@ class LMCacheConfig:
             if ports is not None and len(ports) < tp_size:
                 raise self._err(
                     key,
-                    f"has {len(ports)} port(s) but tensor parallel size is {tp_size}: give one port per rank, e.g. 8200,8202",
+                    f"has {len(ports)} port(s) but tensor parallel size is {tp_size}: "
+                    "give one port per rank, e.g. 8200,8202",
                 )
 
     def validate_for_block_size(self, block_size: int) -> None:

@@ -17,7 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple, TypeVar, Union
+from typing import NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -31,10 +31,10 @@ R = TypeVar("R")
 # stored key, so it carries the format version.
 ROOT_HASH: int = _xxh3(b"lmcache-p2p/chunk-hash/v1")
 
-TokenIds = Union[Sequence[int], np.ndarray]
+TokenIds = Sequence[int] | np.ndarray
 # A prompt's chained chunk hashes in order: a uint64 array (computed once per request, what the
 # wire carries) or Python ints.
-ChunkHashes = Union[Sequence[int], np.ndarray]
+ChunkHashes = Sequence[int] | np.ndarray
 
 
 class ChunkSpan(NamedTuple):
@@ -52,7 +52,7 @@ def _as_int32_bytes(tokens: TokenIds) -> memoryview:
         arr = tokens.numpy().astype("<i4", copy=False)
     else:
         arr = np.fromiter(tokens, dtype="<i4", count=len(tokens))
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    return np.ascontiguousarray(arr).data.cast("B")
 
 
 def chunk_spans(tokens: TokenIds, chunk_size: int) -> list[ChunkSpan]:

@@ -18,7 +18,7 @@ million keys is then a zero-copy ``np.frombuffer`` rather than a million Python 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Union
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -320,16 +320,16 @@ class FetchReply(_Msg, tag="fetch_reply"):
     error: str | None = None
 
 
-WorkerMessage = Union[Register, Deregister, KeyEvents, ResyncBatch, Heartbeat, P2PLookup, CommandDone]
-ControllerReply = Union[RegisterReply, HeartbeatReply, P2PLookupReply, Ack]
-Command = Union[MoveCommand, ClearCommand, PinCommand, HealthCommand, StatusCommand]
+WorkerMessage = Register | Deregister | KeyEvents | ResyncBatch | Heartbeat | P2PLookup | CommandDone
+ControllerReply = RegisterReply | HeartbeatReply | P2PLookupReply | Ack
+Command = MoveCommand | ClearCommand | PinCommand | HealthCommand | StatusCommand
 
 encode = msgspec.msgpack.Encoder().encode
 worker_message_decoder = msgspec.msgpack.Decoder(WorkerMessage)
 controller_reply_decoder = msgspec.msgpack.Decoder(ControllerReply)
 command_decoder = msgspec.msgpack.Decoder(Command)
 command_reply_decoder = msgspec.msgpack.Decoder(CommandReply)
-PeerReply = Union[ChannelHelloReply, ChunkPullReply, FetchReply, Ack]
+PeerReply = ChannelHelloReply | ChunkPullReply | FetchReply | Ack
 peer_reply_decoder = msgspec.msgpack.Decoder(PeerReply)
 
 DecodeError = (msgspec.DecodeError, msgspec.ValidationError)

@@ -10,6 +10,7 @@ logged and reported as a miss, never returned.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -212,7 +213,5 @@ class DiskTier:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -122,7 +122,10 @@ class StorageManager:
         tier = self._tier(location)
         if tier is None:
             return np.zeros(0, dtype=np.uint64)
-        return np.fromiter((k.chunk_hash for k in tier.keys() if k.fingerprint == self.fingerprint), dtype=np.uint64)
+        return np.fromiter(
+            (k.chunk_hash for k in tier.keys() if k.fingerprint == self.fingerprint),  # noqa: SIM118 a tier is no dict
+            dtype=np.uint64,
+        )
 
     @property
     def locations(self) -> list[str]:
@@ -159,6 +162,12 @@ class StorageManager:
         self._after_cpu_admit(key)
         return True
 
+    def _page_owner(self) -> CpuTier:
+        """The CPU tier, for a page :meth:`reserve_page` handed out (which only it can)."""
+        if self.cpu is None:
+            raise RuntimeError("no CPU tier (local_cpu is off), so no pool page can have been reserved")
+        return self.cpu
+
     def reserve_page(self) -> tuple[int, torch.Tensor] | None:
         """A free CPU page for a producer that fills it in place (kernel gather, peer transfer)."""
         if self.cpu is None:
@@ -170,27 +179,29 @@ class StorageManager:
         """Index a page filled after :meth:`reserve_page`; False if the key was held already.
         With ``location`` DISK the page is written to the disk tier and returned to the pool."""
         key = self.key(chunk_hash)
+        cpu = self._page_owner()
         if location == DISK:
             try:
                 if self.disk is None or self.disk.contains(key):
                     return False
-                stored = self.disk.write(key, self.cpu.pool.page(page).numpy(), checksum)
+                stored = self.disk.write(key, cpu.pool.page(page).numpy(), checksum)
             finally:
                 self.abandon_page(page)
             if stored:
                 self._emit("admit", DISK, key)
             return stored
-        if not self.cpu.admit(key, page, checksum):
+        if not cpu.admit(key, page, checksum):
             return False
         self._after_cpu_admit(key)
         return True
 
     def abandon_page(self, page: int) -> None:
-        self.cpu.pool.free(page)
+        self._page_owner().pool.free(page)
 
     def _after_cpu_admit(self, key: ChunkKey) -> None:
         self._emit("admit", CPU, key)
-        if self._writer is not None and not self.disk.contains(key):
+        # (a writer exists only with a disk tier)
+        if self._writer is not None and self.disk is not None and not self.disk.contains(key):
             self._writer.submit(key)
 
     def _on_disk_written(self, key: ChunkKey) -> None:
@@ -213,13 +224,14 @@ class StorageManager:
             checksum = self.disk.read_into(key, data.numpy())
             return None if checksum is None else PinnedChunk(key, data, checksum=checksum)
         page, data = reserved
+        cpu = self._page_owner()
         checksum = self.disk.read_into(key, data.numpy())
         if checksum is None:
             self.abandon_page(page)
             return None
-        if self.cpu.admit(key, page, checksum):
+        if cpu.admit(key, page, checksum):
             self._emit("admit", CPU, key)
-        return self.cpu.pin(key)
+        return cpu.pin(key)
 
     # -- removal ---------------------------------------------------------------------------------
 
@@ -246,7 +258,7 @@ class StorageManager:
                 n += 1
         return n
 
-    def _tier(self, location: str):
+    def _tier(self, location: str) -> CpuTier | DiskTier | None:
         if location == CPU:
             return self.cpu
         if location == DISK:

@@ -218,7 +218,7 @@ def build(
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype=dtype,
+        dtype=dtype,  # transformers >= 4.56; its old name torch_dtype is deprecated
         initializer_range=initializer_range,
     )
     torch.manual_seed(seed)

@@ -13,7 +13,6 @@ chunks from a tcp-only peer.
 """
 
 import logging
-from typing import Optional
 
 from lmcache_p2p.transfer.base import TransferError, Transport
 from lmcache_p2p.transfer.tcp_transport import TcpTransport

@@ -139,11 +139,11 @@ class GpuStaging:
 
     async def to_slots(self, pages: Sequence[torch.Tensor], slots: Sequence[int]) -> None:
         """Host pages into send slots (holder side)."""
-        await self._run("h2d", [(self.slot(s), p) for p, s in zip(pages, slots)])
+        await self._run("h2d", [(self.slot(s), p) for p, s in zip(pages, slots, strict=True)])
 
     async def from_slots(self, slots: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
         """Receive slots into host pages (requester side)."""
-        await self._run("d2h", [(p, self.slot(s)) for s, p in zip(slots, pages)])
+        await self._run("d2h", [(p, self.slot(s)) for s, p in zip(slots, pages, strict=True)])
 
     async def _run(self, direction: str, pairs: list) -> None:
         await asyncio.get_running_loop().run_in_executor(self._threads[direction], self._copy, direction, pairs)

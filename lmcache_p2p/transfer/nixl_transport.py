@@ -152,12 +152,19 @@ class NixlTransport(Transport):
             (time.perf_counter() - t0) * 1e3,
         )
 
+    @property
+    def _staged(self) -> GpuStaging:
+        """The GPU staging buffer, on the paths that only a staged session takes."""
+        if self.staging is None:
+            raise RuntimeError("NIXL transport: a staged transfer without GPU staging")
+        return self.staging
+
     def _bind_device(self) -> None:
         if self.staging is not None:
             torch.cuda.set_device(self.staging.device)
 
     def _register_staging(self) -> None:
-        staging = self.staging
+        staging = self._staged
         dev = staging.device_index
         self._staged_registration = self.agent.register_memory(
             [(staging.base, staging.num_slots * staging.page_bytes, dev, "")], "VRAM"
@@ -194,11 +201,11 @@ class NixlTransport(Transport):
 
     async def land(self, frames: list, pages: Sequence[int], slots: Sequence[int]) -> None:
         if slots:
-            await self.staging.from_slots(slots, [self.pool.page(p) for p in pages])
+            await self._staged.from_slots(slots, [self.pool.page(p) for p in pages])
 
     def release(self, slots: Sequence[int]) -> None:
         if slots:
-            self.staging.receiving.give(slots)
+            self._staged.receiving.give(slots)
 
     # -- holder side -----------------------------------------------------------------------------
 
@@ -290,7 +297,7 @@ class NixlTransport(Transport):
     ) -> None:
         """Pool pages -> our send slots -> the requester's receive slots, as many at a time as
         send slots are free."""
-        staging = self.staging
+        staging = self._staged  # the requester sent receive slots: we are staged
         mine = await staging.sending.take(len(chunks), deadline - time.monotonic())
         try:
             for start in range(0, len(chunks), len(mine)):

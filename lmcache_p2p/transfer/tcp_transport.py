@@ -16,7 +16,8 @@ class TcpTransport(Transport):
     async def land(self, frames: list, pages: Sequence[int], slots: Sequence[int]) -> None:
         if len(frames) < len(pages):
             raise TransferError(f"reply carried {len(frames)} payload frame(s) for {len(pages)} chunk(s)")
-        for frame, page in zip(frames, pages):
+        # Too few frames is an error (above); frames past the pages asked for are ignored.
+        for frame, page in zip(frames, pages, strict=False):
             data = np.frombuffer(frame.buffer, dtype=np.uint8)
             if data.size != self.pool.page_bytes:
                 raise TransferError(f"payload frame of {data.size} bytes; pages are {self.pool.page_bytes}")

@@ -25,6 +25,9 @@ from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,8 +37,8 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         logs.ensure_handler()
         config = LMCacheConfig.load()
         config.validate()
-        self._scheduler = None
-        self._worker = None
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
 
@@ -45,29 +48,41 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
 
             self._worker = WorkerSide(vllm_config, config, kv_cache_config)
 
+    @property
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side call reached the WORKER-role connector")
+        return self._scheduler
+
+    @property
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side call reached the SCHEDULER-role connector")
+        return self._worker
+
     # -- scheduler side --------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler_side.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler_side.request_finished(request, block_ids)
 
     # -- worker side -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._worker_side.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, P2PConnectorMetadata):
-            self._worker.start_load_kv(meta)
+            self._worker_side.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer before the forward pass
@@ -80,7 +95,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         if isinstance(meta, P2PConnectorMetadata):
-            self._worker.wait_for_save(meta)
+            self._worker_side.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set) -> tuple[set | None, set | None]:
         """Requests whose store copies are done (blocks vLLM may free now); loads finish in

@@ -17,6 +17,7 @@ answers ``unknown`` and the client sends it the hashes again within the same cal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -76,7 +77,7 @@ class LookupServer:
     def __init__(self, path: str, handler: Callable[[LookupRequest], LookupReply]):
         self.path = path
         self._handler = handler
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if os.path.exists(path):
@@ -118,18 +119,16 @@ class LookupServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(0)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class LookupClient:
     """Asks every TP rank of this engine; used by the scheduler-side connector."""
 
     def __init__(self, paths: list[str]):
-        self._ctx = zmq.Context.instance()
-        self._socks = []
+        self._ctx: zmq.Context = zmq.Context.instance()
+        self._socks: list[zmq.Socket] = []
         for path in paths:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)

@@ -96,11 +96,11 @@ class SchedulerSide:
         state = self._request(req_id, request.prompt_token_ids)
         if not len(state.chunk_hashes):
             return 0, False
-        if state.hit is None:
-            if not self._ask(req_id, state):
-                return None, False
+        hit = state.hit if state.hit is not None else self._ask(req_id, state)
+        if hit is None:
+            return None, False
         # vLLM must compute at least the prompt's last token to sample from it.
-        usable = min(state.hit, state.num_tokens - 1)
+        usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
         if need != state.logged_need:
             state.logged_need = need
@@ -108,7 +108,7 @@ class SchedulerSide:
                 "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d",
                 req_id,
                 state.num_tokens,
-                state.hit,
+                hit,
                 need,
             )
         return need, False
@@ -122,12 +122,12 @@ class SchedulerSide:
             self._requests[req_id] = state
         return state
 
-    def _ask(self, req_id: str, state: _Request) -> bool:
-        """Ask the ranks; True once ``state.hit`` is known."""
+    def _ask(self, req_id: str, state: _Request) -> int | None:
+        """Ask the ranks; ``state.hit`` once they all answered, None while it is not known."""
         now = time.monotonic()
         if self.async_loading:
             if now < state.next_poll:
-                return False
+                return None
             wait_s = self.backoff_s
             if not self._engine_busy and not self._idle_wait_taken:
                 wait_s, self._idle_wait_taken = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True
@@ -145,9 +145,9 @@ class SchedulerSide:
         state.asked = True
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
-            return False
+            return None
         state.hit = hit
-        return True
+        return hit
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -204,7 +204,8 @@ class SchedulerSide:
         if ids is not None:
             return set(ids)
         flags = getattr(cached, "resumed_from_preemption", None) or []  # vLLM 0.25
-        return {req_id for req_id, flag in zip(cached.req_ids, flags) if flag}
+        # Without the flags (a vLLM that has neither), no request counts as resumed.
+        return {req_id for req_id, flag in zip(cached.req_ids, flags, strict=False) if flag}
 
     def _add_load(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.

@@ -81,6 +81,13 @@ class WorkerSide:
         except Exception:  # not initialised (single process): rank 0
             return 0, size
 
+    @property
+    def _engine(self) -> CacheEngine:
+        """The rank's engine, which exists from register_kv_caches until close."""
+        if self.engine is None:
+            raise RuntimeError("lmcache-p2p: the worker side was used before register_kv_caches (or after close)")
+        return self.engine
+
     # -- set-up ----------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -128,7 +135,7 @@ class WorkerSide:
             chunk_hashes = unpack_hashes(request.hashes)
             future = None
             if request.use_peers:
-                _, future = self.engine.lookup_async(chunk_hashes)
+                _, future = self._engine.lookup_async(chunk_hashes)
             state = _Lookup(chunk_hashes, request.num_tokens, future, time.monotonic())
             with self._lock:
                 self._lookups[request.req_id] = state
@@ -140,8 +147,8 @@ class WorkerSide:
                     return LookupReply(seq=request.seq, req_id=request.req_id, pending=True)
                 except Exception:
                     logger.exception("peer pull for request %s failed; using the local hit", request.req_id)
-            state.prefix = self.engine.pin_prefix(state.chunk_hashes)
-            self.engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
+            state.prefix = self._engine.pin_prefix(state.chunk_hashes)
+            self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
 
     def _take_lookup(self, req_id: str) -> _Lookup | None:
@@ -153,7 +160,7 @@ class WorkerSide:
         with self._lock:
             stale = [r for r, s in self._lookups.items() if s.started < cutoff]
             states = [self._lookups.pop(r) for r in stale]
-        for req_id, state in zip(stale, states):
+        for req_id, state in zip(stale, states, strict=True):
             logger.warning("request %s: dropping its lookup pins after %.0f s unclaimed", req_id, LOOKUP_PIN_TTL_S)
             self._release(state)
 
@@ -167,9 +174,10 @@ class WorkerSide:
     # -- per step (model runner thread) ----------------------------------------------------------
 
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
-        self.engine.poll_stores()
+        engine = self._engine
+        engine.poll_stores()
         if meta.fence_stores and self.planes and self.planes[0].is_cuda:
-            self.engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
+            engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
         for req_id in meta.released:
             state = self._take_lookup(req_id)
             if state is not None:
@@ -178,9 +186,9 @@ class WorkerSide:
             state = self._take_lookup(spec.req_id)
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
-                prefix = self.engine.pin_prefix(spec.chunk_hashes, spec.end)
+                prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
             try:
-                loaded_to = self.engine.load(
+                loaded_to = engine.load(
                     prefix, self.planes, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens
                 )
             except Exception:
@@ -192,7 +200,7 @@ class WorkerSide:
                 self._report_short_load(spec, loaded_to)
 
     def _report_short_load(self, spec, loaded_to: int) -> None:
-        block_size = self.engine.layout.block_size
+        block_size = self._engine.layout.block_size
         first, last = loaded_to // block_size, -(-spec.end // block_size)
         failed = spec.block_ids[first:last]
         self._load_errors.update(failed)
@@ -209,22 +217,24 @@ class WorkerSide:
     def wait_for_save(self, meta: P2PConnectorMetadata) -> None:
         """Launch this step's stores; on a GPU they copy beside the next forward pass, and the
         requests' blocks stay allocated until get_finished reports them done."""
-        self.engine.poll_stores()
+        engine = self._engine
+        engine.poll_stores()
         for spec in meta.stores:
             self._saving.add(spec.req_id)
             try:
-                self.engine.store_async(spec.chunk_hashes, self.planes, spec.block_ids, owner=spec.req_id)
+                engine.store_async(spec.chunk_hashes, self.planes, spec.block_ids, owner=spec.req_id)
             except Exception:  # a failed store is a future miss, never a failed request
                 logger.exception(
-                    "request %s: storing %d tokens failed", spec.req_id, len(spec.chunk_hashes) * self.engine.chunk_size
+                    "request %s: storing %d tokens failed", spec.req_id, len(spec.chunk_hashes) * engine.chunk_size
                 )
 
     def finished_stores(self, finished_req_ids: set) -> set:
         """Of the finished requests we stored from, those whose store copies are done: vLLM frees
         their blocks now (the scheduler side delayed it)."""
-        self.engine.poll_stores()
+        engine = self._engine
+        engine.poll_stores()
         self._finishing.update(r for r in finished_req_ids if r in self._saving)
-        done = {r for r in self._finishing if not self.engine.stores_pending(r)}
+        done = {r for r in self._finishing if not engine.stores_pending(r)}
         self._finishing -= done
         self._saving -= done
         return done
