@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
@@ -86,30 +87,34 @@ def main() -> None:
         host_pages = [host[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
         gpu_pages = [device_pages[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(n)]
 
-        def rate(seconds: float) -> float:
+        def rate(seconds: float, nbytes: int = nbytes) -> float:
             return round(nbytes / seconds / 1e9, 2)
 
         row = {"chunks": n, "bytes": nbytes}
         row["ceiling_d2h_gbps"] = rate(
-            timed(lambda: host[:nbytes].copy_(contiguous[:nbytes], non_blocking=True), args.reps)
+            timed(lambda nbytes=nbytes: host[:nbytes].copy_(contiguous[:nbytes], non_blocking=True), args.reps)
         )
         row["ceiling_h2d_gbps"] = rate(
-            timed(lambda: contiguous[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps)
+            timed(lambda nbytes=nbytes: contiguous[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps)
         )
-        row["ceiling_d2d_gbps"] = rate(timed(lambda: device_pages[:nbytes].copy_(contiguous[:nbytes]), args.reps))
-        row["gather_to_host_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, host_pages), args.reps))
+        row["ceiling_d2d_gbps"] = rate(
+            timed(lambda nbytes=nbytes: device_pages[:nbytes].copy_(contiguous[:nbytes]), args.reps)
+        )
+        row["gather_to_host_gbps"] = rate(timed(partial(gpu_ops.gather_chunks, cache, ids, host_pages), args.reps))
         row["scatter_from_host_gbps"] = rate(
-            timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), args.reps)
+            timed(partial(gpu_ops.scatter_chunks, host_pages, cache, targets), args.reps)
         )
-        row["gather_to_gpu_gbps"] = rate(timed(lambda: gpu_ops.gather_chunks(cache, ids, gpu_pages), args.reps))
-        row["scatter_from_gpu_gbps"] = rate(timed(lambda: gpu_ops.scatter_chunks(gpu_pages, cache, targets), args.reps))
+        row["gather_to_gpu_gbps"] = rate(timed(partial(gpu_ops.gather_chunks, cache, ids, gpu_pages), args.reps))
+        row["scatter_from_gpu_gbps"] = rate(
+            timed(partial(gpu_ops.scatter_chunks, gpu_pages, cache, targets), args.reps)
+        )
         os.environ["LMCACHE_KV_KERNELS"] = "torch"  # the fallback, for comparison (load() is cached: force per call)
         kv_kernels.load.cache_clear()
         row["torch_gather_to_host_gbps"] = rate(
-            timed(lambda: gpu_ops.gather_chunks(cache, ids, host_pages), max(3, args.reps // 4))
+            timed(partial(gpu_ops.gather_chunks, cache, ids, host_pages), max(3, args.reps // 4))
         )
         row["torch_scatter_from_host_gbps"] = rate(
-            timed(lambda: gpu_ops.scatter_chunks(host_pages, cache, targets), max(3, args.reps // 4))
+            timed(partial(gpu_ops.scatter_chunks, host_pages, cache, targets), max(3, args.reps // 4))
         )
         del os.environ["LMCACHE_KV_KERNELS"]
         kv_kernels.load.cache_clear()
@@ -120,7 +125,8 @@ def main() -> None:
         print(
             f"[bench_kernels] {n} chunks: gather->host {row['gather_to_host_gbps']} GB/s "
             f"({row['gather_to_host_vs_ceiling']:.0%} of {row['ceiling_d2h_gbps']}), scatter<-host "
-            f"{row['scatter_from_host_gbps']} GB/s ({row['scatter_from_host_vs_ceiling']:.0%} of {row['ceiling_h2d_gbps']})",
+            f"{row['scatter_from_host_gbps']} GB/s "
+            f"({row['scatter_from_host_vs_ceiling']:.0%} of {row['ceiling_h2d_gbps']})",
             file=sys.stderr,
             flush=True,
         )

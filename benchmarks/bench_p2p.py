@@ -164,7 +164,9 @@ def p2p(
             assert holder.request("fill", tokens=prompt)["stored"] == n * CHUNK_TOKENS
             holder.request("flush")
             wait_for(
-                lambda: controller.holders(prompt).get("bench_holder", [0, 0])[1] == n * CHUNK_TOKENS,
+                lambda prompt=prompt, n=n: (
+                    controller.holders(prompt).get("bench_holder", [0, 0])[1] == n * CHUNK_TOKENS
+                ),
                 timeout=10,
                 what="the controller to index the holder's chunks",
             )
@@ -218,8 +220,9 @@ def idle_cpu(tmp: Path, delays_us=(0, 200), seconds: float = 3.0) -> dict[str, f
             ).start()
             try:
 
-                def cpu_ticks() -> int:  # utime + stime of every thread of the process
-                    fields = open(f"/proc/{proc.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+                def cpu_ticks(proc: InstanceProcess = proc) -> int:  # utime + stime of every thread of the process
+                    with open(f"/proc/{proc.proc.pid}/stat") as stat:
+                        fields = stat.read().rsplit(")", 1)[1].split()
                     return int(fields[11]) + int(fields[12])
 
                 time.sleep(1.0)  # past start-up

@@ -44,7 +44,7 @@ def make_traffic(controller, a: InstanceProcess, b: InstanceProcess, seconds: fl
         rounds += 1
         prompt = tokens(8 * CHUNK, seed=1000 + rounds)
         a.prefill(prompt)
-        wait_for(lambda: controller.holders(prompt).get("lmcache_instance_1"), what="A's keys")
+        wait_for(lambda prompt=prompt: controller.holders(prompt).get("lmcache_instance_1"), what="A's keys")
         pulled += b.lookup(prompt)
         if old is not None:
             b.lookup(old)  # local hit

@@ -4,6 +4,7 @@ bytes transferred, and any alert() an injected script managed to fire."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -56,10 +57,8 @@ class Chromium:
         page.on("request", lambda r: log.requests.append(r.url))
 
         def on_response(response) -> None:
-            try:
+            with contextlib.suppress(Exception):  # a body already gone (navigated away): its size is not needed
                 log.response_bytes += len(response.body())
-            except Exception:
-                pass  # a body already gone (navigated away); its size is not needed then
 
         page.on("response", on_response)
 

@@ -82,7 +82,7 @@ class InstanceProcess:
         self._answers: queue.Queue[dict | None] = queue.Queue()
 
     def start(self, timeout: float = 60.0) -> InstanceProcess:
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 -- the process writes to it until stop() closes it
         self.proc = subprocess.Popen(
             self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env
         )

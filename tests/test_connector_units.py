@@ -43,7 +43,7 @@ def test_a_partial_scatter_leaves_the_blocks_the_engine_computed_alone():
     gpu_ops.gather_chunk(planes, [0, 1, 2, 3], page)
     target = [torch.full((8, 4), -1.0) for _ in range(2)]
     gpu_ops.scatter_chunk(page, target, [4, 5, 6, 7], first_block=2)
-    for plane, source in zip(target, planes):
+    for plane, source in zip(target, planes, strict=True):
         assert (plane[4:6] == -1).all()  # skipped: already computed by the engine
         assert torch.equal(plane[6:8], source[2:4])
 

@@ -74,12 +74,12 @@ def test_torch_path_matches_the_reference_and_skips_leading_blocks():
     ids = [[3, 9, 1, 14], [0, 7, 2, 5]]
     pages = [torch.empty(page_bytes(cache, 4), dtype=torch.uint8) for _ in ids]
     gpu_ops.gather_chunks(cache, ids, pages)
-    for chunk_ids, page in zip(ids, pages):
+    for chunk_ids, page in zip(ids, pages, strict=True):
         assert torch.equal(page, reference_page(cache, chunk_ids))
     target = make_cache(3, 16, dtype=torch.float16, seed=2)
     before = [layer.clone() for layer in target]
     gpu_ops.scatter_chunks(pages, target, [[10, 11, 12, 13], [4, 6, 8, 15]], first_blocks=[0, 2])
-    for layer, old, src in zip(target, before, cache):
+    for layer, old, src in zip(target, before, cache, strict=True):
         assert torch.equal(as_bytes(layer[[10, 11, 12, 13]]), as_bytes(src[[3, 9, 1, 14]]))
         assert torch.equal(as_bytes(layer[[8, 15]]), as_bytes(src[[2, 5]]))
         assert torch.equal(as_bytes(layer[[4, 6]]), as_bytes(old[[4, 6]]))  # skipped: the engine's own blocks
@@ -109,7 +109,7 @@ def test_gather_matches_reference(dtype, pages_on):
     if pages_on == "pinned":
         pages = [p.pin_memory() for p in pages]
     gpu_ops.gather_chunks(cache, ids, pages)
-    for chunk_ids, page in zip(ids, pages):
+    for chunk_ids, page in zip(ids, pages, strict=True):
         assert torch.equal(as_bytes(page), reference_page(cache, chunk_ids))
 
 
@@ -126,11 +126,11 @@ def test_scatter_partial_batches_match_reference(dtype):
     flat = rng.sample(range(64), 24)
     targets = [flat[0:8], flat[8:16], flat[16:24]]  # distinct across chunks, so the result is defined
     skips = [0, 3, 8]  # whole chunk, a partial one, and one the engine computed entirely
-    for layer_src, layer_exp in zip(src, expected):
-        for chunk_ids, t_ids, skip in zip(ids, targets, skips):
+    for layer_src, layer_exp in zip(src, expected, strict=True):
+        for chunk_ids, t_ids, skip in zip(ids, targets, skips, strict=True):
             layer_exp[t_ids[skip:]] = layer_src[chunk_ids[skip:]]
     gpu_ops.scatter_chunks(pages, dst, targets, skips)
-    for got, want in zip(dst, expected):
+    for got, want in zip(dst, expected, strict=True):
         assert torch.equal(as_bytes(got), as_bytes(want))
 
 
@@ -146,8 +146,8 @@ def test_round_trip_gpu_to_host_to_other_blocks_is_bit_exact():
     pages = [torch.empty(page_bytes(a, 16), dtype=torch.uint8).pin_memory() for _ in ids_a]
     gpu_ops.gather_chunks(a, ids_a, pages)
     gpu_ops.scatter_chunks(pages, b, ids_b)
-    for la, lb in zip(a, b):
-        for ca, cb in zip(ids_a, ids_b):
+    for la, lb in zip(a, b, strict=True):
+        for ca, cb in zip(ids_a, ids_b, strict=True):
             assert torch.equal(as_bytes(la[ca]), as_bytes(lb[cb]))
 
 
@@ -174,7 +174,7 @@ def test_pageable_host_pages_fall_back_and_stay_correct():
     assert torch.equal(page, reference_page(cache, [4, 2]))
     target = make_cache(2, 16, device="cuda", seed=11)
     gpu_ops.scatter_chunks([page], target, [[0, 1]])
-    for src, dst in zip(cache, target):
+    for src, dst in zip(cache, target, strict=True):
         assert torch.equal(as_bytes(dst[[0, 1]]), as_bytes(src[[4, 2]]))
 
 
@@ -198,5 +198,5 @@ def test_a_capped_async_gather_walks_every_unit(ctas):
     ids = [rng.sample(range(64), 4) for _ in range(7)]  # 7 x 5 x 4 = 140 units, not a multiple of any cap
     pages = [torch.full((page_bytes(cache, 4),), 0xAB, dtype=torch.uint8).pin_memory() for _ in ids]
     gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=ctas).wait()
-    for chunk_ids, page in zip(ids, pages):
+    for chunk_ids, page in zip(ids, pages, strict=True):
         assert torch.equal(page, reference_page(cache, chunk_ids))

@@ -127,4 +127,4 @@ def test_hash_arrays_and_lists_become_the_python_ints_keys_are_made_of():
 def test_unknown_dtype_is_named():
     odd = LayoutFingerprint(**{**{f: getattr(LLAMA_8B, f) for f in LLAMA_8B.__struct_fields__}, "dtype": "int4"})
     with pytest.raises(ValueError, match="unknown KV cache dtype 'int4'"):
-        odd.bytes_per_token
+        _ = odd.bytes_per_token

@@ -4,6 +4,7 @@ stand-in for an engine's KV pages of Llama-3.1-8B's page shape (chunks of 32 tok
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import threading
@@ -223,7 +224,7 @@ def test_requester_dying_mid_transfer_releases_the_holders_pins(controller, spaw
     prompt = tokens(48 * CHUNK, seed=10)  # 192 MiB: long enough to catch the holder sending
     a.request("fill", tokens=prompt)  # more chunks than the stand-in's KV blocks: store payloads directly
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 48, what="A's keys")
-    b.proc.stdin.write('{"op": "lookup", "tokens": %s}\n' % prompt)
+    b.proc.stdin.write(json.dumps({"op": "lookup", "tokens": prompt}) + "\n")
     b.proc.stdin.flush()
     wait_for(lambda: a.status()["storage"]["cpu"]["pins_held"] > 0, 15, "A serving B")
     b.signal(signal.SIGSTOP)  # B stops reading: A's send cannot finish...

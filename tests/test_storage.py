@@ -2,6 +2,7 @@
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ def test_damaged_file_is_a_miss_and_is_deleted(tmp_path, damage, caplog):
     disk = DiskTier(str(tmp_path), 10 * PAGE, on_evict=evicted.append)
     disk.write(key(0), payload(0).numpy())
     path = disk.path(key(0))
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     if damage == "flip_byte":
         data[-100] ^= 0xFF
     elif damage == "truncate":
@@ -197,7 +198,7 @@ def test_damaged_file_is_a_miss_and_is_deleted(tmp_path, damage, caplog):
         data[:4] = b"JUNK"
     else:
         data = bytearray()
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     out = bytearray(PAGE)
     assert disk.read_into(key(0), out) is None
     assert not os.path.exists(path) and not disk.contains(key(0))
@@ -285,9 +286,9 @@ def test_corrupted_disk_chunk_is_a_miss_through_the_manager(tmp_path):
     m = make_manager(tmp_path, cpu_pages=1, disk_pages=10)
     put_all(m, [1, 2])  # 2 evicts 1 from CPU; disk keeps it
     path = m.disk.path(m.key(1))
-    raw = bytearray(open(path, "rb").read())
+    raw = bytearray(Path(path).read_bytes())
     raw[-1] ^= 1
-    open(path, "wb").write(bytes(raw))
+    Path(path).write_bytes(bytes(raw))
     assert m.pin(1) is None
     assert m.lookup_prefix([1, 2]).num_chunks == 0
     m.close()

@@ -112,7 +112,8 @@ class CommandServer:
                 ok=False,
                 error=f"{self.me.describe()} does not serve peers (enable_p2p is off)",
             )
-        if not dest.p2p_lookup_port:
+        # A rank registers both p2p ports or neither (WorkerIdentity); _run_move needs both.
+        if not dest.p2p_lookup_port or not dest.p2p_init_port:
             return CommandReply(
                 event_id=command.event_id,
                 ok=False,
@@ -130,10 +131,10 @@ class CommandServer:
         ok, tokens = False, 0
         error: str | None = None
         assert self.peers is not None  # _on_move refuses a move without them
+        init_port, lookup_port = dest.p2p_init_port, dest.p2p_lookup_port
+        assert init_port and lookup_port  # _on_move refuses a destination without them
         try:
-            destination = self.peers.lookup_socket(
-                Peer(dest.instance_id, dest.rank, dest.host, dest.p2p_init_port, dest.p2p_lookup_port)
-            )
+            destination = self.peers.lookup_socket(Peer(dest.instance_id, dest.rank, dest.host, init_port, lookup_port))
             timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
             source = PeerAddress(
                 instance_id=me.instance_id,

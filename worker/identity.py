@@ -32,19 +32,27 @@ class WorkerIdentity:
     @classmethod
     def from_config(cls, config: LMCacheConfig, layout: LayoutFingerprint, rank: int) -> WorkerIdentity:
         config.validate_for_tp(rank + 1)
-        p2p = config.enable_p2p
         host = config.p2p_host or _route_address(config.controller_reply_url)
+        instance_id, worker_ports = config.lmcache_instance_id, config.lmcache_worker_ports
+        # A worker runs only with enable_controller, where config.validate() requires both.
+        assert instance_id is not None and worker_ports is not None, "worker built from an unvalidated config"
+        p2p_init_port: int | None = None
+        p2p_lookup_port: int | None = None
+        if config.enable_p2p:
+            # config.validate() requires the per-rank p2p port lists with enable_p2p.
+            assert config.p2p_init_ports is not None and config.p2p_lookup_ports is not None
+            p2p_init_port, p2p_lookup_port = config.p2p_init_ports[rank], config.p2p_lookup_ports[rank]
         return cls(
-            instance_id=config.lmcache_instance_id,
+            instance_id=instance_id,
             rank=rank,
             host=host,
-            worker_port=config.lmcache_worker_ports[rank],
+            worker_port=worker_ports[rank],
             layout=layout,
             chunk_size=config.chunk_size,
-            p2p_init_port=config.p2p_init_ports[rank] if p2p else None,
-            p2p_lookup_port=config.p2p_lookup_ports[rank] if p2p else None,
-            transfer_channel=config.transfer_channel if p2p else None,
-            session=f"{config.lmcache_instance_id}-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            p2p_init_port=p2p_init_port,
+            p2p_lookup_port=p2p_lookup_port,
+            transfer_channel=config.transfer_channel if config.enable_p2p else None,
+            session=f"{instance_id}-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         )
 
     def describe(self) -> str:

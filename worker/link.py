@@ -15,10 +15,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import zmq
@@ -182,7 +184,8 @@ class ControllerLink:
         """Fire-and-forget on the pull socket; False when it could not be queued (controller away)."""
         # On an asyncio socket a non-blocking send completes at once and reports failure (the
         # queue is full or nobody is connected) through the returned future, not by raising.
-        sent = self.push.send(encode(message), flags=zmq.NOBLOCK)
+        # (pyzmq's stubs type the async send as a plain Awaitable; zmq.asyncio returns this Future.)
+        sent = cast("asyncio.Future[zmq.MessageTracker | None]", self.push.send(encode(message), flags=zmq.NOBLOCK))
         return not (sent.done() and sent.exception() is not None)
 
     # -- registration and heartbeats -------------------------------------------------------------
@@ -217,7 +220,9 @@ class ControllerLink:
                     )
                 await asyncio.sleep(min(1.0, self.interval))
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
+                task = asyncio.current_task()
+                assert task is not None  # this coroutine runs as a task (start() made it one)
+                if task.cancelling():
                     raise
                 logger.warning("%s: a controller request was cancelled under the liveness loop", self.me.describe())
             except Exception:
@@ -316,10 +321,8 @@ class ControllerLink:
 
     async def _flush_loop(self) -> None:
         while True:
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-            except asyncio.TimeoutError:
-                pass
             self._wake.clear()
             self.flush()
 

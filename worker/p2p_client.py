@@ -101,8 +101,14 @@ class _Connection:
         self.lookup = RpcClient(
             ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder, f"{peer.describe()} p2p_lookup"
         )
-        self.channel: str | None = None
+        self.channel: str | None = None  # None until hello agrees one (P2PClient._connect)
         self.staged = False  # the holder writes through GPU staging (agreed at hello)
+
+    @property
+    def agreed(self) -> str:
+        """The channel agreed at hello; only connections :meth:`P2PClient._connect` returned have one."""
+        assert self.channel is not None, "connection used before its hello"
+        return self.channel
 
     def close(self) -> None:
         self.init.close()
@@ -152,18 +158,15 @@ class P2PClient:
         """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds;
         returns how many leading chunks are now held locally."""
         holders = [
-            h
+            (h.matched_chunks, Peer(h.instance_id, h.rank, h.host, h.p2p_init_port, h.p2p_lookup_port))
             for h in await self.link.p2p_lookup(hashes)
             if h.p2p_lookup_port and h.p2p_init_port and h.matched_chunks > 0
         ]
         if not holders:
             return 0
-        best = max(h.matched_chunks for h in holders)
+        best = max(matched for matched, _ in holders)
         # Longest prefix first; among equals the peer we have the fewest requests in flight to.
-        holder = min(
-            (h for h in holders if h.matched_chunks == best), key=lambda h: self._busy((h.host, h.p2p_lookup_port))
-        )
-        peer = Peer(holder.instance_id, holder.rank, holder.host, holder.p2p_init_port, holder.p2p_lookup_port)
+        peer = min((p for matched, p in holders if matched == best), key=lambda p: self._busy((p.host, p.lookup_port)))
         async with self._prefix_turn:
             result = await self.pull(peer, hashes[:best], CPU)
         self.stats["prefix_hit_chunks"] += len(result.held)  # pulled for the engine (not for a move)
@@ -188,8 +191,8 @@ class P2PClient:
         channel = "?"
         try:
             conn = await self._connect(peer)
-            channel = conn.channel + (" via GPU staging" if conn.staged else "")
-            batch_chunks = min(self.batch_chunks, self.transports[conn.channel].max_batch or self.batch_chunks)
+            channel = conn.agreed + (" via GPU staging" if conn.staged else "")
+            batch_chunks = min(self.batch_chunks, self.transports[conn.agreed].max_batch or self.batch_chunks)
             todo.extend(_split([int(h) for h in hashes], batch_chunks))
         except (RequestFailed, TransferError) as e:
             result.error = str(e)
@@ -303,16 +306,18 @@ class P2PClient:
         if len(batch.pages) < len(hashes):
             # Only the chunks we have pages for are asked for. The rest are no miss at the
             # holder: our pool is full, and the run ends here (a move/copy must not skip them).
+            cpu = self.storage.cpu
+            assert cpu is not None  # config.validate(): enable_p2p requires local_cpu
             batch.pool_full = (
                 f"CPU pool full: reserved {len(batch.pages)} of {len(hashes)} pages (every other "
-                f"page of {self.storage.cpu.pool.num_pages} is pinned or in a transfer)"
+                f"page of {cpu.pool.num_pages} is pinned or in a transfer)"
             )
             batch.hashes = hashes = hashes[: len(batch.pages)]
         if not batch.pages:
             batch.error = batch.pool_full
             return batch
-        transport = self.transports[conn.channel]
-        direct = conn.channel != "tcp"  # the holder writes into our pages (or slots) itself
+        transport = self.transports[conn.agreed]
+        direct = conn.agreed != "tcp"  # the holder writes into our pages (or slots) itself
         # The holder sends a session's requests one after another, so this one may wait behind
         # the others in flight: allow for the whole window's bytes.
         timeout = BASE_TIMEOUT_S + self.pipeline_depth * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
@@ -409,7 +414,9 @@ class P2PClient:
 
     def _verify(self, pages: list[int], checksums: np.ndarray) -> int:
         """How many leading pages match their checksums (hashed on several threads)."""
-        pool = self.storage.cpu.pool
+        cpu = self.storage.cpu
+        assert cpu is not None  # config.validate(): enable_p2p requires local_cpu
+        pool = cpu.pool
         got = in_parallel(lambda page: payload_checksum(pool.page(page).numpy()), pages[: len(checksums)])
         for i, checksum in enumerate(got):
             if checksum != int(checksums[i]):

@@ -108,7 +108,8 @@ class PeerServer:
                 channels=channels,
                 error=(
                     f"layout mismatch: {self.me.describe()} stores {self.me.layout.model}/{self.me.layout.dtype} "
-                    f"tp {self.me.layout.tp_rank}/{self.me.layout.tp_size} (fingerprint {self.storage.fingerprint:016x}), "
+                    f"tp {self.me.layout.tp_rank}/{self.me.layout.tp_size} "
+                    f"(fingerprint {self.storage.fingerprint:016x}), "
                     f"requester has {hello.fingerprint:016x}"
                 ),
             )

@@ -111,26 +111,30 @@ class Worker:
 
     async def _start(self) -> None:
         config, me = self.config, self.identity
+        pull_url, reply_url = config.controller_pull_url, config.controller_reply_url
+        assert pull_url is not None and reply_url is not None  # config.validate(): required with enable_controller
         self.ctx = zmq.asyncio.Context()
         self.link = ControllerLink(
             self.ctx,
             me,
             self.storage,
-            config.controller_pull_url,
-            config.controller_reply_url,
+            pull_url,
+            reply_url,
             config.lmcache_worker_heartbeat_time,
             traffic=self.traffic,
         )
         try:
             if config.enable_p2p:
-                self.transports = self._make_transports()
+                channel = config.transfer_channel
+                assert channel is not None  # config.validate(): required with enable_p2p
+                self.transports = self._make_transports(channel)
                 self.client = P2PClient(
                     self.ctx,
                     me,
                     self.storage,
                     self.link,
                     self.transports,
-                    config.transfer_channel,
+                    channel,
                     config.p2p_batch_chunks,
                     config.p2p_pipeline_depth,
                 )
@@ -153,13 +157,15 @@ class Worker:
             config.controller_reply_url,
         )
 
-    def _make_transports(self) -> dict[str, Transport]:
-        pool, session = self.storage.cpu.pool, self.identity.session
+    def _make_transports(self, channel: str) -> dict[str, Transport]:
+        cpu = self.storage.cpu
+        assert cpu is not None  # config.validate(): enable_p2p requires local_cpu
+        pool, session = cpu.pool, self.identity.session
         transports: dict[str, Transport] = {}
-        if self.config.transfer_channel != "tcp":
+        if channel != "tcp":
             try:
-                transports[self.config.transfer_channel] = make_transport(
-                    self.config.transfer_channel,
+                transports[channel] = make_transport(
+                    channel,
                     pool,
                     session,
                     self.config.nixl_progress_delay_us,
@@ -174,7 +180,7 @@ class Worker:
                 logger.warning(
                     "%s: transfer_channel %s unavailable (%s); peers will use tcp",
                     self.identity.describe(),
-                    self.config.transfer_channel,
+                    channel,
                     e,
                 )
         transports["tcp"] = TcpTransport(pool, session)
@@ -247,10 +253,11 @@ class Worker:
             lookups=engine.lookups,
             lookup_tokens=engine.lookup_tokens,
             hit_tokens=engine.hit_tokens,
-            peer_hit_tokens=client.get("prefix_hit_chunks", 0) * self.config.chunk_size,
-            pulls=client.get("pulls", 0),
-            pull_failures=client.get("pull_failures", 0),
-            pulled_bytes=client.get("bytes_pulled", 0),
+            # (the client's stats hold float timings too, so mypy types its counts as floats: they are ints)
+            peer_hit_tokens=int(client.get("prefix_hit_chunks", 0)) * self.config.chunk_size,
+            pulls=int(client.get("pulls", 0)),
+            pull_failures=int(client.get("pull_failures", 0)),
+            pulled_bytes=int(client.get("bytes_pulled", 0)),
             served_bytes=server.get("bytes_served", 0),
         )
 
@@ -281,7 +288,9 @@ class Worker:
             return
 
         async def stop():
-            self.link.flush()
+            link = self.link
+            assert link is not None  # set before the constructor returned
+            link.flush()
             self._shutdown(deregister=True)
             # Let every cancelled task finish before the loop stops.
             others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

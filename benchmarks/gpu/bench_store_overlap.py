@@ -86,7 +86,7 @@ def main() -> None:
     base = statistics.median(gemm_alone() for _ in range(args.reps))
     rows = []
     for cap in caps:
-        alone = timed(lambda: gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=cap).wait(), args.reps)
+        alone = timed(lambda cap=cap: gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=cap).wait(), args.reps)
         runs = [together(cap) for _ in range(args.reps)]
         gemm_s = statistics.median(r[0] for r in runs)
         copy_s = statistics.median(r[1] for r in runs)

@@ -225,7 +225,7 @@ def cmd_peer(args) -> dict:
             if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
                 want = args.docs * (args.doc_tokens // 256)
                 wait_for(
-                    lambda: (
+                    lambda want=want: (
                         httpx.get("http://localhost:9000/controller/key-stats", timeout=5)
                         .json()["instances"]
                         .get("lmcache_instance_1", {})
@@ -280,11 +280,13 @@ def cmd_peer(args) -> dict:
         # Greedy outputs: engine 2 (KV from the peer) against engine 1 (cold); engine 1's own
         # query round (vLLM's prefix cache) shows how far numerics alone move them.
         cold = texts[(1, "warmup")]
-        out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(2, "warmup")]))
-        out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(1, "query")]))
+        out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(2, "warmup")], strict=True))
+        out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(1, "query")], strict=True))
+        # (one result per prompt, in order; ignore_eos makes every output output_len tokens long)
         for key, other in (("peer", texts[(2, "warmup")]), ("own_cache", texts[(1, "query")])):
             out[f"greedy_leading_tokens_equal_{key}_vs_cold"] = [
-                next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(cold, other)
+                next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+                for a, b in zip(cold, other, strict=True)
             ]
         return out
     finally:

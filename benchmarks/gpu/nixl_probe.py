@@ -11,6 +11,7 @@ with a time limit; a case that fails reports its error instead of a rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -78,10 +79,8 @@ def _agent(role: str, mem: str, tls: str, conn) -> None:
             ok = bool((buf[:: 2**20] == 7).all())
             conn.send({"data_ok": ok})
     except Exception as e:
-        try:
+        with contextlib.suppress(Exception):
             conn.send({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-800:]})
-        except Exception:
-            pass
 
 
 def case(src: str, dst: str, tls: str, limit: float = 90.0) -> dict:
