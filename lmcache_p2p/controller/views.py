@@ -7,8 +7,10 @@ records it in the :class:`ReadLog`, so ``/check_finish`` knows it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +59,7 @@ class Views:
         workers = {k: w for k, w in self.registry.workers.items() if model is None or w.info.layout.model == model}
         if not len(tokens) or not workers:
             return {"event_id": self.reads.record("lookup"), "layout_info": {}, "holders": []}
-        holders = []
+        holders: list[dict[str, Any]] = []
         by_instance: dict[tuple[str, str], dict[int, int]] = {}  # (instance, location) -> rank -> tokens
         tp_sizes: dict[str, int] = {}
         for chunk_size in sorted({w.info.chunk_size for w in workers.values()}):
@@ -283,4 +285,10 @@ class Views:
             "keys_admitted",
             "keys_evicted",
         ):
-            m.gauge(f"lmcache_controller_{stat}_total", stat.replace("_", " "), lambda s=stat: [({}, reg.stats[s])])
+            m.gauge(
+                f"lmcache_controller_{stat}_total", stat.replace("_", " "), functools.partial(_registry_stat, reg, stat)
+            )
+
+
+def _registry_stat(registry: Registry, stat: str) -> list[tuple[dict[str, str], float]]:
+    return [({}, registry.stats[stat])]

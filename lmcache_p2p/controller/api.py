@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from lmcache_p2p import webui  # type: ignore[attr-defined]  # installed from webui/ (package-dir); mypy reads the tree
+from lmcache_p2p import webui
 from lmcache_p2p.controller.errors import (
     CommandRefused,
     Conflict,
