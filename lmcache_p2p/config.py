@@ -35,6 +35,7 @@ GB = 1024**3
 
 TRANSFER_CHANNELS = ("nixl", "tcp")
 NIXL_BUFFER_DEVICES = ("auto", "cuda", "cpu")
+PULL_POLICIES = ("auto", "always")
 
 
 class ConfigError(ValueError):
@@ -227,6 +228,20 @@ class LMCacheConfig:
         'here), "cuda" (required) or "cpu" (none: pool to pool)',
     )
     nixl_buffer_size: int | None = _key(_optional(_to_int), None, "GPU staging bytes; default 32 chunk pages")
+    p2p_max_warm_peers: int = _key(
+        _to_int, 8, "peer ranks of this layout connected ahead of the first pull (hello, channel); 0 = on demand"
+    )
+    p2p_pull_policy: str = _key(
+        _to_str,
+        "auto",
+        '"auto": pull only when the estimated pull beats recomputing; "always": pull whatever a peer holds',
+    )
+    p2p_pull_margin: float = _key(
+        _to_float, 0.8, "auto policy: pull when estimated pull time <= this x estimated recompute time"
+    )
+    prefill_tokens_per_s: float | None = _key(
+        _optional(_to_float), None, "start-up estimate of this engine's prefill rate (default per device class)"
+    )
     # Controller
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
     lmcache_instance_id: str | None = _key(_optional(_to_str), None, "this instance's id at the controller")
@@ -317,6 +332,16 @@ class LMCacheConfig:
                 raise self._err(key, "expected a whole number >= 1")
         if self.nixl_buffer_device not in NIXL_BUFFER_DEVICES:
             raise self._err("nixl_buffer_device", f"expected one of {', '.join(NIXL_BUFFER_DEVICES)}")
+        if self.p2p_max_warm_peers < 0:
+            raise self._err("p2p_max_warm_peers", "expected a whole number >= 0 (0: connect on demand only)")
+        if self.p2p_pull_policy not in PULL_POLICIES:
+            raise self._err("p2p_pull_policy", f"expected one of {', '.join(PULL_POLICIES)}")
+        if not 0 < self.p2p_pull_margin <= 10:
+            raise self._err(
+                "p2p_pull_margin", "expected a factor in (0, 10] (pull when pull time <= margin x recompute)"
+            )
+        if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
+            raise self._err("prefill_tokens_per_s", "expected tokens per second > 0")
         if self.nixl_buffer_size is not None and self.nixl_buffer_size <= 0:
             raise self._err("nixl_buffer_size", "expected bytes > 0 (two chunk pages at least)")
         backoff = self.extra_config.get("lookup_backoff_time")
