@@ -240,7 +240,9 @@ class LMCacheConfig:
         _to_float, 0.8, "auto policy: pull when estimated pull time <= this x estimated recompute time"
     )
     prefill_tokens_per_s: float | None = _key(
-        _optional(_to_float), None, "start-up estimate of this engine's prefill rate (default per device class)"
+        _optional(_to_float),
+        None,
+        "start-up estimate of this engine's prefill rate (default: 10,000 on CUDA, 200 on CPU)",
     )
     # Controller
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
