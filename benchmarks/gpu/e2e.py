@@ -185,7 +185,12 @@ def cmd_peer(args) -> dict:
         controller.wait_http("http://localhost:9000/controller/workers", 60)
         engines = []
         for i in (1, 2):
-            config = yaml_config(REPO / "configs" / f"example{i}.yaml", max_local_cpu_size=args.cpu_gb)
+            overrides: dict = {"max_local_cpu_size": args.cpu_gb}
+            if args.channel:
+                overrides["transfer_channel"] = args.channel
+            if args.pull_policy:
+                overrides["p2p_pull_policy"] = args.pull_policy
+            config = yaml_config(REPO / "configs" / f"example{i}.yaml", **overrides)
             cmd = [sys.executable, __file__, "engine", "--model", args.model, "--gpu-util", str(args.gpu_util)]
             env = {}
             if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
@@ -210,6 +215,8 @@ def cmd_peer(args) -> dict:
             "inflight": args.inflight,
             "gpus": gpus,
             "gpu_util": args.gpu_util,
+            "channel": args.channel or "as in the YAMLs",
+            "pull_policy": args.pull_policy or "auto",
         }
         for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
             engine.request(
@@ -383,6 +390,8 @@ def main() -> None:
     p.add_argument("--gpus", default="0,0", help="engine 1's and engine 2's GPU: 0,0 shares one, 0,1 one each")
     p.add_argument("--cpu-gb", type=float, default=30, help="max_local_cpu_size per engine (the seed asks 100)")
     p.add_argument("--cpu-smoke", action="store_true", help="vLLM's CPU build and the tiny model: checks the script")
+    p.add_argument("--channel", choices=["nixl", "tcp"], help="override the YAMLs' transfer_channel")
+    p.add_argument("--pull-policy", choices=["auto", "always"], help="override p2p_pull_policy (default auto)")
     p = sub.add_parser("engine")
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-util", type=float, default=0.4)
