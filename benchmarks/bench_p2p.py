@@ -1,11 +1,16 @@
-"""Peer-to-peer pull throughput between two instance processes, with the raw NIXL ceiling.
+"""Peer-to-peer pull throughput between two instance processes, with the raw NIXL and raw socket ceilings.
 
 Two stand-in instances (real cache engine, worker and P2P; Llama-3.1-8B page shape, 256-token
 chunks = 32 MiB) and a real controller on 127.0.0.1. Instance 1 holds N chunks; instance 2 asks
 for the prompt and pulls them (controller lookup + transfer + checksum verification + admit),
-for N = 1, 8, 64, over nixl and over tcp. In the same run, two bare NIXL agents in two processes
-WRITE the same bytes page by page (the same descriptor shape our channel uses): the ceiling.
-Last, the CPU an idle nixl instance burns with NIXL's progress thread unpaused (0 us) and paused (200 us).
+for N = 1, 8, 64, over nixl and over tcp. In the same run, right after each size's pulls: two
+bare NIXL agents in two processes WRITE the same bytes page by page (the same descriptor shape
+our channel uses), and a plain socket between two processes moves the same bytes (``sendall``
+from resident pages, ``recv_into`` resident pages): the ceilings the two channels are held to.
+For tcp also as many plain sockets as the channel has streams, the ceiling of its own design.
+Before those, per channel, the first pull of a freshly started instance (its connection to the
+holder cold) against the next ones (warm). Last, the CPU an idle nixl instance burns with NIXL's
+progress thread unpaused (0 us) and paused (200 us).
 
     python benchmarks/bench_p2p.py [--batches 1,8,64] [--reps 7]   # prints one JSON object
 """
@@ -16,11 +21,15 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from instances import InstanceProcess, instance_config, tokens  # noqa: E402
@@ -28,11 +37,14 @@ from protocol_client import ControllerProcess, wait_for  # noqa: E402
 
 from lmcache_p2p.storage.memory import PagePool  # noqa: E402
 from lmcache_p2p.testing.standin import MODEL_SHAPES  # noqa: E402
+from lmcache_p2p.transfer.tcp_transport import STREAMS as TCP_STREAMS  # noqa: E402
 
 CHUNK_TOKENS = 256
 SHAPE = MODEL_SHAPES["llama-3.1-8b"]
 PAGE_BYTES = CHUNK_TOKENS * SHAPE.num_layers * 2 * SHAPE.kv_heads * SHAPE.head_size * SHAPE.dtype.itemsize  # 32 MiB
 FRESH_PAGES = 8  # pages per first-touch measurement
+RAW_SOCKET_PAGES = 8  # the raw socket cycles through this many resident pages on each side
+FIRST_PULL_CHUNKS = 1  # the cold/warm first-pull measurement pulls this many chunks
 
 
 # -- raw NIXL ceiling --------------------------------------------------------------------------------
@@ -117,6 +129,104 @@ class RawNixl:
             proc.join(60)
 
 
+# -- raw socket ceiling ------------------------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("raw socket closed")
+        got += n
+
+
+def _raw_socket_sender(streams: int, conn) -> None:
+    """On each connection, sends ``n`` pages (cycling through RAW_SOCKET_PAGES resident ones)
+    each time it is asked, one thread per connection."""
+    buf = np.full(RAW_SOCKET_PAGES * PAGE_BYTES, 1, dtype=np.uint8)  # written: resident
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        conn.send(listener.getsockname()[1])
+        socks = [listener.accept()[0] for _ in range(streams)]
+    view = buf.data
+
+    def serve(sock: socket.socket) -> None:
+        ask = bytearray(8)
+        with sock:
+            while True:
+                try:
+                    _recv_exact(sock, memoryview(ask))
+                except ConnectionError:
+                    return
+                for i in range(int.from_bytes(ask, "little")):
+                    j = i % RAW_SOCKET_PAGES
+                    sock.sendall(view[j * PAGE_BYTES : (j + 1) * PAGE_BYTES])
+
+    threads = [threading.Thread(target=serve, args=(sock,)) for sock in socks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _raw_socket_receiver(port: int, streams: int, conn) -> None:
+    buf = np.full(RAW_SOCKET_PAGES * PAGE_BYTES, 0, dtype=np.uint8)
+    view = buf.data
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+
+    def pull(sock: socket.socket, count: int) -> None:
+        sock.sendall(count.to_bytes(8, "little"))
+        for i in range(count):
+            j = i % RAW_SOCKET_PAGES
+            _recv_exact(sock, view[j * PAGE_BYTES : (j + 1) * PAGE_BYTES])
+
+    while (job := conn.recv()) is not None:
+        n, reps = job
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            # The pages split over the connections as evenly as they go (a page is not cut).
+            threads = [
+                threading.Thread(target=pull, args=(sock, n // streams + (k < n % streams)))
+                for k, sock in enumerate(socks)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            times.append(time.perf_counter() - t0)
+        conn.send(n * PAGE_BYTES / statistics.median(times) / 1e9)
+    for sock in socks:
+        sock.close()
+
+
+class RawSocket:
+    """Plain TCP sockets (``streams`` of them, one thread each end) between two processes on
+    loopback; ``measure(n, reps)`` moves n pages from one to the other, median GB/s (asked for,
+    sent, received into place)."""
+
+    def __init__(self, streams: int = 1):
+        self.streams = streams
+        ctx = mp.get_context("spawn")
+        (self.conn, r_child), (s_conn, s_child) = ctx.Pipe(), ctx.Pipe()
+        sender = ctx.Process(target=_raw_socket_sender, args=(streams, s_child))
+        sender.start()
+        port = s_conn.recv()
+        receiver = ctx.Process(target=_raw_socket_receiver, args=(port, streams, r_child))
+        receiver.start()
+        self.procs = [sender, receiver]
+        self.measure(1, 3)  # warm-up
+
+    def measure(self, n: int, reps: int) -> float:
+        self.conn.send((n, reps))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        for proc in self.procs:
+            proc.join(30)
+
+
 def local_first_touch() -> float:
     """GB/s of PagePool.make_resident on never-written pages (what a requester does before a
     peer writes into them)."""
@@ -130,11 +240,19 @@ def local_first_touch() -> float:
 
 
 def p2p(
-    channel: str, batches: list[tuple[int, int]], tmp: Path, raw: RawNixl = None, device: str = "cpu", **extra
+    channel: str,
+    batches: list[tuple[int, int]],
+    tmp: Path,
+    raw: RawNixl | RawSocket | None = None,
+    device: str = "cpu",
+    first_pull: dict | None = None,
+    raw_streams: RawSocket | None = None,
+    **extra,
 ) -> dict[int, dict]:
-    """Median pull time per batch size; with ``raw``, the raw NIXL figure for the same bytes is
-    measured right before each one (same minute, same host noise). ``device`` is where the
-    stand-ins' KV lives; ``extra`` goes into both instances' configs."""
+    """Median pull time per batch size; with ``raw``, the raw NIXL (or raw socket) figure for the
+    same bytes is measured right after each one's pulls (same minute, same host noise). ``device`` is
+    where the stand-ins' KV lives; ``extra`` goes into both instances' configs. With
+    ``first_pull`` (a dict to fill), the puller's first pull is measured first: cold, then warm."""
     pool_gb = (max(n for n, _ in batches) + 2) * PAGE_BYTES / 2**30
     controller = ControllerProcess().start()
     procs = []
@@ -156,6 +274,9 @@ def p2p(
             device=device,
         ).start()
         procs.append(puller)
+        started = time.perf_counter()
+        if first_pull is not None:
+            first_pull.update(measure_first_pull(controller, holder, puller, started))
         out = {}
         # Warm-up, untimed: connections, and a first pull of the largest batch so every pool page
         # has been touched once (the raw NIXL buffers are filled before timing too).
@@ -188,14 +309,52 @@ def p2p(
                     "land_verify_ms": round((after["verify_ms"] - before["verify_ms"]) / reps, 2),
                 }
                 if raw is not None:
-                    out[n]["raw_nixl_GB/s"] = round(raw.measure(n, reps), 3)
-                    out[n]["vs_raw"] = round(out[n]["GB/s"] / out[n]["raw_nixl_GB/s"], 3)
+                    label = "raw_nixl_GB/s" if isinstance(raw, RawNixl) else "raw_socket_GB/s"
+                    out[n][label] = round(raw.measure(n, reps), 3)
+                    out[n]["vs_raw"] = round(out[n]["GB/s"] / out[n][label], 3)
+                if raw_streams is not None:  # as many plain sockets as our channel has streams
+                    out[n]["raw_sockets_GB/s"] = round(raw_streams.measure(n, reps), 3)
+                    out[n]["vs_raw_sockets"] = round(out[n]["GB/s"] / out[n]["raw_sockets_GB/s"], 3)
             holder.request("clear")
         return out
     finally:
         for proc in procs:
             proc.stop()
         controller.stop()
+
+
+def measure_first_pull(controller, holder, puller, started: float, reps: int = 5) -> dict:
+    """The first pull of a freshly started puller (its connection to the holder not made yet,
+    unless it made it ahead of the pull) against the next ones, FIRST_PULL_CHUNKS chunks each.
+    The puller's pool pages are written once first, so the difference is the connection, not the
+    first touch of its memory (first_touch measures that)."""
+    n = FIRST_PULL_CHUNKS
+    own = tokens(n * CHUNK_TOKENS, seed=999)
+    puller.request("fill", tokens=own)  # touches the pages the pull will get (freed last, taken first)
+    puller.request("clear")
+    prompt = tokens(n * CHUNK_TOKENS, seed=998)
+    assert holder.request("fill", tokens=prompt)["stored"] == n * CHUNK_TOKENS
+    holder.request("flush")
+    wait_for(
+        lambda: controller.holders(prompt).get("bench_holder", [0, 0])[1] == n * CHUNK_TOKENS,
+        timeout=10,
+        what="the controller to index the holder's chunks",
+    )
+    since_start = time.perf_counter() - started
+    times = []
+    for _ in range(1 + reps):
+        puller.request("clear")
+        answer = puller.request("lookup", tokens=prompt, timeout=120)
+        assert answer["hit"] == n * CHUNK_TOKENS, answer
+        times.append(answer["ms"])
+    holder.request("clear")
+    puller.request("clear")
+    return {
+        "chunks": n,
+        "cold_ms": round(times[0], 2),
+        "warm_ms": round(statistics.median(times[1:]), 2),
+        "s_since_puller_start": round(since_start, 2),
+    }
 
 
 def idle_cpu(tmp: Path, delays_us=(0, 200), seconds: float = 3.0) -> dict[str, float]:
@@ -250,13 +409,20 @@ def main() -> None:
         "remote_nixl_write_GB/s": round(raw.measure_fresh(), 3),
         "local_make_resident_GB/s": round(local_first_touch(), 3),
     }
+    raw_sockets: list[RawSocket] = []
+    first_pull: dict[str, dict] = {"nixl": {}, "tcp": {}}
     try:
+        raw_sockets = [RawSocket(1), RawSocket(TCP_STREAMS)]
         with tempfile.TemporaryDirectory() as tmp:
-            nixl = p2p("nixl", batches, Path(tmp), raw)
-            tcp = p2p("tcp", batches, Path(tmp))
+            nixl = p2p("nixl", batches, Path(tmp), raw, first_pull=first_pull["nixl"])
+            tcp = p2p(
+                "tcp", batches, Path(tmp), raw_sockets[0], first_pull=first_pull["tcp"], raw_streams=raw_sockets[1]
+            )
             idle = idle_cpu(Path(tmp))
     finally:
         raw.close()
+        for raw_socket in raw_sockets:
+            raw_socket.close()
     print(
         json.dumps(
             {
@@ -267,10 +433,16 @@ def main() -> None:
                 "p2p_nixl": nixl,
                 "p2p_tcp": tcp,
                 f"nixl_vs_raw_at_{largest}": nixl[largest]["vs_raw"],
+                f"tcp_vs_raw_socket_at_{largest}": tcp[largest]["vs_raw"],
+                "tcp_streams": TCP_STREAMS,
+                "first_pull": first_pull,
                 "first_touch": first_touch,
                 "idle_instance_cpu_pct": idle,
                 "note": "p2p = the requester's lookup call (controller lookup + transfer + checksum + admit); "
-                "raw = two bare NIXL agents writing the same pages, measured just before",
+                "raw = two bare NIXL agents writing the same pages (nixl), or one plain socket between two "
+                "processes moving the same bytes (tcp; raw_sockets: as many sockets as the channel has streams), "
+                "measured just after; first_pull = a freshly started "
+                "puller's first pull (cold connection) and the median of its next ones (warm)",
             }
         )
     )

@@ -10,7 +10,9 @@ tokens. Prompts arrive as their chained chunk hashes, computed once per request 
 * ``store``: gather each full chunk not held yet into a CPU page and admit it;
 * ``lookup``: how many leading tokens can be loaded (local tiers; with ``enable_p2p`` the rest of
   the prefix is first pulled from the peer holding the most of it);
-* ``retrieve``: scatter the held leading chunks into the request's blocks.
+* ``retrieve``: scatter the held leading chunks into the request's blocks;
+* ``observe_prefill``: the engine's measured forward passes, the prefill rate the worker's pull
+  policy weighs a peer pull against (``lmcache_p2p.pull_policy``).
 
 Nothing here raises into the engine for a cache problem: a failure is a shorter hit.
 """
@@ -18,7 +20,6 @@ Nothing here raises into the engine for a cache problem: a failure is a shorter 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
 from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S, EngineCounters, PeerService
+from lmcache_p2p.pull_policy import PrefillRate
 from lmcache_p2p.storage.manager import StorageManager
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,11 @@ class CacheEngine:
         self.blocks_per_chunk = config.chunk_size // layout.block_size
         self.storage = storage
         self.peers = peers
-        self.counters = counters if counters is not None else EngineCounters()  # shared with the peers' reports
+        if counters is None:
+            counters = EngineCounters(
+                prefill=PrefillRate.for_engine(config.prefill_tokens_per_s, "cpu", self.chunk_size)
+            )
+        self.counters = counters  # shared with the peers' reports and their pull policy
         self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
 
     # -- store -----------------------------------------------------------------------------------
@@ -288,11 +294,29 @@ class CacheEngine:
             total = self._prompt_tokens(chunk_hashes, num_tokens)
             return self.load(prefix, layers, block_ids, 0, end, total_tokens=total)
 
+    # -- prefill rate ----------------------------------------------------------------------------
+
+    def observe_prefill(self, tokens: int, seconds: float, prefill_tokens: int | None = None) -> bool:
+        """The engine computed ``tokens`` in one forward pass of ``seconds``, ``prefill_tokens`` of
+        them prompt tokens (default: all). Steps that prefill less than a chunk do not count
+        (``PrefillRate.min_tokens``); returns whether this one did."""
+        counted = self.counters.prefill.observe(tokens, seconds, prefill_tokens)
+        if counted:
+            logger.debug(
+                "prefill step: %d tokens (%s prompt) in %.1f ms; rate now %s",
+                tokens,
+                tokens if prefill_tokens is None else prefill_tokens,
+                seconds * 1e3,
+                self.counters.prefill.describe(),
+            )
+        return counted
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     def status(self) -> dict:
         out = self.peers.status() if self.peers is not None else {"storage": self.storage.stats()}
-        out["engine"] = dataclasses.asdict(self.counters)
+        out["engine"] = self.counters.totals()
+        out["prefill"] = self.counters.prefill.snapshot()
         return out
 
     def flush(self, timeout: float = 30.0) -> None:

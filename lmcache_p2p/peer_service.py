@@ -4,7 +4,8 @@ The engine is core and the worker package (controller link, commands, peer pulls
 the core, so the engine must not import the worker: it asks for peers through the
 :class:`PeerService` interface, and ``lmcache_p2p.worker.build_engine`` hands it the rank's
 :class:`Worker`. :class:`EngineCounters` are the totals both sides read: the engine counts, the
-worker reports them to the controller.
+worker reports them to the controller; with them travels the engine's measured prefill rate
+(:class:`~lmcache_p2p.pull_policy.PrefillRate`), which the worker's pull policy weighs pulls against.
 
 Torch-free (the vLLM connector's scheduler half reads :data:`PEER_FETCH_TIMEOUT_S` here).
 """
@@ -12,10 +13,11 @@ Torch-free (the vLLM connector's scheduler half reads :data:`PEER_FETCH_TIMEOUT_
 from __future__ import annotations
 
 import concurrent.futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from lmcache_p2p.keys import ChunkHashes
+from lmcache_p2p.pull_policy import PrefillRate
 
 # How long a synchronous lookup waits for a peer pull before the rest of the prompt is a miss.
 PEER_FETCH_TIMEOUT_S = 30.0
@@ -33,6 +35,13 @@ class EngineCounters:
     lookups: int = 0  # prompts looked up, each once, when its hit is final
     lookup_tokens: int = 0
     hit_tokens: int = 0  # of lookup_tokens, those found locally or pulled from a peer
+    # Not a total: the engine's prefill rate, measured by the engine (CacheEngine.observe_prefill),
+    # read by the worker's pull policy. build_engine seeds it from config and device class.
+    prefill: PrefillRate = field(default_factory=lambda: PrefillRate.for_engine(None, "cpu"), compare=False)
+
+    def totals(self) -> dict[str, int]:
+        """The counts (everything but ``prefill``), for status answers."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prefill"}
 
 
 class PeerService(Protocol):

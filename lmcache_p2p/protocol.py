@@ -6,7 +6,8 @@ module and nothing else to agree on the wire; it imports neither torch nor vLLM.
 Sockets (DESIGN.md §5):
     pull  (controller PULL  <- worker PUSH)     KeyEvents, Deregister, CommandDone
     reply (controller ROUTER <-> worker DEALER) Register, ResyncBatch, P2PLookup -> replies
-    heartbeat (ROUTER <-> DEALER)               Heartbeat -> HeartbeatReply (may ask for a resync)
+    heartbeat (ROUTER <-> DEALER)               Heartbeat -> HeartbeatReply (may ask for a resync,
+                                                or carry a new warm set of peers)
     worker command port (controller DEALER -> worker ROUTER)   Move/Copy/Clear/Pin/Health/Status
 Request/reply frames on ROUTER/DEALER pairs are ``[request_id, payload]`` so answers can be
 matched to questions (``lmcache_p2p.rpc`` frames them); the PULL socket carries bare payloads.
@@ -80,7 +81,27 @@ class Register(_Msg, tag="register"):
     locations: list[str]  # e.g. ["LocalCPUBackend", "LocalDiskBackend"]
     p2p_init_port: int | None = None
     p2p_lookup_port: int | None = None
-    transfer_channel: str | None = None
+    transfer_channel: str | None = None  # as configured
+    # The channel this rank runs: "tcp" where the configured one could not start here (NIXL not
+    # importable...), with the reason in channel_error. None from senders that do not say.
+    effective_channel: str | None = None
+    channel_error: str | None = None
+    session: str = ""  # unique per process: a peer seeing a new one knows this rank restarted
+    # How many peers of its layout it wants connected ahead of its first pull (its warm set,
+    # config p2p_max_warm_peers); None or 0: no list, it connects on demand.
+    max_warm_peers: int | None = None
+
+
+class MeshPeer(msgspec.Struct, kw_only=True):
+    """A live rank of the asker's layout that it should keep a channel open to (its warm set)."""
+
+    instance_id: str
+    rank: int
+    host: str
+    p2p_init_port: int
+    p2p_lookup_port: int
+    channel: str | None = None  # its effective transfer channel
+    session: str = ""  # its process; another session at the same address is a restart
 
 
 class RegisterReply(_Msg, tag="register_reply"):
@@ -92,6 +113,9 @@ class RegisterReply(_Msg, tag="register_reply"):
     # Locations whose full key set the controller wants now (ResyncBatch); every location on a
     # (re-)register, so a restarted controller or a restarted worker converges.
     resync: list[str] = []
+    # The worker's warm set (when it asked for one) and its version, to echo in heartbeats.
+    peers: list[MeshPeer] | None = None
+    peers_version: int = 0
 
 
 class Deregister(_Msg, tag="deregister"):
@@ -138,6 +162,10 @@ class Traffic(msgspec.Struct, kw_only=True):
     pull_failures: int = 0
     pulled_bytes: int = 0
     served_bytes: int = 0  # sent to peers that pulled from this rank
+    # The pull policy's skips (p2p_pull_policy auto): prefix pulls not made because recomputing
+    # was estimated faster, and the tokens peers offered that were recomputed instead.
+    pulls_skipped: int = 0
+    skipped_tokens: int = 0
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -145,6 +173,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
     rank: int
     controller_epoch: str  # the epoch the worker registered with ("" if never)
     traffic: Traffic | None = None  # None from senders that keep no totals
+    peers_version: int = 0  # of the last warm set received: the reply carries a new one only on change
 
 
 class HeartbeatReply(_Msg, tag="heartbeat_reply"):
@@ -153,6 +182,8 @@ class HeartbeatReply(_Msg, tag="heartbeat_reply"):
     status: Literal["ok", "unknown"]
     controller_epoch: str
     resync: list[str] = []
+    peers: list[MeshPeer] | None = None  # a new warm set; None: unchanged since peers_version
+    peers_version: int = 0
 
 
 class P2PLookup(_Msg, tag="p2p_lookup"):
@@ -276,6 +307,10 @@ class ChannelHelloReply(_Msg, tag="channel_hello_reply"):
     error: str | None = None
     channels: list[str] = []  # what this holder can serve
     staged: bool = False  # the holder will write through GPU staging (pulls carry slots)
+    # tcp: the holder's data port (on its p2p host) and the token each data connection opens
+    # with; 0 when it has none, and payloads ride the replies as frames.
+    data_port: int = 0
+    data_token: bytes = b""
 
 
 class ChunkPull(_Msg, tag="chunk_pull"):
@@ -289,6 +324,7 @@ class ChunkPull(_Msg, tag="chunk_pull"):
     pages: bytes = b""
     slots: bytes = b""
     timeout_s: float = 10.0  # how long the requester waits; the holder gives up sooner
+    transfer: int = 0  # tcp: tag the payloads with this and write them to the data connections
 
 
 class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
@@ -301,6 +337,7 @@ class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
     error: str | None = None
     staged: bool = False  # the payloads are in the requester's slots, not its pages
     holder_ms: float = 0.0  # the holder's time on it: pins, checksums, copies, the write
+    streamed: bool = False  # the payloads went over the data connections (ChunkPull.transfer)
 
 
 class FetchChunks(_Msg, tag="fetch_chunks"):

@@ -291,3 +291,65 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
         assert (counters.lookups, counters.lookup_tokens, counters.hit_tokens) == (1, 100, 64)
     finally:
         side.close()
+
+
+def test_the_scheduler_tells_the_ranks_how_many_tokens_a_step_computes_and_how_many_are_prefill(engine_id):
+    from types import SimpleNamespace
+
+    scheduler = _scheduler(engine_id)
+    try:
+        n = SimpleNamespace(
+            req_id="n", prompt_token_ids=list(range(800)), block_ids=(list(range(50)),), num_computed_tokens=512
+        )
+        meta = scheduler.build_connector_meta(_step([n], {"n": 288}))  # 512 loaded, the rest computed
+        assert (meta.step_tokens, meta.prefill_tokens) == (288, 288)
+        # Next step: "n" decodes a token while a new prompt prefills 300 of its tokens.
+        m = SimpleNamespace(
+            req_id="m", prompt_token_ids=list(range(300)), block_ids=(list(range(19)),), num_computed_tokens=0
+        )
+        step = _step([m], {"n": 1, "m": 300})
+        step.scheduled_cached_reqs = SimpleNamespace(
+            req_ids=["n"], new_block_ids=[None], num_computed_tokens=[800], resumed_req_ids=set()
+        )
+        meta = scheduler.build_connector_meta(step)
+        assert (meta.step_tokens, meta.prefill_tokens) == (301, 300)
+    finally:
+        scheduler.close()
+
+
+def test_a_rank_times_its_prefill_steps_for_the_pull_policy_and_not_its_decode_steps(engine_id):
+    from types import SimpleNamespace
+
+    from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(model="tiny"),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
+    )
+    side = WorkerSide(
+        vllm_config, LMCacheConfig.from_dict({"chunk_size": 32, "max_local_cpu_size": 0.01, "prefill_tokens_per_s": 50})
+    )
+    side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, 16, 2, 4) for i in range(2)})
+    try:
+        rate = side.engine.counters.prefill
+        assert rate.tokens_per_s == 50  # the configured start-up value, until a step is measured
+        decode = P2PConnectorMetadata(step_tokens=4, prefill_tokens=0)
+        side.start_load_kv(decode)
+        side.wait_for_save(decode)
+        small = P2PConnectorMetadata(step_tokens=20, prefill_tokens=20)  # under a chunk
+        side.start_load_kv(small)
+        side.wait_for_save(small)
+        assert rate.steps == 0
+
+        prefill = P2PConnectorMetadata(step_tokens=66, prefill_tokens=64)  # the "forward pass": 50 ms
+        side.start_load_kv(prefill)
+        time.sleep(0.05)
+        side.wait_for_save(prefill)
+        assert rate.steps == 1 and 66 / 0.5 < rate.tokens_per_s <= 66 / 0.05
+        assert side.engine.status()["prefill"]["steps_measured"] == 1
+    finally:
+        side.close()

@@ -6,6 +6,12 @@
 * heartbeat (an :class:`RpcServer`): ``Heartbeat``, answered with the worker's standing (and any
   re-sync the registry wants), its traffic totals going to :class:`FleetTraffic`.
 
+Peers are connected before they are needed: a P2P worker that asks (``Register.max_warm_peers``)
+gets its warm set (live ranks of its layout it should keep a channel open to, chosen by the
+registry) in its RegisterReply, and again in a HeartbeatReply whenever its layout's membership
+changed since the version its heartbeat echoes. No extra socket: a worker hears of a newcomer
+within one heartbeat (the newcomer warms towards the others at once, from its RegisterReply).
+
 Two background loops go with them: the reaper (a worker silent for ``worker_timeout`` leaves)
 and the traffic sampler. A bad frame or a failing handler is counted, logged and answered (on
 the request/reply sockets); no loop ever stops for one message.
@@ -36,6 +42,7 @@ from lmcache_p2p.protocol import (
     Heartbeat,
     HeartbeatReply,
     KeyEvents,
+    MeshPeer,
     P2PLookup,
     P2PLookupReply,
     PeerHolder,
@@ -190,13 +197,16 @@ class Monitor:
             )
         record = self.registry.register(msg)
         self.orchestrator.worker_registered(record)
-        return RegisterReply(
+        reply = RegisterReply(
             ok=True,
             controller_epoch=self.epoch,
             resync=list(record.locations),
             heartbeat_interval=self.settings.heartbeat_interval,
             heartbeat_port=self.settings.monitor_ports["heartbeat"],
         )
+        if record.wants_warm_set:
+            reply.peers, reply.peers_version = self._warm_set(record)
+        return reply
 
     def _on_resync(self, msg: ResyncBatch) -> Ack:
         error = self.registry.apply_resync(msg)
@@ -225,7 +235,7 @@ class Monitor:
                     host=peer.info.host,
                     p2p_init_port=peer.info.p2p_init_port,
                     p2p_lookup_port=peer.info.p2p_lookup_port,
-                    transfer_channel=peer.info.transfer_channel,
+                    transfer_channel=peer.info.effective_channel or peer.info.transfer_channel,
                 )
             )
         holders.sort(key=lambda h: -h.matched_chunks)
@@ -240,7 +250,22 @@ class Monitor:
             return HeartbeatReply(status="unknown", controller_epoch=self.epoch)
         if msg.traffic is not None:
             self.traffic.report(record.key, msg.traffic)
-        return HeartbeatReply(status="ok", controller_epoch=self.epoch, resync=record.wanted_resyncs())
+        reply = HeartbeatReply(status="ok", controller_epoch=self.epoch, resync=record.wanted_resyncs())
+        if record.wants_warm_set and msg.peers_version != self.registry.mesh_version(record.info.layout):
+            reply.peers, reply.peers_version = self._warm_set(record)
+        return reply
+
+    def _warm_set(self, record: WorkerRecord) -> tuple[list[MeshPeer], int]:
+        peers = self.registry.warm_set(record)
+        version = self.registry.mesh_version(record.info.layout)
+        logger.debug(
+            "warm set v%d for %s rank %d: %d peer(s) %s",
+            version,
+            *record.key,
+            len(peers),
+            [f"{p.instance_id}/{p.rank}" for p in peers],
+        )
+        return peers, version
 
     # -- liveness ----------------------------------------------------------------------------------
 

@@ -8,7 +8,12 @@ The registry owns the :class:`ChunkIndex` and every rule about keeping it true:
   lost, and the registry asks that worker for a full re-sync of that location;
 * a re-sync is applied in one step, and events newer than its snapshot that arrived meanwhile on
   the other socket are re-applied on top, so nothing is lost or resurrected;
-* a worker silent for ``worker_timeout`` is reaped, and its keys leave lookups at once.
+* a worker silent for ``worker_timeout`` is reaped, and its keys leave lookups at once;
+* each P2P worker that asks for one gets a warm set: up to ``max_warm_peers`` live ranks of its
+  layout, chosen by rendezvous hashing (each asker ranks the peers by a hash of the pair and takes
+  the top ones), so N instances spread their connections instead of all picking the same peer,
+  and a peer joining or leaving changes at most one pick per asker. Every membership change of a
+  layout bumps its version; a heartbeat that echoes another version gets the new set.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import xxhash
 
 from lmcache_p2p.controller.errors import UnknownInstance
 from lmcache_p2p.controller.index import ChunkIndex
-from lmcache_p2p.protocol import KeyEvents, Register, ResyncBatch, unpack_hashes
+from lmcache_p2p.keys import LayoutFingerprint
+from lmcache_p2p.protocol import KeyEvents, MeshPeer, Register, ResyncBatch, unpack_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,14 @@ class WorkerRecord:
     def key(self) -> WorkerKey:
         return (self.info.instance_id, self.info.rank)
 
+    @property
+    def serves_peers(self) -> bool:
+        return bool(self.info.p2p_init_port and self.info.p2p_lookup_port)
+
+    @property
+    def wants_warm_set(self) -> bool:
+        return self.serves_peers and bool(self.info.max_warm_peers)
+
     def wanted_resyncs(self) -> list[str]:
         return [loc for loc, st in self.locations.items() if st.resync is not None and st.resync.snapshot_seq < 0]
 
@@ -68,6 +83,9 @@ class Registry:
         self.workers: dict[WorkerKey, WorkerRecord] = {}
         self._holder_ids: dict[tuple[str, int, str], int] = {}
         self.holders: list[tuple[str, int, str]] = []  # holder id -> (instance, rank, location)
+        # Per layout (its digest): bumped whenever a P2P worker of it comes, comes back or goes,
+        # so its warm sets are sent again. Starts at 1: a worker that never had a set echoes 0.
+        self._mesh_versions: dict[int, int] = {}
         self.stats = {
             "seq_gaps": 0,
             "resyncs_requested": 0,
@@ -101,6 +119,8 @@ class Registry:
                 self.index.drop_holder(old.locations[loc].holder)
         record = WorkerRecord(msg, time.time(), time.monotonic(), locations)
         self.workers[record.key] = record
+        if record.serves_peers or (old is not None and old.serves_peers):
+            self._mesh_changed(msg.layout)
         self.stats["resyncs_requested"] += len(locations)
         logger.info(
             "worker %s rank %d registered from %s:%d (%s, tp=%d, chunk_size=%d)%s",
@@ -120,6 +140,8 @@ class Registry:
         if record is None:
             return None
         dropped = sum(self.index.drop_holder(st.holder) for st in record.locations.values())
+        if record.serves_peers:
+            self._mesh_changed(record.info.layout)
         logger.warning(
             "worker %s rank %d removed (%s); %d keys dropped from the index", key[0], key[1], reason, dropped
         )
@@ -161,6 +183,45 @@ class Registry:
             known = sorted(instances) or "none"
             raise UnknownInstance(f"unknown instance {instance_id!r} (registered: {known})", field)
         return workers
+
+    # -- warm sets -------------------------------------------------------------------------------
+
+    def _mesh_changed(self, layout: LayoutFingerprint) -> None:
+        digest = layout.digest
+        self._mesh_versions[digest] = self._mesh_versions.get(digest, 1) + 1
+
+    def mesh_version(self, layout: LayoutFingerprint) -> int:
+        return self._mesh_versions.get(layout.digest, 1)
+
+    def warm_set(self, record: WorkerRecord) -> list[MeshPeer]:
+        """The peers ``record`` should keep connected: up to its ``max_warm_peers`` live P2P ranks
+        of its exact layout (other instances), by rendezvous hash of (asker, peer)."""
+        me = record.info
+        limit = me.max_warm_peers or 0
+        if limit <= 0 or not record.serves_peers:
+            return []
+        asker = f"{me.instance_id}/{me.rank}>".encode()
+        candidates = [
+            peer
+            for peer in self.workers.values()
+            if peer.info.instance_id != me.instance_id and peer.serves_peers and peer.info.layout == me.layout
+        ]
+        candidates.sort(
+            key=lambda p: xxhash.xxh3_64_intdigest(asker + f"{p.info.instance_id}/{p.info.rank}".encode()),
+            reverse=True,
+        )
+        return [
+            MeshPeer(
+                instance_id=p.info.instance_id,
+                rank=p.info.rank,
+                host=p.info.host,
+                p2p_init_port=p.info.p2p_init_port or 0,
+                p2p_lookup_port=p.info.p2p_lookup_port or 0,
+                channel=p.info.effective_channel or p.info.transfer_channel,
+                session=p.info.session,
+            )
+            for p in candidates[:limit]
+        ]
 
     # -- key events ------------------------------------------------------------------------------
 

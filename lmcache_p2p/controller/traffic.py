@@ -75,6 +75,7 @@ def _rates(a: Sample | None, b: Sample | None) -> dict:
             "p2p_bytes_per_s": 0.0,
             "p2p_transfers_per_s": 0.0,
             "peer_lookups_per_s": 0.0,
+            "pulls_skipped_per_s": 0.0,
         }
     dt = b.at - a.at
 
@@ -92,4 +93,6 @@ def _rates(a: Sample | None, b: Sample | None) -> dict:
         "p2p_bytes_per_s": delta("pulled_bytes") / dt,
         "p2p_transfers_per_s": delta("pulls") / dt,
         "peer_lookups_per_s": delta("peer_lookups") / dt,
+        # Prefix pulls the ranks' pull policy skipped: recomputing was estimated faster.
+        "pulls_skipped_per_s": delta("pulls_skipped") / dt,
     }

@@ -149,7 +149,12 @@ class Views:
             "worker_port": info.worker_port,
             "p2p_init_port": info.p2p_init_port,
             "p2p_lookup_port": info.p2p_lookup_port,
-            "transfer_channel": info.transfer_channel,
+            "transfer_channel": info.transfer_channel,  # as configured
+            # What it runs: tcp where the configured channel could not start (the error says why
+            # and how to fix it). A worker that does not report it runs what it was configured.
+            "effective_channel": info.effective_channel or info.transfer_channel,
+            "channel_error": info.channel_error,
+            "max_warm_peers": info.max_warm_peers or 0,
             "model": info.layout.model,
             "dtype": info.layout.dtype,
             "tp_size": info.layout.tp_size,

@@ -112,8 +112,10 @@ class StandInKV:
             layer.zero_()
 
 
-def handler(engine, kv: StandInKV, chunk_size: int):
-    """The stand-in's operations, for :func:`lmcache_p2p.testing.jsonlines.serve`."""
+def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float | None = None):
+    """The stand-in's operations, for :func:`lmcache_p2p.testing.jsonlines.serve`. With
+    ``prefill_tokens_per_s``, each ``prefill`` is reported to the engine as a forward pass at
+    that rate (its measured prefill rate, which the pull policy weighs pulls against)."""
     blocks = list(range(kv.layers[0].shape[0]))
 
     def handle(request: dict) -> dict:
@@ -123,6 +125,8 @@ def handler(engine, kv: StandInKV, chunk_size: int):
         num_tokens, hashes = len(tokens), chunk_hash_array(tokens, chunk_size)  # the prompt's keys, once
         if op == "prefill":
             kv.prefill(hashes, blocks, chunk_size)
+            if prefill_tokens_per_s:
+                engine.observe_prefill(num_tokens, num_tokens / prefill_tokens_per_s)
             answer = {"stored": engine.store(hashes, kv.layers, blocks, num_tokens=num_tokens)}
         elif op == "fill":  # store the chunks' payloads with no KV tensors involved (benchmarks)
             answer = {
@@ -174,6 +178,13 @@ def main(argv=None) -> None:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="where the KV tensors live (cpu, cuda, cuda:1...)")
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=None,
+        help="report each prefill to the engine as computed at this rate (a measured prefill rate; "
+        "without it the rate stays at its start-up value: prefill_tokens_per_s, else the device default)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     answers = jsonlines.claim_stdout()
@@ -189,7 +200,7 @@ def main(argv=None) -> None:
     engine = build_engine(config, kv.layout(), rank=args.rank, device=device if device.type == "cuda" else None)
     jsonlines.answer(answers, {"ok": True, "ready": True, "page_bytes": engine.storage.page_bytes})
     try:
-        jsonlines.serve(handler(engine, kv, config.chunk_size), sys.stdin, answers)
+        jsonlines.serve(handler(engine, kv, config.chunk_size, args.prefill_tokens_per_s), sys.stdin, answers)
     finally:
         engine.close()
 

@@ -9,7 +9,8 @@ wants them (``transfer_channel`` in the config).
   NIXL/UCX cannot run.
 
 A holder serves every channel it has (tcp always), so a requester configured for nixl still gets
-chunks from a tcp-only peer.
+chunks from a tcp-only peer. A rank configured for nixl where NIXL cannot run serves and pulls over
+tcp; the error it gets here names the fix (:data:`NIXL_FIX`), and the worker logs it as an ERROR.
 """
 
 import logging
@@ -17,9 +18,22 @@ import logging
 from lmcache_p2p.transfer.base import TransferError, Transport
 from lmcache_p2p.transfer.tcp_transport import TcpTransport
 
-__all__ = ["Transport", "TransferError", "TcpTransport", "make_transport"]
+__all__ = ["NIXL_FIX", "Transport", "TransferError", "TcpTransport", "make_transport", "nixl_import_error"]
 
 logger = logging.getLogger(__name__)
+
+# What an operator does about NIXL missing here: every error that says so ends with it.
+NIXL_FIX = "pip install 'lmcache-p2p[nixl]' (or pip install nixl), or set transfer_channel: tcp"
+
+
+def nixl_import_error() -> str | None:
+    """Why NIXL cannot be imported in this process, or None when it can. Checked before anything
+    is allocated for it (GPU staging), so a host without NIXL says so first and wastes nothing."""
+    try:
+        import nixl._api  # noqa: F401  (kept imported: the transport uses it next)
+    except (ImportError, OSError) as e:  # OSError: the package is there, a library it loads is not
+        return str(e) or type(e).__name__
+    return None
 
 
 def make_transport(
@@ -38,6 +52,9 @@ def make_transport(
     if channel == "tcp":
         return TcpTransport(pool, session)
     if channel == "nixl":
+        why = nixl_import_error()
+        if why is not None:
+            raise TransferError(f"NIXL cannot be imported here ({why}); fix: {NIXL_FIX}")
         from lmcache_p2p.transfer.gpu_staging import GpuStaging, staging_device
         from lmcache_p2p.transfer.nixl_transport import NixlTransport
 

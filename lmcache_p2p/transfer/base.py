@@ -1,18 +1,42 @@
-"""What every transfer channel provides, on both sides of a pull."""
+"""What every transfer channel provides, on both sides of a pull.
+
+A channel either writes into the requester's pages itself (NIXL), returns the payloads as reply
+frames (tcp without its data port), or streams them over connections of its own (tcp): the
+optional hooks below (``listen``/``offer`` on the holder, ``connect``/``begin`` on the requester,
+``send_streamed``) are no-ops for channels without such connections.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from lmcache_p2p.protocol import ChannelHello
+from lmcache_p2p.protocol import ChannelHello, ChannelHelloReply
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.memory import PagePool
 
 
 class TransferError(Exception):
     """A transfer could not start or did not finish; the chunks involved are a miss."""
+
+
+class Landing:
+    """One request's payloads arriving over a channel's own data connections, into the pages it
+    was begun with. Until :meth:`close` says it is idle, something may still write into them."""
+
+    id: int  # the number the holder tags this request's payload with (ChunkPull.transfer)
+
+    async def landed(self, count: int, timeout: float) -> None:
+        """Wait until the first ``count`` pages are complete; TransferError if they are not in
+        time or the connection they come on broke."""
+        raise NotImplementedError
+
+    def close(self, on_idle: Callable[[], None]) -> bool:
+        """Stop landing: whatever still arrives for it is thrown away. Returns True when nothing
+        writes into its pages any more; else ``on_idle`` runs (on the caller's loop) once that is
+        so, and the pages must stay out of use until then."""
+        raise NotImplementedError
 
 
 class Transport:
@@ -35,6 +59,10 @@ class Transport:
             num_pages=self.pool.num_pages,
         )
 
+    async def connect(self, peer: tuple[str, int], reply: ChannelHelloReply) -> None:
+        """After a holder (``peer``: its host and p2p_lookup port) accepted our hello: open what
+        its reply offers beside the request socket. Never raises: without it, pulls still work."""
+
     @property
     def max_batch(self) -> int | None:
         """The most chunks one request may carry on this channel (None: no limit of its own)."""
@@ -46,6 +74,11 @@ class Transport:
         none are free, and the holder then writes the pages)."""
         return []
 
+    def begin(self, peer: tuple[str, int], pages: Sequence[int]) -> Landing | None:
+        """Expect a request's payloads from ``peer`` over this channel's own connections, into
+        ``pages``; None when there are none (they ride the reply, or the holder writes them)."""
+        return None
+
     async def land(self, frames: list, pages: Sequence[int], slots: Sequence[int]) -> None:
         """Place what arrived into ``pages``: from the reply's frames, or from the receive
         ``slots`` the holder wrote (nothing to do when it wrote the pages directly)."""
@@ -55,14 +88,31 @@ class Transport:
 
     # -- holder side -----------------------------------------------------------------------------
 
+    def listen(self, host: str) -> None:
+        """Open this channel's own data port on ``host`` (the instance's p2p host), if it has
+        one. Raises OSError when it cannot."""
+
     async def accept(self, hello: ChannelHello) -> bool:
         """Open a session for a requester; returns whether its pulls go through GPU staging.
         Raises TransferError to refuse it."""
         return False
 
+    def offer(self, session: str) -> tuple[int, bytes]:
+        """What to put in an accepted session's hello reply (``data_port``, ``data_token``):
+        where and with what the requester opens this channel's data connections; (0, b"") for none."""
+        return 0, b""
+
     def addressable(self, chunk: PinnedChunk) -> bool:
         """Whether this channel can send ``chunk`` (NIXL only reaches the registered pool)."""
         return True
+
+    async def send_streamed(
+        self, session: str, chunks: Sequence[PinnedChunk], transfer: int, timeout: float
+    ) -> float | None:
+        """Write ``chunks`` to the session's data connections, tagged ``transfer``, before this
+        returns. Returns the seconds it waited behind the session's earlier requests for them,
+        or None when the session has none (the caller then uses :meth:`send`)."""
+        return None
 
     async def send(
         self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray, dst_slots: np.ndarray, timeout: float

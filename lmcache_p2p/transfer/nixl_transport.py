@@ -35,6 +35,7 @@ import torch
 from lmcache_p2p.protocol import ChannelHello
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.transfer import NIXL_FIX
 from lmcache_p2p.transfer.base import TransferError, Transport
 from lmcache_p2p.transfer.gpu_staging import GpuStaging
 
@@ -110,10 +111,8 @@ class NixlTransport(Transport):
             raise TransferError("the CPU page pool is empty: nothing to register with NIXL")
         try:
             from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as e:
-            raise TransferError(
-                f"NIXL is not importable here ({e}); install nixl or use transfer_channel: tcp"
-            ) from None
+        except (ImportError, OSError) as e:  # OSError: a library the package loads is missing
+            raise TransferError(f"NIXL cannot be imported here ({e}); fix: {NIXL_FIX}") from None
         # UCX's cuda transports work in the calling thread's CUDA context: make it current there.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="lmcache-nixl", initializer=self._bind_device)
         try:
@@ -122,7 +121,7 @@ class NixlTransport(Transport):
         except Exception as e:
             raise TransferError(f"NIXL agent could not start: {e}") from None
         if "UCX" not in self.agent.backends:
-            raise TransferError("NIXL has no UCX backend here; use transfer_channel: tcp")
+            raise TransferError(f"NIXL has no UCX backend here; fix: {NIXL_FIX}")
         self.base = pool.buffer.data_ptr()
         size = pool.num_pages * pool.page_bytes
         t0 = time.perf_counter()

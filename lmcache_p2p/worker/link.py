@@ -10,6 +10,10 @@
   that follows every registration sends the full key set anyway.
 * A re-sync cuts the batch stream at a sequence number (``snapshot_seq``), then sends the
   location's keys in batches; the controller replays newer batches on top.
+* The warm set: with ``max_warm_peers`` set, the registration asks for the peers to keep
+  connected, and each heartbeat echoes the version of the set it last got; a reply with a new
+  set (on registration, or when the layout's membership changed) is handed to ``on_peers``,
+  which only schedules work: the hellos never run on this link's time.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from lmcache_p2p.protocol import (
     Heartbeat,
     HeartbeatReply,
     KeyEvents,
+    MeshPeer,
     P2PLookup,
     P2PLookupReply,
     PeerHolder,
@@ -149,6 +154,15 @@ class ControllerLink:
         self.batcher = EventBatcher()
         self.registered = False
         self.epoch = ""
+        # Reported at registration (the worker sets them before start()): the channel running
+        # here and why it is not the configured one, and how many peers to keep warm.
+        self.effective_channel: str | None = identity.transfer_channel
+        self.channel_error: str | None = None
+        self.max_warm_peers = 0
+        # Called with each new warm set, and whether it came with a (re-)registration: a
+        # restarted controller's first set lacks the peers that have not registered again yet.
+        self.on_peers: Callable[[list[MeshPeer], bool], object] | None = None
+        self.peers_version = 0
         self._resyncing: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -243,6 +257,10 @@ class ControllerLink:
             p2p_init_port=me.p2p_init_port,
             p2p_lookup_port=me.p2p_lookup_port,
             transfer_channel=me.transfer_channel,
+            effective_channel=self.effective_channel,
+            channel_error=self.channel_error,
+            session=me.session,
+            max_warm_peers=self.max_warm_peers or None,
         )
         try:
             reply = await self.reply.request(message, RegisterReply, REQUEST_TIMEOUT_S)
@@ -277,7 +295,19 @@ class ControllerLink:
         )
         for location in reply.resync:
             self._start_resync(location)
+        self._take_peers(reply.peers, reply.peers_version, registered=True)
         return True
+
+    def _take_peers(self, peers: list[MeshPeer] | None, version: int, registered: bool) -> None:
+        if peers is None:
+            return
+        self.peers_version = version
+        if self.on_peers is None:
+            return
+        try:
+            self.on_peers(peers, registered)
+        except Exception:  # the link goes on whatever the warm-up does
+            logger.exception("%s: taking the warm set of %d peer(s) failed", self.me.describe(), len(peers))
 
     async def _beat(self) -> None:
         assert self.heartbeat is not None  # made by the registration that set self.registered
@@ -288,6 +318,7 @@ class ControllerLink:
                     rank=self.me.rank,
                     controller_epoch=self.epoch,
                     traffic=self.traffic() if self.traffic else None,
+                    peers_version=self.peers_version,
                 ),
                 HeartbeatReply,
                 timeout=max(1.0, 2 * self.interval),
@@ -316,6 +347,7 @@ class ControllerLink:
             return
         for location in reply.resync:
             self._start_resync(location)
+        self._take_peers(reply.peers, reply.peers_version, registered=False)
 
     # -- events and re-sync ----------------------------------------------------------------------
 

@@ -9,6 +9,14 @@ pool. Nothing here raises into the engine.
 Over NIXL the holder writes into our pages directly, so pages of a request that timed out are
 kept out of the pool until the holder's late answer arrives (or a grace period passes): a slow
 holder must never write into a page that already holds another chunk.
+
+Connections: one per peer rank, its channel agreed by one hello (NIXL metadata, GPU staging);
+a pull that finds one still saying hello waits for that hello rather than sending another. The
+controller names the peers worth connecting before any pull needs them (the warm set,
+:meth:`P2PClient.set_warm_peers`): each gets a keeper task that says hello in the background,
+retries with backoff while the peer does not answer (logged once), connects again after a
+failed pull dropped the connection, and ends when the peer leaves the set (its connection is
+then closed). Pulls from other peers connect on demand, as before.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import zmq.asyncio
@@ -27,20 +36,27 @@ from lmcache_p2p.protocol import (
     ChannelHelloReply,
     ChunkPull,
     ChunkPullReply,
+    MeshPeer,
     pack_hashes,
     pack_pages,
     peer_reply_decoder,
     unpack_hashes,
 )
+from lmcache_p2p.pull_policy import PullPolicy
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
 from lmcache_p2p.storage.manager import CPU, StorageManager
 from lmcache_p2p.transfer import TransferError, Transport
+from lmcache_p2p.transfer.base import Landing
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
 
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 3.0
+# A warm-set peer that does not answer its hello is tried again after 1 s, then 2, 4... up to a
+# minute; the controller drops it from the set once it is reaped.
+WARM_RETRY_FIRST_S = 1.0
+WARM_RETRY_MAX_S = 60.0
 # A pull may take this long plus its bytes at this slowest acceptable rate; then it is a miss.
 BASE_TIMEOUT_S = 2.0
 SLOWEST_RATE_BPS = 0.25e9
@@ -85,6 +101,9 @@ class _Batch:
     # checksums, copies, its write), the rest of the round trip (queueing behind the session's
     # other requests, the wire), landing the bytes in our pages, checking them.
     phases_ms: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # tcp with data streams: the payloads land in ``pages`` from our own reader threads; until it
+    # is closed and idle, the pages may still be written.
+    landing: Landing | None = None
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:
@@ -103,6 +122,10 @@ class _Connection:
         )
         self.channel: str | None = None  # None until hello agrees one (P2PClient._connect)
         self.staged = False  # the holder writes through GPU staging (agreed at hello)
+        self.hello: asyncio.Task | None = None  # the hello on its way or done (one at a time)
+        self.hello_ms = 0.0  # its round trip: the holder's session set-up (NIXL remote agent) included
+        self.peer_session = ""  # the holder process it was warmed for ("" when connected on demand)
+        self.closed = asyncio.Event()  # set once closed: a warm peer's keeper connects again
 
     @property
     def agreed(self) -> str:
@@ -110,9 +133,34 @@ class _Connection:
         assert self.channel is not None, "connection used before its hello"
         return self.channel
 
+    def describe_channel(self) -> str | None:
+        return None if self.channel is None else self.channel + (" via GPU staging" if self.staged else "")
+
     def close(self) -> None:
+        # A hello still on its way fails with the closed socket (RequestFailed), so whoever waits
+        # on it sees a failed connection, never a cancellation of its own task.
         self.init.close()
         self.lookup.close()
+        self.closed.set()
+
+
+@dataclass
+class _Warm:
+    """A warm-set peer and its keeper task (P2PClient._keep_warm)."""
+
+    peer: Peer
+    session: str  # the peer's process, as the controller knows it
+    keeper: asyncio.Task | None = None
+    state: str = "connecting"  # "connecting", "warm" or "retrying"
+    ms: float | None = None  # the last warm-up's time
+    failures: int = 0  # hellos failed in a row
+    error: str | None = None
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A hello's failure is seen by whoever awaits it; this keeps asyncio quiet when nobody did."""
+    if not task.cancelled():
+        task.exception()
 
 
 class P2PClient:
@@ -126,6 +174,7 @@ class P2PClient:
         preferred: str,
         batch_chunks: int = 8,
         pipeline_depth: int = 3,
+        policy: PullPolicy | None = None,
     ):
         self.ctx = ctx
         self.me = identity
@@ -136,11 +185,14 @@ class P2PClient:
         self.batch_chunks = batch_chunks  # chunks per request (config p2p_batch_chunks)
         self.pipeline_depth = pipeline_depth  # requests in flight per pull (p2p_pipeline_depth)
         self._connections: dict[tuple[str, int], _Connection] = {}
+        self._warm: dict[tuple[str, int], _Warm] = {}  # the controller's warm set (set_warm_peers)
         # The engine's prefix pulls take turns, first asked first served: requests that arrive
         # together then become ready one after another, each at full bandwidth, instead of all
         # sharing it and all being ready only when the last pull ends.
         self._prefix_turn = asyncio.Lock()
-        self.stats = {
+        # Whether a prefix pull beats recomputing it (config p2p_pull_policy); None: always pull.
+        self.policy = policy
+        self.stats: dict[str, Any] = {
             "pulls": 0,
             "chunks_pulled": 0,
             "bytes_pulled": 0,
@@ -150,13 +202,21 @@ class P2PClient:
             "pages_quarantined": 0,
             "transfer_ms": 0.0,
             "verify_ms": 0.0,
+            # The pull policy's skips: prefix pulls not made (slower than recomputing), the chunks
+            # peers offered that were recomputed instead (skips, and the rest of a re-measuring
+            # pull), and the skips per peer; its estimates as of its last decision.
+            "pulls_skipped": 0,
+            "chunks_skipped": 0,
+            "pulls_skipped_by_peer": {},
+            "pull_policy": policy.snapshot() if policy else None,
         }
 
     # -- the engine's question: pull the rest of this prefix -------------------------------------
 
     async def fetch_prefix(self, hashes: np.ndarray) -> int:
-        """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds;
-        returns how many leading chunks are now held locally."""
+        """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds,
+        where the pull policy says pulling beats recomputing; returns how many leading chunks are
+        now held locally."""
         holders = [
             (h.matched_chunks, Peer(h.instance_id, h.rank, h.host, h.p2p_init_port, h.p2p_lookup_port))
             for h in await self.link.p2p_lookup(hashes)
@@ -164,13 +224,71 @@ class P2PClient:
         ]
         if not holders:
             return 0
-        best = max(matched for matched, _ in holders)
         # Longest prefix first; among equals the peer we have the fewest requests in flight to.
-        peer = min((p for matched, p in holders if matched == best), key=lambda p: self._busy((p.host, p.lookup_port)))
-        async with self._prefix_turn:
-            result = await self.pull(peer, hashes[:best], CPU)
+        holders.sort(key=lambda h: (-h[0], self._busy((h[1].host, h[1].lookup_port))))
+        async with self._prefix_turn:  # decided here, with the estimates the pulls before it left
+            peer, chunks = self._decide(holders)
+            if not chunks:
+                return 0
+            if self._channel_of(peer) is None:
+                # Say hello first: a hello is no part of a pull's time, and a failed one is
+                # reported as the pull's failure, as pull() would.
+                try:
+                    await self._connect(peer)
+                except (RequestFailed, TransferError) as e:
+                    self._report(peer, "?", chunks, PullResult(error=str(e)), 0.0, 0, dict.fromkeys(PHASES, 0.0))
+                    return 0
+            channel = self._channel_of(peer)
+            t0 = time.perf_counter()
+            result = await self.pull(peer, hashes[:chunks], CPU)
+            elapsed = time.perf_counter() - t0
+        if self.policy is not None and result.error is None and result.held and channel is not None:
+            # Only clean pulls measure the link: a failure's time says how long a timeout is.
+            self.policy.observe_pull(peer.describe(), channel, len(result.held) * self.storage.page_bytes, elapsed)
+            self.stats["pull_policy"] = self.policy.snapshot()
         self.stats["prefix_hit_chunks"] += len(result.held)  # pulled for the engine (not for a move)
         return len(result.held)
+
+    def _decide(self, holders: list[tuple[int, Peer]]) -> tuple[Peer, int]:
+        """The holder to pull from and how many leading chunks, by the pull policy: the longest
+        prefix whose pull beats recomputing it (holders come longest first). Logs the decision."""
+        matched, peer = holders[0]
+        if self.policy is None:
+            return peer, matched
+        first = chosen = None
+        seen = set()
+        for matched, peer in holders:
+            if (peer.host, peer.lookup_port) in seen:
+                continue  # the same rank again (another of its tiers): its longest prefix came first
+            seen.add((peer.host, peer.lookup_port))
+            decision = self.policy.decide(peer.describe(), self._channel_of(peer), matched)
+            if first is None:
+                first = (peer, decision)
+            if decision.pull:
+                chosen = (peer, decision)
+                break
+        assert first is not None
+        peer, decision = chosen or first
+        line = decision.describe(peer.describe(), self._channel_of(peer))
+        if chosen is not None and chosen[0] is not first[0]:  # a shorter prefix over a faster link
+            line += f" (instead of {first[1].offered} chunks at {first[0].describe()}: {first[1].numbers()})"
+        logger.info("%s", line)
+        recomputed = first[1].offered - decision.chunks  # offered by a peer, recomputed instead
+        if recomputed > 0:
+            self.stats["chunks_skipped"] += recomputed
+        if not decision.pull:
+            self.stats["pulls_skipped"] += 1
+            by_peer = self.stats["pulls_skipped_by_peer"]
+            by_peer[peer.describe()] = by_peer.get(peer.describe(), 0) + 1
+        self.stats["pull_policy"] = self.policy.snapshot()
+        return peer, decision.chunks
+
+    def _channel_of(self, peer: Peer) -> str | None:
+        """The channel agreed with ``peer`` as pull logs name it; None before its hello."""
+        conn = self._connections.get((peer.host, peer.lookup_port))
+        if conn is None or conn.channel is None:
+            return None
+        return conn.channel + (" via GPU staging" if conn.staged else "")
 
     def _busy(self, key: tuple[str, int]) -> int:
         conn = self._connections.get(key)
@@ -269,9 +387,29 @@ class P2PClient:
         return self._connection(peer).lookup
 
     async def _connect(self, peer: Peer) -> _Connection:
+        """The peer's connection with its channel agreed. A pull that arrives while a hello is on
+        its way (a warm-up's) waits for that one; a pull that gives up (the engine's timeout)
+        leaves the hello running, so the connection is ready for the next one."""
         conn = self._connection(peer)
-        if conn.channel is not None:
-            return conn
+        if conn.channel is None:
+            await asyncio.shield(self._start_hello(peer, conn, "on demand"))
+        elif conn.hello is not None and not conn.hello.done():
+            # Agreed, but a hello is still finishing (the channel's own set-up after the reply,
+            # or a keeper's second hello): the session is ready only once it is done.
+            await asyncio.shield(conn.hello)
+        return conn
+
+    def _start_hello(self, peer: Peer, conn: _Connection, why: str) -> asyncio.Task:
+        """The connection's hello in flight, or a new one when none is (or the last one failed)."""
+        if conn.hello is None or conn.hello.done():
+            conn.hello = asyncio.ensure_future(self._hello(peer, conn, why))
+            conn.hello.add_done_callback(_retrieve)
+        return conn.hello
+
+    async def _hello(self, peer: Peer, conn: _Connection, why: str) -> None:
+        """Agree a channel with the holder (and open its session for us): ours, else tcp."""
+        t0 = time.perf_counter()
+        error = "refused"
         for channel in dict.fromkeys([self.preferred, "tcp"]):
             hello = self.transports[channel].hello(self.me.instance_id, self.me.rank, self.storage.fingerprint)
             try:
@@ -284,16 +422,31 @@ class P2PClient:
                 continue  # it serves tcp: ask for that instead
             conn.channel = channel
             conn.staged = reply.staged
+            await self.transports[channel].connect((peer.host, peer.lookup_port), reply)  # tcp data streams
+            conn.hello_ms = (time.perf_counter() - t0) * 1e3
             if channel != self.preferred:
                 logger.info("%s serves %s only; pulling from it over tcp", peer.describe(), reply.channels)
-            return conn
-        self._drop(peer)
+            if why == "on demand":  # a warm-up logs its own line
+                logger.info(
+                    "%s: connected to peer %s on demand over %s in %.1f ms (its first pull waited for it)",
+                    self.me.describe(),
+                    peer.describe(),
+                    conn.describe_channel(),
+                    conn.hello_ms,
+                )
+            return
+        self._drop(peer, conn)
         raise TransferError(f"{peer.describe()} refused the {self.preferred} session: {error}")
 
-    def _drop(self, peer: Peer) -> None:
-        conn = self._connections.pop((peer.host, peer.lookup_port), None)
-        if conn is not None:
-            conn.close()
+    def _drop(self, peer: Peer, conn: _Connection | None = None) -> None:
+        """Close the peer's connection (only if it is still ``conn``, when given): the next pull,
+        or the peer's keeper when it is warm, connects again."""
+        key = (peer.host, peer.lookup_port)
+        current = self._connections.get(key)
+        if current is None or (conn is not None and current is not conn):
+            return
+        del self._connections[key]
+        current.close()
 
     async def _fetch(self, conn: _Connection, peer: Peer, hashes: list[int]) -> _Batch:
         """One ChunkPull into freshly reserved pages, landed and verified, not yet committed."""
@@ -325,6 +478,8 @@ class P2PClient:
         t_slots = time.perf_counter()
         slots = await transport.prepare(pages, conn.staged, timeout)
         batch.phases_ms["slots"] = (time.perf_counter() - t_slots) * 1e3
+        # tcp: the payloads come over our data streams from this holder, straight into the pages
+        batch.landing = transport.begin((peer.host, peer.lookup_port), pages)
         request = ChunkPull(
             session=transport.session,
             fingerprint=self.storage.fingerprint,
@@ -332,6 +487,7 @@ class P2PClient:
             pages=pack_pages(batch.pages) if direct else b"",
             slots=pack_pages(slots),
             timeout_s=timeout,
+            transfer=batch.landing.id if batch.landing is not None else 0,
         )
 
         def release_late(reply, frames) -> None:
@@ -354,12 +510,14 @@ class P2PClient:
             else:
                 transport.release(slots)
             batch.error, batch.peer_failed = str(e), True
+            self._close_landing(batch)
             return batch
         except RemoteError as e:  # the holder refused (unknown session, layout, its transfer failed)
             transport.release(slots)
             batch.error, batch.peer_failed = str(e), True
+            self._close_landing(batch)
             return batch
-        return await self._land(batch, transport, reply, frames, slots, peer, t0)
+        return await self._land(batch, transport, reply, frames, slots, peer, t0, timeout)
 
     async def _land(
         self,
@@ -370,8 +528,11 @@ class P2PClient:
         slots: list[int],
         peer: Peer,
         t0: float,
+        timeout: float,
     ) -> _Batch:
-        """Place and verify what the holder's reply says it sent; gives the receive slots back."""
+        """Place and verify what the holder's reply says it sent; gives the receive slots back.
+        Streamed payloads (tcp) may still be on their way when the reply arrives: they are waited
+        for here, within what is left of the request's timeout."""
         hashes = batch.hashes
         served = min(reply.served, len(hashes))
         t1 = time.perf_counter()
@@ -379,9 +540,17 @@ class P2PClient:
         batch.phases_ms["queue+wire"] = max(0.0, (t1 - t0) * 1e3 - reply.holder_ms)
         try:
             try:
-                await transport.land(frames, batch.pages[:served], slots[:served] if reply.staged else [])
+                if reply.streamed:
+                    if batch.landing is None:
+                        raise TransferError(f"{peer.describe()} streamed payloads we did not ask to be streamed")
+                    await batch.landing.landed(served, max(1.0, timeout - (t1 - t0)))
+                else:
+                    await transport.land(frames, batch.pages[:served], slots[:served] if reply.staged else [])
             finally:  # the bytes are in our pages: the slots take the next request's while we verify
                 transport.release(slots)
+                idle = self._close_landing(batch)
+            if not idle:  # its pages are kept out of use until that write ends
+                raise TransferError(f"{peer.describe()} still writes into pages after its reply")
             batch.phases_ms["land"] = (time.perf_counter() - t1) * 1e3
             batch.checksums = unpack_hashes(reply.checksums)
             batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
@@ -427,7 +596,127 @@ class P2PClient:
         for page in pages:
             self.storage.abandon_page(page)
 
+    def _close_landing(self, batch: _Batch) -> bool:
+        """Stop a batch's streamed payloads (tcp) from landing. True when nothing writes into its
+        pages any more; else a segment is being received into them right now, and the pages are
+        quarantined (taken from the batch) until that write ends."""
+        landing, batch.landing = batch.landing, None
+        if landing is None:
+            return True
+        pages, batch.pages = batch.pages, []
+
+        def release() -> None:
+            self._abandon(pages)
+            self.stats["pages_quarantined"] -= len(pages)
+
+        if landing.close(on_idle=release):
+            batch.pages = pages
+            return True
+        self.stats["pages_quarantined"] += len(pages)
+        return False
+
+    # -- the warm set -----------------------------------------------------------------------------
+
+    def set_warm_peers(self, peers: list[MeshPeer], registered: bool = False, limit: int | None = None) -> None:
+        """Take the controller's warm set (at most ``limit`` of ``peers``): keep a connection to
+        each, in the background. A peer that left the set is dropped, and one at the same address
+        under another session (it restarted) is connected afresh. With ``registered`` (the set
+        that came with a registration: the controller may have restarted and not every peer be
+        back yet), connections to peers missing from it stay open, as on-demand ones."""
+        wanted: dict[tuple[str, int], tuple[Peer, str]] = {}
+        for p in peers[:limit]:
+            if p.p2p_init_port and p.p2p_lookup_port:
+                peer = Peer(p.instance_id, p.rank, p.host, p.p2p_init_port, p.p2p_lookup_port)
+                wanted[(peer.host, peer.lookup_port)] = (peer, p.session)
+        for key, warm in list(self._warm.items()):
+            target = wanted.get(key)
+            if target == (warm.peer, warm.session):
+                continue
+            del self._warm[key]
+            if warm.keeper is not None:
+                warm.keeper.cancel()
+            if target is not None:
+                outcome = "restarted: connecting to its new process"
+                self._drop(warm.peer)
+            elif registered:
+                outcome = "not in the controller's first warm set since registering: kept, on demand"
+            elif self._busy(key):
+                outcome = "left the warm set: its pulls in flight finish, then it connects on demand"
+            else:
+                outcome = "left the warm set: connection closed"
+                self._drop(warm.peer)
+            logger.info("%s: peer %s %s", self.me.describe(), warm.peer.describe(), outcome)
+        for key, (peer, session) in wanted.items():
+            if key not in self._warm:
+                warm = self._warm[key] = _Warm(peer, session)
+                warm.keeper = asyncio.ensure_future(self._keep_warm(warm))
+
+    async def _keep_warm(self, warm: _Warm) -> None:
+        """Connect to a warm-set peer, and again whenever its connection is dropped (a failed
+        pull); a hello that fails is retried with backoff, logged once. Runs until cancelled."""
+        peer, delay = warm.peer, WARM_RETRY_FIRST_S
+        while True:
+            t0 = time.perf_counter()
+            try:
+                conn = self._connection(peer)
+                if conn.channel is None or conn.peer_session != warm.session:
+                    # Also on a connection a pull opened: the hello is idempotent at the holder
+                    # and (re)opens our session there if this is a process it has not seen.
+                    await asyncio.shield(self._start_hello(peer, conn, "warm-up"))
+                    conn.peer_session = warm.session
+            except (RequestFailed, TransferError) as e:
+                warm.failures += 1
+                warm.state, warm.error = "retrying", str(e)
+                log = logger.warning if warm.failures == 1 else logger.debug
+                log(
+                    "%s: could not warm peer %s (%s); retrying in %.0f s and then with backoff up to %.0f s "
+                    "(pulls from it connect on demand meanwhile)",
+                    self.me.describe(),
+                    peer.describe(),
+                    e,
+                    delay,
+                    WARM_RETRY_MAX_S,
+                )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, WARM_RETRY_MAX_S)
+                continue
+            warm.state, warm.ms, warm.error = "warm", (time.perf_counter() - t0) * 1e3, None
+            logger.info(
+                "%s: peer %s warm over %s in %.1f ms (hello %.1f ms)%s",
+                self.me.describe(),
+                peer.describe(),
+                conn.describe_channel(),
+                warm.ms,
+                conn.hello_ms,
+                f" after {warm.failures} failed tries" if warm.failures else "",
+            )
+            warm.failures, delay = 0, WARM_RETRY_FIRST_S
+            await conn.closed.wait()
+            warm.state = "connecting"
+            await asyncio.sleep(WARM_RETRY_FIRST_S)  # a pull just failed on it: give the peer a moment
+
+    def warm_peers(self) -> list[dict]:
+        """The warm set as /status shows it (read from the engine's thread too: a snapshot)."""
+        out = []
+        for key, warm in list(self._warm.items()):
+            conn = self._connections.get(key)
+            out.append(
+                {
+                    "peer": warm.peer.describe(),
+                    "state": warm.state,
+                    "channel": conn.describe_channel() if conn else None,
+                    "warm_ms": None if warm.ms is None else round(warm.ms, 1),
+                    "failures": warm.failures,
+                    "error": warm.error,
+                }
+            )
+        return out
+
     def close(self) -> None:
+        for warm in self._warm.values():
+            if warm.keeper is not None:
+                warm.keeper.cancel()
+        self._warm.clear()
         for conn in self._connections.values():
             conn.close()
         self._connections.clear()

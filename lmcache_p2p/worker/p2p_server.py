@@ -8,8 +8,10 @@ request runs as its own task, so one slow transfer does not hold up the others; 
 
 A pull pins the leading chunks we hold (a disk hit is promoted into the CPU tier first), sends
 them over the session's channel with their checksums, and releases the pins once the reply is
-on the wire (``Answer.on_sent``). A request for another layout (model, dtype, TP rank...) is
-refused.
+on the wire (``Answer.on_sent``). Over tcp the payloads go over the session's data streams
+(the transport's data port, bound on this rank's p2p host and offered in the hello reply) when
+the requester opened some, else as reply frames. A request for another layout (model, dtype,
+TP rank...) is refused.
 """
 
 from __future__ import annotations
@@ -85,6 +87,18 @@ class PeerServer:
                     f"(set {name}_ports to free ports, one per TP rank)"
                 ) from None
             self._servers.append(server)
+        for transport in transports.values():
+            try:
+                transport.listen(identity.host)  # the configured p2p host only, never every interface
+            except OSError as e:
+                # Pulls from us still work: the payloads ride the replies (slower).
+                logger.warning(
+                    "%s: no %s data port on %s (%s); peers get payloads in replies",
+                    identity.describe(),
+                    transport.name,
+                    identity.host,
+                    e,
+                )
 
     def start(self) -> None:
         for server in self._servers:
@@ -124,11 +138,13 @@ class PeerServer:
             return ChannelHelloReply(ok=False, channels=channels, error=str(e))
         self._sessions[hello.session] = transport
         self.stats["sessions"] += 1
-        return ChannelHelloReply(ok=True, channels=channels, staged=staged)
+        data_port, data_token = transport.offer(hello.session)
+        return ChannelHelloReply(ok=True, channels=channels, staged=staged, data_port=data_port, data_token=data_token)
 
     async def _on_pull(self, request: ChunkPull) -> Answer:
         """A pull, at most ``max_concurrent_pulls`` at once. Its pins and its slot are held until
-        the reply is sent: TCP payload frames are zero-copy views of the pinned pages."""
+        the reply is sent: TCP payload frames are zero-copy views of the pinned pages (streamed
+        payloads are in the kernel's socket buffers by then)."""
         await self._pull_slots.acquire()
         pins: list[PinnedChunk] = []
 
@@ -169,14 +185,23 @@ class PeerServer:
             return ChunkPullReply(ok=True, served=0), []
         # Known since store for most chunks; the rest are hashed now, on several threads.
         checksums = await asyncio.to_thread(in_parallel, lambda c: c.checksum, pins)
+        timeout = 0.9 * request.timeout_s
+        frames: list = []
+        staged = False
+        queued: float | None = None
         try:
-            frames, staged = await transport.send(request.session, pins, pages, slots, 0.9 * request.timeout_s)
+            if request.transfer:  # tcp: over the data streams the requester opened, if it has any
+                queued = await transport.send_streamed(request.session, pins, request.transfer, timeout)
+            if queued is None:
+                frames, staged = await transport.send(request.session, pins, pages, slots, timeout)
         except TransferError as e:
             self.stats["pulls_refused"] += 1
             logger.warning("%s: sending %d chunk(s) failed: %s", self.me.describe(), len(pins), e)
             return ChunkPullReply(ok=False, error=str(e)), []
+        streamed = queued is not None
         nbytes = len(pins) * self.storage.page_bytes
-        elapsed = time.perf_counter() - t0
+        # Waiting behind the session's earlier requests for its streams is queueing, not our work.
+        elapsed = time.perf_counter() - t0 - (queued or 0.0)
         self.stats["pulls_served"] += 1
         self.stats["chunks_served"] += len(pins)
         self.stats["bytes_served"] += nbytes
@@ -186,12 +211,17 @@ class PeerServer:
             len(pins),
             nbytes / 2**20,
             transport.name,
-            " (GPU staged)" if staged else "",
+            " (GPU staged)" if staged else " (data streams)" if streamed else "",
             elapsed * 1e3,
             nbytes / 1e9 / max(elapsed, 1e-9),
         )
         return ChunkPullReply(
-            ok=True, served=len(pins), checksums=pack_hashes(checksums), staged=staged, holder_ms=elapsed * 1e3
+            ok=True,
+            served=len(pins),
+            checksums=pack_hashes(checksums),
+            staged=staged,
+            streamed=streamed,
+            holder_ms=elapsed * 1e3,
         ), frames
 
     async def _on_fetch(self, request: FetchChunks) -> FetchReply:

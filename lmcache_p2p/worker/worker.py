@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint
 from lmcache_p2p.peer_service import EngineCounters
 from lmcache_p2p.protocol import Traffic
+from lmcache_p2p.pull_policy import PrefillRate, PullPolicy
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TcpTransport, TransferError, Transport, make_transport
 from lmcache_p2p.worker.commands import CommandServer
@@ -49,7 +51,11 @@ def build_engine(
     config.validate_for_tp(layout.tp_size)
     config.validate_for_block_size(layout.block_size)
     storage = StorageManager(config, layout, pin_memory=pin_memory)
-    counters = EngineCounters()
+    # The engine measures its prefill rate into this; the worker's pull policy reads it.
+    device_class = "cuda" if device is not None and getattr(device, "type", None) == "cuda" else "cpu"
+    counters = EngineCounters(
+        prefill=PrefillRate.for_engine(config.prefill_tokens_per_s, device_class, min_tokens=config.chunk_size)
+    )
     peers = None
     if config.enable_controller:
         try:
@@ -83,6 +89,9 @@ class Worker:
         self.server: PeerServer | None = None
         self.commands: CommandServer | None = None
         self.transports: dict[str, Transport] = {}
+        # Why the configured transfer channel is not the one running (None: it is); in /status,
+        # at the controller (/controller/workers, the WebUI) and in one ERROR line at start-up.
+        self.channel_error: str | None = None
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -137,12 +146,25 @@ class Worker:
                     channel,
                     config.p2p_batch_chunks,
                     config.p2p_pipeline_depth,
+                    policy=PullPolicy(
+                        self.counters.prefill,
+                        config.chunk_size,
+                        self.storage.page_bytes,
+                        config.p2p_pull_policy,
+                        config.p2p_pull_margin,
+                        probe_chunks=config.p2p_batch_chunks,
+                    ),
                 )
                 self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client)
             self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.client, self.status)
         except BaseException:
             self._shutdown(deregister=False)
             raise
+        self.link.effective_channel, self.link.channel_error = self.effective_channel, self.channel_error
+        if self.client is not None and config.p2p_max_warm_peers > 0:
+            # The controller answers registrations and heartbeats with the peers to keep warm.
+            self.link.max_warm_peers = config.p2p_max_warm_peers
+            self.link.on_peers = functools.partial(self.client.set_warm_peers, limit=config.p2p_max_warm_peers)
         self.link.start()
         if self.server is not None:
             self.server.start()
@@ -177,14 +199,25 @@ class Worker:
                 if self.config.nixl_buffer_device == "cuda":  # the fast path was asked for by name
                     why = str(e) if "nixl_buffer_device" in str(e) else f"nixl_buffer_device is cuda, but {e}"
                     raise TransferError(f"{self.identity.describe()}: {why}") from None
-                logger.warning(
-                    "%s: transfer_channel %s unavailable (%s); peers will use tcp",
+                # An ERROR, not a warning: the engine runs, but every peer pull it makes or serves
+                # is many times slower than asked for, and this line is the only place that says so.
+                self.channel_error = str(e)
+                logger.error(
+                    "%s: transfer_channel %s is not available here, so peers pull over tcp: %s",
                     self.identity.describe(),
                     channel,
                     e,
                 )
         transports["tcp"] = TcpTransport(pool, session)
         return transports
+
+    @property
+    def effective_channel(self) -> str | None:
+        """The channel this rank pulls over and prefers to serve (None without P2P)."""
+        if not self.transports:
+            return None
+        configured = self.config.transfer_channel
+        return configured if configured in self.transports else "tcp"
 
     def _shutdown(self, deregister: bool) -> None:
         for part in (self.commands, self.server, self.client):
@@ -259,6 +292,8 @@ class Worker:
             pull_failures=int(client.get("pull_failures", 0)),
             pulled_bytes=int(client.get("bytes_pulled", 0)),
             served_bytes=server.get("bytes_served", 0),
+            pulls_skipped=int(client.get("pulls_skipped", 0)),
+            skipped_tokens=int(client.get("chunks_skipped", 0)) * self.config.chunk_size,
         )
 
     def status(self) -> dict:
@@ -279,6 +314,11 @@ class Worker:
         if self.server:
             out["p2p_server"] = dict(self.server.stats)
             out["channels"] = list(self.transports)
+            out["transfer_channel"] = self.config.transfer_channel
+            out["effective_channel"] = self.effective_channel
+            out["channel_error"] = self.channel_error
+        if self.client:
+            out["warm_peers"] = self.client.warm_peers()
         if self.commands:
             out["command_pins"] = self.commands.pinned_chunks
         return out

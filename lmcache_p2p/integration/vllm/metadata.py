@@ -42,3 +42,7 @@ class P2PConnectorMetadata(KVConnectorMetadata):
     # Blocks were freed without waiting for our stores (a preemption), and may be written this
     # step: the forward pass must wait for the store copies in flight.
     fence_stores: bool = False
+    # The step's size, for the ranks' prefill rate (the pull policy weighs pulls against it): the
+    # tokens it computes, and how many of those are prompt tokens (the rest are decodes).
+    step_tokens: int = 0
+    prefill_tokens: int = 0

@@ -162,13 +162,15 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
         meta = P2PConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
-        self._engine_busy = scheduler_output.total_num_scheduled_tokens > 0
+        meta.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        self._engine_busy = meta.step_tokens > 0
         self._idle_wait_taken = False  # build_connector_meta ends a scheduling round
         for new in scheduler_output.scheduled_new_reqs:
             new_state = self._request(new.req_id, new.prompt_token_ids)
             new_state.block_ids = list(new.block_ids[0]) if new.block_ids else []
             self._add_load(meta, new.req_id, new_state, new.num_computed_tokens)
             self._add_store(meta, new.req_id, new_state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            meta.prefill_tokens += _prompt_part(new_state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
 
         cached = scheduler_output.scheduled_cached_reqs
         resumed = self._resumed(cached)
@@ -184,6 +186,7 @@ class SchedulerSide:
             computed = cached.num_computed_tokens[i]
             self._add_load(meta, req_id, state, computed)
             self._add_store(meta, req_id, state, computed + scheduled.get(req_id, 0))
+            meta.prefill_tokens += _prompt_part(state, computed, scheduled.get(req_id, 0))
 
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         for req_id in preempted or ():
@@ -246,3 +249,9 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _prompt_part(state: _Request, computed: int, scheduled: int) -> int:
+    """Of ``scheduled`` tokens computed after ``computed``, those of the prompt (a prefill).
+    ``computed`` counts the tokens loaded for the request: they are no part of this step."""
+    return max(0, min(scheduled, state.num_tokens - computed))

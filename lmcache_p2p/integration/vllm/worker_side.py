@@ -10,6 +10,9 @@ request's hashes, so the scheduler's later polls name the request only.
 Chunks a lookup promised are pinned until the load (or the request's end), so an eviction in
 between cannot turn a promised hit into garbage; should a load still come up short, the blocks it
 did not fill are reported to vLLM, which recomputes them.
+
+It also times the forward passes that prefill (:class:`_StepClock`): the engine's prefill rate,
+which the rank's pull policy weighs a peer pull against.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +61,53 @@ class _Lookup:
     prefix: PinnedPrefix | None = None
 
 
+class _StepClock:
+    """Times the forward passes that prefill at least a chunk, for the engine's prefill rate: from
+    the end of ``start_load_kv`` (loads done) to the start of ``wait_for_save`` (stores not begun),
+    with the step's token counts from the scheduler. On a GPU the host runs ahead of the device, so
+    the interval is taken between two CUDA events and read once the device has passed them
+    (polled each step, never waited for); on CPU the forward pass is synchronous."""
+
+    MAX_PENDING = 16  # steps whose events the device has not reached yet; older ones are dropped
+
+    def __init__(self, engine: CacheEngine, device: torch.device | None):
+        self.engine = engine
+        self.device = device  # the KV's CUDA device, or None
+        self._open: tuple[int, int, Any] | None = None  # (tokens, prompt tokens, start mark)
+        self._pending: deque[tuple[int, int, Any, Any]] = deque()  # with their CUDA events
+
+    def start(self, meta: P2PConnectorMetadata) -> None:
+        self.poll()
+        self._open = None
+        if meta.prefill_tokens < self.engine.counters.prefill.min_tokens:
+            return  # decodes, or too little prefill to say how fast prefill is
+        if self.device is None:
+            mark: Any = time.perf_counter()
+        else:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record(torch.cuda.current_stream(self.device))
+        self._open = (meta.step_tokens, meta.prefill_tokens, mark)
+
+    def stop(self) -> None:
+        opened, self._open = self._open, None
+        if opened is None:
+            return
+        tokens, prefill, mark = opened
+        if self.device is None:
+            self.engine.observe_prefill(tokens, time.perf_counter() - mark, prefill)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        self._pending.append((tokens, prefill, mark, end))
+        while len(self._pending) > self.MAX_PENDING:
+            self._pending.popleft()
+
+    def poll(self) -> None:
+        while self._pending and self._pending[0][3].query():
+            tokens, prefill, start, end = self._pending.popleft()
+            self.engine.observe_prefill(tokens, start.elapsed_time(end) / 1e3, prefill)
+
+
 class WorkerSide:
     def __init__(self, vllm_config: Any, config: LMCacheConfig, kv_cache_config: Any = None):
         self.vllm_config = vllm_config
@@ -70,6 +121,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._saving: set[str] = set()  # requests we stored from (their blocks wait for finished_stores)
         self._finishing: set[str] = set()  # of those, finished in vLLM, store copies maybe in flight
+        self._clock: _StepClock | None = None  # times prefill steps (register_kv_caches makes it)
         self.tp_rank, self.tp_size = self._tp_rank_and_size()
 
     def _tp_rank_and_size(self) -> tuple[int, int]:
@@ -104,6 +156,7 @@ class WorkerSide:
             pin_memory=first.is_cuda,
             device=first.device if first.is_cuda else None,
         )
+        self._clock = _StepClock(self.engine, first.device if first.is_cuda else None)
         with _live_lock:
             _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
@@ -198,6 +251,8 @@ class WorkerSide:
                 prefix.release()
             if loaded_to < spec.end:
                 self._report_short_load(spec, loaded_to)
+        if self._clock is not None:
+            self._clock.start(meta)  # the forward pass starts now
 
     def _report_short_load(self, spec, loaded_to: int) -> None:
         block_size = self._engine.layout.block_size
@@ -217,6 +272,8 @@ class WorkerSide:
     def wait_for_save(self, meta: P2PConnectorMetadata) -> None:
         """Launch this step's stores; on a GPU they copy beside the next forward pass, and the
         requests' blocks stay allocated until get_finished reports them done."""
+        if self._clock is not None:
+            self._clock.stop()  # the forward pass is over (on a GPU: queued)
         engine = self._engine
         engine.poll_stores()
         for spec in meta.stores:
@@ -251,6 +308,7 @@ class WorkerSide:
             states, self._lookups = list(self._lookups.values()), {}
         for state in states:
             self._release(state)
+        self._clock = None
         if self.engine is not None:
             with _live_lock:
                 _live_engines.pop((self.config.lmcache_instance_id or "", self.tp_rank), None)

@@ -127,6 +127,9 @@ function renderOverview() {
     card("Lookups/s", rate(o.lookups_per_s), `engine prefix lookups · peer lookups ${rate(o.peer_lookups_per_s)}/s`, "lookups"),
     card("Hit ratio", pct(o.hit_ratio), `local + peer, last ${c.rate_window_s}s`, "hit-ratio"),
     card("P2P throughput", `${bytes(o.p2p_bytes_per_s)}/s`, `${rate(o.p2p_transfers_per_s)} transfers/s · ${bytes(totals.pulled_bytes)} total`, "p2p"),
+    // Peer pulls the ranks left undone because recomputing was estimated faster (p2p_pull_policy
+    // auto); which peers, and the estimates, are in each worker's POST /status.
+    card("Pulls skipped", num(totals.pulls_skipped), `slower than recomputing · ${num(totals.skipped_tokens)} tokens recomputed · ${rate(o.pulls_skipped_per_s)}/s`, "pulls-skipped"),
     card("Commands in flight", num(o.commands_in_flight), "pending move/copy/clear/pin", "in-flight"),
     card("Bad frames", num(o.bad_frames), "undecodable messages dropped", "bad-frames"),
     card("Uptime", duration(c.uptime_s), `since ${clock(c.started_at)}`, "uptime"),
@@ -188,13 +191,23 @@ function ports(workers) {
   return workers.map((w) => `${w.worker_port} · ${w.p2p_init_port || "–"}/${w.p2p_lookup_port || "–"}`).join(", ");
 }
 
+// The channel a worker runs; where it is not the configured one (NIXL missing on its host), the
+// fallback is flagged, and the worker's error, which names the fix, is the tooltip.
+function channelCell(w) {
+  const running = w.effective_channel || w.transfer_channel;
+  if (!running) return "none";
+  if (!w.channel_error) return running;
+  return el("span", { class: "channel-fallback", title: w.channel_error },
+    `${running} (${w.transfer_channel} unavailable)`);
+}
+
 function workerTable(inst) {
   return el("table", { class: "grid inner" },
     el("thead", {}, el("tr", {}, ["Rank", "Status", "Host", "Worker port", "P2P init/lookup", "Channel",
       "Fingerprint", "Keys", "Last heartbeat", "Registered"].map((h) => el("th", {}, h)))),
     el("tbody", {}, inst.workers.map((w) => el("tr", { "data-worker": w.worker_id },
       el("td", {}, w.worker_id), el("td", {}, badge(w.status)), el("td", {}, w.host), el("td", {}, w.worker_port),
-      el("td", {}, `${w.p2p_init_port || "–"}/${w.p2p_lookup_port || "–"}`), el("td", {}, w.transfer_channel || "none"),
+      el("td", {}, `${w.p2p_init_port || "–"}/${w.p2p_lookup_port || "–"}`), el("td", {}, channelCell(w)),
       el("td", {}, el("code", {}, w.fingerprint)), el("td", {}, keysText(w.keys)),
       el("td", {}, `${w.last_heartbeat_ago_s.toFixed(1)} s ago`), el("td", {}, clock(w.registered_at))))));
 }
