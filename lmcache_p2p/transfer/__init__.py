@@ -5,8 +5,9 @@ wants them (``transfer_channel`` in the config).
   (UCX), one registration of each pool per process; no copy through sockets. Between processes
   of one host with CUDA, through GPU staging slots on both ends instead (gpu_staging;
   ``nixl_buffer_device``), because NIXL moves GPU memory over cuda_ipc ~200x faster.
-* ``tcp``: the payloads ride the reply on the ZMQ socket as one frame per chunk, for hosts where
-  NIXL/UCX cannot run.
+* ``tcp``: for hosts where NIXL/UCX cannot run: the payloads go over plain TCP data streams the
+  requester opens at hello, received straight into its reserved pool pages (tcp_transport); a
+  holder without a data port sends them as ZMQ reply frames instead.
 
 A holder serves every channel it has (tcp always), so a requester configured for nixl still gets
 chunks from a tcp-only peer. A rank configured for nixl where NIXL cannot run serves and pulls over
