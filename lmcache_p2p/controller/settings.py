@@ -27,7 +27,9 @@ class ControllerSettings:
     host: str = "localhost"
     port: int = 9000
     monitor_ports: dict[str, int] = field(default_factory=lambda: {"pull": 8300, "reply": 8400, "heartbeat": 8082})
-    monitor_host: str = "0.0.0.0"  # ZMQ sockets: workers on other hosts connect here
+    # ZMQ sockets' bind address; "" binds where the HTTP API does (--host). Workers on other
+    # hosts need a routable address here (or 0.0.0.0, which must be asked for).
+    monitor_host: str = ""
     health_check_interval: float = DEFAULT_HEALTH_CHECK_INTERVAL
     worker_timeout: float = DEFAULT_WORKER_TIMEOUT
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT
@@ -38,6 +40,9 @@ class ControllerSettings:
         """What the controller tells workers to use: the worker default (5 s), or faster when
         --worker-timeout is short, so a timeout always spans six beats."""
         return min(5.0, self.worker_timeout / 6)
+
+    def __post_init__(self) -> None:
+        self.monitor_host = self.monitor_host or self.host
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -95,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--monitor-ports", help='ZMQ ports as JSON, e.g. \'{"pull": 8300, "reply": 8400, "heartbeat": 8082}\''
     )
-    p.add_argument("--monitor-host", help="ZMQ bind address (default 0.0.0.0)")
+    p.add_argument("--monitor-host", help="ZMQ bind address (default: the --host value)")
     p.add_argument(
         "--health-check-interval",
         type=float,

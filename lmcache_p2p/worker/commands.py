@@ -69,7 +69,7 @@ class CommandServer:
             error_reply=lambda e: CommandReply(event_id="", ok=False, error=e),
         )
         try:
-            self.server.bind(f"tcp://*:{identity.worker_port}")
+            self.server.bind(f"tcp://{identity.host}:{identity.worker_port}")
         except zmq.ZMQError as e:
             raise OSError(
                 f"{identity.describe()}: cannot bind lmcache_worker_ports port {identity.worker_port}: "

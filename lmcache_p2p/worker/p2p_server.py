@@ -79,7 +79,7 @@ class PeerServer:
                 ctx, f"{identity.describe()} {name}", handlers, concurrent=True, on_bad_frame=self._count_bad_frame
             )
             try:
-                server.bind(f"tcp://*:{port}")
+                server.bind(f"tcp://{identity.host}:{port}")
             except zmq.ZMQError as e:
                 self.close()
                 raise OSError(
