@@ -206,6 +206,13 @@ def _config_ports(path: str) -> list[int]:
     return ports
 
 
+def _instance_id(path: str) -> str:
+    import yaml
+
+    with open(path) as f:
+        return str((yaml.safe_load(f) or {}).get("lmcache_instance_id", ""))
+
+
 def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str, timeout: float = 10.0) -> None:
     """Until the controller knows a holder of the prompt's chunks (workers report in batches)."""
     tokens = post_json(f"{engine_url}/tokenize", {"model": model, "prompt": prompt}, timeout=30)["tokens"]
@@ -214,6 +221,30 @@ def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str,
         if post_json(f"{controller_url}/lookup", {"tokens": tokens}, timeout=5)["layout_info"]:
             return
         time.sleep(0.05)
+
+
+def _wait_mesh_warm(controller_url: str, instance_ids: list[str], timeout: float = 60.0) -> float | None:
+    """Until every rank of ``instance_ids`` reports its warm set connected (the background
+    hellos the controller asked for); the seconds that took, or None if it did not happen in
+    ``timeout`` (the demo goes on: a pull then connects on demand). A serving fleet is warm;
+    on two shared vCPUs the hellos of two engines still starting can take seconds."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        try:
+            states = [
+                w.get("state")
+                for instance_id in instance_ids
+                for rank in post_json(f"{controller_url}/status", {"instance_id": instance_id}, timeout=10)[
+                    "workers"
+                ].values()
+                for w in rank.get("warm_peers", [])
+            ]
+        except (urlerror.URLError, OSError, KeyError, ValueError):
+            states = []
+        if len(states) >= len(instance_ids) * (len(instance_ids) - 1) and all(s == "warm" for s in states):
+            return time.monotonic() - started
+        time.sleep(0.2)
+    return None
 
 
 # The line a peer pull logs (p2p_client), as the demo and benchmarks/gpu/e2e.py read it.
@@ -310,6 +341,13 @@ def main(argv=None) -> int:
             print(f"==> engine {i}: vLLM on http://localhost:{port} with {config} (log {engine.log_path})", flush=True)
         for engine, port in zip(engines, engine_ports, strict=False):
             engine.wait_http(f"http://localhost:{port}/health", args.start_timeout, progress=True)
+
+        controller_url = f"http://localhost:{args.controller_port}"
+        warm_s = _wait_mesh_warm(controller_url, [_instance_id(c) for c in (args.config1, args.config2)])
+        if warm_s is None:
+            print("==> the engines did not connect to each other within 60 s; engine 2 connects on demand")
+        else:
+            print(f"==> the engines are connected to each other (peer warm-up done {warm_s:.1f} s after both were up)")
 
         document = sample_text(args.document_words, seed=2024)
         prompt = f"{document}\nQuestion: what is this document about? Answer:"

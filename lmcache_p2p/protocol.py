@@ -174,6 +174,11 @@ class Heartbeat(_Msg, tag="heartbeat"):
     controller_epoch: str  # the epoch the worker registered with ("" if never)
     traffic: Traffic | None = None  # None from senders that keep no totals
     peers_version: int = 0  # of the last warm set received: the reply carries a new one only on change
+    # The last KeyEvents batch number sent per location, as of the heartbeat before this one
+    # (batches sent since may still be on their way on the pull socket). A controller that has
+    # not seen that batch lost the stream's tail, which no later batch would reveal: it asks
+    # for a re-sync. None from senders that do not say.
+    event_seqs: dict[str, int] | None = None
 
 
 class HeartbeatReply(_Msg, tag="heartbeat_reply"):

@@ -273,10 +273,16 @@ class FakeWorker:
         self.epoch = reply.controller_epoch
         return reply
 
-    def heartbeat(self, traffic: Traffic | None = None):
+    def heartbeat(self, traffic: Traffic | None = None, event_seqs: dict[str, int] | None = None):
         return self._ask(
             self.hb,
-            Heartbeat(instance_id=self.instance_id, rank=self.rank, controller_epoch=self.epoch, traffic=traffic),
+            Heartbeat(
+                instance_id=self.instance_id,
+                rank=self.rank,
+                controller_epoch=self.epoch,
+                traffic=traffic,
+                event_seqs=event_seqs,
+            ),
         )
 
     def events(self, location: str = CPU, admitted=(), evicted=(), seq: int | None = None) -> int:

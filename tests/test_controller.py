@@ -199,6 +199,21 @@ def test_a_sequence_gap_asks_for_a_full_resync_that_replaces_the_keys(controller
     wait_lookup(controller, DOC, "inst-a", 6 * CHUNK)
 
 
+def test_a_lost_last_batch_is_caught_by_the_heartbeat_and_re_synced(controller, workers):
+    """No later batch reveals a lost tail: the heartbeat says what was sent a beat ago."""
+    a = workers("inst-a")
+    a.resync(CPU, [])
+    a.admit_tokens(DOC[: 2 * CHUNK])
+    wait_lookup(controller, DOC, "inst-a", 2 * CHUNK)
+    assert a.heartbeat(event_seqs={CPU: a.seq[CPU]}).resync == []  # all arrived: nothing asked
+    a.seq[CPU] += 1  # batch 2 was sent and lost (the pull socket was reconnecting), and it was the last
+    assert a.heartbeat(event_seqs={CPU: a.seq[CPU]}).resync == [CPU]
+    assert controller.metric("lmcache_controller_seq_gaps_total") == 1
+    a.resync(CPU, chunk_hashes(DOC, CHUNK)[:4])
+    assert a.heartbeat(event_seqs={CPU: a.seq[CPU]}).resync == []  # the snapshot covers batch 2
+    wait_lookup(controller, DOC, "inst-a", 4 * CHUNK)
+
+
 def test_re_registering_keeps_keys_until_the_resync_replaces_them(controller, workers):
     a = workers("inst-a")
     a.admit_tokens(DOC)

@@ -250,6 +250,8 @@ class Monitor:
             return HeartbeatReply(status="unknown", controller_epoch=self.epoch)
         if msg.traffic is not None:
             self.traffic.report(record.key, msg.traffic)
+        if msg.event_seqs:
+            self.registry.check_sent(record, msg.event_seqs)
         reply = HeartbeatReply(status="ok", controller_epoch=self.epoch, resync=record.wanted_resyncs())
         if record.wants_warm_set and msg.peers_version != self.registry.mesh_version(record.info.layout):
             reply.peers, reply.peers_version = self._warm_set(record)

@@ -254,6 +254,24 @@ class Registry:
             self._want_resync(state).replay.append(msg)
         self._apply(state, msg)
 
+    def check_sent(self, record: WorkerRecord, event_seqs: dict[str, int]) -> None:
+        """A heartbeat's word on the batches its worker sent a heartbeat ago: a location that
+        has not seen them lost them (a send dropped while the pull socket reconnected, say) and
+        is asked for a re-sync, as a gap would be."""
+        for location, sent in event_seqs.items():
+            state = record.locations.get(location)
+            if state is None or state.resync is not None or sent < state.next_seq:
+                continue
+            self.stats["seq_gaps"] += 1
+            logger.warning(
+                "%s rank %d %s: batches %d..%d were sent a heartbeat ago and never arrived; asking for a full re-sync",
+                *record.key,
+                location,
+                state.next_seq,
+                sent,
+            )
+            self._want_resync(state)
+
     def _apply(self, state: LocationState, msg: KeyEvents) -> None:
         admitted, evicted = unpack_hashes(msg.admitted), unpack_hashes(msg.evicted)
         self.index.add(state.holder, admitted)

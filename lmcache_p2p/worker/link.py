@@ -13,7 +13,10 @@
 * The warm set: with ``max_warm_peers`` set, the registration asks for the peers to keep
   connected, and each heartbeat echoes the version of the set it last got; a reply with a new
   set (on registration, or when the layout's membership changed) is handed to ``on_peers``,
-  which only schedules work: the hellos never run on this link's time.
+  which only schedules work: the hellos never run on this link's time. A newcomer greets the
+  ranks of its own warm set at once; :meth:`ControllerLink.beat_soon` lets such a rank ask for
+  its new set right then (one early heartbeat, at most every ``EARLY_BEAT_MIN_S``) instead of up
+  to a heartbeat interval later, when the newcomer may already be serving requests.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 3.0
 RESYNC_BATCH_KEYS = 65536
+EARLY_BEAT_MIN_S = 0.25  # beat_soon(): early heartbeats are at least this far apart
 
 
 class EventBatcher:
@@ -115,6 +119,11 @@ class EventBatcher:
             self._pending.clear()
             return n
 
+    def sent_seqs(self) -> dict[str, int]:
+        """The last batch number cut per location."""
+        with self._lock:
+            return dict(self.seq)
+
     def last_seq(self, location: str) -> int:
         with self._lock:
             return self.seq.get(location, 0)
@@ -165,6 +174,10 @@ class ControllerLink:
         self.peers_version = 0
         self._resyncing: set[str] = set()
         self._wake = asyncio.Event()
+        self._beat_now = asyncio.Event()  # beat_soon(): heartbeat before the interval is up
+        self._last_beat = 0.0
+        self._sent_at_last_beat: dict[str, int] = {}  # EventBatcher.sent_seqs() at the last beat
+        self._unsent: set[str] = set()  # locations with a batch the pull socket refused
         self._tasks: list[asyncio.Task] = []
         self.stats = {
             "registrations": 0,
@@ -210,7 +223,11 @@ class ControllerLink:
         while True:
             try:
                 if self.registered:
-                    await asyncio.sleep(self.interval)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._beat_now.wait(), self.interval)
+                    if self._beat_now.is_set():  # early: still no closer than EARLY_BEAT_MIN_S
+                        await asyncio.sleep(max(0.0, self._last_beat + EARLY_BEAT_MIN_S - time.monotonic()))
+                        self._beat_now.clear()
                     await self._beat()
                     if not self.registered:
                         away_since = time.monotonic()
@@ -309,8 +326,20 @@ class ControllerLink:
         except Exception:  # the link goes on whatever the warm-up does
             logger.exception("%s: taking the warm set of %d peer(s) failed", self.me.describe(), len(peers))
 
+    def beat_soon(self, why: str) -> None:
+        """Heartbeat now rather than at the next interval (the mesh changed, say ``why``), so a
+        new warm set arrives within milliseconds. At most one early beat per EARLY_BEAT_MIN_S:
+        a burst of greetings costs the controller one heartbeat."""
+        if not self.registered or self._beat_now.is_set():
+            return
+        logger.info("%s: heartbeat now (%s): asking for the new warm set", self.me.describe(), why)
+        self._beat_now.set()
+
     async def _beat(self) -> None:
+        self._last_beat = time.monotonic()
         assert self.heartbeat is not None  # made by the registration that set self.registered
+        # Batches sent before the last beat have surely arrived if they are coming at all.
+        sent_before, self._sent_at_last_beat = self._sent_at_last_beat, self.batcher.sent_seqs()
         try:
             reply = await self.heartbeat.request(
                 Heartbeat(
@@ -319,6 +348,7 @@ class ControllerLink:
                     controller_epoch=self.epoch,
                     traffic=self.traffic() if self.traffic else None,
                     peers_version=self.peers_version,
+                    event_seqs=sent_before or None,
                 ),
                 HeartbeatReply,
                 timeout=max(1.0, 2 * self.interval),
@@ -362,11 +392,17 @@ class ControllerLink:
         if not self.registered:
             self.stats["events_dropped"] += self.batcher.drop()
             return
+        for location in self._unsent - self._resyncing:
+            # A batch of it was refused (the pull socket had no connection): the re-sync, over
+            # the request socket, tells the controller what that batch would have.
+            self._unsent.discard(location)
+            self._start_resync(location)
         for batch in self.batcher.cut(self.me.instance_id, self.me.rank):
             if self.send(batch):
                 self.stats["batches_sent"] += 1
-            else:  # the controller sees the sequence gap and asks for a re-sync
+            else:
                 self.stats["events_dropped"] += 1
+                self._unsent.add(batch.location)
 
     def _start_resync(self, location: str) -> None:
         if location in self._resyncing:

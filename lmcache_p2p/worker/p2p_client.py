@@ -695,6 +695,10 @@ class P2PClient:
             warm.state = "connecting"
             await asyncio.sleep(WARM_RETRY_FIRST_S)  # a pull just failed on it: give the peer a moment
 
+    def is_warm(self, instance_id: str, rank: int) -> bool:
+        """Whether (instance_id, rank) is in the warm set the controller last sent."""
+        return any(w.peer.instance_id == instance_id and w.peer.rank == rank for w in self._warm.values())
+
     def warm_peers(self) -> list[dict]:
         """The warm set as /status shows it (read from the engine's thread too: a snapshot)."""
         out = []

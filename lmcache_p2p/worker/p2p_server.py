@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -61,6 +62,9 @@ class PeerServer:
         self.client = client
         self._sessions: dict[str, Transport] = {}
         self._pull_slots = asyncio.Semaphore(max_concurrent_pulls)
+        # Called with (instance id, rank) of each requester that opened a session: a rank that
+        # greets us is live and of our layout, which the worker uses to learn of newcomers early.
+        self.on_greeted: Callable[[str, int], object] | None = None
         self.stats = {
             "sessions": 0,
             "pulls_served": 0,
@@ -139,6 +143,11 @@ class PeerServer:
         self._sessions[hello.session] = transport
         self.stats["sessions"] += 1
         data_port, data_token = transport.offer(hello.session)
+        if self.on_greeted is not None:
+            try:
+                self.on_greeted(hello.instance_id, hello.rank)
+            except Exception:  # a hook's failure is no reason to refuse the session
+                logger.exception("%s: on_greeted hook failed", self.me.describe())
         return ChannelHelloReply(ok=True, channels=channels, staged=staged, data_port=data_port, data_token=data_token)
 
     async def _on_pull(self, request: ChunkPull) -> Answer:

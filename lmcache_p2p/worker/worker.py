@@ -165,6 +165,8 @@ class Worker:
             # The controller answers registrations and heartbeats with the peers to keep warm.
             self.link.max_warm_peers = config.p2p_max_warm_peers
             self.link.on_peers = functools.partial(self.client.set_warm_peers, limit=config.p2p_max_warm_peers)
+            if self.server is not None:
+                self.server.on_greeted = self._greeted
         self.link.start()
         if self.server is not None:
             self.server.start()
@@ -178,6 +180,13 @@ class Worker:
             else "",
             config.controller_reply_url,
         )
+
+    def _greeted(self, instance_id: str, rank: int) -> None:
+        """A peer opened a session with us. One we do not keep warm is likely a newcomer whose
+        warm set has us: ask the controller for ours now, not a heartbeat interval later."""
+        client, link = self.client, self.link
+        if client is not None and link is not None and not client.is_warm(instance_id, rank):
+            link.beat_soon(f"{instance_id} rank {rank} greeted us and is not in our warm set")
 
     def _make_transports(self, channel: str) -> dict[str, Transport]:
         cpu = self.storage.cpu

@@ -50,6 +50,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved_upto: int = 0  # prompt tokens already handed to the ranks to store
     stored: bool = False  # a store was handed to the ranks: its blocks are freed after get_finished
+    seen_at: float = field(default_factory=time.monotonic)  # first asked about (its lookup's start)
+    lookup_ms: float = 0.0  # from seen_at until every rank answered (a peer pull included)
 
 
 class SchedulerSide:
@@ -105,11 +107,12 @@ class SchedulerSide:
         if need != state.logged_need:
             state.logged_need = need
             logger.info(
-                "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d",
+                "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d (lookup %.1f ms)",
                 req_id,
                 state.num_tokens,
                 hit,
                 need,
+                state.lookup_ms,
             )
         return need, False
 
@@ -147,6 +150,7 @@ class SchedulerSide:
             state.next_poll = time.monotonic() + self.backoff_s
             return None
         state.hit = hit
+        state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
         return hit
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
