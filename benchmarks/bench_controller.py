@@ -51,6 +51,10 @@ class Load:
         self.push.connect(f"tcp://127.0.0.1:{controller.pull}")
         self.workers = [(f"bench-inst-{i}", r) for i in range(instances) for r in range(ranks)]
         self.seq = {w: 0 for w in self.workers}
+        # One command port for every rank: the controller checks that a new rank's command port
+        # answers a handshake (and drops a rank whose port does not).
+        self.commands = self.ctx.socket(zmq.ROUTER)
+        command_port = self.commands.bind_to_random_port("tcp://127.0.0.1")
         req = self.ctx.socket(zmq.DEALER)
         req.connect(f"tcp://127.0.0.1:{controller.reply}")
         for n, (inst, rank) in enumerate(self.workers):
@@ -63,7 +67,7 @@ class Load:
                             instance_id=inst,
                             rank=rank,
                             host="127.0.0.1",
-                            worker_port=1,
+                            worker_port=command_port,
                             layout=layout("bench-model", rank, ranks),
                             chunk_size=CHUNK,
                             locations=[CPU],

@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
+
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "LMCACHE_"
@@ -191,11 +193,20 @@ def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return parse_optional
 
 
-def _key(parse: Callable[[Any], Any], default: Any, doc: str) -> Any:
-    """A config field: its parser and a one-line doc, kept in the dataclass metadata."""
+def _to_secret(raw: Any) -> str:
+    """A secret as given: only surrounding whitespace goes (as on the controller), no quotes."""
+    if not isinstance(raw, str):
+        raise _Invalid("expected a string")
+    return raw.strip()
+
+
+def _key(parse: Callable[[Any], Any], default: Any, doc: str, secret: bool = False) -> Any:
+    """A config field: its parser and a one-line doc, kept in the dataclass metadata. A ``secret``
+    one is never in a repr, :meth:`LMCacheConfig.to_dict` or an error message."""
+    metadata = {"parse": parse, "doc": doc, "secret": secret}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"parse": parse, "doc": doc})
-    return field(default=default, metadata={"parse": parse, "doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata, repr=not secret)
 
 
 @dataclass
@@ -256,6 +267,17 @@ class LMCacheConfig:
     lmcache_worker_ports: list[int] | None = _key(_optional(_to_int_list), None, "command port per TP rank")
     lmcache_worker_heartbeat_time: float = _key(_to_float, 5.0, "seconds between worker heartbeats")
     extra_config: dict = _key(_optional(_to_dict), {}, "free-form extras, e.g. lookup_backoff_time")
+    # Security (issue 18): the secret every member of the mesh (the controller, each instance)
+    # shares; every ZMQ socket is then authenticated and encrypted (CurveZMQ). Give one of the two.
+    mesh_secret_file: str | None = _key(
+        _optional(_to_str), None, "a file holding the mesh secret (16+ characters) shared with the controller"
+    )
+    mesh_secret: str | None = _key(
+        _optional(_to_secret),
+        None,
+        f"the mesh secret itself, best from the {MESH_SECRET_ENV} environment variable (not a file others read)",
+        secret=True,
+    )
 
     # Where each non-default value came from ("env LMCACHE_X", a file path); for error messages.
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
@@ -297,7 +319,8 @@ class LMCacheConfig:
             try:
                 values[name] = f.metadata["parse"](value)
             except _Invalid as e:
-                raise ConfigError(name, str(e), value=value, source=source) from None
+                shown = None if f.metadata.get("secret") else value
+                raise ConfigError(name, str(e), value=shown, source=source) from None
             sources[name] = source
         if "extra_config" in values and values["extra_config"] is None:
             values["extra_config"] = {}
@@ -359,6 +382,13 @@ class LMCacheConfig:
                     value=backoff,
                     source=self.sources.get("extra_config"),
                 )
+        if self.mesh_secret_file is not None and self.mesh_secret is not None:
+            raise ConfigError(
+                "mesh_secret",
+                f"set either mesh_secret ({self.sources.get('mesh_secret', 'default')}) or mesh_secret_file "
+                f"({self.sources.get('mesh_secret_file', 'default')}), not both",
+            )
+        self.resolved_mesh_secret()
         if self.enable_controller:
             for key in ("lmcache_instance_id", "controller_pull_url", "controller_reply_url", "lmcache_worker_ports"):
                 if getattr(self, key) is None:
@@ -401,6 +431,22 @@ class LMCacheConfig:
 
     # -- derived values -------------------------------------------------------------------------
 
+    def resolved_mesh_secret(self) -> str | None:
+        """The mesh secret, read from ``mesh_secret_file`` or taken from ``mesh_secret``; None
+        when neither is set (the mesh is then unauthenticated). ConfigError naming the key when
+        the file is missing, unreadable or empty, or the secret is too short."""
+        if self.mesh_secret_file is not None:
+            try:
+                return read_secret_file(self.mesh_secret_file)
+            except MeshSecretError as e:
+                raise self._err("mesh_secret_file", str(e)) from None
+        if self.mesh_secret is not None:
+            try:
+                return check_secret(self.mesh_secret)
+            except MeshSecretError as e:  # never the value itself in the message
+                raise ConfigError("mesh_secret", str(e), source=self.sources.get("mesh_secret", "default")) from None
+        return None
+
     @property
     def lookup_backoff_time(self) -> float:
         """Seconds between peer-lookup retries under enable_async_loading (seed 004: 0.001)."""
@@ -415,7 +461,14 @@ class LMCacheConfig:
         return int(self.max_local_disk_size * GB)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
+        """Every key's value; a secret one shows as "<set>" (or None), never itself."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "sources":
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = "<set>" if f.metadata.get("secret") and value is not None else value
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,17 @@ matched to questions (``lmcache_p2p.rpc`` frames them); the PULL socket carries 
 
 Chunk hashes travel packed as little-endian uint64 bytes (``pack_hashes``): decoding a batch of a
 million keys is then a zero-copy ``np.frombuffer`` rather than a million Python ints.
+
+Commands expire. The controller waits ``--command-timeout`` for an answer and then reports the
+command as failed (504); a worker that was stopped or stalled may still find it in its socket
+later. So every command carries ``deadline_unix`` (the controller's wall clock when it stops
+waiting), and a worker that reads one later than ``deadline_unix - COMMAND_CLOCK_MARGIN_S`` by
+its own clock refuses it unrun ("expired"). The margin covers the two hosts' clocks disagreeing
+and the answer's trip back: controller and worker clocks must agree within
+``COMMAND_CLOCK_MARGIN_S`` (0.5 s; NTP or chrony keeps hosts within milliseconds). Clocks further
+apart than that break the rule both ways: a worker behind the controller may run a command the
+controller already gave up on; one ahead refuses fresh commands as expired (its log says by how
+much, which is the skew to fix).
 """
 
 from __future__ import annotations
@@ -232,6 +243,28 @@ class Ack(_Msg, tag="ack"):
 
 # -- controller -> worker (command socket) -------------------------------------------------------
 
+# How far the controller's and a worker's wall clocks may disagree (plus an answer's trip back)
+# without breaking "a command the controller reported as failed never runs" (module docstring).
+COMMAND_CLOCK_MARGIN_S = 0.5
+
+
+class _Command(_Msg, kw_only=True):
+    """What every controller -> worker command carries."""
+
+    event_id: str
+    # The controller's wall clock (time.time()) when it stops waiting for the answer: it sets
+    # now + its command timeout as it sends. 0: no deadline (a sender that does not set one).
+    deadline_unix: float = 0.0
+
+
+def seconds_past_deadline(command: _Command, now_unix: float, margin_s: float = COMMAND_CLOCK_MARGIN_S) -> float:
+    """How late ``command`` is at ``now_unix`` (a worker's clock): > 0 means it expired and must not
+    run. The margin is taken off the deadline, so clocks up to ``margin_s`` apart still never run
+    a command after the controller gave up on it."""
+    if command.deadline_unix <= 0:
+        return float("-inf")
+    return now_unix - (command.deadline_unix - margin_s)
+
 
 class PeerAddress(msgspec.Struct, kw_only=True):
     instance_id: str
@@ -242,35 +275,32 @@ class PeerAddress(msgspec.Struct, kw_only=True):
     p2p_lookup_port: int | None
 
 
-class MoveCommand(_Msg, tag="move"):
+class MoveCommand(_Command, tag="move"):
     """Send these chunks from ``location`` to ``destination``; evict them here unless ``copy``.
     Accepted at once (CommandReply.pending), finished with a CommandDone."""
 
-    event_id: str
     location: str
     hashes: bytes
     destination: PeerAddress
     copy: bool = False
 
 
-class ClearCommand(_Msg, tag="clear"):
-    event_id: str
+class ClearCommand(_Command, tag="clear"):
     location: str
 
 
-class PinCommand(_Msg, tag="pin"):
-    event_id: str
+class PinCommand(_Command, tag="pin"):
     location: str
     hashes: bytes
     unpin: bool = False
 
 
-class HealthCommand(_Msg, tag="health"):
-    event_id: str
+class HealthCommand(_Command, tag="health"):
+    pass
 
 
-class StatusCommand(_Msg, tag="status"):
-    event_id: str
+class StatusCommand(_Command, tag="status"):
+    pass
 
 
 class CommandReply(_Msg, tag="command_reply"):

@@ -18,6 +18,14 @@ False, or a reply of another type), or :class:`RequestFailed` when no usable ans
 timeout, a failed send, an undecodable reply, a closed client). Callers never inspect a reply's
 type or its ``error`` field themselves.
 
+Security (issue 18): with a :class:`~lmcache_p2p.mesh_security.MeshSecurity` every server is a
+CurveZMQ server and every client a CurveZMQ client of the mesh, so only members holding the mesh
+secret get a request in or an answer out. A server or client not handed one takes the one
+attached to its context (``MeshSecurity.attach``): no socket of a secured context is plain. Every
+server bounds the frames it takes (``max_message_bytes``, ZMQ_MAXMSGSIZE): a bigger frame ends
+the connection before anything is allocated for it. Clients take any size: their answers come
+from members only, and chunk pages ride them.
+
 It imports neither torch nor vLLM: the controller uses it.
 """
 
@@ -36,6 +44,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.mesh_security import MeshSecurity, client_socket, resolve, server_socket
 from lmcache_p2p.protocol import Ack, DecodeError, encode
 
 logger = logging.getLogger(__name__)
@@ -45,6 +54,10 @@ R = TypeVar("R")
 # The holder side of a pull gives up at 0.9x the requester's timeout, so once a requester has
 # timed out, a few more seconds are ample for a late answer before its resources are reused.
 LATE_GRACE_S = 5.0
+
+# A server's frame bound unless it names its own: the largest request any server here takes from
+# a member is a few hundred KiB of packed chunk hashes (a move, pin or lookup of a long prompt).
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 
 
 class RequestFailed(Exception):
@@ -107,12 +120,15 @@ class RpcClient:
         decoder: msgspec.msgpack.Decoder,
         name: str,
         send_hwm: int | None = None,
+        security: MeshSecurity | None = None,
     ):
         self.ctx = ctx
         self.address = address  # "tcp://host:port"
         self.decoder = decoder
         self.name = name
         self.send_hwm = send_hwm
+        # The mesh's keys (None: those attached to ctx, if any; plain without either).
+        self.security = resolve(ctx, security)
         self._ids = itertools.count(1)
         self._waiting: dict[bytes, _Waiting] = {}
         self._late: dict[bytes, _Waiting] = {}  # failed requests whose late handler is owed
@@ -208,6 +224,7 @@ class RpcClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         if self.send_hwm is not None:
             sock.setsockopt(zmq.SNDHWM, self.send_hwm)
+        client_socket(sock, self.security, self.name)
         sock.connect(self.address)
         self._conn = _Connection(sock, asyncio.ensure_future(self._read(sock)))
         return self._conn
@@ -308,7 +325,10 @@ class RpcServer:
     A frame that does not decode is answered with ``error_reply(why)`` and counted; a handler that
     raises is logged and answered the same way; the loop goes on. With ``concurrent`` each request
     runs as its own task (one slow pull does not hold up a hello); otherwise requests are answered
-    one at a time, in order of arrival."""
+    one at a time, in order of arrival.
+
+    ``security``: the mesh's keys (None: those attached to ``ctx``, if any; plain without
+    either). ``max_message_bytes``: ZMQ drops a connection that sends a bigger frame."""
 
     def __init__(
         self,
@@ -321,6 +341,8 @@ class RpcServer:
         on_message: Callable[[Any], None] | None = None,
         on_bad_frame: Callable[[str], None] | None = None,
         on_error: Callable[[Any, BaseException], None] | None = None,
+        security: MeshSecurity | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ):
         self.name = name
         self.handlers = dict(handlers)
@@ -330,8 +352,15 @@ class RpcServer:
         self.on_message = on_message
         self.on_bad_frame = on_bad_frame
         self.on_error = on_error
+        self.security = resolve(ctx, security)
+        self.max_message_bytes = max_message_bytes
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        try:
+            server_socket(self.sock, self.security, name, max_message_bytes)
+        except BaseException:
+            self.sock.close(linger=0)
+            raise
         self._loop_task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
 

@@ -17,6 +17,7 @@ import httpx
 import zmq
 
 from lmcache_p2p.keys import LayoutFingerprint, chunk_hashes
+from lmcache_p2p.mesh_security import MeshSecurity, client_socket, server_socket
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION,
     CommandDone,
@@ -197,8 +198,10 @@ class FakeWorker:
         locations=(CPU,),
         model: str = "tiny-llama",
         answer_commands: bool = True,
+        security: MeshSecurity | None = None,  # a member of a mesh with a secret (CurveZMQ)
     ):
         self.controller = controller
+        self.security = security
         self.instance_id, self.rank = instance_id, rank
         self.layout = layout(model, rank, tp)
         self.locations = list(locations)
@@ -210,6 +213,7 @@ class FakeWorker:
         self.command_reply: Callable[[object], CommandReply] = lambda c: CommandReply(event_id=c.event_id, ok=True)
         self.worker_port = free_ports(1)[0]
         self.router = self.ctx.socket(zmq.ROUTER)
+        server_socket(self.router, security, f"{instance_id} commands", 4 * 2**20)
         self.router.bind(f"tcp://127.0.0.1:{self.worker_port}")
         self._connect()
         self._stop = threading.Event()
@@ -220,10 +224,13 @@ class FakeWorker:
     def _connect(self) -> None:
         c = self.controller
         self.push = self.ctx.socket(zmq.PUSH)
+        client_socket(self.push, self.security)
         self.push.connect(f"tcp://127.0.0.1:{c.pull}")
         self.req = self.ctx.socket(zmq.DEALER)
+        client_socket(self.req, self.security)
         self.req.connect(f"tcp://127.0.0.1:{c.reply}")
         self.hb = self.ctx.socket(zmq.DEALER)
+        client_socket(self.hb, self.security)
         self.hb.connect(f"tcp://127.0.0.1:{c.heartbeat}")
         for s in (self.push, self.req, self.hb):
             s.setsockopt(zmq.LINGER, 0)
@@ -253,7 +260,7 @@ class FakeWorker:
 
     # -- protocol actions --------------------------------------------------------------------------
 
-    def register(self):
+    def register(self, timeout: float = 5.0):
         reply = self._ask(
             self.req,
             Register(
@@ -269,11 +276,12 @@ class FakeWorker:
                 p2p_lookup_port=9200 + self.rank,
                 transfer_channel="tcp",
             ),
+            timeout,
         )
         self.epoch = reply.controller_epoch
         return reply
 
-    def heartbeat(self, traffic: Traffic | None = None, event_seqs: dict[str, int] | None = None):
+    def heartbeat(self, traffic: Traffic | None = None, event_seqs: dict[str, int] | None = None, timeout: float = 5.0):
         return self._ask(
             self.hb,
             Heartbeat(
@@ -283,6 +291,7 @@ class FakeWorker:
                 traffic=traffic,
                 event_seqs=event_seqs,
             ),
+            timeout,
         )
 
     def events(self, location: str = CPU, admitted=(), evicted=(), seq: int | None = None) -> int:
@@ -355,4 +364,6 @@ class FakeWorker:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(2)
+        if self.security is not None:
+            self.security.detach(self.ctx)  # its ZAP thread's sockets would keep destroy() waiting
         self.ctx.destroy(linger=0)

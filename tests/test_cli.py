@@ -61,3 +61,33 @@ def test_controller_package_never_imports_torch_or_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_controller_secrets_come_from_a_file_or_the_environment_and_bad_ones_are_one_line(tmp_path):
+    """--mesh-secret-file / LMCACHE_MESH_SECRET and --api-token-file / LMCACHE_API_TOKEN: a bad one
+    stops the controller before it binds anything, with one line naming the flag or variable."""
+    from lmcache_p2p.controller.settings import build_parser, load_settings
+
+    secret = tmp_path / "mesh.secret"
+    secret.write_text("a mesh secret for the cli test\n")
+    missing = tmp_path / "missing.secret"
+    cases = [
+        (["--mesh-secret-file", str(missing)], {}, f"--mesh-secret-file {missing} file not found"),
+        ([], {"LMCACHE_MESH_SECRET": "short"}, "LMCACHE_MESH_SECRET is 5 character(s) long"),
+        (["--mesh-secret-file", str(secret)], {"LMCACHE_MESH_SECRET": "x" * 20}, "given 2 times"),
+        (["--api-token-file", str(missing)], {}, f"--api-token-file {missing} file not found"),
+        (["--protect-reads"], {}, "--protect-reads needs an API token"),
+    ]
+    for flags, env, says in cases:
+        out = run("lmcache_controller", "--port", "1", *flags, env=env)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, (flags, out.stderr)
+        assert "Traceback" not in out.stderr and "x" * 20 not in out.stderr and "short" not in out.stderr
+
+    config = tmp_path / "controller.yaml"
+    config.write_text(f"mesh_secret_file: {secret}\nprotect_reads: true\n")
+    settings = load_settings(build_parser().parse_args(["--config", str(config)]), {"LMCACHE_API_TOKEN": "t" * 16})
+    assert settings.mesh_secret == "a mesh secret for the cli test" and settings.mesh_secret_file == str(secret)
+    assert settings.api_token == "t" * 16 and settings.protect_reads is True
+    assert "a mesh secret" not in repr(settings) and "t" * 16 not in repr(settings)
+    plain = load_settings(build_parser().parse_args([]), {})
+    assert (plain.mesh_secret, plain.api_token, plain.protect_reads) == (None, None, False)

@@ -286,3 +286,53 @@ def test_missing_or_malformed_file(tmp_path):
         load({"LMCACHE_CONFIG_FILE": write(tmp_path, "chunk_size: [256\n")})
     with pytest.raises(ConfigError, match="mapping"):
         load({"LMCACHE_CONFIG_FILE": write(tmp_path, "- 1\n- 2\n")})
+
+
+# -- the mesh secret (issue 18) ------------------------------------------------------------------
+
+
+MESH_SECRET = "a mesh secret of the tests"
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda d: str(d / "missing"), "file not found"),
+        (lambda d: str(d), "is a directory"),
+        (lambda d: write(d, "\n  \n", "empty.secret"), "is empty"),
+        (lambda d: write(d, "short\n", "short.secret"), "is 5 character"),
+    ],
+    ids=["missing", "directory", "empty", "too short"],
+)
+def test_a_bad_mesh_secret_file_is_an_error_naming_the_key(tmp_path, make, why):
+    path = make(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load({"LMCACHE_MESH_SECRET_FILE": path})
+    assert e.value.key == "mesh_secret_file" and str(e.value).startswith(f"mesh_secret_file={path!r}")
+    assert why in str(e.value) and "env LMCACHE_MESH_SECRET_FILE" in str(e.value)
+
+
+def test_an_unreadable_mesh_secret_file_is_an_error_naming_the_key(tmp_path):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root reads any file")
+    path = write(tmp_path, MESH_SECRET, "locked.secret")
+    os.chmod(path, 0)
+    with pytest.raises(ConfigError, match=r"^mesh_secret_file=.*cannot be read"):
+        LMCacheConfig.from_dict({"mesh_secret_file": path})
+
+
+def test_the_mesh_secret_from_a_file_or_the_environment_never_shows(tmp_path):
+    path = write(tmp_path, f"{MESH_SECRET}\n", "mesh.secret")
+    from_file = LMCacheConfig.from_file(write(tmp_path, f"mesh_secret_file: {path}\n"))
+    assert from_file.resolved_mesh_secret() == MESH_SECRET  # the trailing newline is not part of it
+    from_env = load({"LMCACHE_MESH_SECRET": f"  {MESH_SECRET} "})
+    assert from_env.resolved_mesh_secret() == MESH_SECRET
+    assert MESH_SECRET not in repr(from_env) and from_env.to_dict()["mesh_secret"] == "<set>"
+    assert load({}).resolved_mesh_secret() is None and load({}).to_dict()["mesh_secret"] is None
+    with pytest.raises(ConfigError, match=r"^mesh_secret \(from env LMCACHE_MESH_SECRET\): is 3 character") as e:
+        load({"LMCACHE_MESH_SECRET": "abc"})
+    assert "abc" not in str(e.value)
+    with pytest.raises(ConfigError, match="set either mesh_secret .* or mesh_secret_file .*, not both"):
+        load({"LMCACHE_MESH_SECRET": MESH_SECRET, "LMCACHE_MESH_SECRET_FILE": path})

@@ -4,6 +4,7 @@ error, and what importing the controller loads."""
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import timeit
@@ -13,8 +14,17 @@ import numpy as np
 import pytest
 from protocol_client import CPU, layout
 
-from lmcache_p2p.controller import errors
+from lmcache_p2p.controller import api, errors
+from lmcache_p2p.controller.admission import HostCheck, RegisterRefused, check_host_syntax
 from lmcache_p2p.controller.api import HTTP_STATUS, LookupRequest, parse_token_array
+from lmcache_p2p.controller.commands import (
+    FD_MARGIN,
+    FDS_PER_CHANNEL,
+    FDS_PER_RANK,
+    SPARE_SOCKETS,
+    Capacity,
+    fds_in_use,
+)
 from lmcache_p2p.controller.events import EventLog, ReadLog
 from lmcache_p2p.controller.index import ChunkIndex
 from lmcache_p2p.controller.metrics import Metrics
@@ -22,6 +32,7 @@ from lmcache_p2p.controller.orchestration import Orchestrator
 from lmcache_p2p.controller.registry import Registry
 from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.controller.traffic import FleetTraffic
+from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.protocol import PROTOCOL_VERSION, CommandDone, Register, Traffic
 
 
@@ -217,9 +228,11 @@ def test_an_event_that_finishes_several_ways_is_counted_once():
 
 
 def test_every_controller_error_has_its_http_status_in_the_api():
+    # The core's errors (errors.py) and HTTP's own (api.py: token, content type, body size).
     kinds = {
         e
-        for e in vars(errors).values()
+        for module in (errors, api)
+        for e in vars(module).values()
         if isinstance(e, type) and issubclass(e, errors.ControllerError) and e is not errors.ControllerError
     }
     assert set(HTTP_STATUS) == kinds
@@ -248,3 +261,144 @@ print(json.dumps({"imported": sorted(m for m in sys.modules if m.startswith("lmc
         loaded["imported"]
     )
     assert loaded["forbidden"] == []
+
+
+# -- admission: every Register field checked ----------------------------------------------------------
+
+
+def _register_msg(**changes) -> Register:
+    message = Register(
+        version=PROTOCOL_VERSION,
+        instance_id="inst",
+        rank=0,
+        host="127.0.0.1",
+        worker_port=7000,
+        layout=layout(),
+        chunk_size=16,
+        locations=[CPU],
+    )
+    return msgspec.structs.replace(message, **changes)
+
+
+@pytest.mark.parametrize(
+    ("field", "changes"),
+    [
+        ("chunk_size", {"chunk_size": 0}),
+        ("layout.tp_size", {"layout": msgspec.structs.replace(layout(), tp_size=0)}),
+        ("rank", {"rank": 3}),
+        ("host", {"host": "a..b"}),
+        ("worker_port", {"worker_port": 65536}),
+        ("locations", {"locations": ["LocalCPUBackend; DROP"]}),
+        ("max_warm_peers", {"max_warm_peers": -3}),
+    ],
+)
+def test_the_registry_refuses_an_out_of_bounds_register_and_stays_unchanged(field, changes):
+    registry = Registry()
+    with pytest.raises(RegisterRefused) as refused:
+        registry.register(_register_msg(**changes))
+    assert refused.value.field == field and f"Register field {field}=" in refused.value.message
+    assert registry.workers == {} and registry.holders == []
+    assert registry.register(_register_msg()).key == ("inst", 0)
+
+
+def test_host_syntax_accepts_names_and_ipv4_and_refuses_the_rest():
+    for host in ("127.0.0.1", "10.1.2.3", "localhost", "node-7.cluster.local", "gpu_box_3"):
+        check_host_syntax(host)
+    for host in ("", "-lead.example", "a" * 64 + ".x", "1.2.3", "300.1.1.1", "::1", "0.0.0.0", "224.0.0.1", "a b"):
+        with pytest.raises(RegisterRefused):
+            check_host_syntax(host)
+
+
+def test_an_unresolvable_host_is_refused_and_the_answer_cached():
+    hosts = HostCheck(timeout_s=5.0)
+
+    async def main():
+        await hosts.check("localhost")
+        await hosts.check("192.0.2.7")  # an IPv4 literal needs no lookup
+        for _ in range(2):  # the second from the cache
+            with pytest.raises(RegisterRefused, match="does not resolve"):
+                await hosts.check("no-such-host.invalid")
+
+    asyncio.run(main())
+
+
+def test_capacity_refuses_past_the_descriptor_budget_with_what_to_set():
+    capacity = Capacity(fd_limit=4000, socket_limit=65535)
+    assert capacity.max_channels == 800 and capacity.max_sockets == 800 + SPARE_SOCKETS
+    in_use = fds_in_use()
+    registered = 0
+    with pytest.raises(RegisterRefused) as refused:
+        for registered in range(4000):  # noqa: B007  (how far it got is the point)
+            capacity.check_room(registered, open_channels=0)
+    # Counted once, then each registration counts three descriptors (a rank's connections),
+    # with every channel's two kept in reserve and the margin spare.
+    expected = (4000 - 2 * 800 - FD_MARGIN - FDS_PER_RANK - in_use) // FDS_PER_RANK
+    assert abs(registered - expected) <= 3, (registered, expected)
+    assert "controller at capacity" in refused.value.message and "ulimit -n" in refused.value.message
+    assert capacity.needed_for(10_000) >= 10_000 * (FDS_PER_RANK + FDS_PER_CHANNEL)
+
+
+# -- traffic totals checked -----------------------------------------------------------------------------
+
+
+def test_impossible_traffic_totals_are_refused_and_a_backwards_total_adds_nothing():
+    fleet = FleetTraffic(started_at=100.0)
+    worker, t0 = ("w", 0), 1000.0
+    fleet.report(worker, Traffic(started_at=50.0, lookups=10, pulled_bytes=10**9), now=t0)  # baseline
+    fleet.report(worker, Traffic(started_at=50.0, lookups=12, pulled_bytes=2**64 - 1), now=t0 + 5)
+    assert fleet.totals["lookups"] == 2 and fleet.totals["pulled_bytes"] == 0 and fleet.refused == 1
+    # 10^15 bytes in 5 s: more than any link moves (100 GB/s over 5 s plus 10 s of slack).
+    fleet.report(worker, Traffic(started_at=50.0, lookups=12, pulled_bytes=10**15), now=t0 + 10)
+    assert fleet.totals["pulled_bytes"] == 0 and fleet.refused == 2
+    # The baseline stayed at the last good value: a sane total counts against it.
+    fleet.report(worker, Traffic(started_at=50.0, lookups=12, pulled_bytes=10**9 + 4096), now=t0 + 15)
+    assert fleet.totals["pulled_bytes"] == 4096
+    # Backwards without a new started_at: an unannounced restart, a new baseline, never negative.
+    fleet.report(worker, Traffic(started_at=50.0, lookups=3, pulled_bytes=100), now=t0 + 20)
+    assert fleet.totals["lookups"] == 2 and fleet.totals["pulled_bytes"] == 4096
+    fleet.report(worker, Traffic(started_at=50.0, lookups=4, pulled_bytes=150), now=t0 + 25)
+    assert fleet.totals["lookups"] == 3 and fleet.totals["pulled_bytes"] == 4146
+    # A negative total and a non-finite start are refused or ignored, not summed.
+    fleet.report(("x", 0), Traffic(started_at=float("nan"), lookups=-5), now=t0)
+    assert fleet.totals["lookups"] == 3
+
+
+# -- partial results keep their reason --------------------------------------------------------------------
+
+
+def test_a_partial_success_keeps_its_reason_and_a_failure_leads():
+    events = EventLog()
+    move = events.create("move", "inst", {0, 1})
+    events.rank_done(move, 0, True, 48, "CPU pool full: reserved 3 of 4 pages")
+    events.rank_done(move, 1, True, 64, None)
+    assert move.status == "done" and move.num_tokens == 48
+    assert move.error == "rank 0: CPU pool full: reserved 3 of 4 pages"
+    failed = events.create("move", "inst", {0, 1})
+    events.rank_done(failed, 0, True, 16, "destination holds 1 of 4")
+    events.rank_done(failed, 1, False, 0, "peer refused")
+    assert failed.status == "failed" and failed.error == "rank 1: peer refused; rank 0: destination holds 1 of 4"
+
+
+# -- rate-limited logging -------------------------------------------------------------------------------
+
+
+def test_rate_limited_log_writes_one_line_per_key_per_interval_and_counts_the_rest(caplog):
+    now = [0.0]
+    log = RateLimitedLog(logging.getLogger("lmcache_p2p.test_rate"), every_s=10.0, max_keys=2, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="lmcache_p2p.test_rate"):
+        for n in range(1000):
+            log.warning("pull", "bad frame %d", n)
+        log.warning("reply", "bad frame on reply")
+        for key in range(50):  # keys past max_keys share one: still bounded
+            log.warning(("other", key), "odd %d", key)
+        now[0] = 12.0
+        log.warning("pull", "bad frame %d", 1000)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "bad frame 0",
+        "bad frame on reply",
+        "odd 0",
+        "bad frame 1000 (... and 999 more in the last 12 s)",
+    ]
+    assert log.held_back == 999 + 49
+    assert caplog.records[0].filename == "test_controller_units.py"  # the caller's line, not the helper's

@@ -231,3 +231,96 @@ def test_every_failed_request_with_a_late_handler_gets_it_called_exactly_once(mo
     run(main())
     assert calls["timed_out"] == [None] and calls["reset_with_it"] == [None]
     assert [r.event_id for r in calls["answered_late"]] == ["answered_late"]
+
+
+# -- the mesh's security (issue 18) ------------------------------------------------------------------
+
+
+def test_a_secured_server_answers_members_of_its_mesh_only():
+    """Server and client on one secured context (the keys come from it); strangers on their own:
+    a plain one, one from another secret, one that knows the mesh's public key but not its secret."""
+    from lmcache_p2p.mesh_security import MeshSecurity, derive_keys, for_context
+
+    secret = "the secret of this test mesh"
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        security = MeshSecurity(secret)
+        security.attach(ctx)
+        port = free_ports(1)[0]
+        server = _server(ctx, port, {HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)})
+        member = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "member")
+        strangers = zmq.asyncio.Context()
+        other = MeshSecurity("the secret of another mesh")
+        other.attach(strangers)
+        try:
+            assert server.security is security and member.security is security
+            assert (await member.request(HealthCommand(event_id="m"), CommandReply, 5)).ok
+            plain = zmq.asyncio.Context()
+            for name, stranger_ctx in (("plain", plain), ("another mesh", strangers)):
+                stranger = RpcClient(stranger_ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, name)
+                assert stranger.security is (other if stranger_ctx is strangers else None)
+                with pytest.raises(RequestFailed, match="no answer"):
+                    await stranger.request(HealthCommand(event_id=name), CommandReply, 0.5)
+                stranger.close()
+            plain.destroy(0)
+            sock = strangers.socket(zmq.DEALER)
+            public, secret_key = zmq.curve_keypair()
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+                derive_keys(secret).public,
+                public,
+                secret_key,
+            )
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            await sock.send_multipart([b"\x01" * 8, b"\xc1"])
+            assert not await sock.poll(500)
+            sock.close(linger=0)
+            refused = security.refused_by()
+            assert refused.get("127.0.0.1", 0) >= 1, refused  # ZAP's refusals know the address
+            assert refused.get("test server", 0) >= 2, refused  # failed handshakes: the socket
+            assert (await member.request(HealthCommand(event_id="still"), CommandReply, 5)).ok
+        finally:
+            member.close()
+            server.close()
+            await asyncio.sleep(0.05)  # the monitor's watcher sees the socket close
+            for c, s in ((ctx, security), (strangers, other)):
+                s.detach(c)
+                c.destroy(0)
+        assert for_context(ctx) is None
+
+    run(main())
+
+
+def test_a_frame_over_max_message_bytes_ends_the_connection_unread():
+    bad = []
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        port = free_ports(1)[0]
+        server = _server(
+            ctx,
+            port,
+            {HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)},
+            on_bad_frame=bad.append,
+            max_message_bytes=2**20,
+        )
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
+        try:
+            await sock.send_multipart([b"\x01" * 8, bytes(2**20 + 1)])
+            assert not await sock.poll(1000)
+            assert bad == []  # dropped by ZMQ, never read: not even a bad frame
+            await sock.send_multipart([b"\x02" * 8, b"\xc1"])  # what fits is read (on a new connection)
+            assert await sock.poll(5000) and len(bad) == 1
+            assert (await client.request(HealthCommand(event_id="e"), CommandReply, 5)).ok
+        finally:
+            sock.close(linger=0)
+            client.close()
+            server.close()
+            ctx.destroy(0)
+
+    run(main())
+    with pytest.raises(ValueError, match="max_message_bytes 0"):
+        RpcServer(zmq.asyncio.Context.instance(), "bad", {HealthCommand: print}, max_message_bytes=0)

@@ -114,6 +114,27 @@ def test_all_pages_pinned_rejects_the_put_without_blocking():
     assert tier.put(key(2), payload(2))
 
 
+def test_a_full_pool_refusing_a_store_or_pull_reservation_counts_as_a_rejected_put(tmp_path):
+    """Stores (kernel gather) and peer pulls reserve pages and fill them in place; when every page
+    is pinned the chunk is dropped, and that drop is counted like a refused put()."""
+    m = make_manager(tmp_path, cpu_pages=2, disk_pages=10)
+    put_all(m, [1, 2])
+    pins = [m.pin(1), m.pin(2)]
+    assert m.reserve_page() is None and m.reserve_page() is None
+    assert m.stats()["cpu"]["rejected_puts"] == 2
+    assert not m.put(3, payload(3)) and m.stats()["cpu"]["rejected_puts"] == 3
+    # A disk hit read while the pool is full is no dropped put: it is read privately.
+    assert m.flush()
+    m.cpu.remove(m.key(1))  # chunk 1 now on disk only (its pinned page stays until released)
+    with m.pin(1) as chunk:
+        assert torch.equal(chunk.data, payload(1))
+    assert m.stats()["cpu"]["rejected_puts"] == 3
+    for p in pins:
+        p.release()
+    assert m.reserve_page() is not None and m.stats()["cpu"]["rejected_puts"] == 3
+    m.close()
+
+
 def test_removed_while_pinned_keeps_its_page_until_the_reader_is_done():
     tier = make_tier(2)
     tier.put(key(0), payload(0))

@@ -172,7 +172,8 @@ class SilentPeer:
         self.ctx = zmq.Context()
         self.init_port, self.lookup_port, worker_port = free_ports(3)
         self.sinks = []
-        for port in (self.init_port, self.lookup_port):
+        # Its command port accepts connections too: the controller checks it can reach a new rank.
+        for port in (self.init_port, self.lookup_port, worker_port):
             sink = self.ctx.socket(zmq.ROUTER)
             sink.bind(f"tcp://127.0.0.1:{port}")
             self.sinks.append(sink)

@@ -9,19 +9,31 @@ HTTP status codes live here and nowhere else: the core raises the typed errors o
 :data:`HTTP_STATUS` gives each its code. Errors are JSON ``{"error", "field"}``: 422 names the
 bad field, 404 the unknown instance or event, 409 a conflict or a worker's refusal, 504 the
 worker that did not answer.
+
+Security (issue 18): with an API token configured (``ControllerSettings.api_token``), every route
+that changes state needs ``Authorization: Bearer <token>`` (401 otherwise), and with
+``protect_reads`` so do the reads. Every POST must say ``Content-Type: application/json`` (415
+otherwise): a web page can send a cross-origin POST without asking the browser first only as
+text/plain or a form encoding, so refusing those keeps a page an operator happens to open from
+clearing caches even where no token is set. Bodies are capped at :data:`MAX_BODY_BYTES` (413),
+checked against Content-Length before anything is read and counted while a chunked body streams,
+and a body that does not decode (too deeply nested, not UTF-8, wrong types) is a 422, never a 500.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
 from lmcache_p2p import webui
@@ -38,6 +50,33 @@ from lmcache_p2p.controller.service import Controller
 
 logger = logging.getLogger("lmcache_p2p.controller")
 
+# The largest body a client has reason to send is a /lookup (or /pin, /move) of a long prompt's
+# token ids. 131,072 tokens as compact JSON take 0.89 MiB with a 128k-entry vocabulary (6-digit
+# ids) and 1.44 MiB at worst (ids up to 2**31 - 1, 10 digits, plus ", "); indented, 2.0 MiB. 4 MiB
+# leaves room for all of them and still bounds what one request can make the controller hold.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+# Client errors that belong to HTTP itself, not to the core: they are raised before a body is
+# decoded, so the core never sees them.
+
+
+class Unauthorized(ControllerError):
+    """No bearer token, or the wrong one, on a route that needs it."""
+
+    def __init__(self, message: str, *, token_sent: bool):
+        super().__init__(message, "Authorization")
+        # RFC 6750: a challenge says error="invalid_token" when a token came and was not the one.
+        self.challenge = 'Bearer realm="lmcache-p2p controller"' + (', error="invalid_token"' if token_sent else "")
+
+
+class PayloadTooLarge(ControllerError):
+    """A body over :data:`MAX_BODY_BYTES`, declared or streamed."""
+
+
+class UnsupportedMediaType(ControllerError):
+    """A POST whose Content-Type is not application/json."""
+
+
 HTTP_STATUS: dict[type[ControllerError], int] = {
     InvalidRequest: 422,
     UnknownInstance: 404,
@@ -45,6 +84,9 @@ HTTP_STATUS: dict[type[ControllerError], int] = {
     Conflict: 409,
     CommandRefused: 409,
     WorkerUnreachable: 504,
+    Unauthorized: 401,
+    PayloadTooLarge: 413,
+    UnsupportedMediaType: 415,
 }
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
@@ -129,8 +171,13 @@ def _field_of(error: str) -> str | None:
     return None
 
 
-async def _decode(request: Request, body_type: type) -> Any:
-    raw = await request.body()
+# Every way msgspec can reject a body. RecursionError: msgspec descends one C-stack level per
+# nested array or object (skipping an unknown field's value too) and stops at Python's recursion
+# limit, so '[[[[...' 10,000 deep raises it; UnicodeDecodeError: a string that is not UTF-8.
+_DECODE_FAILURES = (msgspec.ValidationError, msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+
+
+def _decode(raw: bytes, body_type: type) -> Any:
     try:
         return msgspec.json.decode(raw, type=body_type)
     except msgspec.ValidationError as e:
@@ -138,6 +185,91 @@ async def _decode(request: Request, body_type: type) -> Any:
         raise InvalidRequest(f"invalid {body_type.__name__}: {e}", field) from None
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest(
+            f"body nests arrays or objects too deeply to decode as a {body_type.__name__} (past the decoder's "
+            "recursion limit; a valid body nests at most 3 levels)"
+        ) from None
+    except UnicodeDecodeError as e:
+        # msgspec decodes each string on its own: e.start is an offset into that string, not the body.
+        bad = e.object[e.start : e.end]
+        raise InvalidRequest(f"body is not valid UTF-8: a string holds {bad!r} ({e.reason})") from None
+
+
+def _media_type(content_type: str) -> str:
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+async def json_body(request: Request) -> bytes:
+    """A POST's body, once its Content-Type says JSON and never more than :data:`MAX_BODY_BYTES` of it.
+
+    A declared Content-Length over the limit is refused before a byte is read; a chunked body is
+    read chunk by chunk and refused as soon as it passes the limit, so a 100 MB body costs at most
+    the limit in memory. (What the client still sends after the 413 is read and dropped by uvicorn.)"""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        raise UnsupportedMediaType(
+            "no Content-Type header: POST bodies are JSON; send 'Content-Type: application/json'", "Content-Type"
+        )
+    if _media_type(content_type) != "application/json":
+        raise UnsupportedMediaType(
+            f"Content-Type {content_type!r} is not accepted: POST bodies are JSON; send "
+            "'Content-Type: application/json'",
+            "Content-Type",
+        )
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            raise InvalidRequest(f"Content-Length {declared!r} is not a number", "Content-Length") from None
+        if length > MAX_BODY_BYTES:
+            raise PayloadTooLarge(
+                f"body of {length} bytes (Content-Length) is over the limit of {MAX_BODY_BYTES} bytes", "Content-Length"
+            )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise PayloadTooLarge(f"body is over the limit of {MAX_BODY_BYTES} bytes (stopped reading there)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+JsonBody = Annotated[bytes, Depends(json_body)]
+
+# FastAPI's bearer scheme (it also declares the scheme in /openapi.json, so /docs can send the
+# token). auto_error=False: the check below answers, so that a 401 says what is needed in the
+# API's own error shape.
+bearer = HTTPBearer(
+    auto_error=False,
+    scheme_name="api_token",
+    description="The controller's API token (--api-token-file or LMCACHE_API_TOKEN)",
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+def require_token(token: str, why: str) -> Callable[..., Any]:
+    """A dependency that lets a request through only with ``Authorization: Bearer <token>``;
+    ``why`` says in the 401 why this route needs it."""
+    expected = token.encode()
+
+    async def check(request: Request, credentials: Credentials) -> None:
+        route = f"{request.method} {request.url.path}"
+        if credentials is None:
+            raise Unauthorized(
+                f"{route} {why}: it needs the controller's API token. Send 'Authorization: Bearer <token>' with "
+                "the token the controller was started with (--api-token-file or LMCACHE_API_TOKEN)",
+                token_sent=False,
+            )
+        # Constant time, so the answer's timing does not tell how much of a guess was right.
+        if not hmac.compare_digest(credentials.credentials.encode(), expected):
+            raise Unauthorized(
+                f"{route} {why}: the bearer token sent is not the controller's API token", token_sent=True
+            )
+
+    return check
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -159,7 +291,10 @@ def create_app(controller: Controller) -> FastAPI:
 
     @app.exception_handler(ControllerError)
     async def _controller_error(request: Request, exc: ControllerError) -> JSONResponse:
-        return JSONResponse({"error": exc.message, "field": exc.field}, status_code=HTTP_STATUS[type(exc)])
+        headers = {"WWW-Authenticate": exc.challenge} if isinstance(exc, Unauthorized) else None
+        return JSONResponse(
+            {"error": exc.message, "field": exc.field}, status_code=HTTP_STATUS[type(exc)], headers=headers
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -171,86 +306,119 @@ def create_app(controller: Controller) -> FastAPI:
         )
 
     views, orchestrator = controller.views, controller.orchestrator
+    settings = controller.settings
 
-    def post(path: str, body_type: type, summary: str):
-        return app.post(path, summary=summary, openapi_extra=_schema(body_type))
+    # Who may do what. Without a token every route is open, as the seeds' scripts expect. With
+    # one, routes that change what the mesh holds need it; reads need it too with protect_reads.
+    # The guards are attached only where they apply, so /openapi.json says which routes need it.
+    token = settings.api_token
+    writes: list[Any] = [Depends(require_token(token, "changes state"))] if token else []
+    reads: list[Any] = (
+        [Depends(require_token(token, "is a read, and reads are protected (protect_reads)"))]
+        if token and settings.protect_reads
+        else []
+    )
+    reads_protected = bool(reads)
 
-    @post("/lookup", LookupRequest, "Which instances hold how much of this token prefix")
-    async def lookup(request: Request) -> Response:
-        raw = await request.body()
+    def post(path: str, body_type: type, summary: str, guard: list[Any]):
+        return app.post(path, summary=summary, openapi_extra=_schema(body_type), dependencies=guard)
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    @post("/lookup", LookupRequest, "Which instances hold how much of this token prefix", reads)
+    async def lookup(raw: JsonBody) -> Response:
         try:
             fast = msgspec.json.decode(raw, type=_LookupFastPath)
             tokens = parse_token_array(bytes(fast.tokens))
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except _DECODE_FAILURES:
             tokens = None
         if tokens is None:
-            body: LookupRequest = await _decode(request, LookupRequest)
+            body: LookupRequest = _decode(raw, LookupRequest)
             return _json(views.lookup(body.tokens, body.model))
         return _json(views.lookup(tokens, fast.model))
 
-    @post("/move", MoveRequest, "Move (or copy) chunks between instances' locations")
-    async def move(request: Request) -> Response:
-        body: MoveRequest = await _decode(request, MoveRequest)
+    # /health and /status ask the workers but change nothing they hold: reads.
+    @post("/health", HealthRequest, "Ask every rank of an instance whether it is healthy", reads)
+    async def health(raw: JsonBody) -> Response:
+        body: HealthRequest = _decode(raw, HealthRequest)
+        return _json(await orchestrator.health(body.instance_id))
+
+    @post("/status", HealthRequest, "Ask every rank of an instance for its tiers, link and peer statistics", reads)
+    async def status(raw: JsonBody) -> Response:
+        body: HealthRequest = _decode(raw, HealthRequest)
+        return _json(await orchestrator.status(body.instance_id))
+
+    @post(
+        "/check_finish",
+        CheckFinishRequest,
+        "Status of a command, or of a read, by the event id it answered with",
+        reads,
+    )
+    async def check_finish(raw: JsonBody) -> Response:
+        body: CheckFinishRequest = _decode(raw, CheckFinishRequest)
+        return _json(views.check_finish(body.event_id))
+
+    @post("/query_worker_info", QueryWorkerInfoRequest, "Registered workers of one instance, or all", reads)
+    async def query_worker_info(raw: JsonBody) -> Response:
+        body: QueryWorkerInfoRequest = _decode(raw, QueryWorkerInfoRequest)
+        return _json(views.query_worker_info(body.instance_id, body.worker_ids))
+
+    @post("/query_instance", QueryInstanceRequest, "The instance whose workers run on this host", reads)
+    async def query_instance(raw: JsonBody) -> Response:
+        body: QueryInstanceRequest = _decode(raw, QueryInstanceRequest)
+        return _json(views.query_instance(body.ip))
+
+    # -- commands that change what the mesh holds --------------------------------------------------
+
+    @post("/move", MoveRequest, "Move (or copy) chunks between instances' locations", writes)
+    async def move(raw: JsonBody) -> Response:
+        body: MoveRequest = _decode(raw, MoveRequest)
         copy = body.copy or bool(body.should_copy)
         return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, copy))
 
-    @post("/copy", MoveRequest, "Copy chunks between instances' locations (move with copy=true)")
-    async def copy(request: Request) -> Response:
-        body: MoveRequest = await _decode(request, MoveRequest)
+    @post("/copy", MoveRequest, "Copy chunks between instances' locations (move with copy=true)", writes)
+    async def copy(raw: JsonBody) -> Response:
+        body: MoveRequest = _decode(raw, MoveRequest)
         return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, True))
 
-    @post("/clear", ClearRequest, "Drop every chunk an instance holds at a location")
-    async def clear(request: Request) -> Response:
-        body: ClearRequest = await _decode(request, ClearRequest)
+    @post("/clear", ClearRequest, "Drop every chunk an instance holds at a location", writes)
+    async def clear(raw: JsonBody) -> Response:
+        body: ClearRequest = _decode(raw, ClearRequest)
         return _json(await orchestrator.clear(body.instance_id, body.location))
 
-    @post("/pin", PinRequest, "Pin (or unpin) the chunks of a token prefix against eviction (LocalCPUBackend only)")
-    async def pin(request: Request) -> Response:
-        body: PinRequest = await _decode(request, PinRequest)
+    @post(
+        "/pin",
+        PinRequest,
+        "Pin (or unpin) the chunks of a token prefix against eviction (LocalCPUBackend only)",
+        writes,
+    )
+    async def pin(raw: JsonBody) -> Response:
+        body: PinRequest = _decode(raw, PinRequest)
         return _json(await orchestrator.pin(body.instance_id, body.location, body.tokens, body.unpin))
 
-    @post("/health", HealthRequest, "Ask every rank of an instance whether it is healthy")
-    async def health(request: Request) -> Response:
-        body: HealthRequest = await _decode(request, HealthRequest)
-        return _json(await orchestrator.health(body.instance_id))
+    # -- GET views ---------------------------------------------------------------------------------
 
-    @post("/status", HealthRequest, "Ask every rank of an instance for its tiers, link and peer statistics")
-    async def status(request: Request) -> Response:
-        body: HealthRequest = await _decode(request, HealthRequest)
-        return _json(await orchestrator.status(body.instance_id))
-
-    @post("/check_finish", CheckFinishRequest, "Status of a command, or of a read, by the event id it answered with")
-    async def check_finish(request: Request) -> Response:
-        body: CheckFinishRequest = await _decode(request, CheckFinishRequest)
-        return _json(views.check_finish(body.event_id))
-
-    @post("/query_worker_info", QueryWorkerInfoRequest, "Registered workers of one instance, or all")
-    async def query_worker_info(request: Request) -> Response:
-        body: QueryWorkerInfoRequest = await _decode(request, QueryWorkerInfoRequest)
-        return _json(views.query_worker_info(body.instance_id, body.worker_ids))
-
-    @post("/query_instance", QueryInstanceRequest, "The instance whose workers run on this host")
-    async def query_instance(request: Request) -> Response:
-        body: QueryInstanceRequest = await _decode(request, QueryInstanceRequest)
-        return _json(views.query_instance(body.ip))
-
-    @app.get("/controller/workers", summary="Every worker with status, ports, layout and keys")
+    @app.get("/controller/workers", summary="Every worker with status, ports, layout and keys", dependencies=reads)
     async def workers() -> Response:
         return _json(views.workers())
 
-    @app.get("/controller/key-stats", summary="Keys held per instance and location")
+    @app.get("/controller/key-stats", summary="Keys held per instance and location", dependencies=reads)
     async def key_stats() -> Response:
         return _json(views.key_stats())
 
-    @app.get("/controller/events", summary="Newest command events first")
+    @app.get("/controller/events", summary="Newest command events first", dependencies=reads)
     async def events(limit: int = 100) -> Response:
         return _json({"events": views.recent_events(limit)})
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=reads)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(controller.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/controller/dashboard", summary="Everything the WebUI shows: overview, rates, instances, events")
+    @app.get(
+        "/controller/dashboard",
+        summary="Everything the WebUI shows: overview, rates, instances, events",
+        dependencies=reads,
+    )
     async def dashboard(events: int = 50) -> Response:
         return _json(views.dashboard(events_limit=max(0, min(events, 1000))))
 
@@ -260,7 +428,10 @@ def create_app(controller: Controller) -> FastAPI:
 
     @app.get("/", include_in_schema=False, response_class=HTMLResponse)
     async def index() -> HTMLResponse:
-        page = templates.get_template("index.html").render(state=views.dashboard(), version=version, poll_ms=2000)
+        # A browser's navigation cannot carry a bearer token, so the page itself is always served.
+        # With protect_reads it carries no data: the script asks for the token and fetches it.
+        state = None if reads_protected else views.dashboard()
+        page = templates.get_template("index.html").render(state=state, version=version, poll_ms=2000)
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     return app

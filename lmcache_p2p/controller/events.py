@@ -18,6 +18,9 @@ from typing import Literal
 
 Status = Literal["pending", "done", "failed"]
 
+# An event's error joins its ranks' reasons; bounded, as a TP group of many ranks could say a lot.
+MAX_ERROR_CHARS = 2000
+
 
 @dataclass
 class CommandEvent:
@@ -83,7 +86,16 @@ class EventLog:
         event.ranks.discard(rank)
         event.rank_tokens[rank] = num_tokens
         if not ok:
-            event.status, event.error = "failed", f"rank {rank}: {error or 'failed'}"
+            # The failure leads; a partial rank's reason noted before it stays after it.
+            failure = f"rank {rank}: {error or 'failed'}"
+            event.status, event.error = "failed", failure if event.error is None else f"{failure}; {event.error}"
+        elif error:
+            # Done, but not all of it (a move that stopped at the destination's full pool): the
+            # reason stays on the event, or /check_finish would show fewer tokens and no why.
+            note = f"rank {rank}: {error}"
+            event.error = note if event.error is None else f"{event.error}; {note}"
+        if event.error is not None and len(event.error) > MAX_ERROR_CHARS:
+            event.error = event.error[: MAX_ERROR_CHARS - 3] + "..."
         if not event.ranks or event.status == "failed":
             event.num_tokens = min(event.rank_tokens.values()) if event.rank_tokens else 0
             if event.status == "pending":

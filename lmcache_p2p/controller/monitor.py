@@ -28,13 +28,15 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.controller.admission import RegisterRefused
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.orchestration import Orchestrator
 from lmcache_p2p.controller.registry import Registry, WorkerKey, WorkerRecord
-from lmcache_p2p.controller.settings import ControllerSettings, SettingsError
+from lmcache_p2p.controller.settings import MONITOR_MAX_MESSAGE_BYTES, ControllerSettings, SettingsError
 from lmcache_p2p.controller.traffic import FleetTraffic
+from lmcache_p2p.logs import RateLimitedLog
+from lmcache_p2p.mesh_security import MeshSecurity, server_socket
 from lmcache_p2p.protocol import (
-    PROTOCOL_VERSION,
     Ack,
     CommandDone,
     DecodeError,
@@ -60,6 +62,10 @@ logger = logging.getLogger("lmcache_p2p.controller")
 # went away and why instead of a row that silently vanished.
 DEPARTED_KEPT = 100
 
+# Bad frames are counted in full (lmcache_controller_bad_frames_total) but logged at most once per
+# socket per 10 s: a flood of 300k once wrote 37 MB of identical warnings.
+_bad_frames = RateLimitedLog(logger, every_s=10.0)
+
 
 class Monitor:
     def __init__(
@@ -71,8 +77,10 @@ class Monitor:
         traffic: FleetTraffic,
         orchestrator: Orchestrator,
         metrics: Metrics,
+        security: MeshSecurity | None = None,
     ):
         self.ctx = ctx
+        self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
         self.settings = settings
         self.epoch = epoch
         self.registry = registry
@@ -97,6 +105,7 @@ class Monitor:
         """Bind the three sockets; a port in use is a SettingsError naming it (and nothing stays bound)."""
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        server_socket(self._pull, self.security, "controller pull socket", MONITOR_MAX_MESSAGE_BYTES["pull"])
         self._bind("pull", self._pull.bind)
         self._servers = {
             "reply": self._server(
@@ -120,6 +129,8 @@ class Monitor:
             on_message=self._count_message,
             on_bad_frame=lambda why: self._count_bad_frame(socket),
             on_error=lambda msg, e: self._count_handler_error(socket),
+            security=self.security,
+            max_message_bytes=MONITOR_MAX_MESSAGE_BYTES[socket],
         )
 
     def _bind(self, name: str, bind: Callable[[str], object]) -> None:
@@ -169,7 +180,7 @@ class Monitor:
                 msg = worker_message_decoder.decode(frames[-1])
             except DecodeError as e:
                 self._count_bad_frame("pull")
-                logger.warning("bad frame on pull socket: %s (%d bytes)", e, len(frames[-1]))
+                _bad_frames.warning("pull", "bad frame on pull socket: %s (%d bytes)", e, len(frames[-1]))
                 continue
             self._count_message(msg)
             try:
@@ -181,22 +192,25 @@ class Monitor:
                     self._remove_worker((msg.instance_id, msg.rank), "deregistered")
                 else:
                     self._count_bad_frame("pull")
-                    logger.warning("bad frame on pull socket: %s belongs on a request socket", type(msg).__name__)
+                    _bad_frames.warning(
+                        "pull misplaced", "bad frame on pull socket: %s belongs on a request socket", type(msg).__name__
+                    )
             except Exception:
                 self._count_handler_error("pull")
                 logger.exception("handling %s failed", type(msg).__name__)
 
     # -- reply socket ------------------------------------------------------------------------------
 
-    def _on_register(self, msg: Register) -> RegisterReply:
-        if msg.version != PROTOCOL_VERSION:
-            return RegisterReply(
-                ok=False,
-                controller_epoch=self.epoch,
-                error=f"protocol version {msg.version} not supported; this controller speaks {PROTOCOL_VERSION}",
-            )
+    async def _on_register(self, msg: Register) -> RegisterReply:
+        # Every field in bounds, the host resolving, room for it: or a refusal naming what is
+        # wrong, and nothing registered (a bad chunk_size once made every /lookup a 500).
+        try:
+            await self.orchestrator.admit(msg)
+        except RegisterRefused as e:
+            return RegisterReply(ok=False, controller_epoch=self.epoch, error=e.message)
         record = self.registry.register(msg)
-        self.orchestrator.worker_registered(record)
+        # Its command port is probed; one that accepts nothing is removed as unreachable.
+        self.orchestrator.worker_registered(record, on_unreachable=self._remove_worker)
         reply = RegisterReply(
             ok=True,
             controller_epoch=self.epoch,

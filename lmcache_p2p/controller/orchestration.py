@@ -5,23 +5,36 @@ anything is sent, goes to every rank at once (:meth:`Orchestrator._fan_out`), an
 every rank has reported: at once for most commands, through a ``CommandDone`` on the pull
 socket for move and copy, or as failed when a rank refuses, does not answer, or leaves.
 Problems are raised as the typed errors of ``errors.py``; api.py gives them their status codes.
+
+Admission is decided here too, because it is about reaching the worker: :meth:`Orchestrator.admit`
+refuses a Register whose fields are out of bounds (admission.py), whose host does not resolve, that
+would not fit in the command bus's capacity, or whose command port was found unreachable a moment
+ago. A registered worker's command port is then probed once (a ZMQ handshake, within the command
+timeout); one that does not answer is removed like a silent worker ("command port unreachable")
+and its address refused for ``worker_timeout``, so a worker that advertises an address the
+controller cannot reach is never left listed with no way to command it, and does not flap in and
+out at every heartbeat either.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
+from lmcache_p2p.controller.admission import HostCheck, RegisterRefused, shown, validate_register
 from lmcache_p2p.controller.commands import CommandBus
 from lmcache_p2p.controller.errors import CommandRefused, Conflict, InvalidRequest
 from lmcache_p2p.controller.events import CommandEvent, EventLog
 from lmcache_p2p.controller.metrics import Metrics
-from lmcache_p2p.controller.registry import Registry, WorkerRecord
+from lmcache_p2p.controller.registry import Registry, WorkerKey, WorkerRecord
 from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.keys import chunk_hash_array
+from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.protocol import (
     ClearCommand,
     Command,
@@ -31,6 +44,7 @@ from lmcache_p2p.protocol import (
     MoveCommand,
     PeerAddress,
     PinCommand,
+    Register,
     StatusCommand,
     pack_hashes,
 )
@@ -40,6 +54,9 @@ logger = logging.getLogger("lmcache_p2p.controller")
 # Pins are handles on CPU pages. A disk file has no pin: "pinning" one would pin a promoted CPU
 # copy (evicting other chunks for it) while the file itself stays evictable, so it is refused.
 PINNABLE_LOCATION = "LocalCPUBackend"
+
+# Addresses whose command port did not accept a connection, remembered this long at most.
+UNREACHABLE_KEPT = 4096
 
 
 class Orchestrator:
@@ -56,14 +73,87 @@ class Orchestrator:
         metrics.gauge(
             "lmcache_controller_commands_in_flight", "Commands still pending", lambda: [({}, events.in_flight())]
         )
+        metrics.counter(
+            "lmcache_controller_registrations_refused_total", "Register messages refused, by the field at fault"
+        )
+        metrics.counter(
+            "lmcache_controller_workers_unreachable_total", "Workers removed: their command port could not be reached"
+        )
+        self.hosts = HostCheck()
+        # (host, worker_port) -> (when its probe failed, why): registrations from it are refused meanwhile.
+        self._unreachable: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
+        self._probes: set[asyncio.Task] = set()
+        # A hostile or broken sender may register thousands of times a second: one line per field per 10 s.
+        self._refusals = RateLimitedLog(logger, every_s=10.0)
 
     def close(self) -> None:
+        for task in self._probes:
+            task.cancel()
         self.bus.close()
 
     # -- workers coming and going ------------------------------------------------------------------
 
-    def worker_registered(self, record: WorkerRecord) -> None:
+    async def admit(self, msg: Register) -> None:
+        """Raise :class:`RegisterRefused` (naming the field and value) unless ``msg`` may register:
+        its fields in bounds, its host resolving, room for it, its command port not found
+        unreachable within ``worker_timeout``. Counted and logged (rate-limited) when refused."""
+        try:
+            validate_register(msg)
+            if (msg.instance_id, msg.rank) not in self.registry.workers:  # a re-registration takes nothing new
+                self.bus.check_room(len(self.registry.workers))
+            self._check_not_unreachable(msg.host, msg.worker_port)
+            await self.hosts.check(msg.host)
+        except RegisterRefused as e:
+            self.metrics.inc("lmcache_controller_registrations_refused_total", field=e.field or "capacity")
+            self._refusals.warning(
+                e.field,
+                "refused Register of %s rank %s from %s: %s",
+                shown(msg.instance_id),
+                shown(msg.rank),
+                shown(msg.host),
+                e.message,
+            )
+            raise
+
+    def _check_not_unreachable(self, host: str, port: int) -> None:
+        failed = self._unreachable.get((host, port))
+        if failed is None:
+            return
+        ago = time.monotonic() - failed[0]
+        hold = self.settings.worker_timeout
+        if ago >= hold:
+            del self._unreachable[(host, port)]
+            return
+        raise RegisterRefused(
+            f"Register field host={shown(host)} refused: its command port {host}:{port} could not be reached "
+            f"from the controller {ago:.1f} s ago ({failed[1]}); advertise an address the controller can reach "
+            f"(p2p_host, lmcache_worker_ports, firewall); registering again is accepted in {hold - ago:.0f} s",
+            "host",
+            f"{host}:{port}",
+        )
+
+    def worker_registered(
+        self, record: WorkerRecord, on_unreachable: Callable[[WorkerKey, str], None] | None = None
+    ) -> None:
+        """Open ``record``'s command channel; with ``on_unreachable`` (and a running loop), probe its
+        command port and call it (key, reason) if no handshake completes there."""
         self.bus.connect(record.key, record.info.host, record.info.worker_port)
+        if on_unreachable is not None:
+            task = asyncio.ensure_future(self._probe(record, on_unreachable))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, record: WorkerRecord, on_unreachable: Callable[[WorkerKey, str], None]) -> None:
+        host, port = record.info.host, record.info.worker_port
+        why = await self.bus.probe(host, port, self.settings.command_timeout)
+        if why is None or self.registry.workers.get(record.key) is not record:
+            return  # reachable, or this registration was replaced (or ended) meanwhile
+        self._unreachable[(host, port)] = (time.monotonic(), why)
+        self._unreachable.move_to_end((host, port))
+        while len(self._unreachable) > UNREACHABLE_KEPT:
+            self._unreachable.popitem(last=False)
+        self.metrics.inc("lmcache_controller_workers_unreachable_total")
+        on_unreachable(record.key, f"command port unreachable: {why}")
 
     def worker_gone(self, record: WorkerRecord, reason: str) -> None:
         """A worker left: its channel closes, and every pending command that waits on it fails."""
@@ -77,7 +167,13 @@ class Orchestrator:
         """A rank finished a command it had accepted as pending."""
         event = self.events.get(msg.event_id)
         if event is None:
-            logger.warning("completion for unknown event %s from %s rank %d", msg.event_id, msg.instance_id, msg.rank)
+            self._refusals.warning(
+                "unknown event",
+                "completion for unknown event %s from %s rank %d",
+                shown(msg.event_id),
+                shown(msg.instance_id),
+                msg.rank,
+            )
             return
         self._rank_done(event, msg.rank, msg.ok, msg.num_tokens, msg.error)
 

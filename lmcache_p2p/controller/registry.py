@@ -8,6 +8,8 @@ The registry owns the :class:`ChunkIndex` and every rule about keeping it true:
   lost, and the registry asks that worker for a full re-sync of that location;
 * a re-sync is applied in one step, and events newer than its snapshot that arrived meanwhile on
   the other socket are re-applied on top, so nothing is lost or resurrected;
+* nothing out of bounds gets in: :meth:`Registry.register` checks every field of the Register
+  (admission.py) and raises :class:`RegisterRefused` naming the field and value;
 * a worker silent for ``worker_timeout`` is reaped, and its keys leave lookups at once;
 * each P2P worker that asks for one gets a warm set: up to ``max_warm_peers`` live ranks of its
   layout, chosen by rendezvous hashing (each asker ranks the peers by a hash of the pair and takes
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from lmcache_p2p.controller.admission import validate_register
 from lmcache_p2p.controller.errors import UnknownInstance
 from lmcache_p2p.controller.index import ChunkIndex
 from lmcache_p2p.keys import LayoutFingerprint
@@ -107,7 +110,9 @@ class Registry:
         return hid
 
     def register(self, msg: Register) -> WorkerRecord:
-        """Add or refresh a worker. Known keys stay; every location is asked for a full re-sync."""
+        """Add or refresh a worker. Known keys stay; every location is asked for a full re-sync.
+        :class:`RegisterRefused` (and the registry unchanged) when a field is out of bounds."""
+        validate_register(msg)
         old = self.workers.get((msg.instance_id, msg.rank))
         locations = {}
         for loc in msg.locations:
@@ -180,8 +185,8 @@ class Registry:
         instances = self.instances()
         workers = instances.get(instance_id)
         if not workers:
-            known = sorted(instances) or "none"
-            raise UnknownInstance(f"unknown instance {instance_id!r} (registered: {known})", field)
+            # Only what was asked: one bad id must not hand a caller the fleet's instance ids.
+            raise UnknownInstance(f"unknown instance {instance_id!r}", field)
         return workers
 
     # -- warm sets -------------------------------------------------------------------------------

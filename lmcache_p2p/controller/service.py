@@ -10,6 +10,7 @@ Everything runs on one asyncio loop, so index updates and lookups never interlea
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -24,6 +25,9 @@ from lmcache_p2p.controller.registry import Registry
 from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.controller.traffic import FleetTraffic
 from lmcache_p2p.controller.views import Views
+from lmcache_p2p.mesh_security import HOW_TO_SET_CONTROLLER, MeshSecurity, warn_unauthenticated
+
+logger = logging.getLogger("lmcache_p2p.controller")
 
 
 class Controller:
@@ -37,9 +41,16 @@ class Controller:
         self.metrics = Metrics()
         self.traffic = FleetTraffic(self.started_at)
         self.ctx = zmq.asyncio.Context()
+        # Every ZMQ socket of the controller authenticated with the mesh secret (CurveZMQ). The
+        # monitor's sockets get the keys by name; the command bus's clients take them from the
+        # context, attached (its ZAP handler started) only once the bus is built: the bus sizes
+        # the context's socket table, which ZMQ fixes at the first socket.
+        self.security = MeshSecurity(settings.mesh_secret) if settings.mesh_secret else None
         self.orchestrator = Orchestrator(settings, self.registry, self.events, CommandBus(self.ctx), self.metrics)
+        if self.security is not None:
+            self.security.attach(self.ctx)
         self.monitor = Monitor(
-            self.ctx, settings, self.epoch, self.registry, self.traffic, self.orchestrator, self.metrics
+            self.ctx, settings, self.epoch, self.registry, self.traffic, self.orchestrator, self.metrics, self.security
         )
         self.views = Views(
             settings,
@@ -57,8 +68,15 @@ class Controller:
         self.monitor.bind()
 
     def start(self) -> None:
+        # Said once the ports are bound: a controller that cannot start says one line, and only that.
+        if self.security is not None:
+            logger.info("ZMQ sockets authenticated: CurveZMQ, mesh key %s", self.security.fingerprint)
+        else:
+            warn_unauthenticated("controller", HOW_TO_SET_CONTROLLER)
         self.monitor.start()
 
     def close(self) -> None:
         self.monitor.close()
         self.orchestrator.close()
+        if self.security is not None:
+            self.security.detach(self.ctx)

@@ -1,13 +1,31 @@
-"""Controller settings: the seeds' flags, the same keys in a YAML ``--config``, and their checks."""
+"""Controller settings: the seeds' flags, the same keys in a YAML ``--config``, and their checks.
+
+Two secrets are resolved here (issue 18), each from exactly one place, never from a flag's value
+(a command line is visible to every user of the host):
+
+* the mesh secret, which authenticates every ZMQ socket (CurveZMQ, :mod:`lmcache_p2p.mesh_security`):
+  ``--mesh-secret-file PATH`` (or ``mesh_secret_file`` in ``--config``), or the environment
+  variable ``LMCACHE_MESH_SECRET`` (or ``mesh_secret`` in ``--config``), the same variable
+  instances read;
+* the HTTP API token: ``--api-token-file PATH`` (``api_token_file``) or ``LMCACHE_API_TOKEN``
+  (``api_token``); ``--protect-reads`` makes the read-only routes ask for it too.
+
+A file that is missing, unreadable or empty, a secret shorter than 16 characters, or two sources
+for one secret is a :class:`SettingsError` naming the flag, key or variable.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import yaml
+
+from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
 
 # Consistent with the worker (DESIGN.md §7): a worker heartbeats every 5 s by default
 # (lmcache_worker_heartbeat_time) and is reaped after 30 s of silence, six missed beats.
@@ -16,6 +34,16 @@ DEFAULT_WORKER_TIMEOUT = 30.0
 DEFAULT_COMMAND_TIMEOUT = 5.0
 MONITOR_PORT_KEYS = ("pull", "reply", "heartbeat")
 DEFAULT_HEARTBEAT_PORT = 8082  # seed 003 starts the controller without one
+API_TOKEN_ENV = "LMCACHE_API_TOKEN"
+# ZMQ_MAXMSGSIZE of each monitor socket: ZMQ drops a connection that sends a bigger frame before
+# it allocates anything for it. Each bound is the largest message legitimately sent there, with room:
+# * reply: a ResyncBatch of 65,536 keys is 512 KiB (8 bytes a key), a P2PLookup of a 1M-token
+#   prompt in 16-token chunks as much, a Register ~1 KiB: 4 MiB is 8x the largest;
+# * heartbeat: a Heartbeat is under 1 KiB (traffic totals, a batch number per location);
+# * pull: a KeyEvents batch is cut at 4,096 keys (32 KiB), but a burst that outruns the flush
+#   loop is coalesced into one batch: 32 MiB holds 4M keys. A bigger one would be dropped with
+#   the connection and recovered like any lost batch (the sequence gap asks for a re-sync).
+MONITOR_MAX_MESSAGE_BYTES = {"pull": 32 * 2**20, "reply": 4 * 2**20, "heartbeat": 1 * 2**20}
 
 
 class SettingsError(ValueError):
@@ -34,6 +62,14 @@ class ControllerSettings:
     worker_timeout: float = DEFAULT_WORKER_TIMEOUT
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT
     log_level: str = "info"
+    # Security (issue 18). ``mesh_secret`` and ``api_token`` are the resolved values (load_settings
+    # reads the files and the environment); the *_file fields only say where they came from.
+    # Never in a repr, so never in a log line.
+    mesh_secret_file: str | None = None
+    mesh_secret: str | None = field(default=None, repr=False)  # None: ZMQ sockets stay plain
+    api_token_file: str | None = None
+    api_token: str | None = field(default=None, repr=False)  # None: the HTTP API is open
+    protect_reads: bool = False  # read-only HTTP routes need the API token too
 
     @property
     def heartbeat_interval(self) -> float:
@@ -63,6 +99,20 @@ class ControllerSettings:
             )
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise SettingsError(f"--log-level {self.log_level!r}: expected debug, info, warning or error")
+        for name, what in (("mesh_secret", "a mesh secret"), ("api_token", "an API token")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                setattr(self, name, check_secret(value, what))
+            except MeshSecretError as e:
+                raise SettingsError(f"{name} {e}") from None
+        if not isinstance(self.protect_reads, bool):
+            raise SettingsError(f"protect_reads {self.protect_reads!r}: expected true or false")
+        if self.protect_reads and self.api_token is None:
+            raise SettingsError(
+                f"--protect-reads needs an API token: --api-token-file PATH or the {API_TOKEN_ENV} environment variable"
+            )
 
 
 def parse_monitor_ports(raw: Any, source: str = "--monitor-ports") -> dict[str, int]:
@@ -115,10 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds a worker has to answer a command (default {DEFAULT_COMMAND_TIMEOUT:g})",
     )
     p.add_argument("--log-level", help="debug, info, warning, error (default info)")
+    p.add_argument(
+        "--mesh-secret-file",
+        metavar="PATH",
+        help=f"file holding the mesh secret (16+ characters) that authenticates every ZMQ socket (CurveZMQ); "
+        f"or set {MESH_SECRET_ENV}. Instances need the same secret. Without one the ZMQ ports are open to anyone",
+    )
+    p.add_argument(
+        "--api-token-file",
+        metavar="PATH",
+        help=f"file holding the token (16+ characters) the HTTP API asks for; or set {API_TOKEN_ENV}",
+    )
+    p.add_argument(
+        "--protect-reads",
+        action="store_true",
+        default=None,
+        help="read-only HTTP routes (lookups, queries, the dashboard's data) need the API token too",
+    )
     return p
 
 
-def load_settings(args: argparse.Namespace) -> ControllerSettings:
+def load_settings(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> ControllerSettings:
+    env = os.environ if env is None else env
     values: dict[str, Any] = {}
     if args.config:
         values.update(_read_yaml(args.config))
@@ -129,9 +197,42 @@ def load_settings(args: argparse.Namespace) -> ControllerSettings:
     if "monitor_ports" in values:
         source = "--monitor-ports" if args.monitor_ports is not None else f"{args.config}: monitor_ports"
         values["monitor_ports"] = parse_monitor_ports(values["monitor_ports"], source)
+    for name, variable, what in (
+        ("mesh_secret", MESH_SECRET_ENV, "a mesh secret"),
+        ("api_token", API_TOKEN_ENV, "an API token"),
+    ):
+        values[name] = _resolve_secret(values, args, env, name, variable, what)
     settings = ControllerSettings(**values)
     settings.validate()
     return settings
+
+
+def _resolve_secret(
+    values: dict[str, Any], args: argparse.Namespace, env: Mapping[str, str], name: str, variable: str, what: str
+) -> str | None:
+    """``name``'s value from its one source: a file (``--<name>-file`` or ``<name>_file`` in
+    --config), the environment (``variable``) or ``<name>`` in --config; None from none."""
+    file_key = f"{name}_file"
+    flag = "--" + file_key.replace("_", "-")
+    sources: list[tuple[str, str, bool]] = []  # (where, value or path, is a path)
+    if values.get(file_key) is not None:
+        where = flag if getattr(args, file_key, None) is not None else f"{args.config}: {file_key}"
+        sources.append((where, str(values[file_key]), True))
+    if values.get(name) is not None:
+        sources.append((f"{args.config}: {name}", str(values[name]), False))
+    if env.get(variable):
+        sources.append((variable, env[variable], False))
+    if not sources:
+        return None
+    if len(sources) > 1:
+        raise SettingsError(
+            f"{what} is given {len(sources)} times ({', '.join(s[0] for s in sources)}); give it in one place only"
+        )
+    where, raw, is_path = sources[0]
+    try:
+        return read_secret_file(raw, what) if is_path else check_secret(raw, what)
+    except MeshSecretError as e:
+        raise SettingsError(f"{where} {raw} {e}" if is_path else f"{where} {e}") from None
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -153,6 +254,10 @@ def _read_yaml(path: str) -> dict[str, Any]:
         expected = {"port": int, "health_check_interval": float, "worker_timeout": float, "command_timeout": float}.get(
             name
         )
+        if name == "protect_reads" and not isinstance(value, bool):
+            raise SettingsError(f"--config {path}: {key}={value!r}, expected true or false")
+        if name in ("mesh_secret", "api_token", "mesh_secret_file", "api_token_file") and not isinstance(value, str):
+            raise SettingsError(f"--config {path}: {key}: expected a string")
         if expected is not None:
             try:
                 value = expected(value)

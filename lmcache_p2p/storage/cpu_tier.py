@@ -81,7 +81,9 @@ class CpuTier:
         self._entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
         self._lock = threading.RLock()
         self.evictions = 0
-        self.rejected_puts = 0  # every page pinned: nothing could be evicted
+        # Chunks not stored because every page was pinned (nothing could be evicted): put() here,
+        # and StorageManager.reserve_page for stores and pulls that fill pages in place.
+        self.rejected_puts = 0
         self.pins_held = 0  # pins not yet released, over all chunks (a leak shows here)
 
     # -- queries ---------------------------------------------------------------------------------

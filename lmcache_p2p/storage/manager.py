@@ -169,7 +169,16 @@ class StorageManager:
         return self.cpu
 
     def reserve_page(self) -> tuple[int, torch.Tensor] | None:
-        """A free CPU page for a producer that fills it in place (kernel gather, peer transfer)."""
+        """A free CPU page for a producer that fills it in place (kernel gather, peer transfer).
+        None when every page is pinned: the chunk it was for is dropped, and counted with the
+        tier's ``rejected_puts`` (a store or a pull that ends there is a put the pool refused)."""
+        reserved = self._reserve_cpu_page()
+        if reserved is None and self.cpu is not None:
+            self.cpu.rejected_puts += 1
+            logger.debug("CPU tier full of pinned chunks; a page reservation for a store or pull was refused")
+        return reserved
+
+    def _reserve_cpu_page(self) -> tuple[int, torch.Tensor] | None:
         if self.cpu is None:
             return None
         page = self.cpu.allocate()
@@ -218,7 +227,8 @@ class StorageManager:
                 return chunk
         if self.disk is None or not self.disk.contains(key):
             return None
-        reserved = self.reserve_page()
+        # Not reserve_page: a promotion that finds no page is no dropped put; it reads privately.
+        reserved = self._reserve_cpu_page()
         if reserved is None:  # no CPU tier, or every page pinned: read into a private buffer
             data = torch.empty(self.page_bytes, dtype=torch.uint8)
             checksum = self.disk.read_into(key, data.numpy())

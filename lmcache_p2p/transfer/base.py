@@ -21,6 +21,60 @@ class TransferError(Exception):
     """A transfer could not start or did not finish; the chunks involved are a miss."""
 
 
+# What a hello may declare. A holder sizes per-session state by these fields (NIXL: a descriptor
+# per page and per slot, prepared against the requester's agent), so a hello is refused before
+# anything is built from it when they go beyond any real pool: 2^24 pages cost a holder +885 MB.
+# Real pools: a few GiB to a few hundred GiB of host memory in pages of 0.1-100 MiB, so tens to
+# hundreds of thousands of pages; staging is 32 pages by default (nixl_buffer_size).
+MAX_HELLO_PAGES = 2**22  # 4M pages: a 1 TiB pool of 256 KiB pages
+MAX_HELLO_POOL_BYTES = 2**40  # num_pages x page_bytes: 1 TiB of host memory
+MAX_HELLO_STAGING_SLOTS = 2**16
+MAX_HELLO_STAGING_BYTES = 2**40  # staging_slots x page_bytes, in VRAM
+MAX_HELLO_PAGE_BYTES = 2**32  # 4 GiB: a chunk of 256 tokens of a model with 16 MiB of KV a token
+MAX_AGENT_METADATA_BYTES = 4 * 2**20  # NIXL over UCX: 0.5 KiB with one registered pool here
+_MAX_ADDRESS = 2**64
+
+
+def check_hello_bounds(hello: ChannelHello) -> None:
+    """Refuse (TransferError naming the field and its value) a hello whose geometry no real
+    requester has, before a holder builds anything from it."""
+
+    def refuse(field: str, value: int, expected: str) -> TransferError:
+        return TransferError(f"hello refused: {field}={value}, expected {expected}")
+
+    for field, value, limit in (
+        ("num_pages", hello.num_pages, MAX_HELLO_PAGES),
+        ("page_bytes", hello.page_bytes, MAX_HELLO_PAGE_BYTES),
+        ("staging_slots", hello.staging_slots, MAX_HELLO_STAGING_SLOTS),
+    ):
+        if not 0 <= value <= limit:
+            raise refuse(field, value, f"0 to {limit}")
+    if len(hello.agent_metadata) > MAX_AGENT_METADATA_BYTES:
+        raise refuse("agent_metadata", len(hello.agent_metadata), f"at most {MAX_AGENT_METADATA_BYTES} bytes")
+    pool_bytes = hello.num_pages * hello.page_bytes
+    if pool_bytes > MAX_HELLO_POOL_BYTES:
+        raise refuse(
+            "num_pages",
+            hello.num_pages,
+            f"a pool of at most {MAX_HELLO_POOL_BYTES >> 30} GiB ({hello.page_bytes}-byte pages)",
+        )
+    staging_bytes = hello.staging_slots * hello.page_bytes
+    if staging_bytes > MAX_HELLO_STAGING_BYTES:
+        raise refuse(
+            "staging_slots",
+            hello.staging_slots,
+            f"at most {MAX_HELLO_STAGING_BYTES >> 30} GiB of staging ({hello.page_bytes}-byte slots)",
+        )
+    for field, base, size in (
+        ("pool_base", hello.pool_base, pool_bytes),
+        ("staging_base", hello.staging_base, staging_bytes),
+    ):
+        if not 0 <= base <= _MAX_ADDRESS - size:
+            raise refuse(field, base, "an address range inside 64 bits")
+    if hello.staging_device < 0:
+        raise refuse("staging_device", hello.staging_device, "a device index >= 0")
+
+
 class Landing:
     """One request's payloads arriving over a channel's own data connections, into the pages it
     was begun with. Until :meth:`close` says it is idle, something may still write into them."""

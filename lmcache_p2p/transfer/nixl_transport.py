@@ -36,7 +36,7 @@ from lmcache_p2p.protocol import ChannelHello
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.transfer import NIXL_FIX
-from lmcache_p2p.transfer.base import TransferError, Transport
+from lmcache_p2p.transfer.base import TransferError, Transport, check_hello_bounds
 from lmcache_p2p.transfer.gpu_staging import GpuStaging
 
 logger = logging.getLogger(__name__)
@@ -209,6 +209,7 @@ class NixlTransport(Transport):
     # -- holder side -----------------------------------------------------------------------------
 
     async def accept(self, hello: ChannelHello) -> bool:
+        check_hello_bounds(hello)  # before anything is sized by its fields
         if hello.session in self._peers:
             return self._peers[hello.session].slots is not None
         if hello.page_bytes != self.pool.page_bytes:

@@ -50,7 +50,7 @@ import numpy as np
 from lmcache_p2p.protocol import ChannelHello, ChannelHelloReply
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.memory import PagePool
-from lmcache_p2p.transfer.base import Landing, TransferError, Transport
+from lmcache_p2p.transfer.base import Landing, TransferError, Transport, check_hello_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -554,6 +554,7 @@ class TcpTransport(Transport):
         _kill(stream)
 
     async def accept(self, hello: ChannelHello) -> bool:
+        check_hello_bounds(hello)  # the same bounds on every channel, though tcp sizes nothing by them
         if hello.page_bytes and hello.page_bytes != self.pool.page_bytes:
             raise TransferError(f"requester pages are {hello.page_bytes} bytes, ours {self.pool.page_bytes}")
         instance = (hello.instance_id, hello.rank)

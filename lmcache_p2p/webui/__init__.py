@@ -4,6 +4,10 @@ static files, no CDN and no build step, so it works in an air-gapped cluster.
 The page renders the first state server-side (embedded as JSON), then polls
 ``GET /controller/dashboard`` every 2 s. Every string from a worker reaches the DOM as text
 (``textContent``), never as markup.
+
+A controller started with an API token answers 401 to the page's actions (and, with
+protect_reads, to its reads; the page then embeds no data). The script asks for the token once in
+a dialog, keeps it in the tab's sessionStorage and sends it as ``Authorization: Bearer`` from then on.
 """
 
 from __future__ import annotations

@@ -7,18 +7,26 @@ background: this rank (the source) asks the destination rank to pull the chunks 
 (FetchChunks on the destination's p2p_lookup port), evicts what the destination now holds (move
 only), and reports a CommandDone with the tokens that moved. Pins hold CPU pages; a disk file
 cannot be held, so pinning on LocalDiskBackend is refused.
+
+A command read after its deadline (``deadline_unix`` less the clock margin, protocol.py) is
+refused unrun: the controller has already reported it as failed, and a /clear that wipes chunks
+after a 504 (a worker stopped, then resumed) is worse than none.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.protocol import (
+    COMMAND_CLOCK_MARGIN_S,
     ClearCommand,
     CommandDone,
     CommandReply,
@@ -29,9 +37,10 @@ from lmcache_p2p.protocol import (
     PeerAddress,
     PinCommand,
     StatusCommand,
+    seconds_past_deadline,
     unpack_hashes,
 )
-from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcServer
+from lmcache_p2p.rpc import Handler, RemoteError, RequestFailed, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.manager import CPU, StorageManager
 from lmcache_p2p.worker.identity import WorkerIdentity
@@ -56,18 +65,22 @@ class CommandServer:
         self.link = link
         self.peers = peers  # None when enable_p2p is off: this rank can be no move/copy source
         self.status = status
+        handlers: dict[type, Handler] = {
+            MoveCommand: self._on_move,
+            ClearCommand: self._on_clear,
+            PinCommand: self._on_pin,
+            HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.storage.stats()),
+            StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.status()),
+        }
         self.server = RpcServer(
             ctx,
             f"{identity.describe()} worker",
-            {
-                MoveCommand: self._on_move,
-                ClearCommand: self._on_clear,
-                PinCommand: self._on_pin,
-                HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.storage.stats()),
-                StatusCommand: lambda c: CommandReply(event_id=c.event_id, ok=True, detail=self.status()),
-            },
+            {kind: self._unless_expired(handler) for kind, handler in handlers.items()},
             error_reply=lambda e: CommandReply(event_id="", ok=False, error=e),
         )
+        self.expired = 0  # commands refused unrun because they came after their deadline
+        # A stopped worker may find many commands waiting when it resumes: one line per kind per 10 s.
+        self._expired_log = RateLimitedLog(logger, every_s=10.0)
         try:
             self.server.bind(f"tcp://{identity.host}:{identity.worker_port}")
         except zmq.ZMQError as e:
@@ -89,6 +102,43 @@ class CommandServer:
             for chunk in pins:
                 chunk.release()
         self._pins.clear()
+
+    # -- deadlines -------------------------------------------------------------------------------
+
+    def _unless_expired(self, handler: Handler) -> Handler:
+        def run(command: Any) -> Any:
+            now = time.time()
+            late = seconds_past_deadline(command, now)
+            if late > 0:
+                return self._refuse_expired(command, now, late)
+            return handler(command)
+
+        return run
+
+    def _refuse_expired(self, command: Any, now: float, late: float) -> CommandReply:
+        self.expired += 1
+        kind = type(command).__name__
+        self._expired_log.warning(
+            kind,
+            "%s: %s %s expired, not run: read %.3f s past its deadline (deadline_unix %.3f less the %.1f s "
+            "clock margin; now %.3f here); the controller already reported it as failed. If fresh commands "
+            "expire too, this host's clock is ahead of the controller's by about that much",
+            self.me.describe(),
+            kind,
+            command.event_id,
+            late,
+            command.deadline_unix,
+            COMMAND_CLOCK_MARGIN_S,
+            now,
+        )
+        return CommandReply(
+            event_id=command.event_id,
+            ok=False,
+            error=(
+                f"expired: {self.me.describe()} read {kind} {late:.3f} s past its deadline "
+                f"(less the {COMMAND_CLOCK_MARGIN_S:g} s clock margin) and did not run it"
+            ),
+        )
 
     def _check_location(self, event_id: str, location: str) -> CommandReply | None:
         if location not in self.storage.locations:
@@ -162,7 +212,10 @@ class CommandServer:
                     self.storage.remove(int(h), command.location)
             tokens = len(held) * self.storage.chunk_size
             ok = len(held) > 0 or len(hashes) == 0
-            error = reply.error if not ok or len(held) < len(hashes) else None
+            error = None
+            if not ok or len(held) < len(hashes):
+                # The reason travels with a partial move too: /check_finish shows it beside the tokens.
+                error = reply.error or f"the destination holds {len(held)} of the {len(hashes)} chunk(s) sent"
             logger.info(
                 "%s: %s %s: %d of %d chunk(s) now at %s/%s%s",
                 me.describe(),

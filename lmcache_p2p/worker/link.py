@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.config import split_host_port
+from lmcache_p2p.mesh_security import MeshSecurity, client_socket
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -140,8 +141,10 @@ class ControllerLink:
         heartbeat_time: float,
         flush_interval: float = 0.05,
         traffic: Callable[[], Traffic] | None = None,
+        security: MeshSecurity | None = None,
     ):
         self.ctx = ctx
+        self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
         self.traffic = traffic  # this rank's totals, for the controller's dashboard
         self.me = identity
         self.storage = storage
@@ -149,13 +152,20 @@ class ControllerLink:
         self.reply_host, reply_port = split_host_port(reply_url)
         pull_host, pull_port = split_host_port(pull_url)
         self.reply = RpcClient(
-            ctx, f"tcp://{self.reply_host}:{reply_port}", controller_reply_decoder, "controller reply socket"
+            ctx,
+            f"tcp://{self.reply_host}:{reply_port}",
+            controller_reply_decoder,
+            "controller reply socket",
+            security=security,
         )
         self.heartbeat: RpcClient | None = None
         self.push = ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.setsockopt(zmq.IMMEDIATE, 1)
         self.push.setsockopt(zmq.SNDHWM, 10000)
+        # Watched: the one socket that lives as long as the link, so a controller that refuses our
+        # handshake (another mesh secret, or one where we have none) is said here, in our log.
+        client_socket(self.push, security, f"{identity.describe()}: controller pull socket", watch=True)
         self.push.connect(f"tcp://{pull_host}:{pull_port}")
         self.heartbeat_time = heartbeat_time
         self.interval = heartbeat_time
@@ -297,6 +307,7 @@ class ControllerLink:
             f"tcp://{self.reply_host}:{reply.heartbeat_port or 8082}",
             controller_reply_decoder,
             "controller heartbeat socket",
+            security=self.security,
         )
         dropped = self.batcher.drop()  # the re-sync below carries their effect
         self.registered = True

@@ -32,6 +32,7 @@ import numpy as np
 import zmq.asyncio
 
 from lmcache_p2p.keys import in_parallel, payload_checksum
+from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
     ChannelHelloReply,
     ChunkPull,
@@ -113,12 +114,20 @@ def _split(items: list[int], size: int) -> list[list[int]]:
 class _Connection:
     """One peer's sockets and the channel agreed with it at hello."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, peer: Peer):
+    def __init__(self, ctx: zmq.asyncio.Context, peer: Peer, security: MeshSecurity | None = None):
         self.init = RpcClient(
-            ctx, f"tcp://{peer.host}:{peer.init_port}", peer_reply_decoder, f"{peer.describe()} p2p_init"
+            ctx,
+            f"tcp://{peer.host}:{peer.init_port}",
+            peer_reply_decoder,
+            f"{peer.describe()} p2p_init",
+            security=security,
         )
         self.lookup = RpcClient(
-            ctx, f"tcp://{peer.host}:{peer.lookup_port}", peer_reply_decoder, f"{peer.describe()} p2p_lookup"
+            ctx,
+            f"tcp://{peer.host}:{peer.lookup_port}",
+            peer_reply_decoder,
+            f"{peer.describe()} p2p_lookup",
+            security=security,
         )
         self.channel: str | None = None  # None until hello agrees one (P2PClient._connect)
         self.staged = False  # the holder writes through GPU staging (agreed at hello)
@@ -175,8 +184,10 @@ class P2PClient:
         batch_chunks: int = 8,
         pipeline_depth: int = 3,
         policy: PullPolicy | None = None,
+        security: MeshSecurity | None = None,
     ):
         self.ctx = ctx
+        self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
         self.me = identity
         self.storage = storage
         self.link = link
@@ -379,7 +390,7 @@ class P2PClient:
         key = (peer.host, peer.lookup_port)
         conn = self._connections.get(key)
         if conn is None:
-            conn = self._connections[key] = _Connection(self.ctx, peer)
+            conn = self._connections[key] = _Connection(self.ctx, peer, self.security)
         return conn
 
     def lookup_socket(self, peer: Peer) -> RpcClient:

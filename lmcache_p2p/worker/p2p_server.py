@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.keys import in_parallel
+from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
     ChannelHello,
     ChannelHelloReply,
@@ -45,6 +46,14 @@ from lmcache_p2p.worker.p2p_client import P2PClient, Peer
 
 logger = logging.getLogger(__name__)
 
+# ZMQ_MAXMSGSIZE of the two sockets (a bigger frame ends the connection before it is allocated):
+# * p2p_init takes only ChannelHellos: ~0.2 KiB plus NIXL's agent metadata (0.5 KiB with one
+#   registered pool over UCX here; more with many NICs), which accept() bounds to 4 MiB;
+# * p2p_lookup takes ChunkPulls (a batch of 8-32 chunks: under 1 KiB) and FetchChunks (a move's
+#   or copy's chunk hashes: 512 KiB for a 1M-token prompt in 16-token chunks).
+P2P_INIT_MAX_MESSAGE_BYTES = 8 * 2**20
+P2P_LOOKUP_MAX_MESSAGE_BYTES = 4 * 2**20
+
 
 class PeerServer:
     def __init__(
@@ -55,6 +64,7 @@ class PeerServer:
         transports: dict[str, Transport],
         client: P2PClient,
         max_concurrent_pulls: int = 4,
+        security: MeshSecurity | None = None,
     ):
         self.me = identity
         self.storage = storage
@@ -74,13 +84,24 @@ class PeerServer:
             "bad_frames": 0,
         }
         self._servers: list[RpcServer] = []
-        sockets: list[tuple[str, int | None, dict[type, Handler]]] = [
-            ("p2p_init", identity.p2p_init_port, {ChannelHello: self._on_hello}),
-            ("p2p_lookup", identity.p2p_lookup_port, {ChunkPull: self._on_pull, FetchChunks: self._on_fetch}),
+        sockets: list[tuple[str, int | None, dict[type, Handler], int]] = [
+            ("p2p_init", identity.p2p_init_port, {ChannelHello: self._on_hello}, P2P_INIT_MAX_MESSAGE_BYTES),
+            (
+                "p2p_lookup",
+                identity.p2p_lookup_port,
+                {ChunkPull: self._on_pull, FetchChunks: self._on_fetch},
+                P2P_LOOKUP_MAX_MESSAGE_BYTES,
+            ),
         ]
-        for name, port, handlers in sockets:
+        for name, port, handlers, max_bytes in sockets:
             server = RpcServer(
-                ctx, f"{identity.describe()} {name}", handlers, concurrent=True, on_bad_frame=self._count_bad_frame
+                ctx,
+                f"{identity.describe()} {name}",
+                handlers,
+                concurrent=True,
+                on_bad_frame=self._count_bad_frame,
+                security=security,
+                max_message_bytes=max_bytes,
             )
             try:
                 server.bind(f"tcp://{identity.host}:{port}")

@@ -24,6 +24,7 @@ import zmq.asyncio
 from lmcache_p2p.cache_engine import CacheEngine
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint
+from lmcache_p2p.mesh_security import HOW_TO_SET_WORKER, MeshSecurity, warn_unauthenticated
 from lmcache_p2p.peer_service import EngineCounters
 from lmcache_p2p.protocol import Traffic
 from lmcache_p2p.pull_policy import PrefillRate, PullPolicy
@@ -92,6 +93,10 @@ class Worker:
         # Why the configured transfer channel is not the one running (None: it is); in /status,
         # at the controller (/controller/workers, the WebUI) and in one ERROR line at start-up.
         self.channel_error: str | None = None
+        # The mesh's CurveZMQ keys (config mesh_secret_file / mesh_secret); None: plain sockets.
+        # Read here, in the engine's thread, so a bad secret file fails the engine's start-up.
+        secret = config.resolved_mesh_secret()
+        self.security = MeshSecurity(secret) if secret is not None else None
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -123,6 +128,13 @@ class Worker:
         pull_url, reply_url = config.controller_pull_url, config.controller_reply_url
         assert pull_url is not None and reply_url is not None  # config.validate(): required with enable_controller
         self.ctx = zmq.asyncio.Context()
+        security = self.security
+        if security is not None:
+            # ZAP for this context, and the keys for the sockets built without naming them (the
+            # command server's): every socket of this worker is a mesh member.
+            security.attach(self.ctx)
+        else:
+            warn_unauthenticated("instance", HOW_TO_SET_WORKER)
         self.link = ControllerLink(
             self.ctx,
             me,
@@ -131,6 +143,7 @@ class Worker:
             reply_url,
             config.lmcache_worker_heartbeat_time,
             traffic=self.traffic,
+            security=security,
         )
         try:
             if config.enable_p2p:
@@ -154,8 +167,9 @@ class Worker:
                         config.p2p_pull_margin,
                         probe_chunks=config.p2p_batch_chunks,
                     ),
+                    security=security,
                 )
-                self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client)
+                self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client, security=security)
             self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.client, self.status)
         except BaseException:
             self._shutdown(deregister=False)
@@ -172,13 +186,14 @@ class Worker:
             self.server.start()
         self.commands.start()
         logger.info(
-            "worker %s up: commands on %d%s, controller %s",
+            "worker %s up: commands on %d%s, controller %s, %s",
             me.describe(),
             me.worker_port,
             f", p2p init/lookup {me.p2p_init_port}/{me.p2p_lookup_port} ({', '.join(self.transports)})"
             if self.server
             else "",
             config.controller_reply_url,
+            f"CurveZMQ with mesh key {security.fingerprint}" if security is not None else "unauthenticated",
         )
 
     def _greeted(self, instance_id: str, rank: int) -> None:
@@ -239,6 +254,8 @@ class Worker:
                 transport.close()
             except Exception as e:
                 logger.debug("closing %s transport: %s", transport.name, e)
+        if self.security is not None:
+            self.security.detach(self.ctx)  # its ZAP thread's sockets would keep destroy() waiting
         self.ctx.destroy(linger=100 if deregister else 0)
 
     # -- engine-facing calls (any thread) --------------------------------------------------------
@@ -330,6 +347,12 @@ class Worker:
             out["warm_peers"] = self.client.warm_peers()
         if self.commands:
             out["command_pins"] = self.commands.pinned_chunks
+        security = self.security
+        out["mesh"] = (
+            {"authenticated": True, "key": security.fingerprint, "refused": security.refused}
+            if security is not None
+            else {"authenticated": False}
+        )
         return out
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ const POLL_MS = Number(document.body.dataset.pollMs) || 2000;
 const FETCH_TIMEOUT_MS = 4000;
 const SVG_NS = "http://www.w3.org/2000/svg";
 
+// null when the controller protects its reads (protect_reads): the first poll, with the token, fills it.
 let state = JSON.parse(document.getElementById("initial-state").textContent);
 let lastOkAt = Date.now();
 let openInstance = null; // the instance whose workers are shown
@@ -88,24 +89,95 @@ function parseTokens(text) {
   });
 }
 
-async function api(path, body) {
+// -- the API token ------------------------------------------------------------------------------
+//
+// A controller started with an API token answers 401 to actions (and, with protect_reads, to reads)
+// that come without it. The page then asks for the token once, in a dialog, keeps it in this tab's
+// sessionStorage (gone when the tab closes, never shared with other tabs or sent anywhere else) and
+// sends it as "Authorization: Bearer ..." with every request from then on.
+
+const TOKEN_KEY = "lmcache-p2p.api-token";
+let memoryToken = null; // where sessionStorage is unavailable (some privacy modes), this tab's memory
+let tokenAsk = null; // the open dialog's promise: requests that meet a 401 together share one question
+let tokenDeclined = false; // the user cancelled: polls stop asking (actions, which the user starts, still ask)
+
+function storedToken() {
+  try { return sessionStorage.getItem(TOKEN_KEY); } catch (e) { return memoryToken; }
+}
+
+function storeToken(token) {
+  memoryToken = token;
+  try {
+    if (token === null) sessionStorage.removeItem(TOKEN_KEY); else sessionStorage.setItem(TOKEN_KEY, token);
+  } catch (e) { /* memoryToken holds it */ }
+}
+
+// Resolves with the token entered, or null when the user cancelled.
+function askForToken(why) {
+  if (tokenAsk) return tokenAsk;
+  const dialog = document.getElementById("token-dialog");
+  const input = document.getElementById("token-input");
+  document.getElementById("token-why").textContent = why;
+  input.value = "";
+  tokenAsk = new Promise((resolve) => {
+    dialog.addEventListener("close", () => {
+      const token = dialog.returnValue === "ok" ? input.value.trim() : "";
+      input.value = ""; // the token lives in sessionStorage only, not in the page
+      tokenAsk = null;
+      tokenDeclined = !token;
+      if (token) storeToken(token);
+      resolve(token || null);
+    }, { once: true });
+    dialog.returnValue = "cancel"; // Escape closes it as a cancel
+    dialog.showModal();
+    input.focus();
+  });
+  return tokenAsk;
+}
+
+document.getElementById("token-cancel").addEventListener("click", () => {
+  document.getElementById("token-dialog").close("cancel");
+});
+
+async function send(path, body, token) {
   const controller = new AbortController();
   const timer = setTimeout(() => controller.abort(), body === undefined ? FETCH_TIMEOUT_MS : 60000);
+  const headers = body === undefined ? {} : { "Content-Type": "application/json" };
+  if (token) headers.Authorization = `Bearer ${token}`;
   try {
     const response = await fetch(path, {
-      method: body === undefined ? "GET" : "POST", signal: controller.signal,
-      headers: body === undefined ? {} : { "Content-Type": "application/json" },
+      method: body === undefined ? "GET" : "POST", signal: controller.signal, headers,
       body: body === undefined ? undefined : JSON.stringify(body),
     });
     let data = null;
-    try { data = await response.json(); } catch (e) { /* not JSON: reported below */ }
+    try { data = await response.json(); } catch (e) { /* not JSON: reported by the caller */ }
+    return { response, data };
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+// GET (no body) or POST a JSON body; the answer's JSON, or an Error carrying the answer's message
+// and status. A 401 asks for the token (unless ask is false) and sends the request again with it.
+async function api(path, body, { ask = true } = {}) {
+  for (;;) {
+    const token = storedToken();
+    const { response, data } = await send(path, body, token);
+    if (response.status === 401) {
+      if (storedToken() !== token) continue; // a token was entered meanwhile: try that one
+      if (token) storeToken(null); // refused: never send it again
+      const why = token
+        ? "The controller refused the API token this tab had. Enter its API token:"
+        : body === undefined || path === "/lookup"
+          ? "This controller shows its data only to holders of its API token. Enter it:"
+          : "Actions on this controller need its API token. Enter it:";
+      if (ask && (await askForToken(why)) !== null) continue;
+    }
     if (!response.ok) {
       const message = data && data.error ? data.error : `HTTP ${response.status}`;
       throw Object.assign(new Error(message), { status: response.status });
     }
     return data;
-  } finally {
-    clearTimeout(timer);
   }
 }
 
@@ -297,15 +369,22 @@ function render() {
 function showBanner(error) {
   const banner = document.getElementById("banner");
   const ago = Math.round((Date.now() - lastOkAt) / 1000);
-  banner.textContent = `Controller unreachable (${error.message}). Showing data from ${ago} s ago; ` +
-    `retrying every ${POLL_MS / 1000} s.`;
+  if (error.status === 401) {
+    // Reads are protected and the user cancelled the token dialog: polls no longer ask, this does.
+    banner.replaceChildren("The controller shows its data only with its API token.",
+      el("button", { type: "button", id: "banner-token", onclick: () => { tokenDeclined = false; refresh(); } },
+        "Enter token"));
+  } else {
+    banner.textContent = `Controller unreachable (${error.message}). Showing data from ${ago} s ago; ` +
+      `retrying every ${POLL_MS / 1000} s.`;
+  }
   banner.hidden = false;
   document.getElementById("main").classList.add("stale");
 }
 
 async function refresh() {
   try {
-    state = await api("/controller/dashboard");
+    state = await api("/controller/dashboard", undefined, { ask: !tokenDeclined });
     lastOkAt = Date.now();
     document.getElementById("banner").hidden = true;
     document.getElementById("main").classList.remove("stale");
@@ -442,5 +521,9 @@ actionHandler("pin-form", (f) => {
   return ["/pin", { instance_id: instance, location: f.location.value, tokens, unpin: f.unpin.checked }, null];
 });
 
-render();
-setTimeout(pollForever, POLL_MS);
+if (state) {
+  render();
+  setTimeout(pollForever, POLL_MS);
+} else {
+  pollForever(); // no data in the page (protect_reads): fetch it now, asking for the token
+}

@@ -1,0 +1,231 @@
+"""What a ``Register`` must be before the registry takes it: every field checked, and the host
+checked to resolve.
+
+One bad Register used to break ``/lookup`` for everyone (``chunk_size`` 0 made every lookup a
+500; ``tp_size`` 0 made lookups of its prompts one until the worker was reaped). Now each field
+is checked against the bounds below and a bad one is refused with :class:`RegisterRefused`,
+naming the field and the value; the worker gets ``RegisterReply(ok=False, error=...)`` and never
+enters the registry. The bounds are generous (far beyond any engine), so they only stop
+nonsense: values that break arithmetic, or sizes that would let one sender grow the
+controller's memory or the dashboard without limit.
+
+Reachability is checked in two steps: a host that is not a hostname or IPv4 address, or that
+does not resolve, is refused here; one that resolves but whose command port completes no ZMQ
+handshake is found by the orchestration's probe right after registering, removed, and refused
+for ``worker_timeout`` (see orchestration.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import re
+import socket
+import time
+from collections import OrderedDict
+from typing import Any
+
+from lmcache_p2p.config import TRANSFER_CHANNELS
+from lmcache_p2p.controller.errors import ControllerError
+from lmcache_p2p.protocol import PROTOCOL_VERSION, Register
+
+# -- bounds -----------------------------------------------------------------------------------------
+
+MAX_ID_CHARS = 128  # instance ids are identifiers: they go into event ids, logs and metric labels
+MAX_TEXT_CHARS = 256  # sessions
+MAX_MODEL_CHARS = 1024  # a model is named by its path when loaded from disk
+MAX_ERROR_CHARS = 4096  # channel_error: a reason shown on the dashboard
+MAX_TP_SIZE = 1024  # tensor parallelism beyond any host or pod today
+MAX_CHUNK_SIZE = 65536  # tokens; a chunk that size of even a small model's KV is gigabytes
+MAX_LOCATIONS = 8  # LMCache has two local backends
+MAX_WARM_PEERS = 1024  # each is a connection the worker keeps open
+MAX_BLOCK_SIZE = 65536  # tokens per KV block (vLLM uses 16..128)
+MAX_LAYERS = 4096
+MAX_BLOCK_DIMS = 8
+MAX_DIM = 2**31 - 1
+MAX_STRIDE = 2**62
+# A location is named as the controller API names it: LocalCPUBackend, LocalDiskBackend; a
+# future backend will look the same. Anything else is refused rather than becoming a holder id.
+LOCATION_NAME = re.compile(r"[A-Z][A-Za-z0-9]{0,62}Backend")
+# RFC 1123 labels, with "_" allowed (container names); checked again by resolving.
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+MAX_HOST_CHARS = 253
+_SHOWN_CHARS = 80  # of a refused value, in the error and the log
+
+
+class RegisterRefused(ControllerError):
+    """A Register the controller will not take. ``field`` is the Register field at fault (None
+    when it is not one field, like capacity) and ``value`` the value refused."""
+
+    def __init__(self, message: str, field: str | None = None, value: Any = None):
+        super().__init__(message, field)
+        self.value = value
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut to a length a log line can carry (a sender chooses it)."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[: _SHOWN_CHARS - 3]}... ({len(text)} chars)"
+
+
+def _refuse(field: str, value: Any, expected: str) -> RegisterRefused:
+    return RegisterRefused(f"Register field {field}={shown(value)} refused: expected {expected}", field, value)
+
+
+def _check_int(field: str, value: int, low: int, high: int, what: str = "") -> None:
+    # bool is an int to Python, and msgspec decodes a msgpack bool into an int field as one.
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise _refuse(field, value, f"an integer {low}..{high}{what}")
+
+
+def _check_text(field: str, value: str, max_chars: int, spaces: bool = True) -> None:
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars or not value.isprintable():
+        raise _refuse(field, value, f"1..{max_chars} printable characters")
+    if not spaces and any(c.isspace() for c in value):
+        raise _refuse(field, value, "no whitespace")
+
+
+def _check_port(field: str, value: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    _check_int(field, value if value is not None else -1, 1, 65535, " (a TCP port)")
+
+
+def check_host_syntax(host: str) -> None:
+    """A hostname or an IPv4 address the controller can connect to."""
+    if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST_CHARS:
+        raise _refuse("host", host, f"a hostname or IPv4 address of 1..{MAX_HOST_CHARS} characters")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if ip.version == 6:
+            # The command channel (tcp://host:port, ZMQ without IPv6 on) cannot reach one.
+            raise _refuse("host", host, "a hostname or an IPv4 address (IPv6 is not supported yet)")
+        if ip.is_unspecified or ip.is_multicast:
+            raise _refuse("host", host, "an address the controller can connect to, not a wildcard or multicast one")
+        return
+    labels = host.split(".")
+    if not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise _refuse("host", host, "a hostname (labels of letters, digits, '-' and '_') or an IPv4 address")
+    if labels[-1].isdigit():  # 10.0.0.256 or 1.2.3: a mistyped address, not a name
+        raise _refuse("host", host, "a valid IPv4 address (this looks like a mistyped one)")
+
+
+def validate_register(msg: Register) -> None:
+    """Raise :class:`RegisterRefused` naming the first field of ``msg`` that is out of bounds."""
+    if msg.version != PROTOCOL_VERSION:
+        raise RegisterRefused(
+            f"Register field version={shown(msg.version)} refused: protocol version {msg.version} not "
+            f"supported; this controller speaks {PROTOCOL_VERSION}",
+            "version",
+            msg.version,
+        )
+    _check_text("instance_id", msg.instance_id, MAX_ID_CHARS, spaces=False)
+    layout = msg.layout
+    _check_int("layout.tp_size", layout.tp_size, 1, MAX_TP_SIZE)
+    _check_int("rank", msg.rank, 0, layout.tp_size - 1, f" (a rank below layout.tp_size={layout.tp_size})")
+    if layout.tp_rank != msg.rank:
+        raise _refuse("layout.tp_rank", layout.tp_rank, f"the worker's rank ({msg.rank})")
+    _check_int("chunk_size", msg.chunk_size, 1, MAX_CHUNK_SIZE, " tokens")
+    check_host_syntax(msg.host)
+    _check_port("worker_port", msg.worker_port)
+    _check_port("p2p_init_port", msg.p2p_init_port, optional=True)
+    _check_port("p2p_lookup_port", msg.p2p_lookup_port, optional=True)
+    if (msg.p2p_init_port is None) != (msg.p2p_lookup_port is None):
+        missing = "p2p_lookup_port" if msg.p2p_lookup_port is None else "p2p_init_port"
+        raise _refuse(missing, None, "both p2p ports or neither (a peer needs both to pull)")
+    _check_locations(msg.locations)
+    _check_layout(msg)
+    for field in ("transfer_channel", "effective_channel"):
+        channel = getattr(msg, field)
+        if channel is not None and channel not in TRANSFER_CHANNELS:
+            raise _refuse(field, channel, f"one of {', '.join(TRANSFER_CHANNELS)}, or none")
+    if msg.channel_error is not None and len(msg.channel_error) > MAX_ERROR_CHARS:
+        raise _refuse("channel_error", msg.channel_error, f"at most {MAX_ERROR_CHARS} characters")
+    if msg.session:
+        _check_text("session", msg.session, MAX_TEXT_CHARS, spaces=False)
+    if msg.max_warm_peers is not None:
+        _check_int("max_warm_peers", msg.max_warm_peers, 0, MAX_WARM_PEERS)
+
+
+def _check_locations(locations: list[str]) -> None:
+    if not 0 < len(locations) <= MAX_LOCATIONS:
+        raise _refuse("locations", locations, f"1..{MAX_LOCATIONS} location names")
+    for name in locations:
+        if not isinstance(name, str) or not LOCATION_NAME.fullmatch(name):
+            raise _refuse("locations", name, "location names like LocalCPUBackend, LocalDiskBackend")
+    if len(set(locations)) != len(locations):
+        raise _refuse("locations", locations, "each location once")
+
+
+def _check_layout(msg: Register) -> None:
+    layout = msg.layout
+    _check_text("layout.model", layout.model, MAX_MODEL_CHARS)
+    _check_int("layout.block_size", layout.block_size, 1, MAX_BLOCK_SIZE)
+    _check_int("layout.num_layers", layout.num_layers, 1, MAX_LAYERS)
+    if not 0 < len(layout.block_shape) <= MAX_BLOCK_DIMS:
+        raise _refuse("layout.block_shape", layout.block_shape, f"1..{MAX_BLOCK_DIMS} dimensions")
+    for dim in layout.block_shape:
+        _check_int("layout.block_shape", dim, 1, MAX_DIM, " per dimension")
+    if len(layout.block_stride) != len(layout.block_shape):
+        raise _refuse(
+            "layout.block_stride", layout.block_stride, f"{len(layout.block_shape)} strides, one per dimension"
+        )
+    for stride in layout.block_stride:
+        _check_int("layout.block_stride", stride, 0, MAX_STRIDE, " per dimension")
+    try:
+        bytes_per_token = layout.bytes_per_token  # raises on a dtype it does not know
+    except ValueError as e:
+        raise _refuse("layout.dtype", layout.dtype, str(e).split("; ", 1)[-1]) from None
+    if bytes_per_token <= 0:
+        raise _refuse("layout.block_shape", layout.block_shape, "a block of at least one byte per token")
+
+
+# -- does the host resolve? -----------------------------------------------------------------------
+
+
+class HostCheck:
+    """Refuses a Register whose host does not resolve to an IPv4 address (the command channel and
+    every peer would fail on it). Answers are cached: ranks of one host register together, and a
+    hostile sender must not make the controller ask the resolver for every message. IPv4 literals
+    need no lookup."""
+
+    def __init__(self, timeout_s: float = 2.0, ttl_s: float = 60.0, failed_ttl_s: float = 10.0, max_hosts: int = 4096):
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self.failed_ttl_s = failed_ttl_s
+        self.max_hosts = max_hosts
+        self._cache: OrderedDict[str, tuple[float, str | None]] = OrderedDict()  # host -> (expires, why not)
+
+    async def check(self, host: str) -> None:
+        try:
+            ipaddress.IPv4Address(host)
+            return
+        except ValueError:
+            pass
+        now = time.monotonic()
+        cached = self._cache.get(host)
+        if cached is None or cached[0] <= now:
+            why = await self._resolve(host)
+            self._cache[host] = (now + (self.failed_ttl_s if why else self.ttl_s), why)
+            self._cache.move_to_end(host)
+            while len(self._cache) > self.max_hosts:
+                self._cache.popitem(last=False)
+        else:
+            why = cached[1]
+        if why is not None:
+            raise RegisterRefused(f"Register field host={shown(host)} refused: {why}", "host", host)
+
+    async def _resolve(self, host: str) -> str | None:
+        loop = asyncio.get_running_loop()
+        try:
+            found = await asyncio.wait_for(
+                loop.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_STREAM), self.timeout_s
+            )
+        except asyncio.TimeoutError:
+            return f"it did not resolve within {self.timeout_s:g} s"
+        except OSError as e:  # socket.gaierror
+            return f"it does not resolve to an IPv4 address ({e.strerror or e})"
+        return None if found else "it resolves to no IPv4 address"

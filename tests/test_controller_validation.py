@@ -1,0 +1,241 @@
+"""A hostile or broken neighbour against a real ``lmcache_controller``: bad Registers are refused
+naming the field (and /lookup keeps answering everyone), a worker whose command port cannot be
+reached does not stay listed, absurd heartbeat totals never reach the dashboard, and a flood of
+bad frames writes a bounded log."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+from protocol_client import CHUNK, CPU, ControllerProcess, FakeWorker, free_ports, layout, wait_for
+
+from lmcache_p2p.keys import LayoutFingerprint
+from lmcache_p2p.protocol import (
+    PROTOCOL_VERSION,
+    Register,
+    RegisterReply,
+    Traffic,
+    controller_reply_decoder,
+    encode,
+)
+
+DOC = list(range(5000, 5000 + 4 * CHUNK))
+
+
+@pytest.fixture
+def controller():
+    c = ControllerProcess("--worker-timeout", "30", "--command-timeout", "2").start()
+    yield c
+    c.stop()
+
+
+class Registrar:
+    """Sends Register messages of our choosing on the reply socket."""
+
+    def __init__(self, controller: ControllerProcess):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{controller.reply}")
+        self.port = free_ports(1)[0]
+        self.router = self.ctx.socket(zmq.ROUTER)  # a command port that accepts, for the good ones
+        self.router.bind(f"tcp://127.0.0.1:{self.port}")
+        self._id = 0
+
+    def good(self, instance_id: str = "hostile", **changes) -> Register:
+        message = Register(
+            version=PROTOCOL_VERSION,
+            instance_id=instance_id,
+            rank=0,
+            host="127.0.0.1",
+            worker_port=self.port,
+            layout=layout(),
+            chunk_size=CHUNK,
+            locations=[CPU],
+        )
+        return msgspec.structs.replace(message, **changes)
+
+    def send(self, message: Register) -> RegisterReply:
+        self._id += 1
+        self.sock.send_multipart([self._id.to_bytes(8, "little"), encode(message)])
+        assert self.sock.poll(10_000), "no answer to Register"
+        request_id, payload = self.sock.recv_multipart()
+        assert int.from_bytes(request_id, "little") == self._id
+        reply = controller_reply_decoder.decode(payload)
+        assert isinstance(reply, RegisterReply)
+        return reply
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+
+
+def bad_layout(**changes) -> LayoutFingerprint:
+    return msgspec.structs.replace(layout(), **changes)
+
+
+# (field named in the error, the Register's changes)
+BAD = [
+    ("version", {"version": PROTOCOL_VERSION + 1}),
+    ("instance_id", {"instance_id": ""}),
+    ("instance_id", {"instance_id": "two words"}),
+    ("instance_id", {"instance_id": "x" * 129}),
+    ("instance_id", {"instance_id": "bell\x07"}),
+    ("rank", {"rank": -1}),
+    ("rank", {"rank": 1, "layout": bad_layout(tp_rank=1)}),  # tp_size 1: rank 1 does not exist
+    ("layout.tp_size", {"layout": bad_layout(tp_size=0)}),
+    ("layout.tp_size", {"layout": bad_layout(tp_size=10**6)}),
+    ("layout.tp_rank", {"layout": bad_layout(tp_size=2, tp_rank=1)}),
+    ("chunk_size", {"chunk_size": 0}),
+    ("chunk_size", {"chunk_size": -256}),
+    ("chunk_size", {"chunk_size": 10**9}),
+    ("host", {"host": ""}),
+    ("host", {"host": "not a host!"}),
+    ("host", {"host": "0.0.0.0"}),
+    ("host", {"host": "::1"}),
+    ("host", {"host": "10.0.0.256"}),
+    ("host", {"host": "no-such-host.invalid"}),  # syntax fine; does not resolve
+    ("worker_port", {"worker_port": 0}),
+    ("worker_port", {"worker_port": 70000}),
+    ("p2p_init_port", {"p2p_init_port": 0, "p2p_lookup_port": 9000}),
+    ("p2p_init_port", {"p2p_lookup_port": 9000}),  # one without the other
+    ("locations", {"locations": []}),
+    ("locations", {"locations": ["Nowhere"]}),
+    ("locations", {"locations": [CPU, CPU]}),
+    ("locations", {"locations": [f"Tier{i}Backend" for i in range(9)]}),
+    ("layout.model", {"layout": bad_layout(model="")}),
+    ("layout.dtype", {"layout": bad_layout(dtype="float99")}),
+    ("layout.block_size", {"layout": bad_layout(block_size=0)}),
+    ("layout.num_layers", {"layout": bad_layout(num_layers=0)}),
+    ("layout.block_shape", {"layout": bad_layout(block_shape=(), block_stride=())}),
+    ("layout.block_shape", {"layout": bad_layout(block_shape=(2, 0, 2, 8))}),
+    ("layout.block_stride", {"layout": bad_layout(block_stride=(1,))}),
+    ("transfer_channel", {"transfer_channel": "carrier-pigeon"}),
+    ("effective_channel", {"effective_channel": ""}),
+    ("channel_error", {"channel_error": "x" * 5000}),
+    ("session", {"session": "s" * 300}),
+    ("max_warm_peers", {"max_warm_peers": -1}),
+    ("max_warm_peers", {"max_warm_peers": 10**6}),
+]
+
+
+def test_every_bad_register_field_is_refused_by_name_and_lookup_answers_everyone(controller):
+    good = FakeWorker(controller, "inst-good")
+    registrar = Registrar(controller)
+    try:
+        assert good.register().ok
+        good.admit_tokens(DOC)
+        wait_for(lambda: controller.holders(DOC).get("inst-good") == [CPU, len(DOC)], 5, "inst-good's keys")
+        for n, (field, changes) in enumerate(BAD):
+            reply = registrar.send(
+                registrar.good(f"hostile-{n}", **changes) if "instance_id" not in changes else registrar.good(**changes)
+            )
+            assert not reply.ok, f"{field} {changes}: accepted"
+            assert f"Register field {field}=" in reply.error, (field, reply.error)
+            # Every lookup still answers, for everyone.
+            assert controller.post("/lookup", {"tokens": DOC}).status_code == 200
+            assert controller.post("/lookup", {"tokens": list(range(7, 7 + 3 * CHUNK))}).status_code == 200
+        listed = {w["instance_id"] for w in controller.http.get("/controller/workers").json()["workers"]}
+        assert listed == {"inst-good"}
+        assert controller.holders(DOC) == {"inst-good": [CPU, len(DOC)]}
+        assert controller.http.get("/controller/dashboard").status_code == 200
+        assert controller.metric("lmcache_controller_registrations_refused_total", field="chunk_size") == 3
+        # A Register with every field in bounds still gets in.
+        assert registrar.send(registrar.good("hostile-but-fine")).ok
+    finally:
+        registrar.close()
+        good.close()
+    log = controller.stop()
+    # Refusals are logged, at most once per field per 10 s: three bad chunk_sizes, one line.
+    assert sum("Register field chunk_size=" in line for line in log.splitlines()) == 1, log[-3000:]
+
+
+def test_a_worker_whose_command_port_accepts_nothing_is_removed_and_refused_for_a_while(controller):
+    registrar = Registrar(controller)
+    closed_port = free_ports(1)[0]  # nothing listens there
+    try:
+        unreachable = registrar.good("inst-unreachable", worker_port=closed_port)
+        assert registrar.send(unreachable).ok  # it resolves: the probe that follows finds the port shut
+
+        def gone():
+            dashboard = controller.http.get("/controller/dashboard").json()
+            return [d for d in dashboard["departed"] if d["instance_id"] == "inst-unreachable"]
+
+        (departed,) = wait_for(gone, 10, "the unreachable worker removed")
+        assert departed["reason"].startswith("command port unreachable: cannot connect to 127.0.0.1:")
+        assert controller.http.get("/controller/workers").json()["workers"] == []
+        again = registrar.send(unreachable)
+        assert not again.ok and "Register field host='127.0.0.1' refused" in again.error
+        assert f"127.0.0.1:{closed_port} could not be reached from the controller" in again.error
+        assert controller.metric("lmcache_controller_workers_unreachable_total") == 1
+        # Another port of the same host is no suspect: it registers and stays.
+        assert registrar.send(registrar.good("inst-reachable")).ok
+        time.sleep(0.5)  # its probe has had ample time on loopback
+        listed = [w["instance_id"] for w in controller.http.get("/controller/workers").json()["workers"]]
+        assert listed == ["inst-reachable"]
+    finally:
+        registrar.close()
+
+
+def _numbers(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _numbers(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _numbers(v)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield value
+
+
+def test_absurd_heartbeat_totals_never_reach_the_dashboard(controller):
+    worker = FakeWorker(controller, "inst-traffic")
+    try:
+        assert worker.register().ok
+        started = time.time()  # after the controller's start: everything it reports is new traffic
+        for pulled_bytes in (
+            1000,
+            2**64 - 1,  # not a total at all
+            10**15,  # a petabyte since the last beat: no link moves that
+            500,  # backwards: a restart nobody announced, not a negative rate
+            700,
+        ):
+            reply = worker.heartbeat(Traffic(started_at=started, lookups=1, pulled_bytes=pulled_bytes))
+            assert reply.status == "ok"
+        dashboard = controller.http.get("/controller/dashboard").json()
+        totals = dashboard["overview"]["traffic_totals"]
+        assert totals["pulled_bytes"] == 1000 + 200 and totals["lookups"] == 1
+        for view in (dashboard, controller.http.get("/controller/workers").json()):
+            assert all(0 <= number < 2**53 for number in _numbers(view) if not isinstance(number, float)), view
+            assert max(_numbers(view)) < 10**12
+        assert dashboard["overview"]["p2p_bytes_per_s"] >= 0
+    finally:
+        worker.close()
+    log = controller.stop()
+    assert "traffic total pulled_bytes=18446744073709551615 refused" in log
+    assert "traffic total pulled_bytes=1000000000000000 refused: it grew by" in log
+
+
+def test_ten_thousand_bad_frames_write_a_bounded_log():
+    controller = ControllerProcess().start()
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{controller.pull}")
+    try:
+        for n in range(10_000):
+            push.send(b"\xc1not msgpack %d" % n)
+        # Every one is counted; before the fix each also wrote a warning, and the 10,000 lines
+        # filled the log pipe until the controller stalled on it.
+        wait_for(
+            lambda: controller.metric("lmcache_controller_bad_frames_total", socket="pull") == 10_000,
+            30,
+            "10,000 bad frames counted",
+        )
+    finally:
+        ctx.destroy(0)
+        log = controller.stop()
+    lines = [line for line in log.splitlines() if "bad frame on pull socket" in line]
+    assert 1 <= len(lines) <= 2, f"{len(lines)} lines"
