@@ -8,6 +8,13 @@ keys are held, and at each size times /lookup of 1k, 4k and 25.6k-token prompts 
 instances, so lookups walk a multi-holder prefix) on one keep-alive HTTP connection. Prints one
 JSON object. Targets (issue 3): ingest >= 1M keys/s; /lookup of 25.6k tokens at 1M keys < 1 ms
 p50 and < 3 ms p99; RSS < 150 MB idle; <= 60 bytes per (key, holder) at 10M.
+
+    .venv/bin/python benchmarks/bench_controller.py --auth-comparison [--instances 100 --ranks 2]
+
+(issue 18) /lookup throughput from ``--clients`` (8) concurrent clients for ``--seconds``, an open
+controller against a secured one (mesh secret: CurveZMQ on the workers' sockets; API token with
+--protect-reads, so every /lookup carries and is checked for its bearer token), alternated
+``--rounds`` times. Target: the secured mesh within 10% of the open one.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -29,6 +37,7 @@ from protocol_client import ControllerProcess, layout  # noqa: E402
 from lmcache_p2p.controller.api import _LookupFastPath, parse_token_array  # noqa: E402
 from lmcache_p2p.controller.index import ChunkIndex  # noqa: E402
 from lmcache_p2p.keys import chunk_hash_array  # noqa: E402
+from lmcache_p2p.mesh_security import MeshSecurity, client_socket, server_socket  # noqa: E402
 from lmcache_p2p.protocol import PROTOCOL_VERSION, KeyEvents, Register, encode, pack_hashes  # noqa: E402
 
 CHUNK = 256
@@ -44,9 +53,10 @@ def rss_mb(pid: int) -> float:
 
 
 class Load:
-    def __init__(self, controller: ControllerProcess, instances: int, ranks: int):
+    def __init__(self, controller: ControllerProcess, instances: int, ranks: int, security: MeshSecurity | None = None):
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
+        client_socket(self.push, security)
         self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.connect(f"tcp://127.0.0.1:{controller.pull}")
         self.workers = [(f"bench-inst-{i}", r) for i in range(instances) for r in range(ranks)]
@@ -54,8 +64,10 @@ class Load:
         # One command port for every rank: the controller checks that a new rank's command port
         # answers a handshake (and drops a rank whose port does not).
         self.commands = self.ctx.socket(zmq.ROUTER)
+        server_socket(self.commands, security, "bench commands", 4 * 2**20)
         command_port = self.commands.bind_to_random_port("tcp://127.0.0.1")
         req = self.ctx.socket(zmq.DEALER)
+        client_socket(req, security)
         req.connect(f"tcp://127.0.0.1:{controller.reply}")
         for n, (inst, rank) in enumerate(self.workers):
             req.send_multipart(
@@ -79,6 +91,9 @@ class Load:
             req.recv_multipart()
         req.close()
 
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
     def admit(self, worker, keys: np.ndarray) -> None:
         self.seq[worker] += 1
         inst, rank = worker
@@ -90,21 +105,23 @@ class Load:
         )
 
 
-def wait_keys(controller: ControllerProcess, expected: int, timeout: float = 300) -> None:
+def wait_keys(controller: ControllerProcess, expected: int, timeout: float = 300, headers: dict | None = None) -> None:
     deadline = time.monotonic() + timeout
-    while controller.http.get("/controller/key-stats").json()["total_keys"] < expected:
+    while controller.http.get("/controller/key-stats", headers=headers).json()["total_keys"] < expected:
         if time.monotonic() > deadline:
             raise RuntimeError(f"controller did not reach {expected} keys in {timeout}s")
         time.sleep(0.005)
 
 
-def ingest(controller: ControllerProcess, load: Load, rng: np.random.Generator, count: int, batch: int) -> dict:
-    before = controller.http.get("/controller/key-stats").json()["total_keys"]
+def ingest(
+    controller: ControllerProcess, load: Load, rng: np.random.Generator, count: int, batch: int, headers=None
+) -> dict:
+    before = controller.http.get("/controller/key-stats", headers=headers).json()["total_keys"]
     keys = rng.integers(1, 2**63, size=count, dtype=np.int64).astype(np.uint64)
     t0 = time.perf_counter()
     for i, start in enumerate(range(0, count, batch)):
         load.admit(load.workers[i % len(load.workers)], keys[start : start + batch])
-    wait_keys(controller, before + count)
+    wait_keys(controller, before + count, headers=headers)
     seconds = time.perf_counter() - t0
     return {"keys": count, "seconds": round(seconds, 3), "keys_per_s": round(count / seconds)}
 
@@ -162,6 +179,111 @@ def lookup_breakdown(tokens: list[int], repeat: int) -> dict:
     return out
 
 
+def concurrent_lookups(port: int, tokens: list[int], clients: int, seconds: float, headers: dict) -> dict:
+    """``clients`` threads, each on its own keep-alive connection, asking /lookup back to back for
+    ``seconds``: requests per second answered, and the latency spread."""
+    body = json.dumps({"tokens": tokens}).encode()
+    samples: list[list[float]] = [[] for _ in range(clients)]
+    stop = time.monotonic() + seconds
+
+    def client(out: list[float]) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port)
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            conn.request("POST", "/lookup", body, {"Content-Type": "application/json", **headers})
+            resp = conn.getresponse()
+            resp.read()
+            assert resp.status == 200, resp.status
+            out.append((time.perf_counter() - t0) * 1e3)
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(out,)) for out in samples]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    merged = sorted(x for out in samples for x in out)
+    return {
+        "requests": len(merged),
+        "req_per_s": round(len(merged) / elapsed, 1),
+        "p50_ms": round(statistics.median(merged), 2),
+        "p99_ms": round(merged[int(len(merged) * 0.99) - 1], 2),
+    }
+
+
+def auth_comparison(args) -> dict:
+    """/lookup from ``--clients`` concurrent clients against an open controller and a secured one
+    (mesh secret: CurveZMQ on every worker socket; API token with --protect-reads: the bearer
+    checked on every /lookup), alternated ``--rounds`` times, each with ``--instances`` x
+    ``--ranks`` registered workers and ``--keys`` keys."""
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix="bench-auth-")
+    secret_file, token_file = os.path.join(workdir, "mesh.secret"), os.path.join(workdir, "api.token")
+    for path, value in ((secret_file, "bench-mesh-secret-" + "x" * 16), (token_file, "bench-api-token-" + "y" * 16)):
+        with open(path, "w") as f:
+            f.write(value + "\n")
+        os.chmod(path, 0o600)
+    tokens = np.random.default_rng(1).integers(0, 128_000, args.lookup_tokens).tolist()
+    out: dict = {
+        "bench": "controller_auth",
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "workers": args.instances * args.ranks,
+        "keys": args.keys,
+        "lookup_tokens": args.lookup_tokens,
+        "runs": [],
+    }
+    for round_ in range(args.rounds):
+        for mode in ("open", "secured"):
+            secured = mode == "secured"
+            flags = ["--log-level", "warning"]
+            env = {"LMCACHE_MESH_SECRET": "", "LMCACHE_API_TOKEN": ""}
+            if secured:
+                flags += ["--mesh-secret-file", secret_file, "--api-token-file", token_file, "--protect-reads"]
+            controller = _Controller(*flags, env=env).start()
+            try:
+                with open(secret_file) as f:
+                    security = MeshSecurity(f.read().strip()) if secured else None
+                load = Load(controller, args.instances, args.ranks, security)
+                hashes = chunk_hash_array(tokens, CHUNK)
+                for rank in range(args.ranks):
+                    load.admit(("bench-inst-0", rank), hashes)
+                headers = _auth(secured, token_file)
+                ingest(controller, load, np.random.default_rng(round_), args.keys, args.batch, headers=headers)
+                lookups = concurrent_lookups(controller.http_port, tokens, args.clients, args.seconds, headers)
+                run = {"round": round_, "mode": mode, **lookups}
+                out["runs"].append(run)
+                print(json.dumps(run), file=sys.stderr)
+                load.close()
+            finally:
+                controller.stop()
+    for mode in ("open", "secured"):
+        rates = [r["req_per_s"] for r in out["runs"] if r["mode"] == mode]
+        p99s = [r["p99_ms"] for r in out["runs"] if r["mode"] == mode]
+        out[mode] = {"req_per_s": rates, "p99_ms": p99s}
+    median = {mode: statistics.median(out[mode]["req_per_s"]) for mode in ("open", "secured")}
+    out["secured_vs_open_req_per_s"] = round(median["secured"] / median["open"], 3)
+    return out
+
+
+def _auth(secured: bool, token_file: str) -> dict:
+    if not secured:
+        return {}
+    with open(token_file) as f:
+        return {"Authorization": f"Bearer {f.read().strip()}"}
+
+
+class _Controller(ControllerProcess):
+    def _up(self) -> bool:  # with --protect-reads the readiness GET answers 401: up all the same
+        try:
+            return self.http.get("/controller/workers").status_code in (200, 401)
+        except Exception:
+            return False
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--instances", type=int, default=16)
@@ -169,7 +291,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=10_000)
     ap.add_argument("--repeat", type=int, default=300)
     ap.add_argument("--max-keys", type=int, default=10_000_000, help="last size, for bytes per (key, holder)")
+    ap.add_argument("--auth-comparison", action="store_true", help="/lookup from concurrent clients: open vs secured")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--lookup-tokens", type=int, default=4_000)
     args = ap.parse_args()
+    if args.auth_comparison:
+        print(json.dumps(auth_comparison(args)))
+        return
 
     controller = ControllerProcess("--log-level", "warning").start()
     pid = controller.proc.pid

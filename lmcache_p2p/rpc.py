@@ -44,12 +44,33 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.mesh_security import MeshSecurity, client_socket, resolve, server_socket
 from lmcache_p2p.protocol import Ack, DecodeError, encode
 
 logger = logging.getLogger(__name__)
+_bad_frames = RateLimitedLog(logger, every_s=10.0)
 
 R = TypeVar("R")
+
+# A socket's receive loop hands the event loop back after this long of back-to-back messages: a
+# message already queued makes ``await recv`` return at once, so a flood on one socket would
+# otherwise keep every other socket, and the HTTP API on the same loop, waiting until it ends.
+FAIR_SLICE_S = 0.002
+
+
+class FairShare:
+    """A receive loop's turn on a shared event loop: :meth:`turn` yields once its slice is used."""
+
+    def __init__(self, slice_s: float = FAIR_SLICE_S):
+        self.slice_s = slice_s
+        self._since = time.perf_counter()
+
+    async def turn(self) -> None:
+        if time.perf_counter() - self._since >= self.slice_s:
+            await asyncio.sleep(0)  # to the back of the ready queue; the selector is polled first
+            self._since = time.perf_counter()
+
 
 # The holder side of a pull gives up at 0.9x the requester's timeout, so once a requester has
 # timed out, a few more seconds are ample for a late answer before its resources are reused.
@@ -382,7 +403,9 @@ class RpcServer:
         self.sock.close(linger=0)
 
     async def _serve(self) -> None:
+        fair = FairShare()
         while True:
+            await fair.turn()
             try:
                 frames = await self.sock.recv_multipart()
             except zmq.ZMQError:
@@ -409,7 +432,9 @@ class RpcServer:
     def _bad_frame(self, why: str) -> None:
         if self.on_bad_frame is not None:
             self.on_bad_frame(why)
-        logger.warning("%s: bad frame: %s", self.name, why)
+        # One line per socket every 10 s at most (with a count of the rest): a flood of bad
+        # frames must not become a flood of log lines.
+        _bad_frames.warning(self.name, "%s: bad frame: %s", self.name, why)
 
     async def _answer(self, identity: bytes, request_id: bytes, request: Any) -> None:
         try:

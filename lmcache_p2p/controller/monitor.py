@@ -54,7 +54,7 @@ from lmcache_p2p.protocol import (
     unpack_hashes,
     worker_message_decoder,
 )
-from lmcache_p2p.rpc import Handler, RpcServer
+from lmcache_p2p.rpc import FairShare, Handler, RpcServer
 
 logger = logging.getLogger("lmcache_p2p.controller")
 
@@ -174,7 +174,9 @@ class Monitor:
     async def _pull_loop(self) -> None:
         sock = self._pull
         assert sock is not None, "bind() first"
+        fair = FairShare()  # a flood here must leave heartbeats and HTTP their turns
         while True:
+            await fair.turn()
             frames = await sock.recv_multipart()
             try:
                 msg = worker_message_decoder.decode(frames[-1])
