@@ -357,8 +357,8 @@ class LMCacheConfig:
                 raise self._err(key, "expected a whole number >= 1")
         if self.nixl_buffer_device not in NIXL_BUFFER_DEVICES:
             raise self._err("nixl_buffer_device", f"expected one of {', '.join(NIXL_BUFFER_DEVICES)}")
-        if self.p2p_max_warm_peers < 0:
-            raise self._err("p2p_max_warm_peers", "expected a whole number >= 0 (0: connect on demand only)")
+        if not 0 <= self.p2p_max_warm_peers <= 1024:  # the controller refuses a Register above 1024
+            raise self._err("p2p_max_warm_peers", "expected a whole number 0-1024 (0: connect on demand only)")
         if self.p2p_pull_policy not in PULL_POLICIES:
             raise self._err("p2p_pull_policy", f"expected one of {', '.join(PULL_POLICIES)}")
         if not 0 < self.p2p_pull_margin <= 10:

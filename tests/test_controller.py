@@ -281,6 +281,42 @@ def test_after_a_controller_restart_the_index_is_rebuilt_from_resyncs(controller
         a.close()
 
 
+def test_with_an_events_file_the_event_history_survives_a_restart(tmp_path):
+    """Before, every event id answered 404 after a restart. A finished move keeps its outcome; one
+    still pending when the controller died comes back failed, saying why."""
+    journal = tmp_path / "events.jsonl"
+    controller = ControllerProcess(*FAST, "--events-file", str(journal)).start()
+    src = dst = None
+    try:
+        src, dst = FakeWorker(controller, "lmcache_instance_1"), FakeWorker(controller, "lmcache_instance_2")
+        assert src.register().ok and dst.register().ok
+        src.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=True, pending=isinstance(c, MoveCommand))
+        src.admit_tokens(DOC[: 4 * CHUNK])
+        wait_lookup(controller, DOC, "lmcache_instance_1", 4 * CHUNK)
+        body = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU], "tokens": DOC}
+        finished = controller.post("/move", body).json()["event_id"]
+        src.done(finished, ok=True, num_tokens=4 * CHUNK)
+        assert controller.finish(finished, 5)["status"] == "done"
+        interrupted = controller.post("/move", body).json()["event_id"]  # never finished
+        controller.kill()
+        controller.start()
+        assert controller.post("/check_finish", {"event_id": finished}).json() == {
+            "event_id": finished,
+            "status": "done",
+            "num_tokens": 4 * CHUNK,
+            "error": None,
+        }
+        again = controller.post("/check_finish", {"event_id": interrupted}).json()
+        assert again["status"] == "failed" and "restarted before this command finished" in again["error"]
+        shown = [e["event_id"] for e in controller.http.get("/controller/events").json()["events"]]
+        assert finished in shown and interrupted in shown
+    finally:
+        for w in (src, dst):
+            if w is not None:
+                w.close()
+        controller.stop()
+
+
 # -- commands -------------------------------------------------------------------------------------
 
 

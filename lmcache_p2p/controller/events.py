@@ -5,18 +5,31 @@ once; its status goes pending -> done | failed as the workers of every TP rank r
 the WebUI's event log shows it. Reads (/lookup, /query_worker_info, /query_instance) are done
 when they are answered; their ids live in a separate, cheaper record (:class:`ReadLog`), so that
 every event id the API hands out is one ``/check_finish`` knows.
+
+With a journal (``--events-file``), command events survive a restart: each is appended as a JSON
+line when it is created and again when it finishes (the later line wins), the newest
+``capacity`` are read back at start, and one still pending then is failed as interrupted. The
+file is rewritten with only those once it holds twice as many lines, so it stays bounded.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import time
 import uuid
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TextIO
 
 Status = Literal["pending", "done", "failed"]
+
+logger = logging.getLogger(__name__)
+
+# What a journalled event that was pending when the controller stopped becomes on the next start.
+INTERRUPTED = "the controller restarted before this command finished; its outcome is unknown"
 
 # An event's error joins its ranks' reasons; bounded, as a TP group of many ranks could say a lot.
 MAX_ERROR_CHARS = 2000
@@ -52,18 +65,110 @@ class CommandEvent:
 
 
 class EventLog:
-    """The newest ``capacity`` events, by id."""
+    """The newest ``capacity`` events, by id; kept in ``journal`` (a JSON-lines file) when given."""
 
-    def __init__(self, capacity: int = 10_000):
+    def __init__(self, capacity: int = 10_000, journal: str | None = None):
         self.capacity = capacity
         self._events: OrderedDict[str, CommandEvent] = OrderedDict()
+        self._journal_path = journal
+        self._journal: TextIO | None = None
+        self._journal_lines = 0
+        if journal is not None:
+            self._load(journal)
+            self._rewrite()  # only what was kept, and the interrupted ones as failed
 
     def create(self, kind: str, instance_id: str, ranks: set[int], detail: str = "") -> CommandEvent:
         event = CommandEvent(f"{kind}-{uuid.uuid4().hex[:16]}", kind, instance_id, detail, set(ranks))
         self._events[event.event_id] = event
         while len(self._events) > self.capacity:
             self._events.popitem(last=False)
+        self._record(event)
         return event
+
+    # -- the journal -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _line(event: CommandEvent) -> str:
+        fields = ("event_id", "kind", "instance_id", "detail", "status", "num_tokens", "error")
+        record = {name: getattr(event, name) for name in fields}
+        record.update(created_at=event.created_at, finished_at=event.finished_at)
+        return json.dumps(record) + "\n"
+
+    def _record(self, event: CommandEvent) -> None:
+        if self._journal is None:
+            return
+        try:
+            self._journal.write(self._line(event))
+        except OSError as e:  # a full disk costs the history, never the command
+            logger.warning("events journal %s: %s; events are no longer kept across restarts", self._journal_path, e)
+            self._journal = None
+            return
+        self._journal_lines += 1
+        if self._journal_lines > 2 * self.capacity:
+            self._rewrite()
+
+    def _load(self, path: str) -> None:
+        bad = 0
+        try:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                        event = CommandEvent(
+                            str(r["event_id"]),
+                            str(r["kind"]),
+                            str(r["instance_id"]),
+                            str(r["detail"]),
+                            set(),
+                            status=r["status"] if r["status"] in ("pending", "done", "failed") else "failed",
+                            num_tokens=int(r["num_tokens"]),
+                            error=r["error"],
+                            created_at=float(r["created_at"]),
+                            finished_at=r["finished_at"],
+                        )
+                    except (ValueError, KeyError, TypeError):
+                        bad += 1  # a line cut short by a crash, or not ours
+                        continue
+                    self._events.pop(event.event_id, None)
+                    self._events[event.event_id] = event  # the later line (its finish) wins
+        except FileNotFoundError:
+            return
+        interrupted = 0
+        for event in self._events.values():
+            if event.status == "pending":
+                event.status, event.error, event.finished_at = "failed", INTERRUPTED, event.created_at
+                interrupted += 1
+        while len(self._events) > self.capacity:
+            self._events.popitem(last=False)
+        logger.info(
+            "events journal %s: %d command events read back (%d interrupted by the restart, %d unreadable lines)",
+            path,
+            len(self._events),
+            interrupted,
+            bad,
+        )
+
+    def _rewrite(self) -> None:
+        """The journal as the events kept now, replaced in one rename (a crash leaves the old one)."""
+        assert self._journal_path is not None
+        if self._journal is not None:
+            self._journal.close()
+        tmp = f"{self._journal_path}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(self._line(e) for e in self._events.values())
+            os.replace(tmp, self._journal_path)
+            self._journal = open(self._journal_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        except OSError as e:
+            logger.warning("events journal %s: %s; events are not kept across restarts", self._journal_path, e)
+            self._journal = None
+            return
+        self._journal_lines = len(self._events)
+
+    def close(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
 
     def get(self, event_id: str) -> CommandEvent | None:
         return self._events.get(event_id)
@@ -77,8 +182,7 @@ class EventLog:
     def in_flight(self) -> int:
         return len(self.pending())
 
-    @staticmethod
-    def rank_done(event: CommandEvent, rank: int, ok: bool, num_tokens: int, error: str | None) -> bool:
+    def rank_done(self, event: CommandEvent, rank: int, ok: bool, num_tokens: int, error: str | None) -> bool:
         """One rank reported; True when that finished the event. The event's tokens are the fewest
         any rank moved: a chunk counts only when every rank's part of it arrived."""
         if event.status != "pending" or rank not in event.ranks:
@@ -101,15 +205,16 @@ class EventLog:
             if event.status == "pending":
                 event.status = "done"
             event.finished_at = time.time()
+            self._record(event)
             return True
         return False
 
-    @staticmethod
-    def fail(event: CommandEvent, error: str) -> bool:
+    def fail(self, event: CommandEvent, error: str) -> bool:
         """Fail a pending event; True when it was still pending (an event finishes once)."""
         if event.status != "pending":
             return False
         event.status, event.error, event.finished_at = "failed", error, time.time()
+        self._record(event)
         return True
 
 

@@ -37,7 +37,7 @@ class Controller:
         self.epoch = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
         self.started_at = time.time()
         self.registry = Registry()
-        self.events = EventLog()
+        self.events = EventLog(journal=settings.events_file)
         self.metrics = Metrics()
         self.traffic = FleetTraffic(self.started_at)
         self.ctx = zmq.asyncio.Context()
@@ -78,5 +78,6 @@ class Controller:
     def close(self) -> None:
         self.monitor.close()
         self.orchestrator.close()
+        self.events.close()
         if self.security is not None:
             self.security.detach(self.ctx)

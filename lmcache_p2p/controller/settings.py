@@ -70,6 +70,8 @@ class ControllerSettings:
     api_token_file: str | None = None
     api_token: str | None = field(default=None, repr=False)  # None: the HTTP API is open
     protect_reads: bool = False  # read-only HTTP routes need the API token too
+    # A JSON-lines file keeping the command event log across restarts; None: in memory only.
+    events_file: str | None = None
 
     @property
     def heartbeat_interval(self) -> float:
@@ -177,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"file holding the token (16+ characters) the HTTP API asks for; or set {API_TOKEN_ENV}",
     )
     p.add_argument(
+        "--events-file",
+        metavar="PATH",
+        help="keep the command event log (/check_finish, the WebUI's events) in this JSON-lines file, "
+        "so it survives a restart (default: in memory only)",
+    )
+    p.add_argument(
         "--protect-reads",
         action="store_true",
         default=None,
@@ -256,7 +264,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
         )
         if name == "protect_reads" and not isinstance(value, bool):
             raise SettingsError(f"--config {path}: {key}={value!r}, expected true or false")
-        if name in ("mesh_secret", "api_token", "mesh_secret_file", "api_token_file") and not isinstance(value, str):
+        if name in ("mesh_secret", "api_token", "mesh_secret_file", "api_token_file", "events_file") and not isinstance(
+            value, str
+        ):
             raise SettingsError(f"--config {path}: {key}: expected a string")
         if expected is not None:
             try:
