@@ -55,6 +55,7 @@ def rss_mb(pid: int) -> float:
 class Load:
     def __init__(self, controller: ControllerProcess, instances: int, ranks: int, security: MeshSecurity | None = None):
         self.ctx = zmq.Context()
+        self.security = security
         self.push = self.ctx.socket(zmq.PUSH)
         client_socket(self.push, security)
         self.push.setsockopt(zmq.SNDHWM, 0)
@@ -92,6 +93,8 @@ class Load:
         req.close()
 
     def close(self) -> None:
+        if self.security is not None:  # its ZAP handler holds a socket: destroy() would wait for it
+            self.security.detach(self.ctx)
         self.ctx.destroy(linger=0)
 
     def admit(self, worker, keys: np.ndarray) -> None:

@@ -26,14 +26,13 @@ import hmac
 import logging
 import re
 import warnings
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
 from lmcache_p2p import webui
@@ -239,37 +238,40 @@ async def json_body(request: Request) -> bytes:
 
 JsonBody = Annotated[bytes, Depends(json_body)]
 
-# FastAPI's bearer scheme (it also declares the scheme in /openapi.json, so /docs can send the
-# token). auto_error=False: the check below answers, so that a 401 says what is needed in the
-# API's own error shape.
-bearer = HTTPBearer(
-    auto_error=False,
-    scheme_name="api_token",
-    description="The controller's API token (--api-token-file or LMCACHE_API_TOKEN)",
-)
-Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
+class BearerToken(HTTPBearer):
+    """FastAPI's bearer scheme, checking the token itself: one dependency per guarded route (a
+    scheme plus a check on top of it was two, and FastAPI resolves each on every request), and
+    still a security scheme, so /openapi.json declares it (and /docs can send the token).
+    ``why`` says in the 401 why the route needs it."""
 
-def require_token(token: str, why: str) -> Callable[..., Any]:
-    """A dependency that lets a request through only with ``Authorization: Bearer <token>``;
-    ``why`` says in the 401 why this route needs it."""
-    expected = token.encode()
+    def __init__(self, token: str, why: str):
+        # auto_error=False: this class answers, so that a 401 says what is needed in the API's
+        # own error shape.
+        super().__init__(
+            auto_error=False,
+            scheme_name="api_token",
+            description="The controller's API token (--api-token-file or LMCACHE_API_TOKEN)",
+        )
+        self._expected = token.encode()
+        self._why = why
 
-    async def check(request: Request, credentials: Credentials) -> None:
-        route = f"{request.method} {request.url.path}"
+    async def __call__(self, request: Request) -> None:
+        credentials = await super().__call__(request)
         if credentials is None:
             raise Unauthorized(
-                f"{route} {why}: it needs the controller's API token. Send 'Authorization: Bearer <token>' with "
-                "the token the controller was started with (--api-token-file or LMCACHE_API_TOKEN)",
+                f"{request.method} {request.url.path} {self._why}: it needs the controller's API token. Send "
+                "'Authorization: Bearer <token>' with the token the controller was started with "
+                "(--api-token-file or LMCACHE_API_TOKEN)",
                 token_sent=False,
             )
         # Constant time, so the answer's timing does not tell how much of a guess was right.
-        if not hmac.compare_digest(credentials.credentials.encode(), expected):
+        if not hmac.compare_digest(credentials.credentials.encode(), self._expected):
             raise Unauthorized(
-                f"{route} {why}: the bearer token sent is not the controller's API token", token_sent=True
+                f"{request.method} {request.url.path} {self._why}: the bearer token sent is not the controller's "
+                "API token",
+                token_sent=True,
             )
-
-    return check
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -312,9 +314,9 @@ def create_app(controller: Controller) -> FastAPI:
     # one, routes that change what the mesh holds need it; reads need it too with protect_reads.
     # The guards are attached only where they apply, so /openapi.json says which routes need it.
     token = settings.api_token
-    writes: list[Any] = [Depends(require_token(token, "changes state"))] if token else []
+    writes: list[Any] = [Depends(BearerToken(token, "changes state"))] if token else []
     reads: list[Any] = (
-        [Depends(require_token(token, "is a read, and reads are protected (protect_reads)"))]
+        [Depends(BearerToken(token, "is a read, and reads are protected (protect_reads)"))]
         if token and settings.protect_reads
         else []
     )

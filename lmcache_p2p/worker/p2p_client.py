@@ -228,6 +228,7 @@ class P2PClient:
         """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds,
         where the pull policy says pulling beats recomputing; returns how many leading chunks are
         now held locally."""
+        t0 = time.perf_counter()
         holders = [
             (h.matched_chunks, Peer(h.instance_id, h.rank, h.host, h.p2p_init_port, h.p2p_lookup_port))
             for h in await self.link.p2p_lookup(hashes)
@@ -235,10 +236,12 @@ class P2PClient:
         ]
         if not holders:
             return 0
+        asked_ms = (time.perf_counter() - t0) * 1e3
         # Longest prefix first; among equals the peer we have the fewest requests in flight to.
         holders.sort(key=lambda h: (-h[0], self._busy((h[1].host, h[1].lookup_port))))
         async with self._prefix_turn:  # decided here, with the estimates the pulls before it left
-            peer, chunks = self._decide(holders)
+            # The time before the decision: the controller's answer, then the turn (pulls ahead).
+            peer, chunks = self._decide(holders, asked_ms, (time.perf_counter() - t0) * 1e3 - asked_ms)
             if not chunks:
                 return 0
             if self._channel_of(peer) is None:
@@ -260,7 +263,7 @@ class P2PClient:
         self.stats["prefix_hit_chunks"] += len(result.held)  # pulled for the engine (not for a move)
         return len(result.held)
 
-    def _decide(self, holders: list[tuple[int, Peer]]) -> tuple[Peer, int]:
+    def _decide(self, holders: list[tuple[int, Peer]], asked_ms: float = 0.0, turn_ms: float = 0.0) -> tuple[Peer, int]:
         """The holder to pull from and how many leading chunks, by the pull policy: the longest
         prefix whose pull beats recomputing it (holders come longest first). Logs the decision."""
         matched, peer = holders[0]
@@ -283,7 +286,7 @@ class P2PClient:
         line = decision.describe(peer.describe(), self._channel_of(peer))
         if chosen is not None and chosen[0] is not first[0]:  # a shorter prefix over a faster link
             line += f" (instead of {first[1].offered} chunks at {first[0].describe()}: {first[1].numbers()})"
-        logger.info("%s", line)
+        logger.info("%s [holders from the controller in %.1f ms, waited %.1f ms for the turn]", line, asked_ms, turn_ms)
         recomputed = first[1].offered - decision.chunks  # offered by a peer, recomputed instead
         if recomputed > 0:
             self.stats["chunks_skipped"] += recomputed
