@@ -246,7 +246,7 @@ def auth_comparison(args) -> dict:
             env = {"LMCACHE_MESH_SECRET": "", "LMCACHE_API_TOKEN": ""}
             if secured:
                 flags += ["--mesh-secret-file", secret_file, "--api-token-file", token_file, "--protect-reads"]
-            controller = _Controller(*flags, env=env).start()
+            controller = ControllerProcess(*flags, env=env, reads_protected=secured).start()
             try:
                 with open(secret_file) as f:
                     security = MeshSecurity(f.read().strip()) if secured else None
@@ -277,14 +277,6 @@ def _auth(secured: bool, token_file: str) -> dict:
         return {}
     with open(token_file) as f:
         return {"Authorization": f"Bearer {f.read().strip()}"}
-
-
-class _Controller(ControllerProcess):
-    def _up(self) -> bool:  # with --protect-reads the readiness GET answers 401: up all the same
-        try:
-            return self.http.get("/controller/workers").status_code in (200, 401)
-        except Exception:
-            return False
 
 
 def main() -> None:

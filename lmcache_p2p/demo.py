@@ -194,23 +194,19 @@ def _port_in_use(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
-def _config_ports(path: str) -> list[int]:
+def _read_config(path: str) -> dict:
     import yaml
 
     with open(path) as f:
-        data = yaml.safe_load(f) or {}
+        return yaml.safe_load(f) or {}
+
+
+def _config_ports(data: dict) -> list[int]:
     ports: list[int] = []
     for key in ("p2p_init_ports", "p2p_lookup_ports", "lmcache_worker_ports"):
         value = data.get(key)
         ports += value if isinstance(value, list) else ([int(value)] if value is not None else [])
     return ports
-
-
-def _instance_id(path: str) -> str:
-    import yaml
-
-    with open(path) as f:
-        return str((yaml.safe_load(f) or {}).get("lmcache_instance_id", ""))
 
 
 def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str, timeout: float = 10.0) -> None:
@@ -282,12 +278,17 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     engine_ports = [int(p) for p in args.engine_ports.split(",")]
+    configs = [_read_config(c) for c in (args.config1, args.config2)]
     monitor = json.loads(args.monitor_ports)
     wanted = [
         ("controller", args.controller_port),
         *((f"controller {k}", v) for k, v in monitor.items()),
         *((f"engine {i + 1}", p) for i, p in enumerate(engine_ports)),
-        *((f"{Path(c).name}", p) for c in (args.config1, args.config2) for p in _config_ports(c)),
+        *(
+            (Path(c).name, p)
+            for c, data in zip((args.config1, args.config2), configs, strict=True)
+            for p in _config_ports(data)
+        ),
     ]
     busy = [f"{what} port {port}" for what, port in wanted if _port_in_use("127.0.0.1", port)]
     if busy:
@@ -343,7 +344,7 @@ def main(argv=None) -> int:
             engine.wait_http(f"http://localhost:{port}/health", args.start_timeout, progress=True)
 
         controller_url = f"http://localhost:{args.controller_port}"
-        warm_s = _wait_mesh_warm(controller_url, [_instance_id(c) for c in (args.config1, args.config2)])
+        warm_s = _wait_mesh_warm(controller_url, [str(data.get("lmcache_instance_id", "")) for data in configs])
         if warm_s is None:
             print("==> the engines did not connect to each other within 60 s; engine 2 connects on demand")
         else:

@@ -102,8 +102,15 @@ class ControllerProcess:
     """``lmcache_controller`` as a user starts it, on free loopback ports."""
 
     def __init__(
-        self, *extra: str, ports: list[int] | None = None, env: dict | None = None, argv: list[str] | None = None
+        self,
+        *extra: str,
+        ports: list[int] | None = None,
+        env: dict | None = None,
+        argv: list[str] | None = None,
+        reads_protected: bool = False,
     ):
+        # With --protect-reads the readiness GET answers 401: up all the same.
+        self.ready_statuses = (200, 401) if reads_protected else (200,)
         self.http_port, self.pull, self.reply, self.heartbeat = ports or free_ports(4)
         self.args = argv or [
             CONTROLLER_SCRIPT,
@@ -137,7 +144,7 @@ class ControllerProcess:
         if self.proc.poll() is not None:
             raise AssertionError(f"controller exited {self.proc.returncode}: {self.proc.stdout.read()}")
         try:
-            return self.http.get("/controller/workers").status_code == 200
+            return self.http.get("/controller/workers").status_code in self.ready_statuses
         except httpx.TransportError:
             return False
 

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import time
 
-import httpx
 import pytest
 from protocol_client import CPU, ControllerProcess, FakeWorker, wait_for
 
@@ -64,16 +63,7 @@ class SecuredController(ControllerProcess):
         if protect_reads:
             flags.append("--protect-reads")
         # A token in the test's own environment would be a second source (and an error).
-        super().__init__(*flags, env={"LMCACHE_API_TOKEN": ""})
-
-    def _up(self) -> bool:
-        # With protect_reads the probe's GET /controller/workers answers 401: up all the same.
-        if self.proc.poll() is not None:
-            raise AssertionError(f"controller exited {self.proc.returncode}: {self.proc.stdout.read()}")
-        try:
-            return self.http.get("/controller/workers").status_code in (200, 401)
-        except httpx.TransportError:
-            return False
+        super().__init__(*flags, env={"LMCACHE_API_TOKEN": ""}, reads_protected=protect_reads)
 
 
 def start_controller(tmp_path, token: str | None = None, protect_reads: bool = False, *extra: str) -> ControllerProcess:
