@@ -58,18 +58,27 @@ def ttfts(engine: InstanceProcess, prompts: list[list[int]]) -> list[float]:
 
 
 def first_request(
-    model: str, controller: ControllerProcess, config: dict, tmp: Path, run: int, prompts: list[list[int]]
+    model: str,
+    controller: ControllerProcess,
+    config: dict,
+    tmp: Path,
+    run: int,
+    prompts: list[list[int]],
+    gap_s: float,
 ) -> dict:
-    """A fresh pair of engines: A's first request, then B's first request for the same prompt."""
+    """A fresh pair of engines: A's first request, then B's first request for the same prompt,
+    ``gap_s`` after A answered (as make demo does: see ASK_GAP_WHY in lmcache_p2p/demo.py)."""
     a = driver(model, instance_config(f"first_a{run}", controller, **config), tmp, f"first_a{run}")
     b = driver(model, instance_config(f"first_b{run}", controller, **config), tmp, f"first_b{run}")
     try:
         prompt = prompts[run]
         cold = ttfts(a, [prompt])[0]
+        answered = time.monotonic()
         a.request("flush")
         deadline = time.monotonic() + 10
         while f"first_a{run}" not in controller.holders(prompt) and time.monotonic() < deadline:
             time.sleep(0.02)  # the controller indexes A's chunks from its worker's next batch
+        time.sleep(max(0.0, gap_s - (time.monotonic() - answered)))
         peer = ttfts(b, [prompt])[0]
         return {
             "a_cold_ms": round(cold * 1e3, 1),
@@ -99,6 +108,9 @@ def main() -> None:
     parser.add_argument("--model-dir", default=None, help="reuse a built tiny model")
     parser.add_argument("--pool-pages", type=int, default=80, help="CPU pool size in chunk pages")
     parser.add_argument("--first-runs", type=int, default=3, help="fresh engine pairs for first_request")
+    parser.add_argument(
+        "--gap-s", type=float, default=2.0, help="first_request: seconds between A's answer and B's request"
+    )
     args = parser.parse_args()
 
     from lmcache_p2p.testing.tiny_model import build, sample_prompts
@@ -130,7 +142,7 @@ def main() -> None:
         )
         first = []
         for run in range(args.first_runs):
-            first.append(first_request(model, controller, seed_004, tmp, run, demo_prompt))
+            first.append(first_request(model, controller, seed_004, tmp, run, demo_prompt, args.gap_s))
         a = driver(model, instance_config("bench_a", controller, **seed_004), tmp, "a")
         b = driver(model, instance_config("bench_b", controller, **seed_004), tmp, "b")
         cold_fresh = ttfts(a, warm_a)[1:]  # the first request of an engine also pays start-up costs
@@ -165,6 +177,7 @@ def main() -> None:
                     "peer_hit": summary(peer_hit, base),
                 },
                 "first_request": {
+                    "gap_s": args.gap_s,
                     "runs": first,
                     "peer_hit_below_cold_in_every_run": all(r["b_peer_hit_ms"] < r["a_cold_ms"] for r in first),
                 },
