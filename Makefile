@@ -36,14 +36,31 @@ install: $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
+# The first target that installs a package runs `apt-get update`; the next one in the same make
+# run finds it done (the flag is set while make expands the first recipe).
+APT_UPDATE = $(if $(APT_UPDATED),,$(eval APT_UPDATED := 1)$(APT_GET) update -qq)
+
 $(CHROMIUM):
 	@echo "==> installing Debian's chromium (the WebUI tests run it headless)"
 	@command -v apt-get >/dev/null || { echo "chromium is missing and there is no apt-get: install a chromium and run make test CHROMIUM=/path/to/chromium"; exit 1; }
-	$(APT_GET) update -qq
+	$(APT_UPDATE)
 	$(APT_GET) install -y -qq chromium >/dev/null
 
+# The remote-tier tests start real redis-server processes (standalone, cluster, sentinel) on free
+# ports, with redis-cli to form the cluster; both come from Debian's redis-server package, and the
+# tests run whichever redis-server is on PATH. The package enables a system daemon on 6379: the
+# tests never use it, and since it only exists because of this install, it is stopped and disabled.
+REDIS_SERVER ?= /usr/bin/redis-server
+
+$(REDIS_SERVER):
+	@echo "==> installing Debian's redis-server (the remote-tier tests start their own on free ports)"
+	@command -v apt-get >/dev/null || { echo "redis-server is missing and there is no apt-get: put redis-server and redis-cli (Redis 7) on PATH and run make test REDIS_SERVER=\$$(command -v redis-server)"; exit 1; }
+	$(APT_UPDATE)
+	$(APT_GET) install -y -qq redis-server >/dev/null
+	@(systemctl disable --now redis-server || service redis-server stop) >/dev/null 2>&1 || true
+
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
-test: $(VENV)/.installed $(CHROMIUM)
+test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
 	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.

@@ -9,7 +9,8 @@ tokens. Prompts arrive as their chained chunk hashes, computed once per request 
 
 * ``store``: gather each full chunk not held yet into a CPU page and admit it;
 * ``lookup``: how many leading tokens can be loaded (local tiers; with ``enable_p2p`` the rest of
-  the prefix is first pulled from the peer holding the most of it);
+  the prefix is first pulled from the peer holding the most of it, and with ``remote_url`` what
+  is still missing is fetched from the remote store);
 * ``retrieve``: scatter the held leading chunks into the request's blocks;
 * ``observe_prefill``: the engine's measured forward passes, the prefill rate the worker's pull
   policy weighs a peer pull against (``lmcache_p2p.pull_policy``).
@@ -66,6 +67,7 @@ class CacheEngine:
             )
         self.counters = counters  # shared with the peers' reports and their pull policy
         self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
+        self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None  # remote fetches (lookup_async)
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -193,32 +195,45 @@ class CacheEngine:
         self.counters.lookup_tokens += num_tokens
         self.counters.hit_tokens += hit_tokens
 
-    def lookup(self, chunk_hashes: ChunkHashes, num_tokens: int | None = None, use_peers: bool = True) -> int:
+    def lookup(self, chunk_hashes: ChunkHashes, num_tokens: int | None = None, fetch_missing: bool = True) -> int:
         """Leading tokens of the prompt ``chunk_hashes`` names that :meth:`retrieve` can load now
-        (pulling from a peer first when P2P is on and the local prefix ends early). ``num_tokens``
-        is the prompt's length for the counters (default: its full chunks' tokens)."""
+        (with ``fetch_missing``, what the local tiers lack is first pulled from a peer and then
+        fetched from the remote store: :meth:`_fetch_missing`). ``num_tokens`` is the prompt's
+        length for the counters (default: its full chunks' tokens)."""
         hashes = hash_list(chunk_hashes)
         hit = self.storage.lookup_prefix(hashes).num_chunks
-        if (
-            use_peers
-            and hit < len(hashes)
-            and self.peers is not None
-            and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S)
-        ):
-            hit = self.storage.lookup_prefix(hashes).num_chunks
+        if fetch_missing and hit < len(hashes):
+            hit = self._fetch_missing(hashes, hit)
         self.count_lookup(self._prompt_tokens(hashes, num_tokens), hit * self.chunk_size)
         return hit * self.chunk_size
 
     def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[int, concurrent.futures.Future | None]:
-        """The local hit now, and a future for the peer pull of the rest (None when there is
-        nothing to pull); for schedulers that must not wait (``enable_async_loading``). The caller
+        """The local hit now, and a future for fetching the rest (None when there is nothing to
+        fetch from); for schedulers that must not wait (``enable_async_loading``). The caller
         counts the lookup (:meth:`count_lookup`) once its hit is final."""
         hashes = hash_list(chunk_hashes)
         hit = self.storage.lookup_prefix(hashes).num_chunks
         future = None
-        if hit < len(hashes) and self.peers is not None:
-            future = self.peers.fetch_prefix_async(hashes[hit:])
+        if hit < len(hashes):
+            if self.storage.remote is None:
+                if self.peers is not None:  # the pull runs on the worker's loop: no thread waits on it
+                    future = self.peers.fetch_prefix_async(hashes[hit:])
+            else:
+                if self._fetcher is None:
+                    self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-fetch")
+                future = self._fetcher.submit(self._fetch_missing, hashes, hit)
         return hit * self.chunk_size, future
+
+    def _fetch_missing(self, hashes: list[int], hit: int) -> int:
+        """Peers first, then the remote store, for the chunks after the local ``hit``; returns
+        the leading chunks held locally afterwards. Peers come first because the controller's
+        index is exact and a peer's pages cross one link (NIXL, or tcp) with no server between;
+        the remote store serves what no live peer holds (the holder restarted or left)."""
+        if self.peers is not None and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S):
+            hit = self.storage.lookup_prefix(hashes).num_chunks
+        if self.storage.remote is not None and hit < len(hashes) and self.storage.fetch_remote_prefix(hashes[hit:]):
+            hit = self.storage.lookup_prefix(hashes).num_chunks
+        return hit
 
     # -- retrieve --------------------------------------------------------------------------------
 
@@ -327,6 +342,9 @@ class CacheEngine:
 
     def close(self) -> None:
         self.poll_stores(wait=True)
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True, cancel_futures=True)
+            self._fetcher = None
         if self.peers is not None:
             self.peers.close()
             self.peers = None

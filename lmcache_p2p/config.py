@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
+from lmcache_p2p.remote.url import RemoteUrl, parse_remote_url
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,21 @@ def _to_url(raw: Any) -> str:
     return f"{host}:{port}"
 
 
+def _to_remote_url(raw: Any) -> str:
+    """A remote store URL (see lmcache_p2p.remote.url); kept as written, checked here."""
+    s = _to_str(raw)
+    try:
+        parse_remote_url(s)
+    except ValueError as e:
+        raise _Invalid(str(e)) from None
+    return s
+
+
+# LMCache's serializer names: ours stores raw pages, so these load with a warning; others are typos.
+REMOTE_SERDE = "naive"
+_LMCACHE_SERDES = frozenset(["naive", "cachegen", "kivi", "fast", "torch", "safetensor"])
+
+
 def _optional(parse: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def parse_optional(raw: Any) -> Any:
         if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
@@ -220,6 +236,19 @@ class LMCacheConfig:
     local_disk: str | None = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
     max_local_disk_size: float = _key(_to_float, 0.0, "disk tier size cap in GB")
     enable_async_loading: bool = _key(_to_bool, False, "peer lookups do not block the scheduler")
+    # Remote tier (issue 20): a store shared by every instance, below CPU and disk
+    remote_url: str | None = _key(
+        _optional(_to_remote_url),
+        None,
+        "lm://host:port (lmcache_server), redis://, rediss://, redis-sentinel://h:p,h:p/master, "
+        "redis-cluster://h:p,h:p; the seed's remote_server_addr: host:port is the same key",
+        secret=True,  # may carry a password: shown only as RemoteUrl.describe() gives it
+    )
+    remote_serde: str = _key(_to_str, REMOTE_SERDE, 'how pages are stored remotely: "naive" (raw pages, checksummed)')
+    remote_timeout_s: float = _key(_to_float, 2.0, "remote store round-trip timeout; past it the read is a miss")
+    remote_write_queue_chunks: int = _key(
+        _to_int, 1024, "chunks waiting to be written behind to the remote store; past it writes are dropped (counted)"
+    )
     store_ctas: int = _key(
         _to_int, 4, "CTAs a store's GPU gather runs on beside the forward pass; 0 = one per block (every SM)"
     )
@@ -335,6 +364,20 @@ class LMCacheConfig:
 
     def validate(self) -> None:
         """Checks that need no knowledge of the engine (TP size comes later: validate_for_tp)."""
+        if self.remote_serde not in _LMCACHE_SERDES:
+            others = ", ".join(sorted(_LMCACHE_SERDES - {REMOTE_SERDE}))
+            raise self._err("remote_serde", f'expected "{REMOTE_SERDE}" (raw pages; LMCache\'s {others} load as naive)')
+        if self.remote_serde != REMOTE_SERDE and self.remote_url:
+            logger.warning(
+                "remote_serde=%r: lmcache-p2p stores raw pages, checksummed (naive); %r is not implemented "
+                "and pages are stored naive",
+                self.remote_serde,
+                self.remote_serde,
+            )
+        if self.remote_timeout_s <= 0:
+            raise self._err("remote_timeout_s", "expected seconds > 0")
+        if self.remote_write_queue_chunks < 1:
+            raise self._err("remote_write_queue_chunks", "expected at least 1 chunk")
         if self.chunk_size <= 0:
             raise self._err("chunk_size", "expected a positive number of tokens (LMCache uses 256)")
         if self.max_local_cpu_size < 0:
@@ -457,6 +500,11 @@ class LMCacheConfig:
         return int(self.max_local_cpu_size * GB)
 
     @property
+    def remote(self) -> RemoteUrl | None:
+        """``remote_url`` parsed (validated at load), or None when there is no remote tier."""
+        return parse_remote_url(self.remote_url) if self.remote_url else None
+
+    @property
     def max_local_disk_bytes(self) -> int:
         return int(self.max_local_disk_size * GB)
 
@@ -543,6 +591,7 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
 # Old names LMCache still accepts for the same setting.
 _ALIASES = {
     "controller_url": "controller_pull_url",
+    "remote_server_addr": "remote_url",  # the seed's (LMCache v0) name; host:port means lm://
     "lmcache_worker_port": "lmcache_worker_ports",
 }
 
@@ -552,8 +601,6 @@ _IGNORED_LMCACHE_KEYS = frozenset(
         "local_cpu_use_hugepages",
         "reserve_local_cpu_size",
         "local_disk_path_sharding",
-        "remote_url",
-        "remote_serde",
         "use_layerwise",
         "save_decode_cache",
         "pre_caching_hash_algorithm",

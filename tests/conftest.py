@@ -8,6 +8,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from instances import InstanceProcess  # noqa: E402
 
+from lmcache_p2p.demo import CPU_ENGINE_ENV  # noqa: E402
+from lmcache_p2p.testing import offline_driver  # noqa: E402
+
+# vLLM CPU engines in tests: one OpenMP thread each, quiet logs.
+ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
+
 
 @pytest.fixture
 def spawn(tmp_path):
@@ -22,3 +28,56 @@ def spawn(tmp_path):
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random-weight Llama with its own tokenizer, built once per test session."""
+    from lmcache_p2p.testing.tiny_model import build
+
+    return build(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture
+def engine(tmp_path, tiny_model):
+    """Start real vLLM CPU engines (the offline driver) with a config dict; stopped after the test."""
+    started: list[InstanceProcess] = []
+
+    def start(config: dict, name: str = "engine", connector: bool = True) -> InstanceProcess:
+        proc = InstanceProcess(
+            config, tmp_path, name=name, command=offline_driver.command(tiny_model, connector=connector), env=ENGINE_ENV
+        ).start(timeout=240)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop(timeout=60)
+
+
+# The remote tier's stores (issue 20), one of each per test module that asks (test_redis_store
+# uses redis_servers' per-test fixtures instead).
+
+
+@pytest.fixture(scope="module")
+def lm_server():
+    from remote_stores import LmServer
+
+    with LmServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def shared_redis(tmp_path_factory):
+    from redis_servers import RedisServer
+
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def shared_redis_cluster(tmp_path_factory):
+    from redis_servers import RedisCluster
+
+    with RedisCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster

@@ -281,7 +281,7 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
         assert side.engine.store(hashes[:2], side.planes, list(range(8))) == 64
 
         def ask(**fields):
-            return side._on_lookup(LookupRequest(seq=1, req_id="r", use_peers=False, wait_s=0.0, **fields))
+            return side._on_lookup(LookupRequest(seq=1, req_id="r", fetch_missing=False, wait_s=0.0, **fields))
 
         assert ask().unknown  # a poll for a lookup this rank never had
         assert ask(hashes=pack_hashes(hashes), num_tokens=100).hit_tokens == 64

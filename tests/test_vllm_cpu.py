@@ -11,22 +11,14 @@ import os
 import sys
 
 import pytest
+from conftest import ENGINE_ENV
 from instances import InstanceProcess, instance_config
 from protocol_client import ControllerProcess, free_ports, wait_for
 
-from lmcache_p2p.demo import CPU_ENGINE_ENV
 from lmcache_p2p.testing import offline_driver
 
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks and a tail vLLM computes itself
-ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    from lmcache_p2p.testing.tiny_model import build
-
-    return build(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="session")
@@ -34,22 +26,6 @@ def prompt(tiny_model) -> list[int]:
     from lmcache_p2p.testing.tiny_model import sample_prompts
 
     return sample_prompts(tiny_model, PROMPT_TOKENS, seeds=[11])[0]
-
-
-@pytest.fixture
-def engine(tmp_path, tiny_model):
-    started: list[InstanceProcess] = []
-
-    def start(config: dict, name: str = "engine", connector: bool = True) -> InstanceProcess:
-        proc = InstanceProcess(
-            config, tmp_path, name=name, command=offline_driver.command(tiny_model, connector=connector), env=ENGINE_ENV
-        ).start(timeout=240)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        proc.stop(timeout=60)
 
 
 def generate(engine: InstanceProcess, prompt: list[int], max_tokens: int = 16) -> list[int]:

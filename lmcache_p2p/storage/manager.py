@@ -1,8 +1,10 @@
-"""StorageManager: one engine rank's chunk store across the CPU and disk tiers.
+"""StorageManager: one engine rank's chunk store across the CPU and disk tiers and a remote store.
 
 It answers the scheduler's question ("how much of this prefix do we hold locally?") for chunk
 hashes its caller computed (it never sees tokens), hands out pinned chunk payloads (promoting
-disk hits into the CPU tier), writes CPU admits behind to disk, and emits an admit/evict
+disk hits into the CPU tier), writes CPU admits behind to disk and to the remote store
+(``remote_url``), fetches a prefix from the remote store into the CPU tier
+(:meth:`fetch_remote_prefix`), and emits an admit/evict
 :class:`StorageEvent` for every change of what a location holds: the worker forwards those to
 the controller, which is how the mesh knows who holds what.
 """
@@ -22,6 +24,8 @@ import torch
 
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
+from lmcache_p2p.remote.store import open_store
+from lmcache_p2p.remote.tier import RemoteTier
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.memory import PagePool
@@ -88,6 +92,25 @@ class StorageManager:
                 self._writer = _DiskWriter(self.cpu, self.disk, write_behind_depth, self._on_disk_written)
         if self.cpu is None and self.disk is None:
             logger.warning("neither local_cpu nor local_disk is enabled: this instance caches nothing locally")
+        self.remote: RemoteTier | None = None
+        remote_url = config.remote
+        if remote_url is not None:
+            if self.cpu is None:
+                # Reads land in CPU pages and writes are behind from them: without a CPU tier
+                # there is nothing to write from or fetch into.
+                logger.warning("remote_url %s needs local_cpu: the remote tier is off", remote_url.describe())
+            else:
+                self.remote = RemoteTier(
+                    open_store(remote_url, config.remote_timeout_s), self.page_bytes, config.remote_write_queue_chunks
+                )
+                self.remote.start_writer(self.cpu.pin)
+                logger.info(
+                    "remote tier %s (layout %016x, write-behind queue %d chunks, timeout %.1f s)",
+                    remote_url.describe(),
+                    self.fingerprint,
+                    config.remote_write_queue_chunks,
+                    config.remote_timeout_s,
+                )
 
     # -- keys ------------------------------------------------------------------------------------
 
@@ -207,11 +230,55 @@ class StorageManager:
     def abandon_page(self, page: int) -> None:
         self._page_owner().pool.free(page)
 
-    def _after_cpu_admit(self, key: ChunkKey) -> None:
+    def _after_cpu_admit(self, key: ChunkKey, from_remote: bool = False) -> None:
         self._emit("admit", CPU, key)
         # (a writer exists only with a disk tier)
         if self._writer is not None and self.disk is not None and not self.disk.contains(key):
             self._writer.submit(key)
+        if self.remote is not None and not from_remote:
+            self.remote.submit(key)
+
+    # -- remote ----------------------------------------------------------------------------------
+
+    def fetch_remote_prefix(self, chunk_hashes: Sequence[int]) -> int:
+        """Copy the leading chunks of ``chunk_hashes`` the remote store holds into the CPU tier:
+        one ``exists`` round, then batched gets; returns how many leading chunks are now held
+        locally (0 with no remote tier, the store down, or the first chunk missing)."""
+        if self.remote is None or not len(chunk_hashes):
+            return 0
+        t0 = time.perf_counter()
+        keys = [self.key(h) for h in chunk_hashes]
+        wanted = self.remote.prefix_length(keys)
+        t_exists = time.perf_counter() - t0
+        done = 0
+        for key, payload, checksum in self.remote.fetch(keys[:wanted]):
+            if self.cpu is not None and self.cpu.contains(key):
+                done += 1
+                continue
+            reserved = self.reserve_page()
+            if reserved is None:
+                break
+            page, data = reserved
+            data.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            if self._page_owner().admit(key, page, checksum):
+                self._after_cpu_admit(key, from_remote=True)
+            done += 1
+        took = time.perf_counter() - t0
+        if wanted:
+            nbytes = done * self.page_bytes
+            logger.info(
+                "remote tier %s: fetched %d of %d chunk(s) (%d tokens, %.1f MiB) in %.1f ms "
+                "(exists round %.1f ms, %.2f GB/s)",
+                self.remote.name,
+                done,
+                wanted,
+                done * self.chunk_size,
+                nbytes / 2**20,
+                took * 1e3,
+                t_exists * 1e3,
+                nbytes / 1e9 / max(took - t_exists, 1e-9),
+            )
+        return done
 
     def _on_disk_written(self, key: ChunkKey) -> None:
         self._emit("admit", DISK, key)
@@ -278,13 +345,18 @@ class StorageManager:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until queued disk writes are done (tests, shutdown)."""
-        return self._writer.flush(timeout) if self._writer is not None else True
+        """Wait until queued disk and remote writes are done (tests, shutdown)."""
+        disk = self._writer.flush(timeout) if self._writer is not None else True
+        remote = self.remote.flush(timeout) if self.remote is not None else True
+        return disk and remote
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
 
     def stats(self) -> dict:
         out: dict = {"chunk_size": self.chunk_size, "page_bytes": self.page_bytes}
@@ -304,6 +376,8 @@ class StorageManager:
                 "evictions": self.disk.evictions,
                 "corrupt_files": self.disk.corrupt_files,
             }
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
         if self._writer is not None:
             out["disk_writes_dropped"] = self._writer.dropped
             out["disk_writes_missed"] = self._writer.missed

@@ -142,7 +142,7 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
         elif op == "clear":
             answer = {"dropped": engine.storage.clear()}
         elif op == "lookup":
-            answer = {"hit": engine.lookup(hashes, num_tokens, use_peers=request.get("peers", True))}
+            answer = {"hit": engine.lookup(hashes, num_tokens, fetch_missing=request.get("peers", True))}
         elif op == "lookup_together":  # several prompts' peer pulls started at once, as vLLM's
             # scheduler does with requests that arrive together: when each pull ended (s from start)
             futures = [engine.lookup_async(chunk_hash_array(p, chunk_size))[1] for p in request["prompts"]]

@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 class LookupRequest(msgspec.Struct, tag="lookup"):
     seq: int
     req_id: str
-    use_peers: bool
-    wait_s: float  # how long the rank may wait for a peer pull before answering pending
+    fetch_missing: bool  # pull what the local tiers lack from peers and the remote store
+    wait_s: float  # how long the rank may wait for a peer pull or remote fetch before answering pending
     # The prompt's chunk hashes (protocol.pack_hashes: little-endian uint64) and its length in
     # tokens; None on a poll, which names a lookup the rank already has.
     hashes: bytes | None = None
@@ -144,7 +144,7 @@ class LookupClient:
         req_id: str,
         chunk_hashes: np.ndarray,
         num_tokens: int,
-        use_peers: bool,
+        fetch_missing: bool,
         wait_s: float,
         timeout_s: float,
         poll: bool = False,
@@ -161,7 +161,7 @@ class LookupClient:
                 LookupRequest(
                     seq=seq,
                     req_id=req_id,
-                    use_peers=use_peers,
+                    fetch_missing=fetch_missing,
                     wait_s=wait_s,
                     hashes=pack_hashes(chunk_hashes),
                     num_tokens=num_tokens,
@@ -169,7 +169,7 @@ class LookupClient:
             )
 
         payload = (
-            _encoder.encode(LookupRequest(seq=seq, req_id=req_id, use_peers=use_peers, wait_s=wait_s))
+            _encoder.encode(LookupRequest(seq=seq, req_id=req_id, fetch_missing=fetch_missing, wait_s=wait_s))
             if poll
             else full_request()
         )

@@ -71,7 +71,8 @@ class SchedulerSide:
             )
         paths = [engine_socket_path(vllm_config, r) for r in range(parallel.tensor_parallel_size)]
         self.client = LookupClient(paths)
-        self.use_peers = config.enable_p2p
+        # Beyond the local tiers: peers (enable_p2p) and the remote store (remote_url).
+        self.fetch_missing = config.enable_p2p or config.remote_url is not None
         self.async_loading = config.enable_async_loading
         self.backoff_s = config.lookup_backoff_time
         self._requests: dict[str, _Request] = {}
@@ -80,11 +81,12 @@ class SchedulerSide:
         self._idle_wait_taken = False  # a lookup of this scheduling round already waited long
         logger.info(
             "lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
-            "async loading %s (backoff %.3f s)",
+            "remote tier %s, async loading %s (backoff %.3f s)",
             self.chunk_size,
             self.block_size,
             len(paths),
-            "on" if self.use_peers else "off",
+            "on" if config.enable_p2p else "off",
+            "on" if config.remote_url else "off",
             "on" if self.async_loading else "off",
             self.backoff_s,
         )
@@ -140,7 +142,7 @@ class SchedulerSide:
             req_id,
             state.chunk_hashes,
             state.num_tokens,
-            self.use_peers,
+            self.fetch_missing,
             wait_s,
             wait_s + LOOKUP_REPLY_SLACK_S,
             poll=state.asked,

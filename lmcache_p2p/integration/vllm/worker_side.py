@@ -187,7 +187,7 @@ class WorkerSide:
                 return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
             chunk_hashes = unpack_hashes(request.hashes)
             future = None
-            if request.use_peers:
+            if request.fetch_missing:
                 _, future = self._engine.lookup_async(chunk_hashes)
             state = _Lookup(chunk_hashes, request.num_tokens, future, time.monotonic())
             with self._lock:

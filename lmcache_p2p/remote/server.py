@@ -1,0 +1,487 @@
+"""``lmcache_server HOST PORT [DEVICE]``: the single-box KV store behind ``remote_url: lm://HOST:PORT``.
+
+As LMCache's command: ``lmcache_server localhost 65432`` (DEVICE, if given, must be ``cpu``: every
+chunk is kept in this process's memory). ``--max-size-gb N`` caps what it holds (N GiB, 2**30
+bytes, as LMCache's sizes; default 4): a put past the cap evicts the least recently used chunks,
+and GET or EXISTS of a chunk makes it recent again. The protocol is :mod:`.wire`'s.
+
+One asyncio loop serves every client; each connection is a task that reads a request and answers
+it. Values are received straight into their own buffers (``sock_recv_into``) and sent straight
+from them (``sock_sendall`` of memoryviews), so a 32 MiB chunk is copied only by the kernel.
+
+What a client cannot do: make the server allocate past :mod:`.wire`'s bounds (every length is
+checked before its buffer exists, and a value is allocated only once its frame passed), crash it
+(a malformed frame closes that connection, with the reason logged), or hold a connection's memory
+forever by stalling mid-frame (closed after :data:`STALL_S`). The server holds at most its
+capacity plus, per connection, the one value being received (or the values of the reply being
+sent, when they were evicted meanwhile).
+
+Imports nothing heavy (no torch, numpy or vllm): it runs on a box with none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import logging
+import math
+import mmap
+import signal
+import socket
+import sys
+import time
+from collections import OrderedDict
+from typing import TypeAlias
+
+from lmcache_p2p.logs import RateLimitedLog
+from lmcache_p2p.remote import wire
+
+logger = logging.getLogger("lmcache_p2p.remote.server")
+
+GiB = 1 << 30
+STATS_EVERY_S = 10.0
+# A connection that stops sending (or reading) in the middle of a frame for this long is closed:
+# otherwise a stalled client would pin its half-received value, or a reply, indefinitely.
+STALL_S = 30.0
+# Replies go out in slices this large so the stall watchdog sees progress on slow readers.
+SEND_SLICE = 4 << 20
+# Smaller values are gathered into one send: a GET of many small values is not a send each.
+SMALL_VALUE = 64 << 10
+# Values this large get a private anonymous mapping of their own, advised to use huge pages: it is
+# not zero-filled first (bytearray is), the kernel faults it in 2 MiB at a time as recv writes it
+# (allocating and filling 32 MiB: 1.3 GB/s as a bytearray, 1.6 as a plain mapping, 5 with huge
+# pages on the 2-vCPU dev VM), and it goes back to the OS when evicted instead of leaving holes in
+# the malloc heap of a long-running process. Smaller values, and any mapping the kernel refuses
+# (vm.max_map_count), are bytearrays.
+MMAP_MIN = 1 << 20
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+Value: TypeAlias = "bytearray | mmap.mmap"
+
+
+def _alloc(n: int) -> Value:
+    if n >= MMAP_MIN:
+        try:
+            value = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError:
+            return bytearray(n)
+        if _MADV_HUGEPAGE is not None:
+            with contextlib.suppress(OSError):  # THP off: 4 KiB pages, still correct
+                value.madvise(_MADV_HUGEPAGE)
+        return value
+    return bytearray(n)
+
+
+def _fmt_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
+class LruStore:
+    """Key -> value under a byte cap (key and value lengths counted), least recently used out first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: OrderedDict[bytes, Value] = OrderedDict()
+        self.bytes = 0
+        self.evictions = self.hits = self.misses = self.puts = self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def fits(self, key_len: int, value_len: int) -> bool:
+        return key_len + value_len <= self.capacity
+
+    def put(self, key: bytes, value: Value) -> None:
+        """Store ``value`` (it must :meth:`fit`), evicting the least recently used as needed."""
+        size = len(key) + len(value)
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= len(key) + len(old)
+        while self._items and self.bytes + size > self.capacity:
+            k, v = self._items.popitem(last=False)
+            self.bytes -= len(k) + len(v)
+            self.evictions += 1
+        self._items[key] = value
+        self.bytes += size
+        self.puts += 1
+
+    def get(self, key: bytes) -> Value | None:
+        value = self._items.get(key)
+        if value is None:
+            self.misses += 1
+        else:
+            self._items.move_to_end(key)
+            self.hits += 1
+        return value
+
+    def exists(self, key: bytes) -> bool:
+        if key in self._items:
+            self._items.move_to_end(key)
+            return True
+        return False
+
+    def clear(self) -> int:
+        n = len(self._items)
+        self._items.clear()
+        self.bytes = 0
+        return n
+
+
+class _PeerGone(Exception):
+    """The client closed the connection or it broke: nothing to answer."""
+
+
+class _Connection:
+    def __init__(self, server: Server, sock: socket.socket, peer: str):
+        self.server = server
+        self.sock = sock
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+        self.header = bytearray(wire.HEADER.size)
+        self.busy = False  # between a frame's first byte and the end of its reply
+        self.last_progress = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
+        self._scratch: bytearray | None = None
+
+    async def run(self) -> None:
+        store = self.server.store
+        try:
+            while await self._read_header():
+                header = wire.unpack_header(self.header)
+                op = wire.check_request(header)
+                if op is wire.Op.PUT:
+                    await self._put(header)
+                elif op is wire.Op.GET:
+                    await self._get(header)
+                elif op is wire.Op.EXISTS:
+                    keys = wire.decode_keys(await self._recv_meta(header), header.count)
+                    flags = wire.encode_flags([store.exists(k) for k in keys])
+                    await self._send(wire.pack_header(wire.Status.OK, len(keys), len(flags)) + flags)
+                elif op is wire.Op.HEALTH:
+                    count, meta = wire.encode_health(self.server.stats())
+                    await self._send(wire.pack_header(wire.Status.OK, count, len(meta)) + meta)
+                else:
+                    dropped = store.clear()
+                    logger.info("CLEAR from %s dropped %d chunks", self.peer, dropped)
+                    await self._send(wire.pack_header(wire.Status.OK, dropped))
+                self.busy = False
+        except wire.ProtocolError as e:
+            self.server.malformed += 1
+            self.server.bad_frames.warning("malformed", "closing the connection from %s: %s", self.peer, e)
+            with contextlib.suppress(OSError):  # a courtesy: the client may be gone or still sending
+                self.sock.send(wire.message_frame(wire.Status.ERROR, str(e)))
+        except _PeerGone as e:
+            logger.debug("connection from %s ended: %s", self.peer, e)
+        except OSError as e:
+            logger.debug("connection from %s failed: %s", self.peer, e)
+        except asyncio.CancelledError:
+            logger.debug("connection from %s closed by the server", self.peer)
+        except Exception:  # a bug here must cost one connection, never the server
+            logger.exception("closing the connection from %s after an internal error", self.peer)
+        finally:
+            self.sock.close()
+            self.server.connections.discard(self)
+            logger.debug("disconnected %s (%d clients)", self.peer, len(self.server.connections))
+
+    async def _read_header(self) -> bool:
+        """False when the client closed the connection between frames."""
+        view = memoryview(self.header)
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                if got == 0:
+                    return False
+                raise wire.ProtocolError(f"the connection ended {got} bytes into a header")
+            got += n
+            self.busy = True
+            self.last_progress = time.monotonic()
+        return True
+
+    async def _recv_into(self, view: memoryview) -> None:
+        while view:
+            n = await self.loop.sock_recv_into(self.sock, view)
+            if n == 0:
+                raise _PeerGone(f"closed by the client {len(view)} bytes before the end of a frame")
+            view = view[n:]
+            self.last_progress = time.monotonic()
+
+    async def _recv_meta(self, header: wire.Header) -> bytearray:
+        meta = bytearray(header.meta_len)
+        await self._recv_into(memoryview(meta))
+        return meta
+
+    async def _discard(self, n: int) -> None:
+        if self._scratch is None:
+            self._scratch = bytearray(1 << 20)
+        view = memoryview(self._scratch)
+        while n:
+            step = min(n, len(view))
+            await self._recv_into(view[:step])
+            n -= step
+
+    async def _send(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data)
+        for start in range(0, len(view), SEND_SLICE):
+            await self.loop.sock_sendall(self.sock, view[start : start + SEND_SLICE])
+            self.last_progress = time.monotonic()
+
+    async def _put(self, header: wire.Header) -> None:
+        store = self.server.store
+        keys, lens = wire.decode_put_meta(await self._recv_meta(header), header.count, header.data_len)
+        stored = 0
+        refused: list[str] = []
+        for i, (key, n) in enumerate(zip(keys, lens, strict=True)):
+            if not store.fits(len(key), n):
+                # Read and dropped, so the stream stays in step and the other values still land.
+                await self._discard(n)
+                store.refused += 1
+                refused.append(f"#{i} ({n} bytes)")
+                continue
+            value = _alloc(n)
+            if n:
+                await self._recv_into(memoryview(value))
+            # Stored as it arrives: only one value per connection is ever held outside the cap.
+            store.put(key, value)
+            stored += 1
+        if refused:
+            text = (
+                f"refused {len(refused)} of {len(keys)} values, larger than the server's whole capacity of "
+                f"{store.capacity} bytes (lmcache_server --max-size-gb): {', '.join(refused[:8])}"
+            )
+            await self._send(wire.message_frame(wire.Status.REFUSED, text, stored))
+        else:
+            await self._send(wire.pack_header(wire.Status.OK, stored))
+
+    async def _get(self, header: wire.Header) -> None:
+        keys = wire.decode_keys(await self._recv_meta(header), header.count)
+        # References taken now: a value evicted or replaced while it is sent stays whole.
+        values = [self.server.store.get(k) for k in keys]
+        total = 0
+        for i, value in enumerate(values):
+            if value is not None:
+                total += len(value)
+                if total > wire.MAX_DATA:  # past what one reply may carry: a miss (see wire)
+                    values[i] = None
+                    total -= len(value)
+        lens = wire.encode_value_lengths([None if v is None else len(v) for v in values])
+        data_len = sum(len(v) for v in values if v is not None)
+        pending = bytearray(wire.pack_header(wire.Status.OK, len(keys), len(lens), data_len))
+        pending += lens
+        for value in values:
+            if not value:
+                continue
+            if len(value) < SMALL_VALUE:
+                pending += value
+                continue
+            await self._send(pending)
+            pending = bytearray()
+            await self._send(memoryview(value))
+        if pending:
+            await self._send(pending)
+
+
+class Server:
+    def __init__(self, listeners: list[socket.socket], capacity: int):
+        self.listeners = listeners
+        self.store = LruStore(capacity)
+        self.connections: set[_Connection] = set()
+        self.malformed = 0
+        self.bad_frames = RateLimitedLog(logger)
+        self.started = time.monotonic()
+
+    def stats(self) -> dict[str, int]:
+        s = self.store
+        return {
+            "chunks": len(s),
+            "bytes": s.bytes,
+            "capacity": s.capacity,
+            "evictions": s.evictions,
+            "clients": len(self.connections),
+            "hits": s.hits,
+            "misses": s.misses,
+            "puts": s.puts,
+            "refused": s.refused,
+            "malformed": self.malformed,
+            "uptime_s": int(time.monotonic() - self.started),
+        }
+
+    def stats_line(self) -> str:
+        s = self.store
+        return (
+            f"{len(s)} chunks, {_gib(s.bytes)} of {_gib(s.capacity)}, {s.hits} hits / {s.misses} misses, "
+            f"{s.evictions} evictions, {len(self.connections)} clients"
+        )
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(listener)
+            except OSError as e:  # EMFILE and the like: keep serving those already connected
+                self.bad_frames.warning(("accept", e.errno), "cannot accept a connection: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Connection(self, sock, _fmt_addr(addr[0], addr[1]))
+            self.connections.add(conn)
+            conn.task = asyncio.create_task(conn.run())
+            logger.debug("connection from %s (%d clients)", conn.peer, len(self.connections))
+
+    async def _tick(self) -> None:
+        last_line = ""
+        next_stats = time.monotonic() + STATS_EVERY_S
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for conn in list(self.connections):
+                if conn.busy and now - conn.last_progress > STALL_S and conn.task is not None:
+                    logger.warning("closing the connection from %s: stalled mid-frame for %.0f s", conn.peer, STALL_S)
+                    conn.task.cancel()
+            if now >= next_stats:
+                next_stats = now + STATS_EVERY_S
+                line = self.stats_line()
+                if line != last_line:
+                    logger.info("%s", line)
+                    last_line = line
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        received: list[str] = []
+
+        def on_signal(sig: signal.Signals) -> None:
+            received.append(sig.name)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        tasks = [asyncio.create_task(self._accept(listener)) for listener in self.listeners]
+        tasks.append(asyncio.create_task(self._tick()))
+        await stop.wait()
+        logger.info("%s: shutting down with %s", "/".join(received), self.stats_line())
+        for task in tasks:
+            task.cancel()
+        conn_tasks = [c.task for c in self.connections if c.task is not None]
+        for task in conn_tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, *conn_tasks, return_exceptions=True)
+        for listener in self.listeners:
+            listener.close()
+
+
+class BindError(Exception):
+    """One line for the user: what could not be bound and why."""
+
+
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address ``host`` resolves to (only those), non-blocking."""
+    where = _fmt_addr(host, port)
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BindError(f"cannot listen on {where}: cannot resolve host {host!r} ({e.strerror})") from None
+    listeners: list[socket.socket] = []
+    skipped: list[str] = []
+    seen = set()
+    for family, kind, proto, _name, sockaddr in infos:
+        ip = str(sockaddr[0])
+        if sockaddr[:2] in seen:
+            continue
+        seen.add(sockaddr[:2])
+        if port == 0 and listeners:  # every address on the port the first one got
+            sockaddr = (sockaddr[0], listeners[0].getsockname()[1], *sockaddr[2:])
+        sock = socket.socket(family, kind, proto)
+        try:
+            # Lets a restarted server bind at once while its old connections sit in TIME_WAIT;
+            # on Linux it never lets two listeners share the port.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(sockaddr)
+            sock.listen(512)
+            sock.setblocking(False)
+        except OSError as e:
+            sock.close()
+            if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # e.g. ::1 on a host without IPv6
+                skipped.append(f"{_fmt_addr(ip, port)} ({e.strerror})")
+                continue
+            for listener in listeners:
+                listener.close()
+            if e.errno == errno.EADDRINUSE:
+                raise BindError(
+                    f"cannot listen on {where}: port {port} is already in use on {ip} (another lmcache_server running?)"
+                ) from None
+            raise BindError(f"cannot listen on {where} ({ip}): {e.strerror or e}") from None
+        listeners.append(sock)
+    if not listeners:
+        raise BindError(f"cannot listen on {where}: no address of {host!r} can be bound: {'; '.join(skipped)}")
+    for text in skipped:
+        logger.debug("not listening on %s", text)
+    return listeners
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache_server",
+        description="The KV-chunk store that instances reach with remote_url: lm://HOST:PORT.",
+    )
+    parser.add_argument("host", help="the address to listen on (only there), e.g. localhost or 0.0.0.0")
+    parser.add_argument("port", type=int, help="the TCP port, e.g. 65432")
+    parser.add_argument("device", nargs="?", default="cpu", help="where chunks are kept: cpu (the only choice)")
+    parser.add_argument(
+        "--max-size-gb",
+        type=float,
+        default=4.0,
+        metavar="N",
+        help="hold at most N GiB (2**30 bytes) of keys and values; past it the least recently used go (default 4)",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="DEBUG adds a line per connect and disconnect (default INFO)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"port {args.port} is outside 0-65535")
+    if not (math.isfinite(args.max_size_gb) and args.max_size_gb > 0):
+        parser.error(f"--max-size-gb {args.max_size_gb} is not a positive size")
+    if args.device.lower() != "cpu":
+        print(
+            f"lmcache_server: DEVICE {args.device!r} is not supported: this server keeps every chunk in CPU "
+            f"memory; pass cpu or leave DEVICE out (lmcache_server {args.host} {args.port} cpu)",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(level=args.log_level, format="[%(asctime)s] lmcache_server %(levelname)s: %(message)s")
+    capacity = max(1, int(args.max_size_gb * GiB))
+    try:
+        listeners = bind(args.host, args.port)
+    except BindError as e:
+        print(f"lmcache_server: {e}", file=sys.stderr)
+        return 2
+    server = Server(listeners, capacity)
+    addrs = ", ".join(_fmt_addr(*s.getsockname()[:2]) for s in listeners)
+    logger.info("listening on %s (device cpu, capacity %s)", addrs, _gib(capacity))
+    with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C before the loop's own handler was in place
+        asyncio.run(server.serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The interface every remote backend implements, and :func:`open_store`, which picks one.
+
+A store maps opaque byte keys to opaque byte values. It knows nothing of layouts, checksums or
+pages (:mod:`.tier` does). Every call is a batch and costs one round trip per server touched:
+a prefix lookup of 40 chunks is one pipelined ``exists``, not 40.
+
+Failures of any kind (refused, reset, timed out, a protocol error) raise
+:class:`RemoteUnavailable` with the reason; the tier turns that into a miss and backs off. A
+store reconnects by itself on the next call after a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from lmcache_p2p.remote.url import RemoteUrl
+
+
+class RemoteUnavailable(Exception):
+    """The store could not answer: the message says why (address, the error, the timeout)."""
+
+
+class RemoteStore(Protocol):
+    url: RemoteUrl
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which ``keys`` are held, in order; one round trip (per server touched)."""
+        ...
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each key's value (None where absent), in order; one round trip (per server touched)."""
+        ...
+
+    def put(self, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]]) -> None:
+        """Store every (key, value); one round trip (per server touched). A store may evict."""
+        ...
+
+    def ping(self) -> float:
+        """Seconds one round trip took; raises :class:`RemoteUnavailable` when down."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def open_store(url: RemoteUrl, timeout_s: float = 5.0) -> RemoteStore:
+    """A client for ``url`` (it connects lazily: a server that is down now is no error here)."""
+    if url.scheme == "lm":
+        from lmcache_p2p.remote.lm_store import LmServerStore
+
+        return LmServerStore(url, timeout_s)
+    if url.scheme == "redis-cluster":
+        from lmcache_p2p.remote.redis_store import RedisClusterStore
+
+        return RedisClusterStore(url, timeout_s)
+    from lmcache_p2p.remote.redis_store import RedisStore
+
+    return RedisStore(url, timeout_s)

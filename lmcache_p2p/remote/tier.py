@@ -1,0 +1,363 @@
+"""RemoteTier: the storage manager's view of a shared store (``remote_url``), below CPU and disk.
+
+What it adds to a bare :class:`RemoteStore`:
+
+* **Keys carry the layout.** ``lmcache-p2p:v1:<layout digest>:<chunk hash>``: the digest covers
+  model, dtype, block shape, TP size and rank (``LayoutFingerprint``), so two models or two
+  ranks never read each other's bytes. Keys have no hash tag, so a Redis Cluster spreads them.
+* **Values are framed and checked.** A 40-byte header (magic, version, layout digest, chunk
+  hash, payload length, XXH3 of the payload) precedes the raw page (``remote_serde: naive``).
+  A read whose header or checksum does not match is a miss, logged and counted.
+* **Writes are behind.** The CPU tier's admits are queued (bounded; a full queue drops and
+  counts) and written by one thread in batches, after one ``exists`` round that skips chunks
+  another instance already wrote. The engine's store path only appends a key to a queue.
+* **Reads are one round per lookup**, then batched gets: :meth:`prefix_length` is one pipelined
+  ``exists`` for the whole prefix; :meth:`fetch` gets the values in batches of at most
+  ``FETCH_BATCH_BYTES`` and hands each checked payload to the caller (the storage manager copies
+  it into a CPU page).
+* **An outage is a miss.** Any :class:`RemoteUnavailable` marks the tier down for a back-off
+  (1 s, doubling to 30 s); meanwhile lookups answer 0 without a round trip and writes are
+  dropped (counted). The first call after the back-off tries again: the tier reconnects by itself.
+  One WARNING per outage and one INFO on recovery, with the reason and the numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lmcache_p2p.keys import ChunkKey, payload_checksum
+from lmcache_p2p.remote.store import RemoteStore, RemoteUnavailable
+
+if TYPE_CHECKING:
+    from lmcache_p2p.storage.cpu_tier import PinnedChunk
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"lmcache-p2p:v1:"
+# magic, version, reserved, layout digest, chunk hash, payload bytes, XXH3-64 of the payload
+HEADER = struct.Struct("<4sHHQQQQ")
+MAGIC = b"LMKV"
+VERSION = 1
+HEADER_BYTES = HEADER.size  # 40 bytes
+
+# One get round moves at most this much (a 40-chunk prompt of 32 MiB pages is 1.3 GB: the
+# values of one round sit in this process's memory until copied into pages).
+FETCH_BATCH_BYTES = 256 * 2**20
+WRITE_BATCH_CHUNKS = 16
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+
+def remote_key(key: ChunkKey) -> bytes:
+    return b"%s%016x:%016x" % (KEY_PREFIX, key.fingerprint, key.chunk_hash)
+
+
+def frame_value(key: ChunkKey, payload: np.ndarray, checksum: int) -> bytearray:
+    """Header + payload (a page's uint8 array) in one buffer: the one copy a write makes."""
+    out = bytearray(HEADER_BYTES + payload.nbytes)
+    HEADER.pack_into(out, 0, MAGIC, VERSION, 0, key.fingerprint, key.chunk_hash, payload.nbytes, checksum)
+    np.frombuffer(out, dtype=np.uint8, offset=HEADER_BYTES)[:] = payload.reshape(-1).view(np.uint8)
+    return out
+
+
+class BadValue(Exception):
+    """A stored value that is not this chunk's page (another layout, truncated, bit rot)."""
+
+
+def unframe_value(key: ChunkKey, value: bytes | memoryview, page_bytes: int) -> tuple[memoryview, int]:
+    """The payload and its checksum, checked against ``key`` and the page size; :class:`BadValue`
+    saying what differs otherwise."""
+    view = memoryview(value)
+    if view.nbytes < HEADER_BYTES:
+        raise BadValue(f"{view.nbytes} bytes, shorter than the {HEADER_BYTES}-byte header")
+    magic, version, _, fingerprint, chunk_hash, length, checksum = HEADER.unpack_from(view, 0)
+    if magic != MAGIC or version != VERSION:
+        raise BadValue(f"not a v{VERSION} lmcache-p2p value (magic {magic!r}, version {version})")
+    if (fingerprint, chunk_hash) != (key.fingerprint, key.chunk_hash):
+        raise BadValue(f"header names {fingerprint:016x}:{chunk_hash:016x}")
+    if length != page_bytes or view.nbytes - HEADER_BYTES != length:
+        raise BadValue(f"payload {view.nbytes - HEADER_BYTES} bytes (header {length}), page is {page_bytes}")
+    payload = view[HEADER_BYTES:]
+    actual = payload_checksum(payload)
+    if actual != checksum:
+        raise BadValue(f"checksum {actual:016x} != stored {checksum:016x}")
+    return payload, checksum
+
+
+@dataclass
+class RemoteCounters:
+    lookups: int = 0
+    lookup_chunks_hit: int = 0
+    chunks_read: int = 0
+    bytes_read: int = 0
+    chunks_written: int = 0
+    bytes_written: int = 0
+    writes_already_there: int = 0  # another instance wrote it first: skipped after the exists round
+    writes_dropped_queue_full: int = 0
+    writes_dropped_down: int = 0  # queued while the store was down, or in a batch that failed
+    writes_missed: int = 0  # left the CPU tier before its turn
+    bad_values: int = 0
+    errors: int = 0
+    last_error: str = ""
+    read_s: float = field(default=0.0, repr=False)
+    write_s: float = field(default=0.0, repr=False)
+
+
+class RemoteTier:
+    def __init__(
+        self,
+        store: RemoteStore,
+        page_bytes: int,
+        write_queue_chunks: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.store = store
+        self.page_bytes = page_bytes
+        self.counters = RemoteCounters()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._down_until = 0.0  # no round trips before this (monotonic)
+        self._backoff_s = 0.0  # 0 while up
+        self._down_since = 0.0
+        self._queue: queue.Queue[ChunkKey | None] = queue.Queue(maxsize=max(1, write_queue_chunks))
+        self._pin: Callable[[ChunkKey], PinnedChunk | None] | None = None
+        self._writer: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return self.store.url.describe()
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def is_up(self) -> bool:
+        return self._clock() >= self._down_until
+
+    def _failed(self, doing: str, error: Exception) -> None:
+        with self._lock:
+            self.counters.errors += 1
+            self.counters.last_error = f"{doing}: {error}"
+            first = self._backoff_s == 0.0
+            self._backoff_s = BACKOFF_FIRST_S if first else min(BACKOFF_MAX_S, self._backoff_s * 2)
+            now = self._clock()
+            self._down_until = now + self._backoff_s
+            if first:
+                self._down_since = now
+        if first:
+            logger.warning(
+                "remote tier %s unavailable (%s: %s): lookups are misses and writes are dropped; retrying in %.0f s",
+                self.name,
+                doing,
+                error,
+                self._backoff_s,
+            )
+        else:
+            logger.debug(
+                "remote tier %s still unavailable (%s: %s); next try in %.0f s",
+                self.name,
+                doing,
+                error,
+                self._backoff_s,
+            )
+
+    def _succeeded(self) -> None:
+        if self._backoff_s == 0.0:
+            return
+        with self._lock:
+            down_for = self._clock() - self._down_since
+            self._backoff_s = 0.0
+            self._down_until = 0.0
+        logger.info("remote tier %s is back after %.1f s", self.name, down_for)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def prefix_length(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading ``keys`` the store holds: one pipelined ``exists`` round (0 while down)."""
+        if not keys or not self.is_up():
+            return 0
+        t0 = time.perf_counter()
+        try:
+            held = self.store.exists([remote_key(k) for k in keys])
+        except RemoteUnavailable as e:
+            self._failed("exists", e)
+            return 0
+        self._succeeded()
+        n = next((i for i, present in enumerate(held) if not present), len(keys))
+        self.counters.lookups += 1
+        self.counters.lookup_chunks_hit += n
+        logger.debug(
+            "remote tier %s holds %d of %d leading chunks (exists round %.2f ms)",
+            self.name,
+            n,
+            len(keys),
+            (time.perf_counter() - t0) * 1e3,
+        )
+        return n
+
+    def fetch(self, keys: Sequence[ChunkKey]) -> Iterator[tuple[ChunkKey, memoryview, int]]:
+        """Each of ``keys`` in order as (key, checked payload, checksum), in get rounds of at most
+        ``FETCH_BATCH_BYTES``; stops at the first chunk that is gone, bad or unreachable."""
+        per_round = max(1, FETCH_BATCH_BYTES // (self.page_bytes + HEADER_BYTES))
+        for start in range(0, len(keys), per_round):
+            batch = keys[start : start + per_round]
+            t0 = time.perf_counter()
+            try:
+                values = self.store.get([remote_key(k) for k in batch])
+            except RemoteUnavailable as e:
+                self._failed("get", e)
+                return
+            self._succeeded()
+            self.counters.read_s += time.perf_counter() - t0
+            for key, value in zip(batch, values, strict=True):
+                if value is None:
+                    logger.info("remote tier %s: %s is gone (evicted since the exists round)", self.name, key)
+                    return
+                try:
+                    payload, checksum = unframe_value(key, value, self.page_bytes)
+                except BadValue as e:
+                    self.counters.bad_values += 1
+                    logger.warning(
+                        "remote tier %s: value of %s is unusable (%s); treating it as a miss", self.name, key, e
+                    )
+                    return
+                self.counters.chunks_read += 1
+                self.counters.bytes_read += payload.nbytes
+                yield key, payload, checksum
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def start_writer(self, pin: Callable[[ChunkKey], PinnedChunk | None]) -> None:
+        """Write queued keys behind, reading each page with ``pin(key)`` (a ``PinnedChunk`` or
+        None once evicted)."""
+        self._pin = pin
+        self._writer = threading.Thread(target=self._write_loop, name="lmcache-remote-writer", daemon=True)
+        self._writer.start()
+
+    def submit(self, key: ChunkKey) -> None:
+        """Queue ``key`` for writing; never blocks (a full queue drops and counts)."""
+        if not self.is_up():
+            self.counters.writes_dropped_down += 1
+            return
+        try:
+            self._queue.put_nowait(key)
+        except queue.Full:
+            self.counters.writes_dropped_queue_full += 1
+            logger.debug("remote write-behind queue full; %s is not written", key)
+
+    def _write_loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            batch = [first]
+            while len(batch) < WRITE_BATCH_CHUNKS:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                keys = [k for k in batch if k is not None]
+                if keys:
+                    self._write(keys)
+            except Exception:  # a bug here must not end write-behind for the engine's lifetime
+                logger.exception("remote write-behind failed for %d chunk(s)", len(batch))
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if None in batch:
+                return
+
+    def _write(self, keys: list[ChunkKey]) -> None:
+        if not self.is_up():
+            self.counters.writes_dropped_down += len(keys)
+            return
+        t0 = time.perf_counter()
+        names = [remote_key(k) for k in keys]
+        try:
+            held = self.store.exists(names)
+        except RemoteUnavailable as e:
+            self._failed("exists before write", e)
+            self.counters.writes_dropped_down += len(keys)
+            return
+        items: list[tuple[bytes, bytearray]] = []
+        assert self._pin is not None
+        for key, name, present in zip(keys, names, held, strict=True):
+            if present:
+                self.counters.writes_already_there += 1
+                continue
+            chunk = self._pin(key)
+            if chunk is None:
+                self.counters.writes_missed += 1
+                continue
+            with chunk:
+                items.append((name, frame_value(key, chunk.data.numpy(), chunk.checksum)))
+        if not items:
+            return
+        try:
+            self.store.put(items)
+        except RemoteUnavailable as e:
+            self._failed("put", e)
+            self.counters.writes_dropped_down += len(items)
+            return
+        self._succeeded()
+        took = time.perf_counter() - t0
+        nbytes = sum(len(v) for _, v in items)
+        self.counters.chunks_written += len(items)
+        self.counters.bytes_written += nbytes
+        self.counters.write_s += took
+        logger.debug(
+            "remote tier %s: wrote %d chunk(s), %.1f MiB in %.1f ms (%.2f GB/s)",
+            self.name,
+            len(items),
+            nbytes / 2**20,
+            took * 1e3,
+            nbytes / 1e9 / max(took, 1e-9),
+        )
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush(30.0)
+            self._queue.put(None)
+            self._writer.join(timeout=30)
+            self._writer = None
+        try:
+            self.store.close()
+        except Exception as e:  # closing a broken connection must not fail a shutdown
+            logger.debug("closing remote store %s: %s", self.name, e)
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {
+            "url": self.name,
+            "up": self.is_up(),
+            "lookups": c.lookups,
+            "lookup_chunks_hit": c.lookup_chunks_hit,
+            "chunks_read": c.chunks_read,
+            "bytes_read": c.bytes_read,
+            "read_gbps": round(c.bytes_read / 1e9 / c.read_s, 3) if c.read_s else None,
+            "chunks_written": c.chunks_written,
+            "bytes_written": c.bytes_written,
+            "write_gbps": round(c.bytes_written / 1e9 / c.write_s, 3) if c.write_s else None,
+            "writes_already_there": c.writes_already_there,
+            "writes_dropped_queue_full": c.writes_dropped_queue_full,
+            "writes_dropped_down": c.writes_dropped_down,
+            "writes_missed": c.writes_missed,
+            "write_queue": self._queue.qsize(),
+            "bad_values": c.bad_values,
+            "errors": c.errors,
+            "last_error": c.last_error,
+        }

@@ -1,0 +1,312 @@
+"""The remote tier (issue 20) in the storage manager, against real stores: ``lmcache_server``
+started as its console script, Debian's ``redis-server`` and a three-master Redis Cluster.
+
+Two storage managers stand for two engine ranks: one stores, the other fetches. The oracle is
+the bytes: what the second fetches equals what the first stored, and anything else (another
+layout, a corrupted value, a dead store) is a miss, never an error or wrong bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from protocol_client import wait_for
+from remote_stores import LmServer, restarted, store_url
+
+from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.keys import LayoutFingerprint, payload_checksum
+from lmcache_p2p.remote import tier as tier_module
+from lmcache_p2p.remote.store import open_store
+from lmcache_p2p.remote.tier import remote_key
+from lmcache_p2p.remote.url import parse_remote_url
+from lmcache_p2p.storage import StorageManager
+
+CHUNK = 16
+# A small layout: 16 tokens x 2 layers x (2, 16, 4, 64) fp16 blocks = 64 KiB pages.
+LAYOUT = LayoutFingerprint("tiny", "float16", 16, (2, 16, 4, 64), (8192, 256, 64, 1), 2)
+PAGE = LAYOUT.bytes_per_token * CHUNK
+
+
+def manager(url: str, layout: LayoutFingerprint = LAYOUT, pages: int = 64, **extra) -> StorageManager:
+    config = LMCacheConfig.from_dict(
+        {
+            "chunk_size": CHUNK,
+            "max_local_cpu_size": pages * PAGE / 2**30,
+            "remote_url": url,
+            "remote_timeout_s": 1.0,
+            **extra,
+        }
+    )
+    return StorageManager(config, layout, pin_memory=False)
+
+
+def payload(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
+
+
+def hashes(n: int, base: int) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def store_chunks(mgr: StorageManager, chunk_hashes: list[int]) -> None:
+    for h in chunk_hashes:
+        assert mgr.put(h, payload(h))
+    assert mgr.flush(30), "write-behind did not finish"
+
+
+def held_bytes(mgr: StorageManager, chunk_hash: int) -> torch.Tensor:
+    chunk = mgr.pin(chunk_hash)
+    assert chunk is not None
+    with chunk:
+        return chunk.data.clone()
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url, scheme, hosts",
+    [
+        ("localhost:65432", "lm", [("localhost", 65432)]),  # the seed's remote_server_addr
+        ("lm://10.0.0.5:7000", "lm", [("10.0.0.5", 7000)]),
+        ("redis://user:p%40ss@cache:6380/3", "redis", [("cache", 6380)]),
+        ("rediss://cache", "rediss", [("cache", 6379)]),
+        ("redis-sentinel://s1:26379,s2:26380/mymaster", "redis-sentinel", [("s1", 26379), ("s2", 26380)]),
+        ("redis-cluster://a:7000,b:7001,c:7002", "redis-cluster", [("a", 7000), ("b", 7001), ("c", 7002)]),
+    ],
+)
+def test_every_remote_url_form_loads(url, scheme, hosts):
+    config = LMCacheConfig.from_dict({"remote_url": url})
+    assert config.remote is not None
+    assert (config.remote.scheme, list(config.remote.hosts)) == (scheme, hosts)
+
+
+def test_the_seeds_remote_server_addr_is_remote_url_and_passwords_stay_out_of_logs():
+    config = LMCacheConfig.from_dict({"remote_server_addr": "localhost:65432"})
+    assert config.remote_url == "localhost:65432" and config.remote.scheme == "lm"
+    secret = LMCacheConfig.from_dict({"remote_url": "redis://u:hunter2@h:1/0"})
+    assert secret.remote.password == "hunter2"
+    assert "hunter2" not in secret.remote.describe() and "hunter2" not in repr(secret)
+    assert "hunter2" not in str(secret.to_dict())
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("http://cache:80", "unknown scheme 'http'"),
+        ("redis://cache:port", "port 'port'"),
+        ("redis://a:1,b:2", "use redis-cluster://"),
+        ("redis-sentinel://s1:26379", "master's name"),
+        ("redis-cluster://a:1/2", "only db 0"),
+        ("redis://cache:6379/zero", "database 'zero'"),
+        ("lm://cache:99999", "outside 1-65535"),
+    ],
+)
+def test_a_bad_remote_url_names_the_key_and_the_wrong_part(url, says):
+    with pytest.raises(ConfigError) as err:
+        LMCacheConfig.from_dict({"remote_url": url})
+    assert str(err.value).startswith("remote_url") and says in str(err.value)
+
+
+def test_remote_serde_naive_loads_lmcache_serializers_warn_and_typos_fail(caplog):
+    LMCacheConfig.from_dict({"remote_url": "lm://h:1", "remote_serde": "naive"})
+    with caplog.at_level(logging.WARNING):
+        LMCacheConfig.from_dict({"remote_url": "lm://h:1", "remote_serde": "cachegen"})
+    assert "'cachegen' is not implemented and pages are stored naive" in caplog.text
+    with pytest.raises(ConfigError, match=r"remote_serde='nave'.*expected \"naive\""):
+        LMCacheConfig.from_dict({"remote_url": "lm://h:1", "remote_serde": "nave"})
+
+
+# -- one store, two ranks ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["lm_server", "shared_redis", "shared_redis_cluster"])
+def test_a_chunk_stored_by_one_rank_is_fetched_byte_exact_by_another(backend, request):
+    url = store_url(request.getfixturevalue(backend))
+    base = 1_000 * (1 + ["lm_server", "shared_redis", "shared_redis_cluster"].index(backend))
+    writer, reader = manager(url), manager(url)
+    try:
+        store_chunks(writer, hashes(6, base))
+        assert writer.remote.counters.chunks_written == 6
+        # the reader holds nothing locally, then fetches the prefix the store holds
+        assert reader.lookup_prefix(hashes(8, base)).num_chunks == 0
+        assert reader.fetch_remote_prefix(hashes(8, base)) == 6
+        assert reader.lookup_prefix(hashes(8, base)).num_chunks == 6
+        for h in hashes(6, base):
+            assert torch.equal(held_bytes(reader, h), payload(h))
+        stats = reader.stats()["remote"]
+        assert stats["chunks_read"] == 6 and stats["bad_values"] == 0 and stats["lookup_chunks_hit"] == 6
+        # fetched chunks are not written back; a second writer of the same chunks skips them
+        assert reader.remote.counters.chunks_written == 0
+        again = manager(url)
+        try:
+            store_chunks(again, hashes(6, base))
+            assert again.remote.counters.writes_already_there == 6
+            assert again.remote.counters.chunks_written == 0
+        finally:
+            again.close()
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_another_layout_or_rank_never_reads_the_bytes(lm_server):
+    other_rank = LayoutFingerprint(**{**_fields(LAYOUT), "tp_size": 2, "tp_rank": 1})
+    other_model = LayoutFingerprint(**{**_fields(LAYOUT), "model": "another"})
+    writer = manager(lm_server.url)
+    readers = [manager(lm_server.url, layout) for layout in (other_rank, other_model)]
+    try:
+        store_chunks(writer, hashes(3, 5_000))
+        for reader in readers:
+            assert reader.fetch_remote_prefix(hashes(3, 5_000)) == 0
+            assert reader.remote.counters.chunks_read == 0
+    finally:
+        writer.close()
+        for reader in readers:
+            reader.close()
+
+
+def _fields(layout: LayoutFingerprint) -> dict:
+    return {f: getattr(layout, f) for f in layout.__struct_fields__}
+
+
+def test_a_corrupted_value_is_a_logged_miss(shared_redis, caplog):
+    writer, reader = manager(shared_redis.url()), manager(shared_redis.url())
+    try:
+        store_chunks(writer, hashes(3, 7_000))
+        store = open_store(parse_remote_url(shared_redis.url()))
+        name = remote_key(writer.key(7_001))
+        value = bytearray(store.get([name])[0])
+        value[-1] ^= 0xFF  # one bit of the payload flipped
+        store.put([(name, bytes(value))])
+        store.close()
+        with caplog.at_level(logging.WARNING):
+            got = reader.fetch_remote_prefix(hashes(3, 7_000))
+        assert got == 1, "the chunks before the corrupted one are still a hit"
+        assert reader.remote.counters.bad_values == 1
+        assert "unusable (checksum" in caplog.text and "treating it as a miss" in caplog.text
+        assert torch.equal(held_bytes(reader, 7_000), payload(7_000))
+        assert reader.lookup_prefix(hashes(3, 7_000)).num_chunks == 1
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_store_killed_mid_read_is_a_miss_and_the_tier_reconnects(monkeypatch, caplog):
+    big = 48
+    monkeypatch.setattr(tier_module, "FETCH_BATCH_BYTES", 4 * (PAGE + tier_module.HEADER_BYTES))  # 4 per round
+    server = LmServer().start()
+    writer = manager(server.url, pages=big + 8)
+    reader = manager(server.url, pages=big + 8)
+    try:
+        store_chunks(writer, hashes(big, 9_000))
+        keys = [reader.key(h) for h in hashes(big, 9_000)]
+        # Killed between two get rounds: what the first round brought is good, then it stops.
+        rounds = reader.remote.fetch(keys)
+        first = next(rounds)
+        server.kill()
+        with caplog.at_level(logging.WARNING):
+            rest = list(rounds)
+        assert [k for k, _, _ in [first, *rest]] == keys[:4]
+        assert all(bytes(p) == payload(k.chunk_hash).numpy().tobytes() for k, p, _ in [first, *rest])
+        assert not reader.remote.is_up()
+        assert "unavailable (get:" in caplog.text and "lookups are misses" in caplog.text
+        # while down: a miss without a round trip
+        free_before = reader.cpu.pool.free_pages
+        errors = reader.remote.counters.errors
+        assert reader.fetch_remote_prefix(hashes(big, 9_000)) == 0
+        assert reader.remote.counters.errors == errors
+        # back on the same port (empty): after the back-off the same tier works again
+        server = restarted(server)
+        monkeypatch.undo()
+        writer_again = manager(server.url)
+        store_chunks(writer_again, hashes(2, 9_500))
+        writer_again.close()
+        with caplog.at_level(logging.INFO):
+            wait_for(lambda: reader.fetch_remote_prefix(hashes(2, 9_500)) == 2, timeout=10, what="reconnect")
+        assert reader.remote.is_up() and "is back after" in caplog.text
+        assert reader.cpu.pool.free_pages == free_before - 2, "a page leaked on the failed reads"
+    finally:
+        writer.close()
+        reader.close()
+        server.kill()
+
+
+def test_a_store_that_stops_answering_during_a_lookup_is_a_miss_without_leaking_pages(caplog):
+    server = LmServer().start()
+    writer, reader = manager(server.url), manager(server.url)
+    try:
+        store_chunks(writer, hashes(8, 10_000))
+        free_before = reader.cpu.pool.free_pages
+        server.proc.send_signal(signal.SIGSTOP)  # the exists round hangs ...
+        killer = threading.Timer(0.3, server.kill)  # ... until the server dies
+        killer.start()
+        with caplog.at_level(logging.WARNING):
+            got = reader.fetch_remote_prefix(hashes(8, 10_000))
+        killer.join(10)
+        assert got == 0 and not reader.remote.is_up()
+        assert "unavailable (exists:" in caplog.text
+        assert reader.cpu.pool.free_pages == free_before
+        assert reader.lookup_prefix(hashes(8, 10_000)).num_chunks == 0
+    finally:
+        writer.close()
+        reader.close()
+        server.kill()
+
+
+def test_writes_never_block_the_store_path_a_full_queue_drops_and_counts(lm_server):
+    mgr = manager(lm_server.url, remote_write_queue_chunks=2)
+    try:
+        lm_server.proc.send_signal(signal.SIGSTOP)  # the writer's round trip hangs until its timeout
+        try:
+            for h in hashes(20, 11_000):
+                assert mgr.put(h, payload(h))  # every chunk is admitted locally, none waits
+            counters = mgr.remote.counters
+            # one batch in the writer's hands, two queued, the rest dropped and counted
+            assert counters.writes_dropped_queue_full >= 20 - 2 - 16
+            assert counters.writes_dropped_queue_full + mgr.remote._queue.qsize() <= 20
+        finally:
+            lm_server.proc.send_signal(signal.SIGCONT)
+        assert mgr.lookup_prefix(hashes(20, 11_000)).num_chunks == 20
+        assert mgr.flush(30)
+    finally:
+        mgr.close()
+
+
+def keys_per_master(cluster) -> list[int]:
+    return [cluster.node_client(i).dbsize() for i in range(3)]
+
+
+def test_cluster_keys_spread_over_every_master(shared_redis_cluster):
+    mgr = manager(shared_redis_cluster.url)
+    try:
+        before = keys_per_master(shared_redis_cluster)
+        store_chunks(mgr, hashes(30, 13_000))
+        after = keys_per_master(shared_redis_cluster)
+        grown = [a - b for a, b in zip(after, before, strict=True)]
+        assert sum(grown) == 30 and all(g > 0 for g in grown), grown
+    finally:
+        mgr.close()
+
+
+def test_payload_checksum_matches_what_the_reader_verifies(lm_server):
+    # what the value frame carries is the same XXH3 the CPU tier, disk and peers use
+    writer = manager(lm_server.url)
+    try:
+        store_chunks(writer, [15_000])
+        store = open_store(parse_remote_url(lm_server.url))
+        value = store.get([remote_key(writer.key(15_000))])[0]
+        store.close()
+        assert int.from_bytes(value[32:40], "little") == payload_checksum(payload(15_000).numpy())
+    finally:
+        writer.close()
+
+
+if os.environ.get("LMCACHE_P2P_TEST_DEBUG"):
+    logging.getLogger("lmcache_p2p").setLevel(logging.DEBUG)
