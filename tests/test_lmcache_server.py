@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from protocol_client import free_ports, wait_for
 
 from lmcache_p2p.remote import wire
 from lmcache_p2p.remote.lm_store import LmServerStore, RemoteRefused
@@ -25,39 +26,10 @@ from lmcache_p2p.remote.url import parse_remote_url
 
 SERVER = os.path.join(os.path.dirname(sys.executable), "lmcache_server")
 MiB = 1 << 20
-_handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A port that binds now, below the kernel's ephemeral range (one the kernel hands out for
-    outgoing connections could be taken again before the server binds it)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            high = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        high = 32768
-    rng = random.Random()
-    while True:
-        port = rng.randrange(min(20000, high // 2), high)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return free_ports(1)[0]
 
 
 class ServerProcess:
