@@ -220,7 +220,8 @@ class CacheEngine:
                     future = self.peers.fetch_prefix_async(hashes[hit:])
             else:
                 if self._fetcher is None:
-                    self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-fetch")
+                    # Several: one slow peer pull or store must not queue every other request's fetch.
+                    self._fetcher = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-fetch")
                 future = self._fetcher.submit(self._fetch_missing, hashes, hit)
         return hit * self.chunk_size, future
 

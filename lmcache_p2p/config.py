@@ -374,8 +374,8 @@ class LMCacheConfig:
                 self.remote_serde,
                 self.remote_serde,
             )
-        if self.remote_timeout_s <= 0:
-            raise self._err("remote_timeout_s", "expected seconds > 0")
+        if not 0 < self.remote_timeout_s <= 3600:  # also refuses nan and inf
+            raise self._err("remote_timeout_s", "expected seconds, more than 0 and at most 3600")
         if self.remote_write_queue_chunks < 1:
             raise self._err("remote_write_queue_chunks", "expected at least 1 chunk")
         if self.chunk_size <= 0:

@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--controller-port", type=int, default=9000)
     parser.add_argument("--monitor-ports", default='{"pull": 8300, "reply": 8400, "heartbeat": 8082}')
     parser.add_argument("--engine-ports", default="8010,8011")
-    parser.add_argument("--document-words", type=int, default=3000, help="length of the demo document")
+    parser.add_argument("--document-words", type=int, default=6000, help="length of the demo document")
     parser.add_argument("--cpu-gb", default="1", help="max_local_cpu_size per engine (the seed YAMLs ask 100)")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument(

@@ -87,3 +87,17 @@ def test_seed_001_two_instances_share_kv_through_lmcache_server(tmp_path, tiny_m
             engine.terminate()
         for engine in engines:
             engine.stop()
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--kv_transfer_config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
+        ['--kv_transfer_config={"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
+        ["--kv-transfer-config.kv_role", "kv_producer"],
+        ["--config", "vllm.yaml"],
+    ],
+)
+def test_every_spelling_of_a_users_own_kv_transfer_config_is_left_alone(given):
+    command = serve_command("m", given)
+    assert command[command.index("m") + 1 :] == given, "the launcher added or changed a connector config"

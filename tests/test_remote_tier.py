@@ -310,3 +310,32 @@ def test_payload_checksum_matches_what_the_reader_verifies(lm_server):
 
 if os.environ.get("LMCACHE_P2P_TEST_DEBUG"):
     logging.getLogger("lmcache_p2p").setLevel(logging.DEBUG)
+
+
+def test_a_write_the_store_refuses_is_counted_and_reads_stay_on(caplog):
+    # a server smaller than one page refuses every write, but it is up: lookups keep working
+    with LmServer(max_size_gb=PAGE / 2 / 2**30) as small:
+        mgr = manager(small.url)
+        try:
+            with caplog.at_level(logging.WARNING):
+                store_chunks(mgr, hashes(2, 17_000))
+            assert mgr.remote.counters.writes_refused == 2 and mgr.remote.is_up()
+            assert "refused a write of 2 chunk(s)" in caplog.text and "unavailable" not in caplog.text
+            assert mgr.remote.prefix_length([mgr.key(17_000)]) == 0 and mgr.remote.is_up()
+        finally:
+            mgr.close()
+
+
+@pytest.mark.parametrize("password", ["pa/ss", "12345/678", "a@b/c"])
+def test_a_password_with_a_slash_or_an_at_parses_and_never_shows(password):
+    url = parse_remote_url(f"redis://user:{password}@cache:6380/2")
+    assert (url.password, url.host, url.port, url.db) == (password, "cache", 6380, 2)
+    with pytest.raises(ConfigError) as err:
+        LMCacheConfig.from_dict({"remote_url": f"redis://user:{password}@cache:port"})
+    assert password not in str(err.value) and "port 'port'" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
+def test_remote_timeout_must_be_a_finite_positive_number_of_seconds(value):
+    with pytest.raises(ConfigError, match="remote_timeout_s"):
+        LMCacheConfig.from_dict({"remote_url": "lm://h:1", "remote_timeout_s": value})

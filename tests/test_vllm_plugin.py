@@ -8,6 +8,7 @@ package metadata (``pip install -e .``), exactly as vLLM finds it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -188,3 +189,15 @@ def test_f_an_engine_with_the_seeds_config_and_no_module_path_loads_our_connecto
     # The front process and the spawned engine core each decided for themselves.
     decisions = _decisions(out)
     assert len(decisions) >= 2 and all("lmcache-p2p" in line for line in decisions), decisions
+
+
+def test_a_bare_lmcache_directory_on_the_path_is_not_the_original_lmcache(tmp_path, monkeypatch):
+    # a checkout or working directory named lmcache/ is a namespace package, not LMCache
+    from lmcache_p2p.integration.vllm import plugin
+
+    (tmp_path / "lmcache").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert plugin._original_lmcache_origin() is None
+    (tmp_path / "lmcache" / "__init__.py").write_text("")
+    importlib.invalidate_caches()
+    assert plugin._original_lmcache_origin() == str(tmp_path / "lmcache" / "__init__.py")

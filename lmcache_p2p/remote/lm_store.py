@@ -24,18 +24,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from lmcache_p2p.remote import wire
-from lmcache_p2p.remote.store import RemoteUnavailable
+from lmcache_p2p.remote.store import RemoteRefused, RemoteUnavailable
 from lmcache_p2p.remote.url import RemoteUrl
 
 MAX_CONNECTIONS = 4
 _IOV_MAX = 1000  # sendmsg's buffer count limit is 1024 on Linux (IOV_MAX)
 
 T = TypeVar("T")
-
-
-class RemoteRefused(RemoteUnavailable):
-    """The server is up and stored the rest of the batch, but refused values larger than its whole
-    capacity: retrying will not help, backing off from the server is not needed."""
 
 
 class _ServerError(Exception):

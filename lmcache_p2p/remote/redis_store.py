@@ -31,11 +31,21 @@ import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, PipelineCommand
 from redis.cluster import RedisCluster as _RedisCluster
-from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoPermissionError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from lmcache_p2p.remote.store import RemoteUnavailable
+from lmcache_p2p.remote.store import RemoteRefused, RemoteUnavailable
 from lmcache_p2p.remote.url import RemoteUrl
 
 # Exceptions redis-py raises for a server that cannot answer. RedisClusterException is not a
@@ -51,7 +61,12 @@ def _fail(url: RemoteUrl, what: str, err: BaseException) -> NoReturn:
     reason = str(err)
     if len(reason) > _MAX_REASON:
         reason = reason[:_MAX_REASON] + "..."
-    raise RemoteUnavailable(f"{url.describe()}: {what} failed: {type(err).__name__}: {reason}") from err
+    # An error reply (OOM under noeviction, a value over proto-max-bulk-len) is a server that
+    # answered: a refusal, not an outage. The replies that mean it cannot serve at all (a
+    # read-only replica, no permission, a cluster that is down) stay outages.
+    cannot_serve = isinstance(err, (ReadOnlyError, NoPermissionError, ClusterDownError))
+    kind = RemoteRefused if isinstance(err, ResponseError) and not cannot_serve else RemoteUnavailable
+    raise kind(f"{url.describe()}: {what} failed: {type(err).__name__}: {reason}") from err
 
 
 def _socket_options(timeout_s: float) -> dict[str, Any]:

@@ -21,6 +21,12 @@ class RemoteUnavailable(Exception):
     """The store could not answer: the message says why (address, the error, the timeout)."""
 
 
+class RemoteRefused(RemoteUnavailable):
+    """The store is up and answered, but refused the request (a value over its capacity, Redis
+    out of memory under ``noeviction``, a value over ``proto-max-bulk-len``): retrying at once
+    will not help, and there is no outage to back off from (reads still work)."""
+
+
 class RemoteStore(Protocol):
     url: RemoteUrl
 

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lmcache_p2p.keys import ChunkKey, payload_checksum
-from lmcache_p2p.remote.store import RemoteStore, RemoteUnavailable
+from lmcache_p2p.logs import RateLimitedLog
+from lmcache_p2p.remote.store import RemoteRefused, RemoteStore
 
 if TYPE_CHECKING:
     from lmcache_p2p.storage.cpu_tier import PinnedChunk
@@ -105,6 +106,7 @@ class RemoteCounters:
     writes_dropped_queue_full: int = 0
     writes_dropped_down: int = 0  # queued while the store was down, or in a batch that failed
     writes_missed: int = 0  # left the CPU tier before its turn
+    writes_refused: int = 0  # the store answered with an error (out of memory, value too large)
     bad_values: int = 0
     errors: int = 0
     last_error: str = ""
@@ -130,6 +132,8 @@ class RemoteTier:
         self._down_since = 0.0
         self._queue: queue.Queue[ChunkKey | None] = queue.Queue(maxsize=max(1, write_queue_chunks))
         self._pin: Callable[[ChunkKey], PinnedChunk | None] | None = None
+        self._refused_log = RateLimitedLog(logger, every_s=60.0)
+        self._stopping = False  # close(): queued writes are dropped, not written
         self._writer: threading.Thread | None = None
 
     @property
@@ -186,7 +190,7 @@ class RemoteTier:
         t0 = time.perf_counter()
         try:
             held = self.store.exists([remote_key(k) for k in keys])
-        except RemoteUnavailable as e:
+        except Exception as e:  # any failure of the store is a miss and an outage, never the engine's error
             self._failed("exists", e)
             return 0
         self._succeeded()
@@ -211,7 +215,7 @@ class RemoteTier:
             t0 = time.perf_counter()
             try:
                 values = self.store.get([remote_key(k) for k in batch])
-            except RemoteUnavailable as e:
+            except Exception as e:
                 self._failed("get", e)
                 return
             self._succeeded()
@@ -274,17 +278,18 @@ class RemoteTier:
                 return
 
     def _write(self, keys: list[ChunkKey]) -> None:
-        if not self.is_up():
+        if self._stopping or not self.is_up():
             self.counters.writes_dropped_down += len(keys)
             return
         t0 = time.perf_counter()
         names = [remote_key(k) for k in keys]
         try:
             held = self.store.exists(names)
-        except RemoteUnavailable as e:
+        except Exception as e:
             self._failed("exists before write", e)
             self.counters.writes_dropped_down += len(keys)
             return
+        self._succeeded()
         items: list[tuple[bytes, bytearray]] = []
         assert self._pin is not None
         for key, name, present in zip(keys, names, held, strict=True):
@@ -301,7 +306,19 @@ class RemoteTier:
             return
         try:
             self.store.put(items)
-        except RemoteUnavailable as e:
+        except RemoteRefused as e:
+            # The store answered: reads stay on. What it accepted of the batch is not known
+            # here; the next writer's exists round sees it.
+            self.counters.writes_refused += len(items)
+            self._refused_log.warning(
+                "put",
+                "remote tier %s refused a write of %d chunk(s) (%s); they stay local only",
+                self.name,
+                len(items),
+                e,
+            )
+            return
+        except Exception as e:
             self._failed("put", e)
             self.counters.writes_dropped_down += len(items)
             return
@@ -328,11 +345,24 @@ class RemoteTier:
             time.sleep(0.005)
         return True
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Write what is queued within ``timeout`` (one deadline for the whole close), drop the
+        rest (counted), stop the writer, close the store."""
         if self._writer is not None:
-            self.flush(30.0)
+            deadline = time.monotonic() + timeout
+            self.flush(timeout / 2)
+            self._stopping = True
+            while True:  # what is still queued is dropped, so the stop marker always fits
+                try:
+                    if self._queue.get_nowait() is not None:
+                        self.counters.writes_dropped_down += 1
+                    self._queue.task_done()
+                except queue.Empty:
+                    break
             self._queue.put(None)
-            self._writer.join(timeout=30)
+            self._writer.join(timeout=max(0.1, deadline - time.monotonic()))
+            if self._writer.is_alive():
+                logger.warning("remote tier %s: the writer did not stop within %.0f s", self.name, timeout)
             self._writer = None
         try:
             self.store.close()
@@ -356,6 +386,7 @@ class RemoteTier:
             "writes_dropped_queue_full": c.writes_dropped_queue_full,
             "writes_dropped_down": c.writes_dropped_down,
             "writes_missed": c.writes_missed,
+            "writes_refused": c.writes_refused,
             "write_queue": self._queue.qsize(),
             "bad_values": c.bad_values,
             "errors": c.errors,

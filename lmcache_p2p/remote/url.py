@@ -82,12 +82,14 @@ def parse_remote_url(text: str) -> RemoteUrl:
     scheme = scheme.lower()
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {', '.join(s + '://' for s in SCHEMES)}")
-    netloc, _, path = rest.partition("/")
-    if "?" in path or "?" in netloc:
-        raise ValueError("query parameters are not supported; put options in the instance config")
-    userinfo, at, hostlist = netloc.rpartition("@")
+    # The user part goes first, up to the last "@": a password may hold "/" (base64 does), and
+    # splitting the path off first would put part of it in an error message.
+    userinfo, at, after_user = rest.rpartition("@")
     if not at:
-        userinfo, hostlist = "", netloc
+        userinfo, after_user = "", rest
+    hostlist, _, path = after_user.partition("/")
+    if "?" in path or "?" in hostlist:
+        raise ValueError("query parameters are not supported; put options in the instance config")
     username = password = None
     if userinfo:
         if scheme == "lm":

@@ -249,6 +249,17 @@ class StorageManager:
         t0 = time.perf_counter()
         keys = [self.key(h) for h in chunk_hashes]
         wanted = self.remote.prefix_length(keys)
+        if self.cpu is not None:
+            # More than the pool can hold unpinned would evict this prompt's own first chunks.
+            room = max(0, self.cpu.pool.num_pages - self.cpu.pins_held)
+            if wanted > room:
+                logger.info(
+                    "remote tier %s holds %d chunk(s) of this prompt; fetching the %d the CPU pool has room for",
+                    self.remote.name,
+                    wanted,
+                    room,
+                )
+                wanted = room
         t_exists = time.perf_counter() - t0
         done = 0
         for key, payload, checksum in self.remote.fetch(keys[:wanted]):

@@ -49,17 +49,30 @@ def _server_prefix(model: str) -> list[str]:
     return [str(Path(sys.executable).with_name("vllm")), "serve", model]
 
 
-def _has_option(args: list[str], name: str) -> bool:
-    return any(a == name or a.startswith(name + "=") for a in args)
+def _option_name(arg: str) -> str:
+    """``--kv_transfer_config=...``, ``--kv-transfer-config.kv_role`` -> ``--kv-transfer-config``:
+    vLLM's argument parser accepts underscores, ``=`` and dotted sub-keys for the same option."""
+    if not arg.startswith("--"):
+        return ""
+    return "--" + arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
 def serve_command(model: str, args: list[str]) -> list[str]:
     """The command ``lmcache_vllm serve MODEL ARGS`` runs."""
     extra = list(args)
-    if not _has_option(extra, "--kv-transfer-config"):
+    given = {_option_name(a) for a in extra}
+    if "--kv-transfer-config" in given:
+        if "LMCacheConnectorV1" not in " ".join(extra):
+            logger.warning("--kv-transfer-config was given and names no LMCacheConnectorV1: lmcache-p2p stays off")
+    elif "--config" in given:
+        # A vLLM config file may set kv_transfer_config itself; ours on the command line would
+        # silently replace it.
+        logger.warning(
+            "--config was given: add kv_transfer_config %s to it (or on the command line) to use lmcache-p2p",
+            json.dumps(CONNECTOR),
+        )
+    else:
         extra += ["--kv-transfer-config", json.dumps(CONNECTOR)]
-    elif "LMCacheConnectorV1" not in " ".join(extra):
-        logger.warning("--kv-transfer-config was given and names no LMCacheConnectorV1: lmcache-p2p stays off")
     return [*_server_prefix(model), *extra]
 
 

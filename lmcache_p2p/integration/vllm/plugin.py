@@ -58,10 +58,11 @@ def _original_lmcache_origin() -> str | None:
         spec = importlib.util.find_spec("lmcache")
     except (ImportError, ValueError):  # a broken install, or a module object without __spec__
         return None
-    if spec is None:
+    # A bare "lmcache/" directory on sys.path (the working directory, a checkout) is a namespace
+    # package: no origin, nothing LMCache could run from. Only a real package counts.
+    if spec is None or spec.origin is None or spec.loader is None:
         return None
-    locations = list(spec.submodule_search_locations or [])
-    return spec.origin or (locations[0] if locations else "installed")
+    return spec.origin
 
 
 def _point_name_at_ours() -> None:
