@@ -17,6 +17,8 @@ The seed's ``kv_transfer_config`` and environment (``LMCACHE_LOCAL_CPU=True``,
   ``KVTransferConfig`` (``multi_connector.py:229``), a pydantic dataclass that rejects unknown
   keys ("backends: Unexpected keyword argument"). That is vLLM 0.27.1's, whatever the first
   connector is;
+* ``kv_lease_duration: 120`` beside it (vLLM's NIXL lease, 30 s by default: too short for a
+  decode engine sharing 2 vCPUs with a whole test suite);
 * the model (the tiny Llama) and ``LMCACHE_MAX_LOCAL_CPU_SIZE=0.25``.
 
 The harness around it: free ports (HTTP and each engine's ``VLLM_NIXL_SIDE_CHANNEL_PORT``),
@@ -73,7 +75,11 @@ KV_TRANSFER_CONFIG = {
                 "kv_connector": "NixlConnector",
                 "kv_role": "kv_both",
                 "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {"backends": ["UCX"]},
+                # The prefill engine's lease on a request's blocks (vLLM's default 30 s, renewed by
+                # the decode engine's heartbeats): in a full `make test` on 2 vCPUs the decode
+                # engine's first read once came 30+ s after the prefill answered, the lease ran
+                # out and vLLM logged "Potentially invalid KV blocks". Longer here, for this host.
+                "kv_connector_extra_config": {"backends": ["UCX"], "kv_lease_duration": 120},
             },
         ]
     },
