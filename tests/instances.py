@@ -116,6 +116,10 @@ class InstanceProcess:
     def prefill(self, tokens) -> int:
         return self.request("prefill", tokens=list(tokens))["stored"]
 
+    def generate(self, prompt_ids, max_tokens: int = 16) -> list[int]:
+        """Greedy token ids (the offline driver's ``generate``)."""
+        return self.request("generate", prompt_ids=list(prompt_ids), max_tokens=max_tokens, timeout=120)["token_ids"]
+
     def lookup(self, tokens, peers: bool = True, timeout: float = 60.0) -> int:
         return self.request("lookup", tokens=list(tokens), peers=peers, timeout=timeout)["hit"]
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis
@@ -197,7 +198,30 @@ class _Workdir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-class RedisServer:
+_S = TypeVar("_S", bound="_Started")
+
+
+class _Started:
+    """``with``: started on entry (closed again if the start fails), closed on exit."""
+
+    def start(self: _S) -> _S:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _S) -> _S:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RedisServer(_Started):
     """A standalone redis-server on 127.0.0.1 (``with RedisServer() as s: s.url``)."""
 
     def __init__(self, workdir: str | Path | None = None, password: str | None = None, tls: bool = False) -> None:
@@ -257,23 +281,13 @@ class RedisServer:
         self.process.stop()
         self._dir.cleanup()
 
-    def __enter__(self) -> RedisServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _cluster_info(client: redis.Redis) -> dict[str, str]:
     # redis-py parses CLUSTER INFO's "field:value" lines into a dict of strings.
     return dict(client.execute_command("CLUSTER INFO"))
 
 
-class RedisCluster:
+class RedisCluster(_Started):
     """Three cluster-enabled masters on 127.0.0.1, all 16384 slots assigned, no replicas."""
 
     def __init__(self, workdir: str | Path | None = None, masters: int = 3) -> None:
@@ -376,18 +390,8 @@ class RedisCluster:
             node.stop()
         self._dir.cleanup()
 
-    def __enter__(self) -> RedisCluster:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class RedisSentinel:
+class RedisSentinel(_Started):
     """A master and one sentinel monitoring it as ``master_name`` (quorum 1)."""
 
     def __init__(self, workdir: str | Path | None = None, master_name: str = "mymaster") -> None:
@@ -434,16 +438,6 @@ class RedisSentinel:
         self.sentinel.stop()
         self.master.close()
         self._dir.cleanup()
-
-    def __enter__(self) -> RedisSentinel:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @pytest.fixture

@@ -3,47 +3,71 @@ Redis and Redis Cluster are in :mod:`redis_servers`. :func:`store_url` is any of
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from protocol_client import free_ports, wait_for
 
-from lmcache_p2p.remote.store import open_store
+from lmcache_p2p.remote.lm_store import LmServerStore
 from lmcache_p2p.remote.url import parse_remote_url
+
+SCRIPT = str(Path(sys.executable).with_name("lmcache_server"))
 
 
 class LmServer:
-    """``lmcache_server HOST PORT`` as users start it, on a free loopback port."""
+    """``lmcache_server HOST PORT`` as users start it (the console script), on loopback, its log
+    in a file (a pipe nobody reads would stall the server once full). ``argv`` replaces the whole
+    command (bad-argument tests); ``extra`` arguments follow the defaults."""
 
-    def __init__(self, max_size_gb: float = 0.5):
-        self.port = free_ports(1)[0]
+    def __init__(
+        self,
+        *extra: str,
+        port: int | None = None,
+        max_size_gb: float | None = 0.5,
+        argv: list[str] | None = None,
+        log_dir: Path | None = None,
+    ):
+        self.port = port or free_ports(1)[0]
         self.max_size_gb = max_size_gb
-        self.proc: subprocess.Popen | None = None
+        size = ["--max-size-gb", str(max_size_gb)] if max_size_gb is not None else []
+        self.argv = argv or [SCRIPT, "127.0.0.1", str(self.port), "--log-level", "debug", *size, *extra]
+        self.log_path = Path(log_dir or tempfile.gettempdir()) / f"lmcache_server-{self.port}-{time.monotonic_ns()}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"lm://127.0.0.1:{self.port}"
 
-    def start(self) -> LmServer:
-        script = Path(sys.executable).with_name("lmcache_server")
-        self.proc = subprocess.Popen(
-            [str(script), "127.0.0.1", str(self.port), "--max-size-gb", str(self.max_size_gb)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        store = open_store(parse_remote_url(self.url), timeout_s=1.0)
-        try:
-            wait_for(lambda: _pings(store), timeout=20, what=f"lmcache_server on {self.port}")
-        finally:
-            store.close()
+    def client(self, timeout_s: float = 5.0) -> LmServerStore:
+        return LmServerStore(parse_remote_url(self.url), timeout_s)
+
+    def start(self, wait: bool = True) -> LmServer:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            wait_for(lambda: "listening on" in self.log() or self.proc.poll() is not None, what="lmcache_server")
+            assert self.proc.poll() is None, self.log()
         return self
 
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM (a stopped server is continued first); its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+        return self.proc.wait(10)
+
     def kill(self) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-            self.proc = None
 
     def __enter__(self) -> LmServer:
         return self.start()
@@ -52,19 +76,9 @@ class LmServer:
         self.kill()
 
 
-def _pings(store) -> bool:
-    try:
-        store.ping()
-        return True
-    except Exception:
-        return False
-
-
 def restarted(server: LmServer) -> LmServer:
     """A fresh (empty) server on ``server``'s port."""
-    fresh = LmServer(server.max_size_gb)
-    fresh.port = server.port
-    return fresh.start()
+    return LmServer(port=server.port, max_size_gb=server.max_size_gb).start()
 
 
 def store_url(store) -> str:

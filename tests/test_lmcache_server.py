@@ -18,68 +18,28 @@ from pathlib import Path
 
 import pytest
 from protocol_client import free_ports, wait_for
+from remote_stores import SCRIPT as SERVER
+from remote_stores import LmServer
 
 from lmcache_p2p.remote import wire
 from lmcache_p2p.remote.lm_store import LmServerStore, RemoteRefused
 from lmcache_p2p.remote.store import RemoteUnavailable
-from lmcache_p2p.remote.url import parse_remote_url
 
-SERVER = os.path.join(os.path.dirname(sys.executable), "lmcache_server")
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-class ServerProcess:
-    def __init__(self, tmp_path: Path, port: int | None = None, *extra: str, argv: list[str] | None = None):
-        self.port = port or free_port()
-        self.argv = argv or [SERVER, "127.0.0.1", str(self.port), "--log-level", "debug", *extra]
-        self.log_path = tmp_path / f"lmcache_server-{self.port}-{time.monotonic_ns()}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, wait: bool = True) -> ServerProcess:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
-        if wait:
-            wait_for(lambda: "listening on" in self.log() or self.proc.poll() is not None, what="the server")
-            assert self.proc.poll() is None, self.log()
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, timeout_s: float = 5.0) -> LmServerStore:
-        return LmServerStore(parse_remote_url(f"lm://127.0.0.1:{self.port}"), timeout_s)
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-        return self.proc.wait(10)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(10)
 
 
 @pytest.fixture
 def servers(tmp_path):
-    started: list[ServerProcess] = []
+    started: list[LmServer] = []
 
     def start(*extra: str, port: int | None = None, argv: list[str] | None = None, wait: bool = True):
-        server = ServerProcess(tmp_path, port, *extra, argv=argv).start(wait)
+        server = LmServer(*extra, port=port, max_size_gb=None, argv=argv, log_dir=tmp_path).start(wait)
         started.append(server)
         return server
 
     yield start
     for server in started:
-        if server.proc is not None and server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait(10)
+        server.kill()
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -319,7 +279,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_the_server_runs_without_torch_numpy_or_vllm(servers):
-    port = free_port()
+    port = free_ports(1)[0]
     blocked = servers(argv=[sys.executable, "-c", _BLOCKER, "127.0.0.1", str(port)], port=port)
     store = blocked.client()
     store.put([(b"k", payload(3, 2 * MiB))])

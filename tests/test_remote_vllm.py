@@ -8,12 +8,13 @@ the store serves once the holder is gone.
 from __future__ import annotations
 
 import pytest
-from instances import InstanceProcess, instance_config
+from instances import instance_config
 from protocol_client import ControllerProcess, wait_for
 from remote_stores import store_url
 
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks and a tail vLLM computes itself
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +22,6 @@ def prompt(tiny_model) -> list[int]:
     from lmcache_p2p.testing.tiny_model import sample_prompts
 
     return sample_prompts(tiny_model, PROMPT_TOKENS, seeds=[21])[0]
-
-
-def generate(engine: InstanceProcess, prompt: list[int], max_tokens: int = 12) -> list[int]:
-    return engine.request("generate", prompt_ids=prompt, max_tokens=max_tokens, timeout=120)["token_ids"]
 
 
 def remote_only(url: str) -> dict:
@@ -37,12 +34,12 @@ def remote_only(url: str) -> dict:
 def test_two_engines_share_kv_through_the_remote_store_alone(backend, request, engine, prompt):
     url = store_url(request.getfixturevalue(backend))
     first = engine(remote_only(url), name="engine1")
-    cold = generate(first, prompt)
+    cold = first.generate(prompt, MAX_TOKENS)
     first.request("flush")  # write-behind done: the store holds engine 1's chunks
     assert first.status()["storage"]["remote"]["chunks_written"] == 2
 
     second = engine(remote_only(url), name="engine2")
-    warm = generate(second, prompt)
+    warm = second.generate(prompt, MAX_TOKENS)
     assert warm == cold
     status = second.status()
     assert status["engine"]["retrieved_tokens"] == 2 * CHUNK
@@ -57,9 +54,9 @@ def test_the_seeds_remote_server_addr_and_a_dead_store_is_a_miss_not_an_error(en
     # remote_server_addr: "host:port" as seed 001 writes it; then a store that is down serves misses
     config = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25}
     eng = engine({**config, "remote_server_addr": f"127.0.0.1:{lm_server.port}"}, name="seed001")
-    assert len(generate(eng, prompt)) == 12
+    assert len(eng.generate(prompt, MAX_TOKENS)) == MAX_TOKENS
     dead = engine({**config, "remote_url": "lm://127.0.0.1:9"}, name="dead-store")
-    assert generate(dead, prompt) == generate(eng, prompt[:]), "a dead store changed the output"
+    assert dead.generate(prompt, MAX_TOKENS) == eng.generate(prompt, MAX_TOKENS), "a dead store changed the output"
     log = dead.log()
     assert "remote tier lm://127.0.0.1:9 unavailable" in log and "lookups are misses" in log
     assert dead.status()["engine"]["retrieved_tokens"] == 0
@@ -77,12 +74,12 @@ def test_a_live_peer_is_pulled_first_and_the_store_serves_once_no_peer_holds_it(
             )
 
         holder = engine(config("holder"), name="holder")
-        cold = generate(holder, prompt)
+        cold = holder.generate(prompt, MAX_TOKENS)
         holder.request("flush")
         wait_for(lambda: controller.holders(prompt), timeout=10, what="the controller to index the holder's chunks")
 
         puller = engine(config("puller"), name="puller")
-        assert generate(puller, prompt) == cold
+        assert puller.generate(prompt, MAX_TOKENS) == cold
         pulled = puller.status()
         assert pulled["p2p_client"]["chunks_pulled"] == 2, "the live peer was not asked first"
         assert pulled["storage"]["remote"]["chunks_read"] == 0
@@ -92,7 +89,7 @@ def test_a_live_peer_is_pulled_first_and_the_store_serves_once_no_peer_holds_it(
         puller.stop(timeout=60)
         wait_for(lambda: not controller.holders(prompt), timeout=20, what="the controller to drop the leavers")
         latecomer = engine(config("latecomer"), name="latecomer")
-        assert generate(latecomer, prompt) == cold
+        assert latecomer.generate(prompt, MAX_TOKENS) == cold
         late = latecomer.status()
         assert late["storage"]["remote"]["chunks_read"] == 2 and late["p2p_client"]["chunks_pulled"] == 0
     finally:

@@ -28,20 +28,16 @@ def prompt(tiny_model) -> list[int]:
     return sample_prompts(tiny_model, PROMPT_TOKENS, seeds=[11])[0]
 
 
-def generate(engine: InstanceProcess, prompt: list[int], max_tokens: int = 16) -> list[int]:
-    return engine.request("generate", prompt_ids=prompt, max_tokens=max_tokens, timeout=120)["token_ids"]
-
-
 def counters(engine: InstanceProcess) -> dict:
     return engine.status()["engine"]
 
 
 def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, prompt):
     eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25})
-    cold = generate(eng, prompt)
+    cold = eng.generate(prompt)
     assert counters(eng)["stored_tokens"] == 2 * CHUNK
 
-    warm = generate(eng, prompt)
+    warm = eng.generate(prompt)
     assert counters(eng)["retrieved_tokens"] == 2 * CHUNK
     assert warm == cold
     log = eng.log()
@@ -50,14 +46,14 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
     assert f"Retrieved {2 * CHUNK} out of total {PROMPT_TOKENS} tokens" in log
 
     assert eng.request("corrupt")["chunks"] == 2
-    assert generate(eng, prompt) != cold, "the output ignored the loaded KV"
+    assert eng.generate(prompt) != cold, "the output ignored the loaded KV"
 
 
 def test_a_prompt_whose_every_chunk_is_cached_still_computes_its_last_token(engine, prompt):
     eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25})
     exact = prompt[: 2 * CHUNK]
-    cold = generate(eng, exact)
-    assert generate(eng, exact) == cold
+    cold = eng.generate(exact)
+    assert eng.generate(exact) == cold
     # The connector may not claim the whole prompt: vLLM samples from the last token's logits.
     assert f"LMCache hit tokens: {2 * CHUNK}, need to load: {2 * CHUNK - 1}" in eng.log()
 
@@ -71,13 +67,13 @@ def test_b_disk_tier_reloads_in_a_fresh_engine_process(engine, prompt, tmp_path)
         "max_local_disk_size": 1,
     }
     first = engine(config, name="first")
-    cold = generate(first, prompt)
+    cold = first.generate(prompt)
     first.request("flush")
     first.stop(timeout=60)
 
     second = engine(config, name="second")
     assert second.status()["storage"]["disk"]["chunks"] == 2  # indexed from the files at start
-    assert generate(second, prompt) == cold
+    assert second.generate(prompt) == cold
     # Loaded, not recomputed: nothing was stored, and this process started with an empty CPU tier.
     got = counters(second)
     assert {k: got[k] for k in ("stored_tokens", "retrieved_tokens", "retrieves")} == {
@@ -101,11 +97,11 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         )
         a = engine(instance_config("lmcache_instance_1", controller, **seed_004), name="a")
         b = engine(instance_config("lmcache_instance_2", controller, **seed_004), name="b")
-        cold = generate(a, prompt)
+        cold = a.generate(prompt)
         a.request("flush")
         wait_for(lambda: controller.holders(prompt), timeout=10, what="the controller to index engine A's chunks")
 
-        assert generate(b, prompt) == cold
+        assert b.generate(prompt) == cold
         b_counts = counters(b)
         assert b_counts["retrieved_tokens"] == 2 * CHUNK and b_counts["stored_tokens"] == 0
         assert b.status()["p2p_client"]["chunks_pulled"] == 2

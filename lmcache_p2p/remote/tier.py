@@ -24,7 +24,6 @@ What it adds to a bare :class:`RemoteStore`:
 from __future__ import annotations
 
 import logging
-import queue
 import struct
 import threading
 import time
@@ -37,6 +36,7 @@ import numpy as np
 from lmcache_p2p.keys import ChunkKey, payload_checksum
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.remote.store import RemoteRefused, RemoteStore
+from lmcache_p2p.write_behind import WriteBehind
 
 if TYPE_CHECKING:
     from lmcache_p2p.storage.cpu_tier import PinnedChunk
@@ -103,7 +103,6 @@ class RemoteCounters:
     chunks_written: int = 0
     bytes_written: int = 0
     writes_already_there: int = 0  # another instance wrote it first: skipped after the exists round
-    writes_dropped_queue_full: int = 0
     writes_dropped_down: int = 0  # queued while the store was down, or in a batch that failed
     writes_missed: int = 0  # left the CPU tier before its turn
     writes_refused: int = 0  # the store answered with an error (out of memory, value too large)
@@ -130,11 +129,10 @@ class RemoteTier:
         self._down_until = 0.0  # no round trips before this (monotonic)
         self._backoff_s = 0.0  # 0 while up
         self._down_since = 0.0
-        self._queue: queue.Queue[ChunkKey | None] = queue.Queue(maxsize=max(1, write_queue_chunks))
+        self._write_queue_chunks = write_queue_chunks
         self._pin: Callable[[ChunkKey], PinnedChunk | None] | None = None
         self._refused_log = RateLimitedLog(logger, every_s=60.0)
-        self._stopping = False  # close(): queued writes are dropped, not written
-        self._writer: threading.Thread | None = None
+        self._writes: WriteBehind | None = None  # started by start_writer
 
     @property
     def name(self) -> str:
@@ -242,43 +240,18 @@ class RemoteTier:
         """Write queued keys behind, reading each page with ``pin(key)`` (a ``PinnedChunk`` or
         None once evicted)."""
         self._pin = pin
-        self._writer = threading.Thread(target=self._write_loop, name="lmcache-remote-writer", daemon=True)
-        self._writer.start()
+        self._writes = WriteBehind(f"remote {self.name}", self._write_queue_chunks, self._write, WRITE_BATCH_CHUNKS)
 
     def submit(self, key: ChunkKey) -> None:
         """Queue ``key`` for writing; never blocks (a full queue drops and counts)."""
         if not self.is_up():
             self.counters.writes_dropped_down += 1
             return
-        try:
-            self._queue.put_nowait(key)
-        except queue.Full:
-            self.counters.writes_dropped_queue_full += 1
-            logger.debug("remote write-behind queue full; %s is not written", key)
-
-    def _write_loop(self) -> None:
-        while True:
-            first = self._queue.get()
-            batch = [first]
-            while len(batch) < WRITE_BATCH_CHUNKS:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                keys = [k for k in batch if k is not None]
-                if keys:
-                    self._write(keys)
-            except Exception:  # a bug here must not end write-behind for the engine's lifetime
-                logger.exception("remote write-behind failed for %d chunk(s)", len(batch))
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-            if None in batch:
-                return
+        assert self._writes is not None, "start_writer() first"
+        self._writes.submit(key)
 
     def _write(self, keys: list[ChunkKey]) -> None:
-        if self._stopping or not self.is_up():
+        if (self._writes is not None and self._writes.stopping) or not self.is_up():
             self.counters.writes_dropped_down += len(keys)
             return
         t0 = time.perf_counter()
@@ -338,32 +311,13 @@ class RemoteTier:
         )
 
     def flush(self, timeout: float = 30.0) -> bool:
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return self._writes.flush(timeout) if self._writes is not None else True
 
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued within ``timeout`` (one deadline for the whole close), drop the
         rest (counted), stop the writer, close the store."""
-        if self._writer is not None:
-            deadline = time.monotonic() + timeout
-            self.flush(timeout / 2)
-            self._stopping = True
-            while True:  # what is still queued is dropped, so the stop marker always fits
-                try:
-                    if self._queue.get_nowait() is not None:
-                        self.counters.writes_dropped_down += 1
-                    self._queue.task_done()
-                except queue.Empty:
-                    break
-            self._queue.put(None)
-            self._writer.join(timeout=max(0.1, deadline - time.monotonic()))
-            if self._writer.is_alive():
-                logger.warning("remote tier %s: the writer did not stop within %.0f s", self.name, timeout)
-            self._writer = None
+        if self._writes is not None:
+            self.counters.writes_dropped_down += self._writes.close(timeout)
         try:
             self.store.close()
         except Exception as e:  # closing a broken connection must not fail a shutdown
@@ -383,11 +337,11 @@ class RemoteTier:
             "bytes_written": c.bytes_written,
             "write_gbps": round(c.bytes_written / 1e9 / c.write_s, 3) if c.write_s else None,
             "writes_already_there": c.writes_already_there,
-            "writes_dropped_queue_full": c.writes_dropped_queue_full,
+            "writes_dropped_queue_full": self._writes.dropped if self._writes is not None else 0,
             "writes_dropped_down": c.writes_dropped_down,
             "writes_missed": c.writes_missed,
             "writes_refused": c.writes_refused,
-            "write_queue": self._queue.qsize(),
+            "write_queue": self._writes.queued if self._writes is not None else 0,
             "bad_values": c.bad_values,
             "errors": c.errors,
             "last_error": c.last_error,

@@ -12,8 +12,6 @@ the controller, which is how the mesh knows who holds what.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from lmcache_p2p.remote.tier import RemoteTier
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.write_behind import WriteBehind
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +233,7 @@ class StorageManager:
         self._emit("admit", CPU, key)
         # (a writer exists only with a disk tier)
         if self._writer is not None and self.disk is not None and not self.disk.contains(key):
-            self._writer.submit(key)
+            self._writer.queue.submit(key)
         if self.remote is not None and not from_remote:
             self.remote.submit(key)
 
@@ -246,33 +245,30 @@ class StorageManager:
         locally (0 with no remote tier, the store down, or the first chunk missing)."""
         if self.remote is None or not len(chunk_hashes):
             return 0
+        cpu = self._page_owner()  # a remote tier exists only beside a CPU tier
         t0 = time.perf_counter()
         keys = [self.key(h) for h in chunk_hashes]
-        wanted = self.remote.prefix_length(keys)
-        if self.cpu is not None:
-            # More than the pool can hold unpinned would evict this prompt's own first chunks.
-            room = max(0, self.cpu.pool.num_pages - self.cpu.pins_held)
-            if wanted > room:
-                logger.info(
-                    "remote tier %s holds %d chunk(s) of this prompt; fetching the %d the CPU pool has room for",
-                    self.remote.name,
-                    wanted,
-                    room,
-                )
-                wanted = room
+        held = self.remote.prefix_length(keys)
+        # More than the pool can hold unpinned would evict this prompt's own first chunks.
+        wanted = min(held, max(0, cpu.pool.num_pages - cpu.pins_held))
+        if wanted < held:
+            logger.info(
+                "remote tier %s holds %d chunk(s) of this prompt; fetching the %d the CPU pool has room for",
+                self.remote.name,
+                held,
+                wanted,
+            )
         t_exists = time.perf_counter() - t0
         done = 0
         for key, payload, checksum in self.remote.fetch(keys[:wanted]):
-            if self.cpu is not None and self.cpu.contains(key):
-                done += 1
-                continue
-            reserved = self.reserve_page()
-            if reserved is None:
-                break
-            page, data = reserved
-            data.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-            if self._page_owner().admit(key, page, checksum):
-                self._after_cpu_admit(key, from_remote=True)
+            if not cpu.contains(key):
+                reserved = self.reserve_page()
+                if reserved is None:
+                    break
+                page, data = reserved
+                data.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+                if cpu.admit(key, page, checksum):
+                    self._after_cpu_admit(key, from_remote=True)
             done += 1
         took = time.perf_counter() - t0
         if wanted:
@@ -357,13 +353,13 @@ class StorageManager:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until queued disk and remote writes are done (tests, shutdown)."""
-        disk = self._writer.flush(timeout) if self._writer is not None else True
+        disk = self._writer.queue.flush(timeout) if self._writer is not None else True
         remote = self.remote.flush(timeout) if self.remote is not None else True
         return disk and remote
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            self._writer.queue.close(timeout=60.0)
             self._writer = None
         if self.remote is not None:
             self.remote.close()
@@ -396,58 +392,30 @@ class StorageManager:
 
 
 class _DiskWriter:
-    """Write-behind of CPU admits to disk on one thread, so the engine's store path never waits
-    on the disk. The queue holds keys, not pins: a chunk is pinned only while it is written, so
-    a slow disk never ties up CPU pages. A chunk the CPU tier evicts before its turn is counted in
-    ``missed`` (the disk cannot keep up with the ingest rate); a full queue counts ``dropped``."""
+    """CPU admits written behind to disk (:class:`WriteBehind`, one key at a time). A chunk the
+    CPU tier evicts before its turn is counted in ``missed`` (the disk cannot keep up with the
+    ingest rate); a full queue counts ``dropped``."""
 
     def __init__(self, cpu: CpuTier, disk: DiskTier, depth: int, on_written: Callable[[ChunkKey], None]):
         self.cpu = cpu
         self.disk = disk
         self.on_written = on_written
-        self.dropped = 0
         self.missed = 0
-        self._queue: queue.Queue[ChunkKey | None] = queue.Queue(maxsize=depth)
-        self._thread = threading.Thread(target=self._run, name="lmcache-disk-writer", daemon=True)
-        self._thread.start()
+        self.queue = WriteBehind("disk", depth, self._write)
 
-    def submit(self, key: ChunkKey) -> None:
-        try:
-            self._queue.put_nowait(key)
-        except queue.Full:
-            self.dropped += 1
-            logger.debug("disk write-behind queue full; %s stays in CPU only", key)
+    @property
+    def dropped(self) -> int:
+        return self.queue.dropped
 
-    def _run(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if key is None:
-                    return
-                chunk = self.cpu.pin(key)
-                if chunk is None:
-                    self.missed += 1
-                    logger.debug("%s left the CPU tier before its disk write", key)
-                    continue
-                with chunk:
-                    t0 = time.perf_counter()
-                    if self.disk.write(key, chunk.data.numpy(), chunk.checksum):
-                        logger.debug("wrote %s to disk in %.2f ms", key, (time.perf_counter() - t0) * 1e3)
-                        self.on_written(key)
-            except Exception:
-                logger.exception("disk write-behind failed for %s", key)
-            finally:
-                self._queue.task_done()
-
-    def flush(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
-
-    def close(self) -> None:
-        self.flush(30.0)
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+    def _write(self, keys: list[ChunkKey]) -> None:
+        for key in keys:
+            chunk = self.cpu.pin(key)
+            if chunk is None:
+                self.missed += 1
+                logger.debug("%s left the CPU tier before its disk write", key)
+                continue
+            with chunk:
+                t0 = time.perf_counter()
+                if self.disk.write(key, chunk.data.numpy(), chunk.checksum):
+                    logger.debug("wrote %s to disk in %.2f ms", key, (time.perf_counter() - t0) * 1e3)
+                    self.on_written(key)
