@@ -19,6 +19,8 @@ import difflib
 import json
 import logging
 import os
+import socket
+import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,8 +257,14 @@ class LMCacheConfig:
     # P2P
     enable_p2p: bool = _key(_to_bool, False, "pull missing chunks from peers")
     p2p_host: str | None = _key(_optional(_to_str), None, "host peers reach this instance on")
-    p2p_init_ports: list[int] | None = _key(_optional(_to_int_list), None, "handshake port per TP rank")
-    p2p_lookup_ports: list[int] | None = _key(_optional(_to_int_list), None, "transfer request port per TP rank")
+    p2p_init_ports: list[int] | None = _key(
+        _optional(_to_int_list), None, "handshake port per TP rank; 0: any free port"
+    )
+    p2p_lookup_ports: list[int] | None = _key(
+        _optional(_to_int_list),
+        None,
+        "transfer request port per TP rank; 0: any free port",
+    )
     transfer_channel: str | None = _key(_optional(_to_str), None, '"nixl" or "tcp"')
     nixl_progress_delay_us: int = _key(_to_int, 200, "pause between NIXL progress-thread rounds; 0 spins a core")
     p2p_batch_chunks: int = _key(_to_int, 8, "chunks per peer pull request")
@@ -286,14 +294,21 @@ class LMCacheConfig:
     )
     # Controller
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
-    lmcache_instance_id: str | None = _key(_optional(_to_str), None, "this instance's id at the controller")
+    lmcache_instance_id: str | None = _key(
+        _optional(_to_str),
+        None,
+        "this instance's id at the controller; {hostname} and {engine_id} (vLLM's, one per engine) expand, "
+        "so replicas sharing one config get ids of their own; unset: {hostname}-{engine_id}",
+    )
     controller_pull_url: str | None = _key(
         _optional(_to_url), None, "controller PULL socket, host:port (or tcp://host:port)"
     )
     controller_reply_url: str | None = _key(
         _optional(_to_url), None, "controller ROUTER socket, host:port (or tcp://host:port)"
     )
-    lmcache_worker_ports: list[int] | None = _key(_optional(_to_int_list), None, "command port per TP rank")
+    lmcache_worker_ports: list[int] | None = _key(
+        _optional(_to_int_list), None, "command port per TP rank; 0: any free port (registered with the controller)"
+    )
     lmcache_worker_heartbeat_time: float = _key(_to_float, 5.0, "seconds between worker heartbeats")
     extra_config: dict = _key(_optional(_to_dict), {}, "free-form extras, e.g. lookup_backoff_time")
     # Security (issue 18): the secret every member of the mesh (the controller, each instance)
@@ -432,8 +447,17 @@ class LMCacheConfig:
                 f"({self.sources.get('mesh_secret_file', 'default')}), not both",
             )
         self.resolved_mesh_secret()
+        for key in PORT_LIST_KEYS:
+            for port in getattr(self, key) or []:
+                if not 0 <= port <= 65535:
+                    raise self._err(key, f"{port} is not a TCP port: expected 1-65535, or 0 for any free port")
+        if self.lmcache_instance_id is not None:
+            try:
+                expand_instance_id(self.lmcache_instance_id, engine_id="e", hostname="h")
+            except ValueError as e:
+                raise self._err("lmcache_instance_id", str(e)) from None
         if self.enable_controller:
-            for key in ("lmcache_instance_id", "controller_pull_url", "controller_reply_url", "lmcache_worker_ports"):
+            for key in ("controller_pull_url", "controller_reply_url", "lmcache_worker_ports"):
                 if getattr(self, key) is None:
                     raise self._err(key, "required when enable_controller is true")
         if self.enable_p2p:
@@ -456,12 +480,21 @@ class LMCacheConfig:
             keys += ["p2p_init_ports", "p2p_lookup_ports"]
         for key in keys:
             ports = getattr(self, key)
-            if ports is not None and len(ports) < tp_size:
+            if ports is not None and ports != [0] and len(ports) < tp_size:
                 raise self._err(
                     key,
                     f"has {len(ports)} port(s) but tensor parallel size is {tp_size}: "
-                    "give one port per rank, e.g. 8200,8202",
+                    "give one port per rank, e.g. 8200,8202 (or 0: any free port for every rank)",
                 )
+
+    def for_engine(self, engine_id: str) -> LMCacheConfig:
+        """This config with ``lmcache_instance_id`` expanded for one engine (vLLM's engine_id,
+        shared by the engine's TP ranks): the id the worker registers with."""
+        template = self.lmcache_instance_id or DEFAULT_INSTANCE_ID
+        instance_id = expand_instance_id(template, engine_id=engine_id, hostname=socket.gethostname())
+        if instance_id != self.lmcache_instance_id and self.enable_controller:
+            logger.info("lmcache_instance_id %r -> %s (engine_id %s)", template, instance_id, engine_id)
+        return dataclasses.replace(self, lmcache_instance_id=instance_id)
 
     def validate_for_block_size(self, block_size: int) -> None:
         """At engine start-up: chunks are whole KV blocks (DESIGN.md §4)."""
@@ -521,6 +554,31 @@ class LMCacheConfig:
 
 # ---------------------------------------------------------------------------------------------
 # Reading sources
+
+
+PORT_LIST_KEYS = ("lmcache_worker_ports", "p2p_init_ports", "p2p_lookup_ports")
+DEFAULT_INSTANCE_ID = "{hostname}-{engine_id}"
+_INSTANCE_ID_FIELDS = ("hostname", "engine_id")
+
+
+def expand_instance_id(template: str, engine_id: str, hostname: str) -> str:
+    """``{hostname}`` and ``{engine_id}`` in an instance id template; ValueError names any other."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:  # an unmatched brace
+        raise ValueError(f"{template!r}: {e}; write {{{{ and }}}} for literal braces") from None
+    for name in fields:
+        if name not in _INSTANCE_ID_FIELDS:
+            raise ValueError(f"{template!r} names {{{name}}}: only {{hostname}} and {{engine_id}} expand")
+    instance_id = template.format(hostname=hostname, engine_id=engine_id)
+    if not instance_id or any(c.isspace() for c in instance_id):
+        raise ValueError(f"{template!r} expands to {instance_id!r}: an id needs characters and no spaces")
+    return instance_id
+
+
+def rank_port(ports: list[int], rank: int) -> int:
+    """A rank's port from a per-rank list; a lone 0 (any free port) covers every rank."""
+    return 0 if ports == [0] else ports[rank]
 
 
 def _config_fields() -> dict[str, dataclasses.Field]:

@@ -385,13 +385,16 @@ class RpcServer:
         self._loop_task: asyncio.Task | None = None
         self._requests: set[asyncio.Task] = set()
 
-    def bind(self, address: str) -> None:
-        """Bind; raises zmq.ZMQError (the caller names the setting) and closes the socket."""
+    def bind(self, address: str) -> int:
+        """Bind and return the TCP port bound: the one asked for, or the one the OS chose for a
+        ``host:0`` address. Raises zmq.ZMQError (the caller names the setting) and closes the socket."""
         try:
             self.sock.bind(address)
         except zmq.ZMQError:
             self.sock.close(linger=0)
             raise
+        endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://127.0.0.1:40123
+        return int(endpoint.rpartition(":")[2])
 
     def start(self) -> None:
         self._loop_task = asyncio.ensure_future(self._serve())

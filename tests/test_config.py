@@ -1,6 +1,7 @@
 """LMCacheConfig: the seeds' files load unchanged, env wins, and every bad value names its culprit."""
 
 import logging
+import socket
 from pathlib import Path
 
 import pytest
@@ -221,8 +222,32 @@ def test_p2p_without_ports(tmp_path):
 
 
 def test_controller_without_its_urls(tmp_path):
-    with pytest.raises(ConfigError, match=r"lmcache_instance_id.*required when enable_controller"):
+    with pytest.raises(ConfigError, match=r"controller_pull_url.*required when enable_controller"):
         load({"LMCACHE_ENABLE_CONTROLLER": "1"})
+
+
+def test_instance_id_expands_per_engine():
+    """Replicas sharing one config (Ray Serve's num_replicas) get ids of their own from vLLM's
+    engine_id; a fixed id stays as written; unset is {hostname}-{engine_id}."""
+    base = {"LMCACHE_ENABLE_CONTROLLER": "1", "LMCACHE_CONTROLLER_PULL_URL": "localhost:8300"}
+    base |= {"LMCACHE_CONTROLLER_REPLY_URL": "localhost:8400", "LMCACHE_LMCACHE_WORKER_PORTS": "0"}
+    host = socket.gethostname()
+    assert load(base).for_engine("e-1").lmcache_instance_id == f"{host}-e-1"
+    templated = load(base | {"LMCACHE_LMCACHE_INSTANCE_ID": "chat-{engine_id}"})
+    assert templated.for_engine("e-1").lmcache_instance_id == "chat-e-1"
+    assert templated.for_engine("e-2").lmcache_instance_id == "chat-e-2"
+    assert load(base | {"LMCACHE_LMCACHE_INSTANCE_ID": "a1"}).for_engine("e-1").lmcache_instance_id == "a1"
+    with pytest.raises(ConfigError, match=r"lmcache_instance_id.*\{pid\}.*only \{hostname\} and \{engine_id\}"):
+        load(base | {"LMCACHE_LMCACHE_INSTANCE_ID": "a-{pid}"})
+    with pytest.raises(ConfigError, match=r"lmcache_instance_id.*no spaces"):
+        load(base | {"LMCACHE_LMCACHE_INSTANCE_ID": "my engine"})
+
+
+def test_port_zero_covers_every_rank_and_ports_are_checked():
+    cfg = LMCacheConfig.from_dict({"lmcache_worker_ports": 0, "p2p_init_ports": 0, "p2p_lookup_ports": [0]})
+    cfg.validate_for_tp(4)  # a lone 0 is any free port for each rank
+    with pytest.raises(ConfigError, match=r"p2p_init_ports.*70000 is not a TCP port"):
+        LMCacheConfig.from_dict({"p2p_init_ports": [8200, 70000]}).validate()
 
 
 def test_port_lists_must_cover_every_tp_rank():

@@ -37,6 +37,26 @@ def keys_at(controller, instance_id: str) -> int:
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
+def test_ports_of_zero_are_chosen_at_bind_and_registered(controller, spawn, channel):
+    """Replicas that share one config (Ray Serve's num_replicas) cannot share fixed ports: with 0
+    each rank binds free ports and registers those, and peers reach it on them."""
+    zero = {"lmcache_worker_ports": [0], "p2p_init_ports": [0], "p2p_lookup_ports": [0]}
+    a, b = (
+        spawn(instance_config(f"lmcache_instance_{i}", controller, channel, chunk_size=CHUNK, **zero)) for i in (1, 2)
+    )
+    wait_for(lambda: len(controller.http.get("/controller/workers").json()["workers"]) == 2, what="two ranks")
+    workers = controller.http.get("/controller/workers").json()["workers"]
+    ports = [(w["worker_port"], w["p2p_init_port"], w["p2p_lookup_port"]) for w in workers]
+    assert len(ports) == 2 and all(0 not in p for p in ports) and len({*ports[0], *ports[1]}) == 6, ports
+    assert re.search(r"worker_port 0 in the config: bound \d+", a.log())
+    prompt = tokens(4 * CHUNK)
+    assert a.prefill(prompt) == 4 * CHUNK
+    wait_for(lambda: controller.holders(prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], what="A's keys")
+    assert b.lookup(prompt) == 4 * CHUNK
+    assert b.retrieve(prompt)["exact"]
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
 def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     a, b = two_instances(controller, spawn, channel)
     prompt = tokens(8 * CHUNK + 5)  # 8 full chunks and a partial tail, which is never a chunk

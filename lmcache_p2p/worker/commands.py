@@ -82,7 +82,7 @@ class CommandServer:
         # A stopped worker may find many commands waiting when it resumes: one line per kind per 10 s.
         self._expired_log = RateLimitedLog(logger, every_s=10.0)
         try:
-            self.server.bind(f"tcp://{identity.host}:{identity.worker_port}")
+            identity.bound("worker_port", self.server.bind(f"tcp://{identity.host}:{identity.worker_port}"))
         except zmq.ZMQError as e:
             raise OSError(
                 f"{identity.describe()}: cannot bind lmcache_worker_ports port {identity.worker_port}: "

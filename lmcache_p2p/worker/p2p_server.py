@@ -104,7 +104,7 @@ class PeerServer:
                 max_message_bytes=max_bytes,
             )
             try:
-                server.bind(f"tcp://{identity.host}:{port}")
+                identity.bound(f"{name}_port", server.bind(f"tcp://{identity.host}:{port}"))
             except zmq.ZMQError as e:
                 self.close()
                 raise OSError(
