@@ -39,7 +39,9 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         config.validate()
         # One id per engine, shared by its TP ranks: vLLM's engine_id is made once per engine
         # and handed to every rank, so replicas that share a config (Ray Serve) differ.
-        config = config.for_engine(str(vllm_config.kv_transfer_config.engine_id))
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # vLLM builds a connector only from a kv_transfer_config
+        config = config.for_engine(str(transfer.engine_id))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
