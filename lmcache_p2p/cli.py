@@ -2,12 +2,16 @@
 
 lmcache-p2p config [--tp-size N]     validate the LMCACHE_CONFIG_FILE / LMCACHE_* settings
 lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument)
+lmcache-p2p ray-register [--address A]
+                                     make Ray Serve LLM set LMCacheConnectorV1 up as lmcache-p2p
+                                     in a Ray cluster (once per cluster; docs/ray_serve.md)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
@@ -41,6 +45,31 @@ def _hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray_register(args: argparse.Namespace) -> int:
+    try:
+        import ray
+
+        from lmcache_p2p.integration import ray as ray_integration
+    except ImportError as e:
+        print(
+            f"ray-register: Ray Serve LLM is not importable here ({e}); install it as docs/ray_serve.md says",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        ray.init(address=args.address, logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as e:
+        print(f"ray-register: no Ray cluster at --address {args.address}: {e}", file=sys.stderr)
+        return 1
+    try:
+        ray_integration.register()
+        backend = ray_integration.registered_backend()
+    finally:
+        ray.shutdown()
+    print(json.dumps({"address": args.address, ray_integration.CONNECTOR_NAME: backend}))
+    return 0 if backend == ray_integration.BACKEND_PATH else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p", description="lmcache-p2p operator tools (no engine needed)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("tokens", nargs="?", help="JSON list of token ids (default: read stdin)")
     p.add_argument("--chunk-size", type=int, default=256)
     p.set_defaults(run=_hash)
+    p = sub.add_parser("ray-register", help="make Ray Serve LLM's LMCacheConnectorV1 set up as lmcache-p2p")
+    p.add_argument("--address", default="auto", help="the Ray cluster (HOST:PORT of the head; default: auto)")
+    p.set_defaults(run=_ray_register)
     args = parser.parse_args(argv)
     return args.run(args)
 
