@@ -9,6 +9,11 @@ instances, so lookups walk a multi-holder prefix) on one keep-alive HTTP connect
 JSON object. Targets (issue 3): ingest >= 1M keys/s; /lookup of 25.6k tokens at 1M keys < 1 ms
 p50 and < 3 ms p99; RSS < 150 MB idle; <= 60 bytes per (key, holder) at 10M.
 
+/route (issue 22) is timed the same way, on the same prompts at the same sizes, next to /lookup
+(``route`` beside ``lookup`` in each size, ``route_vs_lookup_p50`` for each prompt). The workers
+register with p2p ports and heartbeat an engine load, so /route ranks every instance with its
+peer-pull and load terms. Target: /route within 2x of /lookup's latency.
+
     .venv/bin/python benchmarks/bench_controller.py --auth-comparison [--instances 100 --ranks 2]
 
 (issue 18) /lookup throughput from ``--clients`` (8) concurrent clients for ``--seconds``, an open
@@ -38,7 +43,16 @@ from lmcache_p2p.controller.api import _LookupFastPath, parse_token_array  # noq
 from lmcache_p2p.controller.index import ChunkIndex  # noqa: E402
 from lmcache_p2p.keys import chunk_hash_array  # noqa: E402
 from lmcache_p2p.mesh_security import MeshSecurity, client_socket, server_socket  # noqa: E402
-from lmcache_p2p.protocol import PROTOCOL_VERSION, KeyEvents, Register, encode, pack_hashes  # noqa: E402
+from lmcache_p2p.protocol import (  # noqa: E402
+    PROTOCOL_VERSION,
+    EngineLoad,
+    Heartbeat,
+    KeyEvents,
+    Register,
+    controller_reply_decoder,
+    encode,
+    pack_hashes,
+)
 
 CHUNK = 256
 CPU = "LocalCPUBackend"
@@ -70,6 +84,7 @@ class Load:
         req = self.ctx.socket(zmq.DEALER)
         client_socket(req, security)
         req.connect(f"tcp://127.0.0.1:{controller.reply}")
+        self.epoch = ""
         for n, (inst, rank) in enumerate(self.workers):
             req.send_multipart(
                 [
@@ -84,13 +99,32 @@ class Load:
                             layout=layout("bench-model", rank, ranks),
                             chunk_size=CHUNK,
                             locations=[CPU],
+                            # Peers for /route's pull term (nothing connects to them here).
+                            p2p_init_port=9100 + rank,
+                            p2p_lookup_port=9200 + rank,
+                            serve_url=f"http://127.0.0.1:{18000 + n // ranks}",
                         )
                     ),
                 ]
             )
             assert req.poll(5000), "controller did not answer register"
-            req.recv_multipart()
+            self.epoch = controller_reply_decoder.decode(req.recv_multipart()[1]).controller_epoch
         req.close()
+        self.heartbeat = self.ctx.socket(zmq.DEALER)
+        client_socket(self.heartbeat, security)
+        self.heartbeat.connect(f"tcp://127.0.0.1:{controller.heartbeat}")
+        self.beat()
+
+    def beat(self) -> None:
+        """One heartbeat per rank, with an engine load for /route (and liveness: the bench runs
+        longer than --worker-timeout)."""
+        for n, (inst, rank) in enumerate(self.workers):
+            load = EngineLoad(running=n % 5, waiting=n % 3, kv_usage=(n % 10) / 10, prefill_tokens_per_s=10_000.0)
+            message = Heartbeat(instance_id=inst, rank=rank, controller_epoch=self.epoch, load=load)
+            self.heartbeat.send_multipart([b"%d" % n, encode(message)])
+        for _ in self.workers:
+            assert self.heartbeat.poll(5000), "controller did not answer a heartbeat"
+            self.heartbeat.recv_multipart()
 
     def close(self) -> None:
         if self.security is not None:  # its ZAP handler holds a socket: destroy() would wait for it
@@ -129,7 +163,9 @@ def ingest(
     return {"keys": count, "seconds": round(seconds, 3), "keys_per_s": round(count / seconds)}
 
 
-def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int) -> dict:
+def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int, path: str = "/lookup") -> dict:
+    """p50/p99 of ``path`` (/lookup or /route) per prompt, one keep-alive connection, and what the
+    last answer said (so a run that answered nothing useful shows it)."""
     conn = http.client.HTTPConnection("127.0.0.1", port)
     out = {}
     for name, tokens in prompts.items():
@@ -137,19 +173,30 @@ def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int) -> dict:
         samples = []
         for i in range(repeat + 20):
             t0 = time.perf_counter()
-            conn.request("POST", "/lookup", body, {"Content-Type": "application/json"})
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
             data = resp.read()
             if i >= 20:  # warm-up excluded
                 samples.append((time.perf_counter() - t0) * 1e3)
+        assert resp.status == 200, (path, resp.status, data[:500])
         answer = json.loads(data)
         samples.sort()
         out[name] = {
             "p50_ms": round(statistics.median(samples), 3),
             "p99_ms": round(samples[int(len(samples) * 0.99) - 1], 3),
-            "matched_tokens": max((v[1] for v in answer["layout_info"].values()), default=0),
-            "holders": len(answer["holders"]),
         }
+        if path == "/lookup":
+            out[name]["matched_tokens"] = max((v[1] for v in answer["layout_info"].values()), default=0)
+            out[name]["holders"] = len(answer["holders"])
+        else:
+            best = answer["ranked"][0]
+            out[name].update(
+                chosen=answer["chosen"],
+                local_tokens=best["local_tokens"],
+                expected_ttft_ms=best["expected_ttft_ms"],
+                ranked=len(answer["ranked"]),
+                skipped=len(answer["skipped"]),
+            )
     conn.close()
     return out
 
@@ -331,11 +378,21 @@ def main() -> None:
             stats = ingest(controller, load, rng, target - held, args.batch)
             held = target
             rss = rss_mb(pid)
+            timed = target <= 1_000_000
+            load.beat()  # alive through the timing below
+            lookups = time_lookups(controller.http_port, prompts, args.repeat) if timed else None
+            routes = time_lookups(controller.http_port, prompts, args.repeat, "/route") if timed else None
             result["sizes"][str(target)] = {
                 "ingest": stats,
                 "rss_mb": round(rss, 1),
                 "bytes_per_key_holder": round((rss - result["rss_idle_mb"]) * 2**20 / target, 1),
-                "lookup": time_lookups(controller.http_port, prompts, args.repeat) if target <= 1_000_000 else None,
+                "lookup": lookups,
+                "route": routes,
+                "route_vs_lookup_p50": (
+                    {name: round(routes[name]["p50_ms"] / lookups[name]["p50_ms"], 2) for name in prompts}
+                    if lookups and routes
+                    else None
+                ),
             }
             print(f"{target} keys: {stats['keys_per_s']:,} keys/s, RSS {rss:.0f} MB", file=sys.stderr)
         result["lookup_breakdown_25.6k_ms"] = lookup_breakdown(prompts["25.6k"], args.repeat)

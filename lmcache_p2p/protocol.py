@@ -101,6 +101,10 @@ class Register(_Msg, tag="register"):
     # How many peers of its layout it wants connected ahead of its first pull (its warm set,
     # config p2p_max_warm_peers); None or 0: no list, it connects on demand.
     max_warm_peers: int | None = None
+    # The OpenAI-compatible URL this instance's engine serves on (e.g. "http://10.0.0.7:8000"), so
+    # a router that asked the controller's POST /route can forward the request there. Every rank
+    # of an instance may send it; None from senders that do not say (routing still ranks them).
+    serve_url: str | None = None
 
 
 class MeshPeer(msgspec.Struct, kw_only=True):
@@ -179,6 +183,25 @@ class Traffic(msgspec.Struct, kw_only=True):
     skipped_tokens: int = 0
 
 
+class EngineLoad(msgspec.Struct, kw_only=True):
+    """How busy the engine behind a rank is, as of this heartbeat: what the controller's POST
+    /route weighs besides the cache (lmcache_p2p/controller/routing.py). Gauges, not totals: each
+    heartbeat replaces the last. Every rank of an engine may send the engine's own numbers."""
+
+    running: int  # requests the scheduler is running now (prefill or decode)
+    waiting: int  # requests queued behind them
+    kv_usage: float  # fraction of the engine's KV cache blocks in use, 0..1
+    # The engine's measured prefill rate, tokens/s (the pull policy's PrefillRate); 0: not
+    # measured yet, and the controller uses --route-prefill-tokens-per-s.
+    prefill_tokens_per_s: float = 0.0
+    # This rank's measured peer-pull bandwidth, bytes/s, and fixed cost per pull, ms (the pull
+    # policy's LinkEstimate over its links, e.g. their median); 0: not measured yet, and the
+    # controller uses --route-pull-gbps / --route-pull-fixed-ms. Traffic's totals cannot give
+    # these: pulled_bytes grows only while pulling, and the totals do not say for how long.
+    pull_bytes_per_s: float = 0.0
+    pull_fixed_ms: float = 0.0
+
+
 class Heartbeat(_Msg, tag="heartbeat"):
     instance_id: str
     rank: int
@@ -190,6 +213,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
     # not seen that batch lost the stream's tail, which no later batch would reveal: it asks
     # for a re-sync. None from senders that do not say.
     event_seqs: dict[str, int] | None = None
+    load: EngineLoad | None = None  # None from senders that do not report their engine's load
 
 
 class HeartbeatReply(_Msg, tag="heartbeat_reply"):

@@ -9,6 +9,10 @@ enters the registry. The bounds are generous (far beyond any engine), so they on
 nonsense: values that break arithmetic, or sizes that would let one sender grow the
 controller's memory or the dashboard without limit.
 
+A heartbeat's engine load (``Heartbeat.load``, what POST /route weighs) is checked here too
+(:func:`validate_load`): a bad one is dropped with :class:`LoadRefused` naming the field and
+value, and the heartbeat still counts for liveness.
+
 Reachability is checked in two steps: a host that is not a hostname or IPv4 address, or that
 does not resolve, is refused here; one that resolves but whose command port completes no ZMQ
 handshake is found by the orchestration's probe right after registering, removed, and refused
@@ -19,15 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import re
 import socket
 import time
+import urllib.parse
 from collections import OrderedDict
 from typing import Any
 
 from lmcache_p2p.config import TRANSFER_CHANNELS
 from lmcache_p2p.controller.errors import ControllerError
-from lmcache_p2p.protocol import PROTOCOL_VERSION, Register
+from lmcache_p2p.protocol import PROTOCOL_VERSION, EngineLoad, Register
 
 # -- bounds -----------------------------------------------------------------------------------------
 
@@ -44,6 +50,12 @@ MAX_LAYERS = 4096
 MAX_BLOCK_DIMS = 8
 MAX_DIM = 2**31 - 1
 MAX_STRIDE = 2**62
+MAX_URL_CHARS = 2048  # serve_url: shown on the dashboard, handed to routers
+# A heartbeat's EngineLoad: far beyond any engine, so only nonsense is refused.
+MAX_REQUESTS = 10**6  # running or waiting requests in one engine
+MAX_PREFILL_TOKENS_PER_S = 1e9
+MAX_PULL_BYTES_PER_S = 100e9  # two 400 Gb/s links, as traffic.py bounds a rank's bytes
+MAX_PULL_FIXED_MS = 60_000.0
 # A location is named as the controller API names it: LocalCPUBackend, LocalDiskBackend; a
 # future backend will look the same. Anything else is refused rather than becoming a holder id.
 LOCATION_NAME = re.compile(r"[A-Z][A-Za-z0-9]{0,62}Backend")
@@ -148,6 +160,22 @@ def validate_register(msg: Register) -> None:
         _check_text("session", msg.session, MAX_TEXT_CHARS, spaces=False)
     if msg.max_warm_peers is not None:
         _check_int("max_warm_peers", msg.max_warm_peers, 0, MAX_WARM_PEERS)
+    if msg.serve_url is not None:
+        check_serve_url(msg.serve_url)
+
+
+def check_serve_url(url: str) -> None:
+    """An http(s) URL with a host, as a router would forward to: ``http://10.0.0.7:8000``."""
+    expected = f"an http:// or https:// URL with a host, at most {MAX_URL_CHARS} printable characters, no spaces"
+    if not isinstance(url, str) or not 0 < len(url) <= MAX_URL_CHARS or not url.isprintable() or " " in url:
+        raise _refuse("serve_url", url, expected)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018  (raises ValueError on a port out of range or not a number)
+    except ValueError:
+        raise _refuse("serve_url", url, expected) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _refuse("serve_url", url, expected)
 
 
 def _check_locations(locations: list[str]) -> None:
@@ -181,6 +209,43 @@ def _check_layout(msg: Register) -> None:
         raise _refuse("layout.dtype", layout.dtype, str(e).split("; ", 1)[-1]) from None
     if bytes_per_token <= 0:
         raise _refuse("layout.block_shape", layout.block_shape, "a block of at least one byte per token")
+
+
+# -- a heartbeat's engine load ----------------------------------------------------------------------
+
+
+class LoadRefused(ControllerError):
+    """A heartbeat's ``load`` out of bounds. The heartbeat still counts (liveness is not the load's
+    to take away); the load is dropped. ``field`` is the EngineLoad field at fault."""
+
+    def __init__(self, message: str, field: str, value: Any):
+        super().__init__(message, field)
+        self.value = value
+
+
+def _refuse_load(field: str, value: Any, expected: str) -> LoadRefused:
+    return LoadRefused(
+        f"Heartbeat field load.{field}={shown(value)} refused: expected {expected}", f"load.{field}", value
+    )
+
+
+def _check_gauge(field: str, value: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _refuse_load(field, value, "a finite number")
+    if not 0 <= value <= high:
+        raise _refuse_load(field, value, f"0..{high:g}")
+
+
+def validate_load(load: EngineLoad) -> None:
+    """Raise :class:`LoadRefused` naming the first field of ``load`` that is out of bounds."""
+    for field in ("running", "waiting"):
+        value = getattr(load, field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_REQUESTS:
+            raise _refuse_load(field, value, f"an integer 0..{MAX_REQUESTS}")
+    _check_gauge("kv_usage", load.kv_usage, 1.0)
+    _check_gauge("prefill_tokens_per_s", load.prefill_tokens_per_s, MAX_PREFILL_TOKENS_PER_S)
+    _check_gauge("pull_bytes_per_s", load.pull_bytes_per_s, MAX_PULL_BYTES_PER_S)
+    _check_gauge("pull_fixed_ms", load.pull_fixed_ms, MAX_PULL_FIXED_MS)
 
 
 # -- does the host resolve? -----------------------------------------------------------------------

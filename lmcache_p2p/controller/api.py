@@ -1,5 +1,6 @@
 """The controller's HTTP API (DESIGN.md §6): LMCache-compatible bodies and answers, plus what the
-original lacked (/check_finish that works, all holders in /lookup, Prometheus metrics).
+original lacked (/check_finish that works, all holders in /lookup, Prometheus metrics, and
+/route: instances ranked by expected time to first token, routing.py).
 
 Bodies are decoded with msgspec straight from the raw request (a 25,600-token /lookup body
 decodes in ~0.1 ms, several times faster than pydantic); their JSON schemas are handed to
@@ -36,6 +37,7 @@ from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
 
 from lmcache_p2p import webui
+from lmcache_p2p.controller.admission import MAX_ID_CHARS
 from lmcache_p2p.controller.errors import (
     CommandRefused,
     Conflict,
@@ -99,6 +101,44 @@ class LookupRequest(msgspec.Struct):
 class _LookupFastPath(msgspec.Struct):
     tokens: msgspec.Raw
     model: str | None = None
+
+
+# A router names the instances it can forward to; more than a fleet has is a mistake.
+MAX_ROUTE_CANDIDATES = 10_000
+InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Candidates = Annotated[list[InstanceId], msgspec.Meta(min_length=1, max_length=MAX_ROUTE_CANDIDATES)]
+
+
+class RouteRequest(msgspec.Struct):
+    """POST /route: ``tokens`` as /lookup takes them; ``model``: only instances serving it;
+    ``candidates``: only these instance ids (omitted: every instance; an empty list is a 422)."""
+
+    tokens: list[TokenId]
+    model: str | None = None
+    candidates: Candidates | None = None
+
+
+class _RouteFastPath(msgspec.Struct):
+    tokens: msgspec.Raw
+    model: str | None = None
+    candidates: Candidates | None = None
+
+
+def decode_prompt_body(raw: bytes, body_type: type, fast_type: type) -> tuple[np.ndarray | list[int], Any]:
+    """A body carrying a prompt's ``tokens`` (/lookup, /route): the tokens, and the body for its
+    other fields. ``fast_type`` is ``body_type`` with ``tokens`` as ``msgspec.Raw``, parsed straight
+    into int64 (:func:`parse_token_array`); whatever that declines (or any other field that does
+    not decode) goes through the strict ``body_type``, whose 422 names the field."""
+    fast: Any = None
+    try:
+        fast = msgspec.json.decode(raw, type=fast_type)
+        tokens = parse_token_array(bytes(fast.tokens))
+    except _DECODE_FAILURES:
+        tokens = None
+    if tokens is None:
+        body = _decode(raw, body_type)
+        return body.tokens, body
+    return tokens, fast
 
 
 def parse_token_array(raw: bytes) -> np.ndarray | None:
@@ -309,7 +349,6 @@ def create_app(controller: Controller) -> FastAPI:
 
     views, orchestrator = controller.views, controller.orchestrator
     settings = controller.settings
-
     # Who may do what. Without a token every route is open, as the seeds' scripts expect. With
     # one, routes that change what the mesh holds need it; reads need it too with protect_reads.
     # The guards are attached only where they apply, so /openapi.json says which routes need it.
@@ -329,15 +368,13 @@ def create_app(controller: Controller) -> FastAPI:
 
     @post("/lookup", LookupRequest, "Which instances hold how much of this token prefix", reads)
     async def lookup(raw: JsonBody) -> Response:
-        try:
-            fast = msgspec.json.decode(raw, type=_LookupFastPath)
-            tokens = parse_token_array(bytes(fast.tokens))
-        except _DECODE_FAILURES:
-            tokens = None
-        if tokens is None:
-            body: LookupRequest = _decode(raw, LookupRequest)
-            return _json(views.lookup(body.tokens, body.model))
-        return _json(views.lookup(tokens, fast.model))
+        tokens, body = decode_prompt_body(raw, LookupRequest, _LookupFastPath)
+        return _json(views.lookup(tokens, body.model))
+
+    @post("/route", RouteRequest, "Instances ranked by expected time to first token for this prompt", reads)
+    async def route(raw: JsonBody) -> Response:
+        tokens, body = decode_prompt_body(raw, RouteRequest, _RouteFastPath)
+        return _json(views.route(tokens, body.model, body.candidates))
 
     # /health and /status ask the workers but change nothing they hold: reads.
     @post("/health", HealthRequest, "Ask every rank of an instance whether it is healthy", reads)

@@ -11,6 +11,9 @@ The registry owns the :class:`ChunkIndex` and every rule about keeping it true:
 * nothing out of bounds gets in: :meth:`Registry.register` checks every field of the Register
   (admission.py) and raises :class:`RegisterRefused` naming the field and value;
 * a worker silent for ``worker_timeout`` is reaped, and its keys leave lookups at once;
+* each rank's latest engine load (``Heartbeat.load``: running and waiting requests, KV usage,
+  measured prefill and pull rates) is kept on its record for POST /route, checked first
+  (admission.py); an out-of-bounds one is dropped and logged, the heartbeat still counts;
 * each P2P worker that asks for one gets a warm set: up to ``max_warm_peers`` live ranks of its
   layout, chosen by rendezvous hashing (each asker ranks the peers by a hash of the pair and takes
   the top ones), so N instances spread their connections instead of all picking the same peer,
@@ -20,6 +23,7 @@ The registry owns the :class:`ChunkIndex` and every rule about keeping it true:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -28,13 +32,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from lmcache_p2p.controller.admission import validate_register
+from lmcache_p2p.controller.admission import LoadRefused, validate_load, validate_register
 from lmcache_p2p.controller.errors import UnknownInstance
 from lmcache_p2p.controller.index import ChunkIndex
 from lmcache_p2p.keys import LayoutFingerprint
-from lmcache_p2p.protocol import KeyEvents, MeshPeer, Register, ResyncBatch, unpack_hashes
+from lmcache_p2p.logs import RateLimitedLog
+from lmcache_p2p.protocol import EngineLoad, KeyEvents, MeshPeer, Register, ResyncBatch, unpack_hashes
 
 logger = logging.getLogger(__name__)
+# A rank that sends a bad load sends it every heartbeat: one line per field every 60 s.
+_load_refusals = RateLimitedLog(logger, every_s=60.0)
 
 WorkerKey = tuple[str, int]  # (instance_id, rank)
 
@@ -63,10 +70,25 @@ class WorkerRecord:
     registered_at: float  # wall clock, for display
     last_seen: float  # monotonic
     locations: dict[str, LocationState]
+    # The engine's load as of this rank's last heartbeat (None: none reported, or refused), and
+    # when it arrived (monotonic). A new registration starts without one.
+    load: EngineLoad | None = None
+    load_at: float = 0.0
 
     @property
     def key(self) -> WorkerKey:
         return (self.info.instance_id, self.info.rank)
+
+    # Read on every /route for every rank: computed once (info never changes; a new Register
+    # makes a new record).
+    @functools.cached_property
+    def bytes_per_token(self) -> int:
+        return self.info.layout.bytes_per_token
+
+    @functools.cached_property
+    def peer_group(self) -> tuple[int, int]:
+        """Ranks whose chunks this one can pull: the same layout digest and chunk size."""
+        return (self.info.layout.digest, self.info.chunk_size)
 
     @property
     def serves_peers(self) -> bool:
@@ -164,6 +186,21 @@ class Registry:
         if record is not None:
             record.last_seen = time.monotonic()
         return record
+
+    def note_load(self, key: WorkerKey, load: EngineLoad | None) -> None:
+        """Keep a heartbeat's engine load on its worker's record (None clears it: a sender that
+        stopped reporting). One out of bounds is dropped, logged naming field and value, and
+        never raised: the heartbeat it came with still counts."""
+        record = self.workers.get(key)
+        if record is None:
+            return
+        if load is not None:
+            try:
+                validate_load(load)
+            except LoadRefused as e:
+                _load_refusals.warning(e.field, "heartbeat from %s rank %d: %s; load dropped", *key, e.message)
+                load = None
+        record.load, record.load_at = load, time.monotonic()
 
     def reap(self, timeout: float) -> list[WorkerRecord]:
         now = time.monotonic()

@@ -12,12 +12,17 @@ Two secrets are resolved here (issue 18), each from exactly one place, never fro
 
 A file that is missing, unreadable or empty, a secret shorter than 16 characters, or two sources
 for one secret is a :class:`SettingsError` naming the flag, key or variable.
+
+POST /route's weights (:data:`ROUTE_WEIGHTS`, used by routing.py's ``expected_ttft_ms``) are
+``--route-*`` flags and the same keys in ``--config``; a value out of range is a SettingsError
+naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -46,6 +51,31 @@ API_TOKEN_ENV = "LMCACHE_API_TOKEN"
 MONITOR_MAX_MESSAGE_BYTES = {"pull": 32 * 2**20, "reply": 4 * 2**20, "heartbeat": 1 * 2**20}
 
 
+# POST /route's weights (routing.py: expected_ttft_ms). Each is a ControllerSettings field, a
+# --route-* flag and a --config key: (default, must be > 0 (else >= 0), what it is). The defaults are for
+# GPU engines: Llama-3.1-8B-class KV (128 KiB a token) on H100/H200 hosts.
+ROUTE_WEIGHTS: dict[str, tuple[float, bool, str]] = {
+    # The pull policy's start-up value for cuda (pull_policy.DEFAULT_PREFILL_TOKENS_PER_S): a
+    # conservative engine, so that a cache hit is never valued below what it saves.
+    "route_prefill_tokens_per_s": (10_000.0, True, "prefill rate, tokens/s, of an engine that reports none"),
+    # A nixl peer pull moved 4.7 GB/s here (BENCHMARKS.md); the fixed cost covers a pull's
+    # round trips and first-batch latency.
+    "route_pull_gbps": (5.0, True, "peer-pull bandwidth, GB/s, of a rank that reports none"),
+    "route_pull_fixed_ms": (5.0, False, "fixed cost of a peer pull, ms, of a rank that reports none"),
+    # Loading held chunks into the engine: pinned CPU pages over PCIe; disk reads (NVMe) first.
+    # GPU-resident tiers cost nothing.
+    "route_cpu_load_gbps": (20.0, True, "load rate from a CPU tier into the engine, GB/s"),
+    "route_disk_load_gbps": (2.0, True, "load rate from a disk tier into the engine, GB/s"),
+    # Queueing: a running request shares every step with ours; a waiting one is served first.
+    "route_running_ms": (10.0, False, "expected delay per running request, ms"),
+    "route_waiting_ms": (100.0, False, "expected delay per waiting request, ms"),
+    # KV nearly full: ours may wait for blocks or cause preemptions. Nothing below the knee, then
+    # linear up to route_kv_full_ms at 100% in use.
+    "route_kv_full_ms": (1000.0, False, "delay with every KV cache block in use, ms"),
+    "route_kv_knee": (0.8, False, "KV usage fraction (below 1) where that delay starts"),
+}
+
+
 class SettingsError(ValueError):
     pass
 
@@ -72,6 +102,16 @@ class ControllerSettings:
     protect_reads: bool = False  # read-only HTTP routes need the API token too
     # A JSON-lines file keeping the command event log across restarts; None: in memory only.
     events_file: str | None = None
+    # POST /route's weights (ROUTE_WEIGHTS says what each is).
+    route_prefill_tokens_per_s: float = ROUTE_WEIGHTS["route_prefill_tokens_per_s"][0]
+    route_pull_gbps: float = ROUTE_WEIGHTS["route_pull_gbps"][0]
+    route_pull_fixed_ms: float = ROUTE_WEIGHTS["route_pull_fixed_ms"][0]
+    route_cpu_load_gbps: float = ROUTE_WEIGHTS["route_cpu_load_gbps"][0]
+    route_disk_load_gbps: float = ROUTE_WEIGHTS["route_disk_load_gbps"][0]
+    route_running_ms: float = ROUTE_WEIGHTS["route_running_ms"][0]
+    route_waiting_ms: float = ROUTE_WEIGHTS["route_waiting_ms"][0]
+    route_kv_full_ms: float = ROUTE_WEIGHTS["route_kv_full_ms"][0]
+    route_kv_knee: float = ROUTE_WEIGHTS["route_kv_knee"][0]
 
     @property
     def heartbeat_interval(self) -> float:
@@ -111,6 +151,14 @@ class ControllerSettings:
                 raise SettingsError(f"{name} {e}") from None
         if not isinstance(self.protect_reads, bool):
             raise SettingsError(f"protect_reads {self.protect_reads!r}: expected true or false")
+        for name, (_, positive, what) in ROUTE_WEIGHTS.items():
+            value = getattr(self, name)
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SettingsError(f"{flag} {value!r}: expected a number ({what})")
+            if (value <= 0 if positive else value < 0) or (name == "route_kv_knee" and value >= 1):
+                bound = "0 <= N < 1" if name == "route_kv_knee" else "N > 0" if positive else "N >= 0"
+                raise SettingsError(f"{flag} {value!r}: expected {bound} ({what})")
         if self.protect_reads and self.api_token is None:
             raise SettingsError(
                 f"--protect-reads needs an API token: --api-token-file PATH or the {API_TOKEN_ENV} environment variable"
@@ -184,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the command event log (/check_finish, the WebUI's events) in this JSON-lines file, "
         "so it survives a restart (default: in memory only)",
     )
+    for name, (default, _, what) in ROUTE_WEIGHTS.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=float, metavar="N", help=f"POST /route: {what} (default {default:g})"
+        )
     p.add_argument(
         "--protect-reads",
         action="store_true",
@@ -259,9 +311,13 @@ def _read_yaml(path: str) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         if name not in known:
             raise SettingsError(f"--config {path}: unknown setting {key!r}; known: {sorted(known)}")
-        expected = {"port": int, "health_check_interval": float, "worker_timeout": float, "command_timeout": float}.get(
-            name
-        )
+        expected = {
+            "port": int,
+            "health_check_interval": float,
+            "worker_timeout": float,
+            "command_timeout": float,
+            **dict.fromkeys(ROUTE_WEIGHTS, float),
+        }.get(name)
         if name == "protect_reads" and not isinstance(value, bool):
             raise SettingsError(f"--config {path}: {key}={value!r}, expected true or false")
         if name in ("mesh_secret", "api_token", "mesh_secret_file", "api_token_file", "events_file") and not isinstance(

@@ -1,5 +1,6 @@
-"""What the controller knows, read out: ``/lookup``, worker and instance queries, key statistics,
-``/check_finish``, the event log, the dashboard, and the gauges ``/metrics`` reads at scrape time.
+"""What the controller knows, read out: ``/lookup``, ``/route`` (ranked by routing.py), worker and
+instance queries, key statistics, ``/check_finish``, the event log, the dashboard, and the gauges
+``/metrics`` reads at scrape time.
 
 Nothing here changes the registry or sends anything; each read that hands out an event id
 records it in the :class:`ReadLog`, so ``/check_finish`` knows it.
@@ -18,6 +19,7 @@ from lmcache_p2p.controller.errors import UnknownEvent, UnknownInstance
 from lmcache_p2p.controller.events import EventLog, ReadLog
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.registry import Registry, WorkerRecord
+from lmcache_p2p.controller.routing import Router
 from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.controller.traffic import FleetTraffic
 from lmcache_p2p.keys import chunk_hash_array
@@ -46,6 +48,7 @@ class Views:
         self.traffic = traffic
         self.departed = departed  # the monitor's: workers that left, newest last
         self.metrics = metrics
+        self.router = Router(registry, settings)
         self._register_metrics()
 
     # -- lookups -----------------------------------------------------------------------------------
@@ -91,6 +94,10 @@ class Views:
         self.metrics.inc("lmcache_controller_lookup_hit_tokens_total", best)
         holders.sort(key=lambda h: (-h["matched_tokens"], h["instance_id"], h["worker_id"]))
         return {"event_id": self.reads.record("lookup", best), "layout_info": layout_info, "holders": holders}
+
+    def route(self, tokens: list[int] | np.ndarray, model: str | None, candidates: list[str] | None) -> dict:
+        """Instances ranked by expected time to first token for ``tokens`` (routing.py)."""
+        return self.router.route(tokens, model, candidates)
 
     def query_worker_info(self, instance_id: str, worker_ids: list[int] | None) -> dict:
         """The workers of one instance (``"all"``: of every instance), optionally only these ranks."""
@@ -166,6 +173,25 @@ class Views:
             "last_heartbeat_ago_s": round(age, 3),
             "registered_at": record.registered_at,
             "keys": {loc: self.registry.index.holder_count(st.holder) for loc, st in record.locations.items()},
+            # Where a router forwards requests for this instance (None: the worker does not say),
+            # and the engine's load as of its last heartbeat (None: not reported).
+            "serve_url": info.serve_url,
+            "load": self._describe_load(record),
+        }
+
+    @staticmethod
+    def _describe_load(record: WorkerRecord) -> dict | None:
+        load = record.load
+        if load is None:
+            return None
+        return {
+            "running": load.running,
+            "waiting": load.waiting,
+            "kv_usage": load.kv_usage,
+            "prefill_tokens_per_s": load.prefill_tokens_per_s,
+            "pull_bytes_per_s": load.pull_bytes_per_s,
+            "pull_fixed_ms": load.pull_fixed_ms,
+            "age_s": round(time.monotonic() - record.load_at, 3),
         }
 
     def status_thresholds(self) -> dict:
