@@ -256,7 +256,11 @@ class LMCacheConfig:
     )
     # P2P
     enable_p2p: bool = _key(_to_bool, False, "pull missing chunks from peers")
-    p2p_host: str | None = _key(_optional(_to_str), None, "host peers reach this instance on")
+    p2p_host: str | None = _key(
+        _optional(_to_str),
+        None,
+        "host peers reach this instance on; unset: this host's address that routes to the controller",
+    )
     p2p_init_ports: list[int] | None = _key(
         _optional(_to_int_list), None, "handshake port per TP rank; 0: any free port"
     )
@@ -465,7 +469,7 @@ class LMCacheConfig:
                 raise self._err(
                     "enable_controller", "must be true when enable_p2p is true: peers are found through the controller"
                 )
-            for key in ("p2p_host", "p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
+            for key in ("p2p_init_ports", "p2p_lookup_ports", "transfer_channel"):
                 if getattr(self, key) is None:
                     raise self._err(key, "required when enable_p2p is true")
             if not self.local_cpu:

@@ -38,9 +38,10 @@ def keys_at(controller, instance_id: str) -> int:
 
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_ports_of_zero_are_chosen_at_bind_and_registered(controller, spawn, channel):
-    """Replicas that share one config (Ray Serve's num_replicas) cannot share fixed ports: with 0
-    each rank binds free ports and registers those, and peers reach it on them."""
-    zero = {"lmcache_worker_ports": [0], "p2p_init_ports": [0], "p2p_lookup_ports": [0]}
+    """Replicas that share one config (Ray Serve's num_replicas) cannot share fixed ports or, across
+    hosts, one p2p_host: with ports of 0 each rank binds free ports and registers those, with no
+    p2p_host it registers the address that routes to the controller, and peers reach it there."""
+    zero = {"lmcache_worker_ports": [0], "p2p_init_ports": [0], "p2p_lookup_ports": [0], "p2p_host": None}
     a, b = (
         spawn(instance_config(f"lmcache_instance_{i}", controller, channel, chunk_size=CHUNK, **zero)) for i in (1, 2)
     )
@@ -48,6 +49,7 @@ def test_ports_of_zero_are_chosen_at_bind_and_registered(controller, spawn, chan
     workers = controller.http.get("/controller/workers").json()["workers"]
     ports = [(w["worker_port"], w["p2p_init_port"], w["p2p_lookup_port"]) for w in workers]
     assert len(ports) == 2 and all(0 not in p for p in ports) and len({*ports[0], *ports[1]}) == 6, ports
+    assert {w["host"] for w in workers} == {"127.0.0.1"}  # the controller is on 127.0.0.1
     assert re.search(r"worker_port 0 in the config: bound \d+", a.log())
     prompt = tokens(4 * CHUNK)
     assert a.prefill(prompt) == 4 * CHUNK

@@ -38,6 +38,7 @@ from protocol_client import ControllerProcess, free_ports, wait_for
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
+SEED_YAML = Path(__file__).resolve().parent.parent / "configs" / "ray_serve.yaml"
 MODEL_ID = "qwen-0.5b"  # the seed's model id; the weights are the tiny Llama
 PROMPT_WORDS = 700  # about 3.4k tokens with the tiny Llama's tokenizer: 13 chunks of 256
 CHUNK = 256
@@ -157,27 +158,17 @@ def retrieved(logs: str) -> list[tuple[int, int, str]]:
 
 
 def test_seed_serve_run_yaml_answers_and_a_repeat_is_a_cpu_tier_hit(ray_cluster, tiny_model, tmp_path):
-    config = {
-        # The Serve proxy's address: a harness choice (a free port), not part of the seed.
-        "http_options": {"host": "127.0.0.1", "port": ray_cluster.serve_port},
-        "applications": [
-            {
-                "name": "llm-with-lmcache",
-                "route_prefix": "/",
-                "import_path": "ray.serve.llm:build_openai_app",
-                "runtime_env": {"env_vars": {**SEED_ENV, **CPU_ENV}},
-                "args": {
-                    "llm_configs": [
-                        {
-                            "model_loading_config": {"model_id": MODEL_ID, "model_source": tiny_model},
-                            "accelerator_config": {"kind": "cpu"},
-                            "engine_kwargs": {**SEED_ENGINE_KWARGS, **CPU_ENGINE_KWARGS},
-                        }
-                    ]
-                },
-            }
-        ],
-    }
+    config = yaml.safe_load(SEED_YAML.read_text())  # the seed's file as configs/ ships it
+    app = config["applications"][0]
+    assert app["import_path"] == "ray.serve.llm:build_openai_app"
+    app["runtime_env"]["env_vars"] |= {**SEED_ENV, **CPU_ENV}  # the pool scaled from 100 GB
+    llm = app["args"]["llm_configs"][0]
+    assert llm["engine_kwargs"] == SEED_ENGINE_KWARGS  # no kv_connector_module_path needed
+    llm["model_loading_config"]["model_source"] = tiny_model
+    llm["accelerator_config"] = {"kind": "cpu"}
+    llm["engine_kwargs"] |= CPU_ENGINE_KWARGS
+    # The Serve proxy's address: a harness choice (a free port), not part of the seed.
+    config["http_options"] = {"host": "127.0.0.1", "port": ray_cluster.serve_port}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     log = tmp_path / "serve-run.log"
@@ -235,15 +226,15 @@ def test_seed_python_form_as_two_replicas_on_two_nodes_share_kv_through_one_cont
 ):
     controller = ControllerProcess().start()
     # The fleet's variables (README "Ray Serve"): every replica gets the same environment, so
-    # ports are 0 (each rank binds free ones and registers them) and no instance id is set
-    # (each engine registers as {hostname}-{engine_id}).
+    # ports are 0 (each rank binds free ones and registers them), no instance id is set (each
+    # engine registers as {hostname}-{engine_id}) and no p2p_host (each rank registers the address
+    # that routes to the controller: 127.0.0.1 here, its node's address in a real cluster).
     fleet_env = {
         "LMCACHE_ENABLE_CONTROLLER": "True",
         "LMCACHE_CONTROLLER_PULL_URL": f"127.0.0.1:{controller.pull}",
         "LMCACHE_CONTROLLER_REPLY_URL": f"127.0.0.1:{controller.reply}",
         "LMCACHE_LMCACHE_WORKER_PORTS": "0",
         "LMCACHE_ENABLE_P2P": "True",
-        "LMCACHE_P2P_HOST": "127.0.0.1",
         "LMCACHE_P2P_INIT_PORTS": "0",
         "LMCACHE_P2P_LOOKUP_PORTS": "0",
         "LMCACHE_TRANSFER_CHANNEL": "tcp",

@@ -1,0 +1,203 @@
+"""Seed 000's prefill/decode on a GPU host: ``MultiConnector`` with our ``LMCacheConnectorV1`` first
+and vLLM's ``NixlConnector`` (GPU buffers) second, two vLLM OpenAI servers and the P/D proxy flow.
+Prints one JSON object.
+
+    python benchmarks/gpu/pd.py --model DIR [--workdir W] [--gpus 0,0] [--docs 4 --tokens 10000]
+
+1. **single**: one plain engine (no connector) answers every document, greedy: the reference
+   outputs and a cold TTFT; then it stops.
+2. **pd cold**: each document through the proxy (prefill engine: one token, KV kept; decode engine:
+   reads it over NIXL, then generates). TTFT is the time to the decode engine's first streamed
+   token, the prefill included.
+3. **pd repeat**: the same documents again: our CPU tier answers on the prefill engine (and on the
+   decode engine, which stored what NIXL delivered), so no NIXL read is needed.
+
+Outputs of 2 and 3 must equal 1's. The decode engine's NIXL metrics and both engines' "LMCache hit"
+lines say where the KV came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from threading import Thread
+from urllib import request as urlrequest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+
+from lmcache_p2p.demo import ServedProcess  # noqa: E402
+from lmcache_p2p.testing.pd_proxy import make_server  # noqa: E402
+
+CHUNK = 256
+# Seed 000's kv_transfer_config; the NIXL entry's backends go into its extra config (vLLM builds
+# each entry as a strict KVTransferConfig). GPU buffers: kv_buffer_device is left at its default.
+KV_TRANSFER_CONFIG = {
+    "kv_connector": "MultiConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {
+        "connectors": [
+            {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+            {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backends": ["UCX"]}},
+        ]
+    },
+}
+
+
+def say(*args) -> None:
+    print("[pd]", *args, file=sys.stderr, flush=True)
+
+
+def free_ports(n: int) -> list[int]:
+    from protocol_client import free_ports as ports
+
+    return ports(n)
+
+
+def start(name: str, model: str, workdir: Path, gpu: str, util: float, connector: bool) -> tuple[ServedProcess, str]:
+    http, side = free_ports(2)
+    extra = ["--port", str(http), "--enforce-eager", "--max-model-len", "16384", "--gpu-memory-utilization", str(util)]
+    extra += ["--no-enable-prefix-caching", "--enable-prompt-tokens-details"]
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": gpu,
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
+        "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_CHUNK_SIZE": str(CHUNK),
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "20",  # pinned, per engine: two of 40 GB were OOM-killed at start-up
+        "UCX_TLS": os.environ.get("UCX_TLS", "all"),  # the seed's
+    }
+    if connector:
+        extra += ["--kv-transfer-config", json.dumps(KV_TRANSFER_CONFIG)]
+    # The module, not the `vllm` script: a vLLM carried as files (the device) has no scripts.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra]
+    process = ServedProcess(name, command, workdir / f"{name}.log", env).start()
+    return process, f"http://127.0.0.1:{http}"
+
+
+def stream_ttft(url: str, body: dict) -> tuple[float, str]:
+    """Time to the first streamed text, and the whole text."""
+    req = urlrequest.Request(
+        url + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    ttft, text = None, []
+    with urlrequest.urlopen(req, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[5:])["choices"][0].get("text", "")
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text.append(piece)
+    assert ttft is not None, "no token streamed"
+    return ttft, "".join(text)
+
+
+def nixl_metrics(url: str) -> dict[str, float]:
+    with urlrequest.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:(?:nixl\w*|prompt_tokens_by_source_total\{[^}]*\}))\S*\s+(\S+)$", line)
+        if m and not line.startswith("#"):
+            out[m[1]] = out.get(m[1], 0.0) + float(m[2])
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def summary(ttfts: list[float]) -> dict:
+    return {
+        "mean_ttft_s": round(statistics.mean(ttfts), 4),
+        "min_s": round(min(ttfts), 4),
+        "max_s": round(max(ttfts), 4),
+        "ttfts_s": [round(t, 4) for t in ttfts],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--workdir", default="/tmp/lmcache-pd")
+    parser.add_argument("--gpus", default="0,0", help="prefill,decode GPU ids (0,0: both on one)")
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=10000)
+    parser.add_argument("--output-len", type=int, default=32)
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    from lmcache_p2p.testing.tiny_model import sample_prompts
+
+    docs = sample_prompts(args.model, args.tokens, range(100, 100 + args.docs))
+    gp, gd = args.gpus.split(",")
+    one_gpu = gp == gd
+    body = {"model": args.model, "max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+    result: dict = {"docs": args.docs, "tokens": args.tokens, "output_len": args.output_len, "gpus": args.gpus}
+
+    say("single engine (no connector): reference outputs")
+    single, url = start("single", args.model, workdir, gp, 0.85, connector=False)
+    try:
+        single.wait_http(url + "/health", timeout=900)
+        stream_ttft(url, {**body, "prompt": docs[0][:200]})  # warm-up
+        ref = [stream_ttft(url, {**body, "prompt": d}) for d in docs]
+    finally:
+        single.stop(timeout=60)
+    result["single"] = summary([t for t, _ in ref])
+
+    util = 0.42 if one_gpu else 0.85
+    prefill, purl = start("prefill", args.model, workdir, gp, util, connector=True)
+    decode, durl = start("decode", args.model, workdir, gd, util, connector=True)
+    proxy = None
+    try:
+        prefill.wait_http(purl + "/health", timeout=900)
+        decode.wait_http(durl + "/health", timeout=900)
+        proxy = make_server(purl, durl, port=0)
+        Thread(target=proxy.serve_forever, daemon=True).start()
+        xurl = f"http://127.0.0.1:{proxy.server_address[1]}"
+        stream_ttft(xurl, {**body, "prompt": docs[0][:200]})  # warm-up: NIXL's handshake, no full chunk
+        texts: dict[str, list[str]] = {}
+        for name in ("pd_cold", "pd_repeat"):
+            before = nixl_metrics(durl)
+            runs = [stream_ttft(xurl, {**body, "prompt": d}) for d in docs]
+            result[name] = summary([t for t, _ in runs])
+            texts[name] = [text for _, text in runs]
+            result[name]["outputs_equal_single"] = [text == r[1] for (_, text), r in zip(runs, ref, strict=True)]
+            # Where each output first differs from the single engine's (characters; len = equal).
+            result[name]["common_prefix_chars"] = [
+                len(os.path.commonprefix([text, r[1]])) for (_, text), r in zip(runs, ref, strict=True)
+            ]
+            result[name]["decode_metrics_delta"] = delta(before, nixl_metrics(durl))
+            say(name, json.dumps(result[name]))
+        result["pd_repeat_equals_pd_cold"] = texts["pd_repeat"] == texts["pd_cold"]
+        result["single_output_chars"] = [len(r[1]) for r in ref]
+        for engine, log in (("prefill", prefill.log()), ("decode", decode.log())):
+            hits = re.findall(r"Total tokens (\d+), LMCache hit tokens: (\d+), need to load: (\d+)", log)
+            result[f"{engine}_lookups"] = [[int(x) for x in h] for h in hits]
+            result[f"{engine}_errors"] = len(re.findall(r" ERROR |Traceback|Potentially invalid KV", log))
+    finally:
+        if proxy is not None:
+            proxy.shutdown()
+        for p in (prefill, decode):
+            p.terminate()
+        for p in (prefill, decode):
+            p.stop(timeout=60)
+    result["repeat_over_cold"] = round(result["pd_repeat"]["mean_ttft_s"] / result["pd_cold"]["mean_ttft_s"], 3)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
