@@ -315,7 +315,8 @@ def test_a_write_the_store_refuses_is_counted_and_reads_stay_on(caplog):
             with caplog.at_level(logging.WARNING):
                 store_chunks(mgr, hashes(2, 17_000))
             assert mgr.remote.counters.writes_refused == 2 and mgr.remote.is_up()
-            assert "refused a write of 2 chunk(s)" in caplog.text and "unavailable" not in caplog.text
+            # The write-behind thread takes what is queued: one batch of 2, or 2 of 1 under load.
+            assert "refused a write of" in caplog.text and "unavailable" not in caplog.text
             assert mgr.remote.prefix_length([mgr.key(17_000)]) == 0 and mgr.remote.is_up()
         finally:
             mgr.close()
