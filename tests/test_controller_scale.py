@@ -119,6 +119,7 @@ def test_a_socket_table_sized_too_early_lowers_the_channel_limit_instead_of_fail
         bus = CommandBus(ctx)  # asks for thousands: too late
         server_ctx = zmq.Context()
         router = server_ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
         workers = []
         for n in range(60):
             router.bind("tcp://127.0.0.1:*")
@@ -132,14 +133,16 @@ def test_a_socket_table_sized_too_early_lowers_the_channel_limit_instead_of_fail
             while True:
                 try:
                     identity, request_id, payload = router.recv_multipart()
-                except zmq.ZMQError:
+                except zmq.ZMQError:  # ETERM from server_ctx.term(): this thread owns the socket
+                    router.close(0)
                     return
                 command = command_decoder.decode(payload)
                 router.send_multipart([identity, request_id, encode(CommandReply(event_id=command.event_id, ok=True))])
 
         import threading
 
-        threading.Thread(target=answer, daemon=True).start()
+        answerer = threading.Thread(target=answer, daemon=True)
+        answerer.start()
         try:
             answered = 0
             for worker in workers:
@@ -151,7 +154,11 @@ def test_a_socket_table_sized_too_early_lowers_the_channel_limit_instead_of_fail
             bus.close()
             early.close(0)
             ctx.destroy(0)
-            server_ctx.destroy(0)
+            # Not destroy(): that closes the router from this thread while the answerer blocks
+            # in recv on it (zmq sockets are not thread-safe; it hung CI for 300 s). term()
+            # wakes the recv with ETERM and the answerer closes its own socket.
+            server_ctx.term()
+            answerer.join(10)
 
     assert asyncio.run(asyncio.wait_for(main(), 60)) == 60
     assert any("no socket for a new command channel" in r.getMessage() for r in caplog.records)
