@@ -52,10 +52,16 @@ from urllib import request as urlrequest
 
 import pytest
 from conftest import ENGINE_ENV
-from protocol_client import free_ports
+from protocol_client import free_ports, wait_for
 
 from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, http_status, vllm_server_command
-from lmcache_p2p.testing.pd_proxy import decode_body, make_server, pd_completion, prefill
+from lmcache_p2p.testing.pd_proxy import (
+    decode_body,
+    make_server,
+    pd_completion,
+    prefill,
+    seed_kv_transfer_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -64,26 +70,12 @@ PROMPT_TOKENS = 700  # two full chunks (512 tokens) for our tier, and a tail
 MAX_TOKENS = 12
 BLOCK = 128  # vLLM's CPU block size: the prompt is 6 blocks
 
-# Seed 000's kv_transfer_config, with the two changes the module docstring gives.
-KV_TRANSFER_CONFIG = {
-    "kv_connector": "MultiConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {
-        "connectors": [
-            {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-            {
-                "kv_connector": "NixlConnector",
-                "kv_role": "kv_both",
-                "kv_buffer_device": "cpu",
-                # The prefill engine's lease on a request's blocks (vLLM's default 30 s, renewed by
-                # the decode engine's heartbeats): in a full `make test` on 2 vCPUs the decode
-                # engine's first read once came 30+ s after the prefill answered, the lease ran
-                # out and vLLM logged "Potentially invalid KV blocks". Longer here, for this host.
-                "kv_connector_extra_config": {"backends": ["UCX"], "kv_lease_duration": 120},
-            },
-        ]
-    },
-}
+# Seed 000's kv_transfer_config, with the changes the module docstring gives. The lease is the
+# prefill engine's hold on a request's blocks (vLLM's default 30 s, renewed by the decode engine's
+# heartbeats): in a full `make test` on 2 vCPUs the decode engine's first read once came 30+ s
+# after the prefill answered, the lease ran out and vLLM logged "Potentially invalid KV blocks".
+# Longer here, for this host.
+KV_TRANSFER_CONFIG = seed_kv_transfer_config(kv_buffer_device="cpu", kv_lease_duration=120)
 SEED_ENV = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_CHUNK_SIZE": str(CHUNK), "UCX_TLS": "all"}
 
 # NIXL's Python API builds every agent with its progress thread's pause between rounds set to 0
@@ -239,17 +231,6 @@ def _cached(answer: dict) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def _poll(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
 def _idle(engine: Engine) -> bool:
     """Nothing running or waiting, and every KV block free (a block held for a connector's async
     save or a NIXL read counts as used until the connector reports it done)."""
@@ -359,7 +340,12 @@ def test_both_connectors_save_a_cold_prompt_and_our_tier_serves_its_repeat_first
     # store into our tier, NixlConnector for the decode engine's read. vLLM's MultiConnector counts
     # the two (_extra_async_saves) and frees the blocks at the second report.
     assert pd.prefill.hit_line("b-1") == (PROMPT_TOKENS, 0, 0)
-    _poll(lambda: pd.prefill.log().count(stored) > stored_before, 30, "our connector's store on the prefill engine")
+    wait_for(
+        lambda: pd.prefill.log().count(stored) > stored_before,
+        30,
+        "our connector's store on the prefill engine",
+        interval=0.5,
+    )
     time.sleep(1.0)  # engine steps meanwhile: our connector reports its store done (get_finished)
     held = pd.prefill.metrics().get("vllm:kv_cache_usage_perc")
     assert held > 0, "the prompt's blocks were freed before the decode engine read them"
@@ -371,7 +357,7 @@ def test_both_connectors_save_a_cold_prompt_and_our_tier_serves_its_repeat_first
     )
     assert pd.decode.hit_line("b-1") == (PROMPT_TOKENS, 0, 0)
     assert _cached(first) == PROMPT_TOKENS  # read over NIXL
-    _poll(lambda: _idle(pd.prefill), 20, "the prefill engine to free the blocks once they were read")
+    wait_for(lambda: _idle(pd.prefill), 20, "the prefill engine to free the blocks once they were read", interval=0.5)
 
     before_p, before_d = pd.prefill.metrics(), pd.decode.metrics()
     again = pd.via_proxy(prompt, "b-2")
@@ -385,7 +371,7 @@ def test_both_connectors_save_a_cold_prompt_and_our_tier_serves_its_repeat_first
     assert after_d.get("vllm:nixl_bytes_transferred_count") == before_d.get("vllm:nixl_bytes_transferred_count")
     assert after_d.by_source("local_compute") - before_d.by_source("local_compute") == PROMPT_TOKENS - 2 * CHUNK
     # Freed on that notification, not by the 30 s lease running out.
-    _poll(lambda: _idle(pd.prefill), 20, "the prefill engine to free the repeat's blocks")
+    wait_for(lambda: _idle(pd.prefill), 20, "the prefill engine to free the repeat's blocks", interval=0.5)
     assert pd.prefill.metrics().get("vllm:nixl_num_kv_expired_reqs_total") == before_p.get(
         "vllm:nixl_num_kv_expired_reqs_total"
     )
@@ -416,7 +402,9 @@ def test_concurrent_pd_requests_leave_both_engines_idle_with_every_block_free(pd
     assert _text(pd.plain(pd.prefill, prompts["c"], "c-plain")) == answers["c"][0]
 
     for engine in (pd.prefill, pd.decode):
-        _poll(lambda e=engine: _idle(e), 40, f"the {engine.name} engine to be idle with every block free")
+        wait_for(
+            lambda e=engine: _idle(e), 40, f"the {engine.name} engine to be idle with every block free", interval=0.5
+        )
         assert http_status(f"{engine.url}/health", timeout=10) == 200
         m = engine.metrics()
         assert m.get("vllm:nixl_num_kv_expired_reqs_total") == 0

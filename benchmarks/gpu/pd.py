@@ -32,21 +32,11 @@ from urllib import request as urlrequest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from lmcache_p2p.demo import ServedProcess  # noqa: E402
-from lmcache_p2p.testing.pd_proxy import make_server  # noqa: E402
+from lmcache_p2p.testing.pd_proxy import make_server, seed_kv_transfer_config  # noqa: E402
 
 CHUNK = 256
-# Seed 000's kv_transfer_config; the NIXL entry's backends go into its extra config (vLLM builds
-# each entry as a strict KVTransferConfig). GPU buffers: kv_buffer_device is left at its default.
-KV_TRANSFER_CONFIG = {
-    "kv_connector": "MultiConnector",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {
-        "connectors": [
-            {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
-            {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"backends": ["UCX"]}},
-        ]
-    },
-}
+# Seed 000's kv_transfer_config, GPU buffers (NIXL's default kv_buffer_device on a GPU host).
+KV_TRANSFER_CONFIG = seed_kv_transfer_config()
 
 
 def say(*args) -> None:
@@ -59,7 +49,9 @@ def free_ports(n: int) -> list[int]:
     return ports(n)
 
 
-def start(name: str, model: str, workdir: Path, gpu: str, util: float, connector: bool) -> tuple[ServedProcess, str]:
+def start(
+    name: str, model: str, workdir: Path, gpu: str, util: float, connector: bool, cpu_gb: float
+) -> tuple[ServedProcess, str]:
     http, side = free_ports(2)
     extra = ["--port", str(http), "--enforce-eager", "--max-model-len", "16384", "--gpu-memory-utilization", str(util)]
     extra += ["--no-enable-prefix-caching", "--enable-prompt-tokens-details"]
@@ -71,7 +63,7 @@ def start(name: str, model: str, workdir: Path, gpu: str, util: float, connector
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
         "LMCACHE_LOCAL_CPU": "True",
         "LMCACHE_CHUNK_SIZE": str(CHUNK),
-        "LMCACHE_MAX_LOCAL_CPU_SIZE": "20",  # pinned, per engine: two of 40 GB were OOM-killed at start-up
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": str(cpu_gb),
         "UCX_TLS": os.environ.get("UCX_TLS", "all"),  # the seed's
     }
     if connector:
@@ -137,6 +129,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=10000)
     parser.add_argument("--output-len", type=int, default=32)
+    # Pinned, per engine: two engines of 40 GB each were killed at start-up on a 128 GiB host.
+    parser.add_argument("--cpu-gb", type=float, default=20, help="each engine's CPU pool (pinned), GB")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +143,7 @@ def main() -> None:
     result: dict = {"docs": args.docs, "tokens": args.tokens, "output_len": args.output_len, "gpus": args.gpus}
 
     say("single engine (no connector): reference outputs")
-    single, url = start("single", args.model, workdir, gp, 0.85, connector=False)
+    single, url = start("single", args.model, workdir, gp, 0.85, False, args.cpu_gb)
     try:
         single.wait_http(url + "/health", timeout=900)
         stream_ttft(url, {**body, "prompt": docs[0][:200]})  # warm-up
@@ -159,8 +153,8 @@ def main() -> None:
     result["single"] = summary([t for t, _ in ref])
 
     util = 0.42 if one_gpu else 0.85
-    prefill, purl = start("prefill", args.model, workdir, gp, util, connector=True)
-    decode, durl = start("decode", args.model, workdir, gd, util, connector=True)
+    prefill, purl = start("prefill", args.model, workdir, gp, util, True, args.cpu_gb)
+    decode, durl = start("decode", args.model, workdir, gd, util, True, args.cpu_gb)
     proxy = None
     try:
         prefill.wait_http(purl + "/health", timeout=900)

@@ -45,6 +45,32 @@ _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
+def seed_kv_transfer_config(kv_buffer_device: str | None = None, **nixl_extra: Any) -> dict:
+    """Seed 000's prefill/decode ``kv_transfer_config``: ``MultiConnector`` with our
+    ``LMCacheConnectorV1`` first (local hits) and ``NixlConnector`` second, both ``kv_both``.
+
+    One change vLLM 0.27.1 needs whatever the first connector is: the NIXL entry's ``"backends":
+    ["UCX"]`` goes into its ``kv_connector_extra_config``, where vLLM reads it, because
+    MultiConnector builds each entry as a strict ``KVTransferConfig`` that refuses a top-level
+    ``backends``. ``kv_buffer_device``: NIXL's buffers ("cpu" on CPU engines; None keeps vLLM's
+    default, GPU memory on a GPU host); ``nixl_extra``: more of NIXL's extra config
+    (``kv_lease_duration``...)."""
+    nixl: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backends": ["UCX"], **nixl_extra},
+    }
+    if kv_buffer_device is not None:
+        nixl["kv_buffer_device"] = kv_buffer_device
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, nixl]
+        },
+    }
+
+
 class PDError(RuntimeError):
     """An engine answered with an HTTP error; ``status`` and ``body`` are its answer."""
 
@@ -117,6 +143,22 @@ def prefill(
         return json.loads(response.read())
 
 
+def open_pd(
+    prefill_url: str,
+    decode_url: str,
+    body: dict,
+    request_id: str,
+    path: str = "/v1/completions",
+    timeout: float = 120.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[dict, Any]:
+    """Both steps, up to the decode engine's open response: (the prefill engine's answer, the
+    decode response to read or stream). Raises :class:`PDError` for an engine's HTTP error."""
+    first = prefill(prefill_url, body, request_id, path, timeout, headers)
+    decode = decode_body(body, first.get("kv_transfer_params"))
+    return first, _open("decode", _request(decode_url.rstrip("/") + path, decode, request_id, headers), timeout)
+
+
 def pd_completion(
     prefill_url: str,
     decode_url: str,
@@ -129,9 +171,8 @@ def pd_completion(
     if body.get("stream"):
         raise ValueError("pd_completion does not stream; use the proxy server for stream=true")
     request_id = request_id or uuid.uuid4().hex
-    first = prefill(prefill_url, body, request_id, path, timeout)
-    req = _request(decode_url.rstrip("/") + path, decode_body(body, first.get("kv_transfer_params")), request_id)
-    with _open("decode", req, timeout) as response:
+    first, response = open_pd(prefill_url, decode_url, body, request_id, path, timeout)
+    with response:
         return PDResult(request_id, first, json.loads(response.read()))
 
 
@@ -168,14 +209,9 @@ class _Handler(BaseHTTPRequestHandler):
         request_id = self.headers.get("X-Request-Id") or uuid.uuid4().hex
         auth = {"Authorization": self.headers["Authorization"]} if self.headers.get("Authorization") else {}
         try:
-            first = prefill(self.prefill_url, body, request_id, self.path, self.engine_timeout, auth)
-            req = _request(
-                self.decode_url.rstrip("/") + self.path,
-                decode_body(body, first.get("kv_transfer_params")),
-                request_id,
-                auth,
+            _, response = open_pd(
+                self.prefill_url, self.decode_url, body, request_id, self.path, self.engine_timeout, auth
             )
-            response = _open("decode", req, self.engine_timeout)
         except PDError as e:
             self._reply(e.status, e.body)
             return
