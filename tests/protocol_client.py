@@ -4,6 +4,7 @@ create gaps, garbage, silence and restarts on purpose."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -23,6 +24,7 @@ from lmcache_p2p.protocol import (
     CommandDone,
     CommandReply,
     Deregister,
+    EngineLoad,
     Heartbeat,
     KeyEvents,
     P2PLookup,
@@ -52,6 +54,25 @@ def layout(model: str = "tiny-llama", rank: int = 0, tp: int = 1) -> LayoutFinge
         num_layers=2,
         tp_size=tp,
         tp_rank=rank,
+    )
+
+
+def register_message(
+    instance_id: str = "inst", rank: int = 0, tp: int = 1, model: str = "tiny-llama", **fields
+) -> Register:
+    """A valid Register of one rank on 127.0.0.1; ``fields`` replace or add any of its fields."""
+    return Register(
+        **{
+            "version": PROTOCOL_VERSION,
+            "instance_id": instance_id,
+            "rank": rank,
+            "host": "127.0.0.1",
+            "worker_port": 7000 + rank,
+            "layout": layout(model, rank, tp),
+            "chunk_size": CHUNK,
+            "locations": [CPU],
+            **fields,
+        }
     )
 
 
@@ -88,13 +109,15 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition"):
+def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition", interval: float = 0.02):
+    """``predicate()``'s first truthy value, asked every ``interval`` s (longer where each ask is
+    heavy, e.g. an HTTP request to an engine starting on shared cores)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.02)
+        time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
@@ -206,8 +229,11 @@ class FakeWorker:
         model: str = "tiny-llama",
         answer_commands: bool = True,
         security: MeshSecurity | None = None,  # a member of a mesh with a secret (CurveZMQ)
+        p2p: bool = True,  # registers p2p ports (a peer others can pull from)
+        serve_url: str | None = None,  # Register.serve_url: where its engine serves OpenAI requests
     ):
         self.controller = controller
+        self.p2p, self.serve_url = p2p, serve_url
         self.security = security
         self.instance_id, self.rank = instance_id, rank
         self.layout = layout(model, rank, tp)
@@ -268,27 +294,28 @@ class FakeWorker:
     # -- protocol actions --------------------------------------------------------------------------
 
     def register(self, timeout: float = 5.0):
-        reply = self._ask(
-            self.req,
-            Register(
-                version=PROTOCOL_VERSION,
-                instance_id=self.instance_id,
-                rank=self.rank,
-                host="127.0.0.1",
-                worker_port=self.worker_port,
-                layout=self.layout,
-                chunk_size=CHUNK,
-                locations=self.locations,
-                p2p_init_port=9100 + self.rank,
-                p2p_lookup_port=9200 + self.rank,
-                transfer_channel="tcp",
-            ),
-            timeout,
+        message = register_message(
+            self.instance_id,
+            self.rank,
+            layout=self.layout,
+            worker_port=self.worker_port,
+            locations=self.locations,
+            p2p_init_port=9100 + self.rank if self.p2p else None,
+            p2p_lookup_port=9200 + self.rank if self.p2p else None,
+            transfer_channel="tcp",
+            serve_url=self.serve_url,
         )
+        reply = self._ask(self.req, message, timeout)
         self.epoch = reply.controller_epoch
         return reply
 
-    def heartbeat(self, traffic: Traffic | None = None, event_seqs: dict[str, int] | None = None, timeout: float = 5.0):
+    def heartbeat(
+        self,
+        traffic: Traffic | None = None,
+        event_seqs: dict[str, int] | None = None,
+        load: EngineLoad | None = None,
+        timeout: float = 5.0,
+    ):
         return self._ask(
             self.hb,
             Heartbeat(
@@ -297,6 +324,7 @@ class FakeWorker:
                 controller_epoch=self.epoch,
                 traffic=traffic,
                 event_seqs=event_seqs,
+                load=load,
             ),
             timeout,
         )
@@ -374,3 +402,21 @@ class FakeWorker:
         if self.security is not None:
             self.security.detach(self.ctx)  # its ZAP thread's sockets would keep destroy() waiting
         self.ctx.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def registered_workers(controller: ControllerProcess, worker_class: type[FakeWorker] = FakeWorker):
+    """``make(instance_id, **kw)``: a registered ``worker_class`` rank; all closed on exit."""
+    made: list[FakeWorker] = []
+
+    def make(instance_id: str, **kw) -> FakeWorker:
+        worker = worker_class(controller, instance_id, **kw)
+        assert worker.register().ok
+        made.append(worker)
+        return worker
+
+    try:
+        yield make
+    finally:
+        for worker in made:
+            worker.close()

@@ -4,7 +4,17 @@ import subprocess
 import time
 
 import pytest
-from protocol_client import CHUNK, CONTROLLER_SCRIPT, CPU, DISK, ControllerProcess, FakeWorker, free_ports, wait_for
+from protocol_client import (
+    CHUNK,
+    CONTROLLER_SCRIPT,
+    CPU,
+    DISK,
+    ControllerProcess,
+    FakeWorker,
+    free_ports,
+    registered_workers,
+    wait_for,
+)
 
 from lmcache_p2p.keys import chunk_hashes
 from lmcache_p2p.protocol import Ack, CommandReply, Heartbeat, MoveCommand, unpack_hashes
@@ -23,17 +33,8 @@ def controller():
 
 @pytest.fixture
 def workers(controller):
-    made = []
-
-    def make(instance_id, **kw):
-        w = FakeWorker(controller, instance_id, **kw)
-        assert w.register().ok
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
+    with registered_workers(controller) as make:
+        yield make
 
 
 def lookup(controller, tokens, **extra):

@@ -12,7 +12,7 @@ import timeit
 import msgspec
 import numpy as np
 import pytest
-from protocol_client import CPU, layout
+from protocol_client import layout, register_message
 
 from lmcache_p2p.controller import api, errors
 from lmcache_p2p.controller.admission import HostCheck, RegisterRefused, check_host_syntax
@@ -33,7 +33,7 @@ from lmcache_p2p.controller.registry import Registry
 from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.controller.traffic import FleetTraffic
 from lmcache_p2p.logs import RateLimitedLog
-from lmcache_p2p.protocol import PROTOCOL_VERSION, CommandDone, Register, Traffic
+from lmcache_p2p.protocol import CommandDone, Traffic
 
 
 def test_index_matches_a_reference_model_under_random_updates():
@@ -197,20 +197,7 @@ def test_an_event_that_finishes_several_ways_is_counted_once():
     registry, events, metrics, bus = Registry(), EventLog(), Metrics(), _LeavingBus()
     orchestrator = bus.orchestrator = Orchestrator(ControllerSettings(), registry, events, bus, metrics)
     for rank in (0, 1):
-        orchestrator.worker_registered(
-            registry.register(
-                Register(
-                    version=PROTOCOL_VERSION,
-                    instance_id="inst-a",
-                    rank=rank,
-                    host="127.0.0.1",
-                    worker_port=1,
-                    layout=layout(rank=rank, tp=2),
-                    chunk_size=16,
-                    locations=[CPU],
-                )
-            )
-        )
+        orchestrator.worker_registered(registry.register(register_message("inst-a", rank, tp=2, worker_port=1)))
     with pytest.raises(errors.WorkerUnreachable):
         asyncio.run(orchestrator.health("inst-a"))
     (event,) = events.newest()
@@ -266,20 +253,6 @@ print(json.dumps({"imported": sorted(m for m in sys.modules if m.startswith("lmc
 # -- admission: every Register field checked ----------------------------------------------------------
 
 
-def _register_msg(**changes) -> Register:
-    message = Register(
-        version=PROTOCOL_VERSION,
-        instance_id="inst",
-        rank=0,
-        host="127.0.0.1",
-        worker_port=7000,
-        layout=layout(),
-        chunk_size=16,
-        locations=[CPU],
-    )
-    return msgspec.structs.replace(message, **changes)
-
-
 @pytest.mark.parametrize(
     ("field", "changes"),
     [
@@ -295,10 +268,10 @@ def _register_msg(**changes) -> Register:
 def test_the_registry_refuses_an_out_of_bounds_register_and_stays_unchanged(field, changes):
     registry = Registry()
     with pytest.raises(RegisterRefused) as refused:
-        registry.register(_register_msg(**changes))
+        registry.register(register_message(**changes))
     assert refused.value.field == field and f"Register field {field}=" in refused.value.message
     assert registry.workers == {} and registry.holders == []
-    assert registry.register(_register_msg()).key == ("inst", 0)
+    assert registry.register(register_message()).key == ("inst", 0)
 
 
 def test_host_syntax_accepts_names_and_ipv4_and_refuses_the_rest():

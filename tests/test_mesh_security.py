@@ -18,7 +18,7 @@ import pytest
 import zmq
 from instances import instance_config, tokens
 from protocol_client import CPU as FAKE_CPU
-from protocol_client import ControllerProcess, FakeWorker, wait_for
+from protocol_client import ControllerProcess, FakeWorker, register_message, wait_for
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.keys import chunk_hashes
@@ -30,7 +30,6 @@ from lmcache_p2p.protocol import (
     FetchChunks,
     HealthCommand,
     PeerAddress,
-    Register,
     command_reply_decoder,
     encode,
     pack_hashes,
@@ -138,7 +137,10 @@ def test_strangers_cannot_register_heartbeat_or_report_keys(secret_file):
                 stranger.events(
                     FAKE_CPU, admitted=chunk_hashes(tokens(2 * 16, seed=2), 16), evicted=chunk_hashes(held, 16)
                 )
-        assert ask("public key only", controller.reply, Register(**_register_fields())) is None
+        assert (
+            ask("public key only", controller.reply, register_message("intruder", worker_port=1, locations=[FAKE_CPU]))
+            is None
+        )
 
         # The member's next batch arrives and is applied; the strangers' (same worker, same
         # sequence number) never did: its keys are all there, and none of theirs.
@@ -172,21 +174,6 @@ def unanswered(call, **kw) -> bool:
     except AssertionError as e:
         return "no reply" in str(e)
     return False
-
-
-def _register_fields() -> dict:
-    from protocol_client import layout
-
-    return dict(
-        version=1,
-        instance_id="intruder",
-        rank=0,
-        host="127.0.0.1",
-        worker_port=1,
-        layout=layout(),
-        chunk_size=16,
-        locations=[FAKE_CPU],
-    )
 
 
 @pytest.mark.parametrize("secured", [True, False], ids=["secured", "plain"])

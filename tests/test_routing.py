@@ -7,9 +7,9 @@ when nothing is cached, and bodies validated like /lookup's."""
 from __future__ import annotations
 
 import pytest
-from protocol_client import CHUNK, CPU, DISK, ControllerProcess, FakeWorker, wait_for
+from protocol_client import CHUNK, CPU, DISK, ControllerProcess, FakeWorker, registered_workers, wait_for
 
-from lmcache_p2p.protocol import PROTOCOL_VERSION, EngineLoad, Heartbeat, Register
+from lmcache_p2p.protocol import EngineLoad
 
 DOC = list(range(7000, 7000 + 64 * CHUNK))  # 1,024 tokens: 64 chunks
 # The weights the numbers below are worked out with: 1,000 tokens/s of prefill (so recomputing the
@@ -21,43 +21,12 @@ class RoutedWorker(FakeWorker):
     """A FakeWorker that says where its engine serves (Register.serve_url) and reports its load
     (Heartbeat.load), as the worker side will."""
 
-    def __init__(self, controller: ControllerProcess, instance_id: str, p2p: bool = True, **kw):
+    def __init__(self, controller: ControllerProcess, instance_id: str, **kw):
+        kw.setdefault("serve_url", f"http://127.0.0.1:{8000 + sum(map(ord, instance_id)) % 1000}")
         super().__init__(controller, instance_id, **kw)
-        self.serve_url = f"http://127.0.0.1:{8000 + sum(map(ord, instance_id)) % 1000}"
-        self.p2p = p2p
-
-    def register(self, timeout: float = 5.0):
-        reply = self._ask(
-            self.req,
-            Register(
-                version=PROTOCOL_VERSION,
-                instance_id=self.instance_id,
-                rank=self.rank,
-                host="127.0.0.1",
-                worker_port=self.worker_port,
-                layout=self.layout,
-                chunk_size=CHUNK,
-                locations=self.locations,
-                p2p_init_port=9100 + self.rank if self.p2p else None,
-                p2p_lookup_port=9200 + self.rank if self.p2p else None,
-                transfer_channel="tcp",
-                serve_url=self.serve_url,
-            ),
-            timeout,
-        )
-        self.epoch = reply.controller_epoch
-        return reply
 
     def beat(self, **load):
-        reply = self._ask(
-            self.hb,
-            Heartbeat(
-                instance_id=self.instance_id,
-                rank=self.rank,
-                controller_epoch=self.epoch,
-                load=EngineLoad(**{"running": 0, "waiting": 0, "kv_usage": 0.0, **load}),
-            ),
-        )
+        reply = self.heartbeat(load=EngineLoad(**{"running": 0, "waiting": 0, "kv_usage": 0.0, **load}))
         assert reply.status == "ok"
         return reply
 
@@ -73,17 +42,8 @@ def controller():
 
 @pytest.fixture
 def workers(controller):
-    made = []
-
-    def make(instance_id, **kw):
-        w = RoutedWorker(controller, instance_id, **kw)
-        assert w.register().ok
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
+    with registered_workers(controller, RoutedWorker) as make:
+        yield make
 
 
 def route(controller, tokens=DOC, **extra) -> dict:

@@ -12,7 +12,7 @@ import time
 import msgspec
 import numpy as np
 import pytest
-from protocol_client import CPU, DISK, layout
+from protocol_client import CPU, DISK, register_message
 
 from lmcache_p2p.controller.admission import LoadRefused, RegisterRefused, validate_load, validate_register
 from lmcache_p2p.controller.api import (
@@ -33,7 +33,7 @@ from lmcache_p2p.controller.settings import (
     load_settings,
 )
 from lmcache_p2p.keys import chunk_hash_array
-from lmcache_p2p.protocol import PROTOCOL_VERSION, EngineLoad, Register
+from lmcache_p2p.protocol import EngineLoad
 
 W = RouteWeights.from_settings(ControllerSettings())
 KV_8B = 128 * 1024  # Llama-3.1-8B: bytes of KV a token
@@ -109,20 +109,8 @@ HASHES = chunk_hash_array(DOC, CHUNK)
 
 
 def register(registry: Registry, instance_id: str, rank: int = 0, tp: int = 1, model: str = "tiny-llama", **kw):
-    message = Register(
-        version=PROTOCOL_VERSION,
-        instance_id=instance_id,
-        rank=rank,
-        host="127.0.0.1",
-        worker_port=7000 + rank,
-        layout=layout(model, rank, tp),
-        chunk_size=CHUNK,
-        locations=kw.pop("locations", [CPU, DISK]),
-        p2p_init_port=kw.pop("p2p_init_port", 9100 + rank),
-        p2p_lookup_port=kw.pop("p2p_lookup_port", 9200 + rank),
-        **kw,
-    )
-    return registry.register(message)
+    fields = {"locations": [CPU, DISK], "p2p_init_port": 9100 + rank, "p2p_lookup_port": 9200 + rank, **kw}
+    return registry.register(register_message(instance_id, rank, tp, model, **fields))
 
 
 def hold(registry: Registry, instance_id: str, chunks: int | slice, location: str = CPU, rank: int = 0) -> None:
@@ -237,33 +225,19 @@ def test_a_reported_prefill_rate_and_pull_rate_replace_the_defaults():
 # -- protocol fields checked -----------------------------------------------------------------------------
 
 
-def _register(**changes) -> Register:
-    message = Register(
-        version=PROTOCOL_VERSION,
-        instance_id="inst",
-        rank=0,
-        host="127.0.0.1",
-        worker_port=7000,
-        layout=layout(),
-        chunk_size=16,
-        locations=[CPU],
-    )
-    return msgspec.structs.replace(message, **changes)
-
-
 @pytest.mark.parametrize(
     "url",
     ["", "ftp://host:21", "http://", "http://host:99999", "http://a b:8000", "host:8000", "http://x\n", "h" * 3000],
 )
 def test_a_bad_serve_url_is_refused_by_name(url):
     with pytest.raises(RegisterRefused) as refused:
-        validate_register(_register(serve_url=url))
+        validate_register(register_message(serve_url=url))
     assert refused.value.field == "serve_url" and "Register field serve_url=" in refused.value.message
 
 
 def test_good_serve_urls_and_none_pass():
     for url in (None, "http://127.0.0.1:8000", "https://engine-3.cluster.local/v1", "http://[::1]:8000"):
-        validate_register(_register(serve_url=url))
+        validate_register(register_message(serve_url=url))
 
 
 @pytest.mark.parametrize(
@@ -298,7 +272,7 @@ def test_old_senders_without_the_new_fields_still_decode():
     old_heartbeat = {"type": "heartbeat", "instance_id": "i", "rank": 0, "controller_epoch": "e"}
     decoded = worker_message_decoder.decode(msgspec.msgpack.encode(old_heartbeat))
     assert isinstance(decoded, Heartbeat) and decoded.load is None
-    assert worker_message_decoder.decode(encode(_register())).serve_url is None
+    assert worker_message_decoder.decode(encode(register_message())).serve_url is None
 
 
 # -- settings ------------------------------------------------------------------------------------------
