@@ -314,6 +314,12 @@ class LMCacheConfig:
         _optional(_to_int_list), None, "command port per TP rank; 0: any free port (registered with the controller)"
     )
     lmcache_worker_heartbeat_time: float = _key(_to_float, 5.0, "seconds between worker heartbeats")
+    serve_url: str | None = _key(
+        _optional(_to_str),
+        None,
+        "the engine's OpenAI URL, e.g. http://{host}:8000 ({host}: the address peers reach this instance on), "
+        "registered for lmcache_router; its /metrics gives the queue each heartbeat reports",
+    )
     extra_config: dict = _key(_optional(_to_dict), {}, "free-form extras, e.g. lookup_backoff_time")
     # Security (issue 18): the secret every member of the mesh (the controller, each instance)
     # shares; every ZMQ socket is then authenticated and encrypted (CurveZMQ). Give one of the two.
@@ -460,6 +466,11 @@ class LMCacheConfig:
                 expand_instance_id(self.lmcache_instance_id, engine_id="e", hostname="h")
             except ValueError as e:
                 raise self._err("lmcache_instance_id", str(e)) from None
+        if self.serve_url is not None:
+            try:
+                expand_serve_url(self.serve_url, host="h")
+            except ValueError as e:
+                raise self._err("serve_url", str(e)) from None
         if self.enable_controller:
             for key in ("controller_pull_url", "controller_reply_url", "lmcache_worker_ports"):
                 if getattr(self, key) is None:
@@ -578,6 +589,22 @@ def expand_instance_id(template: str, engine_id: str, hostname: str) -> str:
     if not instance_id or any(c.isspace() for c in instance_id):
         raise ValueError(f"{template!r} expands to {instance_id!r}: an id needs characters and no spaces")
     return instance_id
+
+
+def expand_serve_url(template: str, host: str) -> str:
+    """``{host}`` in a serve_url; ValueError for another placeholder or a URL that is not http(s)."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ValueError(f"{template!r}: {e}") from None
+    for name in fields:
+        if name != "host":
+            raise ValueError(f"{template!r} names {{{name}}}: only {{host}} expands")
+    url = template.format(host=host).rstrip("/")
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("http", "https") or not rest or any(c.isspace() for c in url):
+        raise ValueError(f"{template!r}: expected http://host:port or https://host:port")
+    return url
 
 
 def rank_port(ports: list[int], rank: int) -> int:

@@ -191,6 +191,9 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     running: int  # requests the scheduler is running now (prefill or decode)
     waiting: int  # requests queued behind them
     kv_usage: float  # fraction of the engine's KV cache blocks in use, 0..1
+    # False: running/waiting/kv_usage are not known (the rank reads them from its engine's
+    # serve_url /metrics: rank 0 only, and only with serve_url set) and the zeros mean nothing.
+    queue_reported: bool = True
     # The engine's measured prefill rate, tokens/s (the pull policy's PrefillRate); 0: not
     # measured yet, and the controller uses --route-prefill-tokens-per-s.
     prefill_tokens_per_s: float = 0.0

@@ -98,26 +98,38 @@ class ChunkIndex:
         out[found] = self._set_ids[slots[found]]
         return out
 
+    def holder_runs(self, keys: np.ndarray) -> list[tuple[int, int, frozenset[int]]]:
+        """Runs of consecutive ``keys`` with one holder set, as (start, end, holders), from the first
+        key to the first that nobody holds. A prompt's chunks come in a few runs: every walk over a
+        prefix's holders (/lookup's, /route's) steps run by run, not key by key."""
+        set_ids = self.lookup(keys)
+        if not len(set_ids) or set_ids[0] == 0:
+            return []
+        starts = [0, *(np.flatnonzero(set_ids[1:] != set_ids[:-1]) + 1).tolist()]
+        ends = [*starts[1:], len(set_ids)]
+        runs = []
+        for start, end in zip(starts, ends, strict=True):
+            set_id = int(set_ids[start])
+            if set_id == 0:
+                break
+            runs.append((start, end, self.sets.members(set_id)))
+        return runs
+
     def prefix_holders(self, keys: np.ndarray) -> dict[int, int]:
         """holder -> number of leading ``keys`` it holds, for every holder of ``keys[0]``."""
-        set_ids = self.lookup(keys).tolist()
-        if not set_ids or set_ids[0] == 0:
+        runs = self.holder_runs(keys)
+        if not runs:
             return {}
-        alive = set(self.sets.members(set_ids[0]))
+        alive = set(runs[0][2])
         matched: dict[int, int] = {}
-        previous = set_ids[0]
-        for i, set_id in enumerate(set_ids):
-            if set_id == previous and i:
-                continue  # the common case: a run of chunks held by the same holders
-            members = self.sets.members(set_id)
+        for start, _, members in runs:
             for holder in alive - members:
-                matched[holder] = i
+                matched[holder] = start
             alive &= members
             if not alive:
                 return matched
-            previous = set_id
         for holder in alive:
-            matched[holder] = len(set_ids)
+            matched[holder] = runs[-1][1]
         return matched
 
     def holder_keys(self, holder: int) -> np.ndarray:

@@ -17,9 +17,10 @@ What the controller knows about an instance for one prompt (:class:`Facts`):
   its furthest-behind rank. Only ranks with p2p ports pull and serve;
 * **load**, from the ranks' latest heartbeats (``Heartbeat.load``): running and waiting requests
   and KV usage (the busiest rank's), the measured prefill rate (the slowest rank's), the measured
-  pull bandwidth and fixed cost per pull (the slowest rank's). What an instance does not report,
-  the settings' defaults stand in for (``--route-*``, :class:`RouteWeights`), and ``load`` in the
-  answer says ``reported: false``.
+  pull bandwidth and fixed cost per pull (the slowest rank's). The queue comes from the rank that
+  reads the engine's ``/metrics`` (rank 0, with ``serve_url`` set: worker/engine_load.py); ``load``
+  in the answer says ``reported: false`` when no rank did. Rates an instance does not report, the
+  settings' defaults stand in for (``--route-*``, :class:`RouteWeights`).
 
 :func:`expected_ttft_ms` turns those into one number (its docstring has the formula). It favours,
 in this order of typical size: an instance holding the prefix (loading it costs a fraction of
@@ -198,20 +199,14 @@ _NOTHING: tuple[int, list[Segment]] = (0, [])
 
 def held_prefixes(registry: Registry, hashes: np.ndarray, workers: dict[WorkerKey, WorkerRecord]) -> dict:
     """For each of ``workers`` holding the first chunk: (leading chunks of ``hashes`` it holds in
-    any of its locations, the runs of them each location serves, fastest tier first). One index
-    lookup, then a walk over runs of chunks with the same holder set: a few per prompt."""
-    if not len(hashes):
+    any of its locations, the runs of them each location serves, fastest tier first), walking the
+    index's runs of chunks with one holder set (:meth:`ChunkIndex.holder_runs`): a few per prompt."""
+    runs = registry.index.holder_runs(hashes)
+    if not runs:
         return {}
-    index = registry.index
-    set_ids = index.lookup(hashes)
-    if set_ids[0] == 0:
-        return {}
-    starts = [0, *(np.flatnonzero(set_ids[1:] != set_ids[:-1]) + 1).tolist()]
-    ends = [*starts[1:], len(hashes)]
-    run_sets = set_ids[starts].tolist()
     # Who holds chunk 0, each with its holders in tier order (the engine reads the fastest copy).
     alive: dict[WorkerKey, list[tuple[int, str]]] = {}
-    for hid in index.sets.members(run_sets[0]):
+    for hid in runs[0][2]:
         instance_id, rank, _ = registry.holders[hid]
         record = workers.get((instance_id, rank))
         if record is not None and record.key not in alive:
@@ -220,16 +215,15 @@ def held_prefixes(registry: Registry, hashes: np.ndarray, workers: dict[WorkerKe
             )
     prefix: dict[WorkerKey, int] = {}
     segments: dict[WorkerKey, list[Segment]] = {key: [] for key in alive}
-    for start, end, set_id in zip(starts, ends, run_sets, strict=True):
-        members = index.sets.members(set_id)
+    for start, end, members in runs:
         for key in list(alive):
             for hid, location in alive[key]:
                 if hid in members:
-                    runs = segments[key]
-                    if runs and runs[-1][2] == location:
-                        runs[-1] = (runs[-1][0], end, location)
+                    key_segments = segments[key]
+                    if key_segments and key_segments[-1][2] == location:
+                        key_segments[-1] = (key_segments[-1][0], end, location)
                     else:
-                        runs.append((start, end, location))
+                        key_segments.append((start, end, location))
                     break
             else:
                 prefix[key] = start
@@ -237,7 +231,7 @@ def held_prefixes(registry: Registry, hashes: np.ndarray, workers: dict[WorkerKe
         if not alive:
             break
     for key in alive:
-        prefix[key] = len(hashes)
+        prefix[key] = runs[-1][1]
     return {key: (prefix[key], segments[key]) for key in prefix}
 
 
@@ -391,11 +385,13 @@ class Router:
                 reach = min(reach, max(chunks, peer[0]) * info.chunk_size)
             load = record.load
             if load is not None:
-                running, waiting = max(running, load.running), max(waiting, load.waiting)
-                kv_usage, pull_fixed_ms = max(kv_usage, load.kv_usage), max(pull_fixed_ms, load.pull_fixed_ms)
+                if load.queue_reported:  # rank 0 reads the engine's queue; the others send rates only
+                    running, waiting = max(running, load.running), max(waiting, load.waiting)
+                    kv_usage = max(kv_usage, load.kv_usage)
+                    load_at = min(load_at, record.load_at)
+                pull_fixed_ms = max(pull_fixed_ms, load.pull_fixed_ms)
                 prefill = min(prefill, load.prefill_tokens_per_s or math.inf)
                 pull_rate = min(pull_rate, load.pull_bytes_per_s or math.inf)
-                load_at = min(load_at, record.load_at)
         reach = max(local, reach) if can_pull else local
         pull_from = sorted(
             {

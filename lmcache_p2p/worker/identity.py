@@ -8,7 +8,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from lmcache_p2p.config import LMCacheConfig, rank_port, split_host_port
+from lmcache_p2p.config import LMCacheConfig, expand_serve_url, rank_port, split_host_port
 from lmcache_p2p.keys import LayoutFingerprint
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class WorkerIdentity:
     p2p_lookup_port: int | None = None
     transfer_channel: str | None = None
     session: str = ""  # unique per process: the NIXL agent name and the peer session id
+    serve_url: str | None = None  # the engine's OpenAI URL (config serve_url, {host} expanded)
 
     @classmethod
     def from_config(cls, config: LMCacheConfig, layout: LayoutFingerprint, rank: int) -> WorkerIdentity:
@@ -61,6 +62,7 @@ class WorkerIdentity:
             p2p_lookup_port=p2p_lookup_port,
             transfer_channel=config.transfer_channel if config.enable_p2p else None,
             session=f"{instance_id}-r{rank}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            serve_url=expand_serve_url(config.serve_url, host) if config.serve_url else None,
         )
 
     def bound(self, port_field: str, port: int) -> None:

@@ -39,6 +39,7 @@ from lmcache_p2p.protocol import (
     PROTOCOL_VERSION,
     Ack,
     Deregister,
+    EngineLoad,
     Heartbeat,
     HeartbeatReply,
     KeyEvents,
@@ -142,10 +143,12 @@ class ControllerLink:
         flush_interval: float = 0.05,
         traffic: Callable[[], Traffic] | None = None,
         security: MeshSecurity | None = None,
+        load: Callable[[], EngineLoad | None] | None = None,
     ):
         self.ctx = ctx
         self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
         self.traffic = traffic  # this rank's totals, for the controller's dashboard
+        self.load = load  # the engine's latest load, for /route (EngineLoadProbe.current)
         self.me = identity
         self.storage = storage
         # Either spelling of a controller URL (host:port, tcp://host:port) names the same socket.
@@ -292,6 +295,7 @@ class ControllerLink:
             channel_error=self.channel_error,
             session=me.session,
             max_warm_peers=self.max_warm_peers or None,
+            serve_url=me.serve_url,
         )
         try:
             reply = await self.reply.request(message, RegisterReply, REQUEST_TIMEOUT_S)
@@ -365,6 +369,7 @@ class ControllerLink:
                     traffic=self.traffic() if self.traffic else None,
                     peers_version=self.peers_version,
                     event_seqs=sent_before or None,
+                    load=self.load() if self.load else None,
                 ),
                 HeartbeatReply,
                 timeout=max(1.0, 2 * self.interval),

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 
+import msgspec
 import numpy as np
 import zmq.asyncio
 
@@ -31,6 +32,7 @@ from lmcache_p2p.pull_policy import PrefillRate, PullPolicy
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TcpTransport, TransferError, Transport, make_transport
 from lmcache_p2p.worker.commands import CommandServer
+from lmcache_p2p.worker.engine_load import EngineLoadProbe
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
 from lmcache_p2p.worker.p2p_client import P2PClient
@@ -128,6 +130,14 @@ class Worker:
         pull_url, reply_url = config.controller_pull_url, config.controller_reply_url
         assert pull_url is not None and reply_url is not None  # config.validate(): required with enable_controller
         self.ctx = zmq.asyncio.Context()
+        # Rank 0 reads the engine's queue from its API server; every rank reports its own rates.
+        self.load_probe = EngineLoadProbe(
+            me.serve_url if me.rank == 0 else None,
+            self.counters.prefill,
+            lambda: self.client.policy if self.client is not None else None,
+            interval=min(1.0, config.lmcache_worker_heartbeat_time),
+            describe=me.describe(),
+        )
         security = self.security
         if security is not None:
             # ZAP for this context, and the keys for the sockets built without naming them (the
@@ -144,6 +154,7 @@ class Worker:
             config.lmcache_worker_heartbeat_time,
             traffic=self.traffic,
             security=security,
+            load=self.load_probe.current,
         )
         try:
             if config.enable_p2p:
@@ -182,6 +193,7 @@ class Worker:
             if self.server is not None:
                 self.server.on_greeted = self._greeted
         self.link.start()
+        self._load_task = asyncio.get_running_loop().create_task(self.load_probe.run(), name="engine-load")
         if self.server is not None:
             self.server.start()
         self.commands.start()
@@ -347,6 +359,13 @@ class Worker:
             out["warm_peers"] = self.client.warm_peers()
         if self.commands:
             out["command_pins"] = self.commands.pinned_chunks
+        load = self.load_probe.current()
+        out["engine_load"] = {
+            "serve_url": me.serve_url,
+            "metrics_url": self.load_probe.metrics_url,
+            **self.load_probe.stats,
+            "reported": msgspec.structs.asdict(load) if load is not None else None,
+        }
         security = self.security
         out["mesh"] = (
             {"authenticated": True, "key": security.fingerprint, "refused": security.refused}

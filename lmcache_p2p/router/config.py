@@ -1,0 +1,21 @@
+"""What ``lmcache_router``'s flags set: a plain dataclass, so cli.py checks the flags before it
+loads the app (FastAPI, httpx)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """What ``lmcache_router``'s flags set (cli.py validates them)."""
+
+    controller_url: str  # e.g. http://127.0.0.1:9000, no trailing slash
+    policy: str = "kv-aware"
+    api_token: str | None = None  # the controller's API token (sent as a bearer token)
+    model: str | None = None  # only instances serving this model (passed to /route)
+    connect_timeout_s: float = 2.0  # an engine or the controller that does not accept by then is down
+    route_timeout_s: float = 2.0  # /route answers in microseconds; past this, route without it
+    tokenize_timeout_s: float = 10.0
+    request_timeout_s: float = 600.0  # a non-streamed generation answers only at its end
+    cooldown_s: float = 10.0  # an unreachable engine goes last in every order for this long
