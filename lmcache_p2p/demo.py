@@ -40,7 +40,7 @@ CPU_ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENI
 
 
 # The demo speaks HTTP through the standard library, so `pip install .` is all it needs besides
-# the engine (httpx is a test extra).
+# the engine.
 
 
 def http_status(url: str, timeout: float) -> int:

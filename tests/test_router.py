@@ -369,6 +369,8 @@ def test_flags_are_checked_with_their_names(capsys, tmp_path):
     assert "--policy: invalid choice: 'fastest'" in capsys.readouterr().err
     assert cli.main(["--controller-url", "ftp://x"]) == 2
     assert "lmcache_router: --controller-url" in capsys.readouterr().err
+    assert cli.main(["--controller-url", "c:9000", "--tokenizer", str(tmp_path / "no-model")]) == 2
+    assert f"lmcache_router: --tokenizer {tmp_path / 'no-model'}: cannot load a tokenizer" in capsys.readouterr().err
 
 
 def test_the_command_routes_through_a_controller_with_a_token(tmp_path, engines, router):

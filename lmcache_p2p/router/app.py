@@ -36,6 +36,7 @@ from starlette.background import BackgroundTask
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import Candidate, RoundRobin, demote, make_policy
+from lmcache_p2p.router.tokenizer import LocalTokenizer, TokenizerError
 
 logger = logging.getLogger("lmcache_p2p.router")
 
@@ -290,8 +291,14 @@ def _brief(body: bytes, limit: int = 200) -> str:
 class RouterService:
     """Everything behind the routes: one httpx client, the engines known, the counters."""
 
-    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        config: RouterConfig,
+        transport: httpx.AsyncBaseTransport | None = None,
+        tokenizer: LocalTokenizer | None = None,
+    ):
         self.config = config
+        self.tokenizer = tokenizer  # --tokenizer: ids without asking an engine
         self.policy = make_policy(config.policy)
         self.stats = RouterStats(policy=self.policy.name)
         self.engines = KnownEngines()
@@ -429,6 +436,18 @@ class RouterService:
             prompt = prompt_text_or_tokens(body["prompt"])
             if isinstance(prompt, list):
                 return prompt, ""  # already ids: nothing to ask
+        if self.tokenizer is not None:
+            t0 = time.perf_counter()
+            try:
+                if path == COMPLETIONS:
+                    assert isinstance(prompt, str)
+                    return self.tokenizer.completion(prompt, body.get("add_special_tokens", True) is not False), ""
+                return self.tokenizer.chat(body), ""
+            except TokenizerError as e:
+                self._warn.warning(("local tokenizer",), "%s; asking an engine's /tokenize instead", e)
+            finally:
+                self.stats.tokenize_ms_total += (time.perf_counter() - t0) * 1e3
+                self.stats.tokenize_calls += 1
         if not self.engines.engines:
             await self.discover()
         payload = msgspec.json.encode(tokenize_body(path, body))
@@ -460,6 +479,13 @@ class RouterService:
                 except (ValueError, KeyError, TypeError):
                     tokens = None
                 if isinstance(tokens, list) and all(_is_token(t) for t in tokens):
+                    if problems:  # an engine down: it is demoted for cooldown_s, forwarding too
+                        logger.warning(
+                            "tokenized on %s after %s; demoted for %.0f s",
+                            engine.instance_id,
+                            "; ".join(problems),
+                            self.config.cooldown_s,
+                        )
                     return tokens, ""
                 problems.append(
                     f"{engine.instance_id}: /tokenize answered without token ids: {_brief(response.content)}"
@@ -729,10 +755,12 @@ class RouterService:
         }
 
 
-def create_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def create_app(
+    config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None, tokenizer: LocalTokenizer | None = None
+) -> FastAPI:
     """The router's FastAPI app; its httpx client lives as long as the app's lifespan.
-    ``transport``: httpx's, for tests that want no network."""
-    service = RouterService(config, transport)
+    ``transport``: httpx's, for tests that want no network; ``tokenizer``: --tokenizer's."""
+    service = RouterService(config, transport, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

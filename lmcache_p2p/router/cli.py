@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import POLICY_NAMES
+from lmcache_p2p.router.tokenizer import LocalTokenizer, TokenizerError
 
 PROG = "lmcache_router"
 API_TOKEN_ENV = "LMCACHE_API_TOKEN"  # the controller's variable: one token for both
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"file holding the controller's API token (or set {API_TOKEN_ENV}); sent as a bearer token to /route",
     )
     p.add_argument("--model", help="route only to instances serving this model (the controller's model name)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenize in the router with this tokenizer (the engines' model directory or hub id; needs "
+        "transformers) instead of asking an engine's /tokenize: about 1 ms instead of an HTTP round trip",
+    )
     p.add_argument("--log-level", default="info", help="debug, info (default: one line per request), warning, error")
     p.add_argument(
         "--request-timeout",
@@ -134,6 +140,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
         route_timeout_s=max(2.0, args.connect_timeout),
         request_timeout_s=args.request_timeout,
         cooldown_s=args.engine_cooldown,
+        tokenizer=args.tokenizer,
     )
 
 
@@ -143,12 +150,13 @@ def bind(host: str, port: int) -> socket.socket:
     return socket.create_server(addr, family=family, backlog=2048)
 
 
-async def serve(config: RouterConfig, sock: socket.socket) -> None:
+async def serve(config: RouterConfig, sock: socket.socket, tokenizer: LocalTokenizer | None = None) -> None:
     import uvicorn
 
     from lmcache_p2p.router.app import create_app
 
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False, lifespan="on"))
+    app = create_app(config, tokenizer=tokenizer)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     host, port = sock.getsockname()[:2]
     logger.info("lmcache_router serving on http://%s:%d", host if ":" not in host else f"[{host}]", port)
     await server.serve(sockets=[sock])
@@ -166,13 +174,21 @@ def main(argv: list[str] | None = None) -> int:
         # httpx logs every request at INFO: twice the lines of ours, with none of the numbers.
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.WARNING)
+    tokenizer = None
+    if config.tokenizer is not None:
+        try:
+            tokenizer = LocalTokenizer(config.tokenizer)
+        except TokenizerError as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return 2
+        logger.info("tokenizing locally with %s", config.tokenizer)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
         print(f"{PROG}: cannot bind --host {args.host} --port {args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     try:
-        asyncio.run(serve(config, sock))
+        asyncio.run(serve(config, sock, tokenizer))
     except KeyboardInterrupt:
         pass
     finally:

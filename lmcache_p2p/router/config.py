@@ -19,3 +19,4 @@ class RouterConfig:
     tokenize_timeout_s: float = 10.0
     request_timeout_s: float = 600.0  # a non-streamed generation answers only at its end
     cooldown_s: float = 10.0  # an unreachable engine goes last in every order for this long
+    tokenizer: str | None = None  # a local tokenizer (model dir or hub id); None: the engines' /tokenize

@@ -1,0 +1,292 @@
+"""Routing a multi-user, multi-turn chat workload over vLLM CPU engines with P2P on: lmcache_router
+under each of its policies, and the independent ``vllm-router`` (PyPI, Rust) under its own
+policies, side by side in one run on one fleet. Prints one JSON line per policy run and a
+summary line.
+
+    pip install 'lmcache-p2p[bench]'    # vllm-router==0.1.17
+    .venv/bin/python benchmarks/bench_routing.py [--engines 2] [--users 6] [--turns 4] [--runs 3]
+
+The workload: every user's conversation opens with one shared system prompt
+(``--system-words``), then each turn appends the user's message (``--turn-words``) and the
+engine's answer (``--max-tokens``) to that user's own history, so each request's prompt is the
+previous one plus a little. Users run at once (each one turn at a time, ``--think-s`` apart).
+Every policy run draws new texts (its own system prompt, its own users), so nothing one run left
+in any cache helps the next, and policies take turns in a rotated order from run to run.
+
+Per policy run: mean and p90 TTFT (client side: request sent to first streamed token), where the
+prompt tokens came from (vLLM's ``prompt_tokens_by_source``: its own prefix cache, our connector
+(``external_kv_transfer``: our CPU tier plus peer pulls, split by the pull lines the engines
+log), computed), and requests per engine (vLLM's ``request_success`` counters): all read from the
+engines, the same way for every router.
+
+Routers:
+* ``kv-aware``, ``round-robin``, ``least-loaded``: lmcache_router (tokenizes on an engine, asks
+  the controller's POST /route, forwards);
+* ``vllm-router:cache_aware``: vllm-router's approximate prefix tree over request text, with its
+  load-balance thresholds;
+* ``vllm-router:round_robin`` for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from lmcache_p2p.demo import P2P_LINE, ServedProcess
+from lmcache_p2p.testing.served_fleet import ServedFleet, free_port
+from lmcache_p2p.testing.tiny_model import build, sample_text
+
+LMCACHE_POLICIES = ("kv-aware", "round-robin", "least-loaded")
+VLLM_ROUTER_POLICIES = ("cache_aware", "round_robin")
+SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
+
+
+def text(words: int, rng: random.Random) -> str:
+    return sample_text(words, seed=rng.randrange(1 << 30))
+
+
+# -- the engines' own counters -------------------------------------------------------------------
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """Prompt tokens by source and finished requests, from one engine's /metrics."""
+    page = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {source: 0.0 for source in SOURCES} | {"requests": 0.0}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "vllm:prompt_tokens_by_source_total":
+                source = sample.labels.get("source", "")
+                if source in out:
+                    out[source] += sample.value
+            elif sample.name == "vllm:request_success_total":
+                out["requests"] += sample.value
+    return out
+
+
+def peer_tokens(fleet: ServedFleet, offsets: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """Tokens pulled from peers since ``offsets`` (each engine log's length then), and new offsets."""
+    total, now = 0, {}
+    for name in fleet.instance_ids:
+        log = fleet.processes[name].log()
+        total += sum(int(m["tokens"]) for m in P2P_LINE.finditer(log[offsets.get(name, 0) :]))
+        now[name] = len(log)
+    return total, now
+
+
+# -- the workload --------------------------------------------------------------------------------
+
+
+async def one_turn(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    t0 = time.perf_counter()
+    ttft, pieces = None, []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0].get("text", "")
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            pieces.append(piece)
+    if ttft is None:
+        raise RuntimeError(f"{url}: a stream without tokens")
+    return ttft, "".join(pieces)
+
+
+async def workload(url: str, model: str, args, seed: int) -> tuple[list[float], int]:
+    rng = random.Random(seed)
+    system = f"System: {text(args.system_words, rng)}\n"
+    histories = [system for _ in range(args.users)]
+    ttfts: list[float] = []
+    failures = 0
+    limits = httpx.Limits(max_connections=args.users * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def user(u: int) -> None:
+            nonlocal failures
+            user_rng = random.Random(seed * 1000 + u)
+            await asyncio.sleep(u * args.stagger_s)
+            for _ in range(args.turns):
+                histories[u] += f"User: {text(args.turn_words, user_rng)}\nAssistant:"
+                try:
+                    ttft, answer = await one_turn(client, url, model, histories[u], args.max_tokens)
+                except (httpx.HTTPError, RuntimeError) as e:
+                    failures += 1
+                    print(f"  user {u}: {e}", file=sys.stderr)
+                    answer = ""
+                else:
+                    ttfts.append(ttft)
+                histories[u] += answer + "\n"
+                await asyncio.sleep(args.think_s)
+
+        await asyncio.gather(*(user(u) for u in range(args.users)))
+    return ttfts, failures
+
+
+def p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+
+# -- routers -------------------------------------------------------------------------------------
+
+
+def start_vllm_router(fleet: ServedFleet, policy: str) -> tuple[ServedProcess, str]:
+    port = free_port()
+    name = f"vllm-router-{policy}"
+    command = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--worker-urls", *fleet.engine_urls, "--policy", policy]
+    router = ServedProcess(name, command, fleet.workdir / f"{name}.log").start()
+    fleet.processes[name] = router
+    url = f"http://127.0.0.1:{port}"
+    router.wait_http(f"{url}/health", 120)
+    return router, url
+
+
+def warm_up(fleet: ServedFleet, args) -> None:
+    """Each engine's first requests (vLLM's first steps, the worker's first pull over a link) cost
+    far more than steady state: pay them before the first policy, not in it. Every engine
+    prefills a text of its own twice, then a text another engine holds (a peer pull)."""
+    rng = random.Random(7)
+    texts = [text(args.system_words, rng) for _ in fleet.engine_urls]
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            for url, own in zip(fleet.engine_urls, texts, strict=True):
+                for _ in range(2):
+                    await one_turn(client, url, fleet.model, own, args.max_tokens)
+            await asyncio.sleep(2 * fleet.heartbeat_s)  # the controller learns who holds what
+            for i, url in enumerate(fleet.engine_urls):
+                await one_turn(client, url, fleet.model, texts[i - 1], args.max_tokens)
+
+    asyncio.run(go())
+
+
+def run_policy(fleet: ServedFleet, policy: str, args, seed: int) -> dict:
+    if policy.startswith("vllm-router:"):
+        router, url = start_vllm_router(fleet, policy.split(":", 1)[1])
+    else:
+        extra = ("--tokenizer", fleet.model) if args.router_tokenizer == "local" else ()
+        router, url = fleet.start_router(policy, f"lmcache-router-{policy}-{seed}", *extra)
+    before = {name: engine_counters(u) for name, u in zip(fleet.instance_ids, fleet.engine_urls, strict=True)}
+    _, offsets = peer_tokens(fleet, {})
+    t0 = time.perf_counter()
+    ttfts, failures = asyncio.run(workload(url, fleet.model, args, seed))
+    wall = time.perf_counter() - t0
+    time.sleep(1.5)  # the engines' metrics are published on their stats interval
+    after = {name: engine_counters(u) for name, u in zip(fleet.instance_ids, fleet.engine_urls, strict=True)}
+    peer, _ = peer_tokens(fleet, offsets)
+    router.stop()
+    del fleet.processes[router.name]
+    delta = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in after}
+    by_source = {s: sum(d[s] for d in delta.values()) for s in SOURCES}
+    prompt_tokens = sum(by_source.values()) or 1.0
+    external = by_source["external_kv_transfer"]
+    return {
+        "bench": "routing",
+        "policy": policy,
+        "seed": seed,
+        "requests": len(ttfts) + failures,
+        "failures": failures,
+        "mean_ttft_ms": round(statistics.fmean(ttfts) * 1e3, 1),
+        "p90_ttft_ms": round(p90(ttfts) * 1e3, 1),
+        "wall_s": round(wall, 1),
+        "prompt_tokens": int(prompt_tokens),
+        "token_share": {
+            "engine_prefix_cache": round(by_source["local_cache_hit"] / prompt_tokens, 3),
+            "our_tiers": round(max(0.0, external - peer) / prompt_tokens, 3),
+            "peer_pull": round(min(peer, external) / prompt_tokens, 3),
+            "recompute": round(by_source["local_compute"] / prompt_tokens, 3),
+        },
+        "requests_per_engine": {n: int(d["requests"]) for n, d in delta.items()},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default=None, help="model, logs (default: a temporary directory)")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--users", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=1500)
+    parser.add_argument("--turn-words", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--think-s", type=float, default=1.0, help="pause between a user's turns")
+    parser.add_argument("--stagger-s", type=float, default=0.5, help="users start this far apart")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument(
+        "--router-tokenizer",
+        choices=("local", "engine"),
+        default="local",
+        help="lmcache_router tokenizes with the model's tokenizer (--tokenizer) or asks an engine's /tokenize",
+    )
+    parser.add_argument("--layers", type=int, default=4, help="the local random Llama's depth")
+    parser.add_argument("--hidden", type=int, default=256, help="... and width")
+    parser.add_argument(
+        "--policies",
+        default=",".join([*LMCACHE_POLICIES, *(f"vllm-router:{p}" for p in VLLM_ROUTER_POLICIES)]),
+        help="comma-separated; lmcache_router's names, or vllm-router:POLICY",
+    )
+    args = parser.parse_args()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for policy in policies:
+        if policy not in LMCACHE_POLICIES and not re.fullmatch(r"vllm-router:\w+", policy):
+            parser.error(f"--policies: unknown policy {policy!r}")
+    if any(p.startswith("vllm-router:") for p in policies):
+        try:
+            import vllm_router  # noqa: F401
+        except ImportError:
+            parser.error("--policies names vllm-router, which is not installed: pip install 'lmcache-p2p[bench]'")
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-routing-"))
+    model = build(
+        str(workdir / f"llama-{args.layers}x{args.hidden}"),
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=max(2, args.hidden // 64),
+        num_kv_heads=max(2, args.hidden // 64),
+    )
+    env = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    fleet = ServedFleet(workdir / "fleet", model, engines=args.engines, engine_env=env)
+    results = []
+    try:
+        print(f"starting {args.engines} engines, logs in {fleet.workdir}", file=sys.stderr, flush=True)
+        fleet.start()
+        warm_up(fleet, args)
+        for run in range(args.runs):
+            order = policies[run % len(policies) :] + policies[: run % len(policies)]
+            for n, policy in enumerate(order):
+                seed = 1000 * (run + 1) + n
+                result = run_policy(fleet, policy, args, seed)
+                result["run"] = run + 1
+                results.append(result)
+                print(json.dumps(result), flush=True)
+    finally:
+        fleet.stop()
+    summary: dict = {"bench": "routing_summary", "runs": args.runs, "workload": vars(args) | {"workdir": str(workdir)}}
+    for policy in policies:
+        means = [r["mean_ttft_ms"] for r in results if r["policy"] == policy]
+        summary[policy] = {
+            "mean_ttft_ms": means,
+            "failures": sum(r["failures"] for r in results if r["policy"] == policy),
+        }
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
