@@ -24,6 +24,9 @@ Routers:
   the controller's POST /route, forwards);
 * ``vllm-router:cache_aware``: vllm-router's approximate prefix tree over request text, with its
   load-balance thresholds;
+* ``vllm-router:kv_aware``: vllm-router fed by every engine's KV event stream
+  (``--kv-events-config`` on the engines, ``--kv-event-source`` on the router), which carries
+  our CPU and disk tiers beside the GPU cache;
 * ``vllm-router:round_robin`` for reference.
 """
 
@@ -38,10 +41,12 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_p2p.demo import P2P_LINE, ServedProcess
@@ -49,7 +54,8 @@ from lmcache_p2p.testing.served_fleet import ServedFleet, free_port
 from lmcache_p2p.testing.tiny_model import build, sample_text
 
 LMCACHE_POLICIES = ("kv-aware", "round-robin", "least-loaded")
-VLLM_ROUTER_POLICIES = ("cache_aware", "round_robin")
+VLLM_ROUTER_POLICIES = ("cache_aware", "kv_aware", "round_robin")
+KV_BLOCK_SIZE = 128  # vLLM's CPU backend default block size, which the engines run with
 SOURCES = ("local_cache_hit", "external_kv_transfer", "local_compute")
 
 
@@ -144,11 +150,29 @@ def p90(values: list[float]) -> float:
 # -- routers -------------------------------------------------------------------------------------
 
 
+def forward_events(endpoint: str) -> str:
+    """A loopback tcp address relaying an engine's KV events from ``endpoint`` (ipc): vllm-router
+    takes only tcp://HOST:PORT and connects to it, and vLLM's publisher binds tcp only on every
+    interface (``tcp://*:PORT``). A ZMQ forwarder (XSUB to XPUB) in this process joins the two."""
+    ctx = zmq.Context.instance()
+    xsub = ctx.socket(zmq.XSUB)
+    xsub.connect(endpoint)
+    xpub = ctx.socket(zmq.XPUB)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    threading.Thread(target=zmq.proxy, args=(xsub, xpub), daemon=True, name="kv-event-forwarder").start()
+    return f"tcp://127.0.0.1:{port}"
+
+
 def start_vllm_router(fleet: ServedFleet, policy: str) -> tuple[ServedProcess, str]:
     port = free_port()
     name = f"vllm-router-{policy}"
     command = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--worker-urls", *fleet.engine_urls, "--policy", policy]
+    if policy == "kv_aware":
+        # Fed by each engine's KV event stream, which carries our CPU and disk tiers (kv_events.py).
+        for url, endpoint in zip(fleet.engine_urls, fleet.kv_event_endpoints, strict=True):
+            command += ["--kv-event-source", f"{url}={forward_events(endpoint)}"]
+        command += ["--kv-event-block-size", str(KV_BLOCK_SIZE), "--kv-event-model", fleet.model]
     router = ServedProcess(name, command, fleet.workdir / f"{name}.log").start()
     fleet.processes[name] = router
     url = f"http://127.0.0.1:{port}"
@@ -260,7 +284,7 @@ def main() -> int:
         num_kv_heads=max(2, args.hidden // 64),
     )
     env = {"VLLM_LOGGING_LEVEL": "WARNING"}
-    fleet = ServedFleet(workdir / "fleet", model, engines=args.engines, engine_env=env)
+    fleet = ServedFleet(workdir / "fleet", model, engines=args.engines, engine_env=env, kv_events=True)
     results = []
     try:
         print(f"starting {args.engines} engines, logs in {fleet.workdir}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ instance id per engine (``engine1``...), ``serve_url: http://{host}:PORT``.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ class ServedFleet:
     controller_args: tuple[str, ...] = ()
     engine_args: tuple[str, ...] = ()  # more vLLM arguments (e.g. --kv-events-config)
     engine_env: dict[str, str] = field(default_factory=dict)
+    engine_extra: dict = field(default_factory=dict)  # more LMCache config keys for every engine
+    # Each engine publishes vLLM's KV cache events (--kv-events-config) on an endpoint of its own.
+    kv_events: bool = False
+    kv_event_endpoints: list[str] = field(default_factory=list)
     controller_url: str = ""
     engine_urls: list[str] = field(default_factory=list)
     instance_ids: list[str] = field(default_factory=list)
@@ -66,6 +71,7 @@ class ServedFleet:
             "lmcache_worker_ports": 0,
             "lmcache_worker_heartbeat_time": self.heartbeat_s,
             "serve_url": f"http://{{host}}:{port}",
+            **self.engine_extra,
         }
 
     def start(self, timeout: float = 300.0) -> ServedFleet:
@@ -93,7 +99,15 @@ class ServedFleet:
             path = self.workdir / f"engine{i}.yaml"
             path.write_text(yaml.safe_dump(self.engine_config(i, pull, reply, port)))
             env = {**CPU_ENGINE_ENV, **self.engine_env, "LMCACHE_CONFIG_FILE": str(path)}
-            command = vllm_server_command(self.model, port, *CPU_ENGINE_ARGS, *self.engine_args)
+            extra = list(self.engine_args)
+            if self.kv_events:
+                # ipc: vLLM's publisher binds only wildcard tcp (all interfaces) or ipc addresses,
+                # and connects to any other; a local socket file keeps it off the network.
+                endpoint = f"ipc://{self.workdir.resolve()}/engine{i}-kv-events.sock"
+                self.kv_event_endpoints.append(endpoint)
+                events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+                extra += ["--kv-events-config", json.dumps(events)]
+            command = vllm_server_command(self.model, port, *CPU_ENGINE_ARGS, *extra)
             self.processes[f"engine{i}"] = ServedProcess(
                 f"engine{i}", command, self.workdir / f"engine{i}.log", env
             ).start()

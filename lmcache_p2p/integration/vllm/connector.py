@@ -14,6 +14,7 @@ class). Both halves read the same LMCache configuration: ``LMCACHE_CONFIG_FILE``
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -79,6 +80,14 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler_side.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[Any]:
+        """Our tiers' stores and evictions as KV cache events (kv_events.py), published by vLLM's
+        scheduler with its own when --kv-events-config enables them."""
+        return self._scheduler_side.take_events()
+
     # -- worker side -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -108,6 +117,11 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         if self._worker is None or self._worker.engine is None:
             return None, None
         return self._worker.finished_stores(finished_req_ids) or None, None
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        if self._worker is None or self._worker.storage_events is None:
+            return None
+        return self._worker.storage_events.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

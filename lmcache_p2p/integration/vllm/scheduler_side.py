@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents, kv_events_enabled
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata, StoreSpec
 from lmcache_p2p.keys import chunk_hash_array
@@ -52,6 +54,7 @@ class _Request:
     stored: bool = False  # a store was handed to the ranks: its blocks are freed after get_finished
     seen_at: float = field(default_factory=time.monotonic)  # first asked about (its lookup's start)
     lookup_ms: float = 0.0  # from seen_at until every rank answered (a peer pull included)
+    remembered: bool = False  # its chunks' blocks are known to the KV-event mapper
 
 
 class SchedulerSide:
@@ -77,6 +80,12 @@ class SchedulerSide:
         self.backoff_s = config.lookup_backoff_time
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
+        # Our tiers' admits and evicts as vLLM KV events, when the engine publishes them.
+        self.kv_events = (
+            BlockEventMapper(self.chunk_size, self.block_size, parallel.tensor_parallel_size)
+            if kv_events_enabled(vllm_config)
+            else None
+        )
         self._engine_busy = False  # did the last step schedule any tokens?
         self._idle_wait_taken = False  # a lookup of this scheduling round already waited long
         logger.info(
@@ -94,10 +103,13 @@ class SchedulerSide:
     # -- lookup ----------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.loads:
-            return 0, False
         req_id = request.request_id
         state = self._request(req_id, request.prompt_token_ids)
+        if self.kv_events is not None and not state.remembered:
+            self.kv_events.remember(state.chunk_hashes.tolist(), request)
+            state.remembered = True
+        if not self.loads:
+            return 0, False
         if not len(state.chunk_hashes):
             return 0, False
         hit = state.hit if state.hit is not None else self._ask(req_id, state)
@@ -252,6 +264,16 @@ class SchedulerSide:
             return False, None
         self._released.append(request.request_id)
         return state.stored, None
+
+    # -- KV events -------------------------------------------------------------------------------
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        carrier = getattr(connector_output, "kv_cache_events", None)
+        if self.kv_events is not None and isinstance(carrier, ChunkStorageEvents):
+            self.kv_events.take_rank_events(carrier)
+
+    def take_events(self) -> Iterable[Any]:
+        return self.kv_events.take_events() if self.kv_events is not None else ()
 
     def close(self) -> None:
         self.client.close()

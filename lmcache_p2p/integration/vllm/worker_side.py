@@ -31,6 +31,7 @@ import torch
 from lmcache_p2p.cache_engine import CacheEngine, PinnedPrefix
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
+from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
 from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, LookupServer, engine_socket_path
 from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
 from lmcache_p2p.protocol import unpack_hashes
@@ -122,6 +123,7 @@ class WorkerSide:
         self._saving: set[str] = set()  # requests we stored from (their blocks wait for finished_stores)
         self._finishing: set[str] = set()  # of those, finished in vLLM, store copies maybe in flight
         self._clock: _StepClock | None = None  # times prefill steps (register_kv_caches makes it)
+        self.storage_events: StorageEventBuffer | None = None  # with --kv-events-config
         self.tp_rank, self.tp_size = self._tp_rank_and_size()
 
     def _tp_rank_and_size(self) -> tuple[int, int]:
@@ -157,6 +159,9 @@ class WorkerSide:
             device=first.device if first.is_cuda else None,
         )
         self._clock = _StepClock(self.engine, first.device if first.is_cuda else None)
+        if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
+            self.storage_events = StorageEventBuffer(self.tp_rank)
+            self.engine.storage.subscribe(self.storage_events)
         with _live_lock:
             _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)

@@ -1,0 +1,125 @@
+"""Our tiers in the engine's own KV event stream (issue 22, item 4): a router that subscribes to a
+vLLM engine's ``--kv-events-config`` ZMQ publisher, as vllm-router's ``kv_aware`` policy and
+llm-d's indexer do, sees the chunks we store in the CPU tier and on disk (medium ``CPU`` and
+``STORAGE``) as blocks it already knows from the engine's GPU events (the same block hashes and
+tokens), and sees them leave when the CPU pool evicts them. A real vLLM CPU OpenAI server, a real
+subscriber."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import msgspec
+import pytest
+import zmq
+from conftest import ENGINE_ENV
+from protocol_client import wait_for
+
+from lmcache_p2p.testing.served_fleet import ServedFleet
+from lmcache_p2p.testing.tiny_model import sample_text
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CHUNK = 256
+KV_BYTES_PER_CHUNK = 2 * 2 * 128 * 4 * CHUNK  # the tiny model: 2 layers, K and V, 128 wide, fp32
+
+
+class Subscriber:
+    """Every KV event batch an engine publishes, decoded with vLLM's own types."""
+
+    def __init__(self, endpoint: str):
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.events: list = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        while not self._stop:
+            if poller.poll(100):
+                *_, payload = self.sub.recv_multipart()
+                self.events.extend(self.decoder.decode(payload).events)
+
+    def of(self, kind: str, medium: str) -> list:
+        return [e for e in list(self.events) if type(e).__name__ == kind and e.medium == medium]
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(5)
+        self.sub.close(0)
+        self.ctx.term()
+
+
+def test_cpu_and_disk_chunks_are_published_as_the_engines_own_blocks_and_evictions_follow(tiny_model, tmp_path):
+    fleet = ServedFleet(
+        tmp_path / "fleet",
+        tiny_model,
+        engines=1,
+        # Room for 6 chunks in the CPU pool, so a few more prompts evict the first one's.
+        cpu_gb=6 * KV_BYTES_PER_CHUNK / 2**30,
+        engine_env=ENGINE_ENV,
+        kv_events=True,
+        engine_extra={"local_disk": f"file://{tmp_path / 'disk'}/", "max_local_disk_size": 1.0},
+    )
+    subscriber = None
+    try:
+        fleet.start()
+        subscriber = Subscriber(fleet.kv_event_endpoints[0])
+        time.sleep(0.5)  # the SUB socket joins before anything is published
+        url = fleet.engine_urls[0]
+
+        def complete(prompt: str) -> None:
+            body = {"model": tiny_model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+
+        first = sample_text(700, seed=41)  # 2 full chunks
+        tokens = httpx.post(f"{url}/tokenize", json={"model": tiny_model, "prompt": first}, timeout=30).json()["tokens"]
+        complete(first)
+        stored = wait_for(
+            lambda: len(subscriber.of("BlockStored", "CPU")) >= 2 and subscriber.of("BlockStored", "CPU"),
+            20,
+            "CPU BlockStored events",
+        )
+        gpu = subscriber.of("BlockStored", "GPU")
+        gpu_hashes = [h for e in gpu for h in e.block_hashes]
+        blocks_per_chunk = CHUNK // stored[0].block_size
+        for i, event in enumerate(stored[:2]):
+            # The chunk's blocks are the engine's own: same hashes as its GPU events, same tokens.
+            assert event.token_ids == tokens[i * CHUNK : (i + 1) * CHUNK]
+            assert len(event.block_hashes) == blocks_per_chunk
+            assert event.block_hashes == gpu_hashes[i * blocks_per_chunk : (i + 1) * blocks_per_chunk]
+            assert event.parent_block_hash == (gpu_hashes[i * blocks_per_chunk - 1] if i else None)
+        # Written behind to disk: the same blocks, on medium STORAGE.
+        on_disk = wait_for(
+            lambda: len(subscriber.of("BlockStored", "STORAGE")) >= 2 and subscriber.of("BlockStored", "STORAGE"),
+            20,
+            "STORAGE BlockStored events",
+        )
+        assert {tuple(e.block_hashes) for e in on_disk[:2]} == {tuple(e.block_hashes) for e in stored[:2]}
+
+        # More prompts than the pool holds: the first prompt's chunks leave the CPU tier.
+        for seed in range(5):
+            complete(sample_text(700, seed=100 + seed))
+        first_blocks = set(stored[0].block_hashes)
+        removed = wait_for(
+            lambda: [e for e in subscriber.of("BlockRemoved", "CPU") if first_blocks & set(e.block_hashes)],
+            20,
+            "the first chunk's CPU BlockRemoved",
+        )
+        assert set(removed[0].block_hashes) == first_blocks
+        # ... and not from disk, where they still are.
+        assert not [e for e in subscriber.of("BlockRemoved", "STORAGE") if first_blocks & set(e.block_hashes)]
+    finally:
+        if subscriber is not None:
+            subscriber.close()
+        fleet.stop()
