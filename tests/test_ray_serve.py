@@ -109,11 +109,12 @@ class RayCluster:
     def serve_shutdown(self) -> None:
         """Delete every application and wait until Serve's proxy no longer routes to one: the
         next test deploys at the same route prefix, which Serve refuses while an application
-        still holds it (seen once under a full run). Not ``serve status``: it asks the dashboard,
-        which these nodes do not run."""
-        done = subprocess.run(
-            [str(BIN / "serve"), "shutdown", "-y"], env=self.env(), capture_output=True, text=True, timeout=180
-        )
+        still holds it (seen under full runs). Through the Python API: `serve shutdown` and
+        `serve status` ask the dashboard, which these nodes do not run; `serve shutdown` exits 0
+        having done nothing, and only looked as if it worked while `serve run`'s own Ctrl-C
+        clean-up deleted the application in time."""
+        code = f"import ray; from ray import serve; ray.init(address={self.address!r}); serve.shutdown()"
+        done = subprocess.run([sys.executable, "-c", code], env=self.env(), capture_output=True, text=True, timeout=180)
         self._kill_leftovers(engines_only=True)  # the next test needs the cores and memory
         deadline = time.monotonic() + 60
         while True:
@@ -226,7 +227,7 @@ def test_seed_serve_run_yaml_answers_and_a_repeat_is_a_cpu_tier_hit(ray_cluster,
     finally:
         serve.send_signal(signal.SIGINT)  # serve run deletes its application on Ctrl-C
         try:
-            serve.wait(timeout=120)
+            serve.wait(timeout=30)  # serve_shutdown below deletes what it leaves
         except subprocess.TimeoutExpired:
             serve.kill()
         ray_cluster.serve_shutdown()
