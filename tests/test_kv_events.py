@@ -123,3 +123,43 @@ def test_cpu_and_disk_chunks_are_published_as_the_engines_own_blocks_and_evictio
         if subscriber is not None:
             subscriber.close()
         fleet.stop()
+
+
+def test_with_tp_a_chunk_is_stored_once_every_rank_holds_it_and_removed_once_any_rank_evicts_it():
+    """The mapper alone, with two TP ranks whose admits arrive in different steps, and a chunk
+    the scheduler forgets while it is published (routers must not keep counting it)."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents
+
+    chunk, block = 4, 2  # 2 blocks per chunk
+    mapper = BlockEventMapper(chunk_size=chunk, block_size=block, tp_size=2, max_chunks=2)
+    request = SimpleNamespace(
+        request_id="r", prompt_token_ids=list(range(100, 112)), block_hashes=[bytes([b]) * 32 for b in range(6)]
+    )
+    mapper.remember([11, 12, 13], request)  # 3 chunks, room for 2: chunk 11 is forgotten at once
+    assert mapper.stats["unknown_chunk"] == 0
+
+    def step(*events):
+        carrier = None
+        for rank, kind, location, chunk_hash in events:
+            part = ChunkStorageEvents([(kind, location, chunk_hash)], rank)
+            carrier = part if carrier is None else carrier.merge(part)
+        if carrier is not None:
+            mapper.take_rank_events(carrier)
+        return list(mapper.take_events())
+
+    assert step((0, "admit", "LocalCPUBackend", 12)) == []  # rank 1 has not got it yet
+    stored = step((1, "admit", "LocalCPUBackend", 12))
+    assert [(type(e).__name__, e.medium, e.token_ids) for e in stored] == [("BlockStored", "CPU", [104, 105, 106, 107])]
+    assert stored[0].parent_block_hash is not None and len(stored[0].block_hashes) == 2
+    removed = step((1, "evict", "LocalCPUBackend", 12))  # one rank's eviction is enough
+    assert [(type(e).__name__, e.block_hashes) for e in removed] == [("BlockRemoved", stored[0].block_hashes)]
+    assert step((0, "evict", "LocalCPUBackend", 12)) == []  # already removed: said once
+
+    step((0, "admit", "LocalCPUBackend", 13), (1, "admit", "LocalCPUBackend", 13))
+    # A newer prompt pushes chunk 13 out of memory while it is stored: removed, not left behind.
+    mapper.remember(
+        [21, 22], SimpleNamespace(request_id="s", prompt_token_ids=list(range(8)), block_hashes=[b"x" * 32] * 4)
+    )
+    assert [type(e).__name__ for e in mapper.take_events()] == ["BlockRemoved"]

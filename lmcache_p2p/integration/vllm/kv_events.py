@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -37,9 +38,10 @@ logger = logging.getLogger(__name__)
 
 # vLLM's names for where a block lives (vllm.distributed.kv_events.MEDIUM_*), by our location.
 MEDIUM_BY_LOCATION = {CPU: "CPU", DISK: "STORAGE"}
-# Chunks whose blocks the scheduler remembers: past this the least recently seen are forgotten,
-# and an event for one of them is dropped (counted). 65,536 chunks of 256 tokens are 16.8M tokens
-# of prompts, about 130 MB at most.
+# Chunks whose blocks the scheduler remembers: past this the least recently seen are forgotten
+# (a stored one published as removed: we could not name its blocks when it leaves), and a later
+# event for one of them is dropped (counted). A chunk of 256 tokens costs about 2 KB (its token
+# ids as int32, 2 to 16 block hashes): 65,536 of them, 16.8M tokens of prompts, about 130 MB.
 MAX_REMEMBERED_CHUNKS = 65_536
 
 ChunkEvent = tuple[str, str, int]  # (kind "admit" | "evict", location, chunk hash)
@@ -99,7 +101,7 @@ class StorageEventBuffer:
 class _ChunkBlocks:
     block_hashes: list[Any]  # vLLM's external block hashes of the chunk's blocks
     parent: Any  # the block before the chunk's first (None for the prompt's first chunk)
-    token_ids: list[int]
+    token_ids: array  # int32: a tenth of a list's memory; a list again only in a published event
     published: set[str]  # locations a BlockStored went out for (a BlockRemoved is owed on evict)
 
 
@@ -123,7 +125,7 @@ class BlockEventMapper:
     def remember(self, chunk_hashes: Sequence[int], request: Any) -> None:
         """The blocks of a prompt's full chunks, from the request vLLM hashed into blocks (it does
         with prefix caching on, the default)."""
-        block_hashes = list(getattr(request, "block_hashes", None) or ())
+        block_hashes = getattr(request, "block_hashes", None) or ()
         if len(block_hashes) < len(chunk_hashes) * self.blocks_per_chunk:
             self.stats["no_block_hashes"] += 1
             if self.stats["no_block_hashes"] == 1:
@@ -135,7 +137,7 @@ class BlockEventMapper:
                     len(chunk_hashes),
                 )
             return
-        tokens = list(request.prompt_token_ids or ())
+        tokens = request.prompt_token_ids or ()
         per = self.blocks_per_chunk
         for i, chunk_hash in enumerate(chunk_hashes):
             key = int(chunk_hash)
@@ -147,23 +149,26 @@ class BlockEventMapper:
             self._chunks[key] = _ChunkBlocks(
                 block_hashes=[self._convert(h) for h in block_hashes[first : first + per]],
                 parent=self._convert(block_hashes[first - 1]) if first else None,
-                token_ids=tokens[i * self.chunk_size : (i + 1) * self.chunk_size],
+                token_ids=array("i", tokens[i * self.chunk_size : (i + 1) * self.chunk_size]),
                 published=set(),
             )
         while len(self._chunks) > self.max_chunks:
-            self._chunks.popitem(last=False)
+            _, forgotten = self._chunks.popitem(last=False)
+            for location in list(forgotten.published):
+                self._remove(location, forgotten)
 
     def take_rank_events(self, carrier: ChunkStorageEvents) -> None:
         for rank, kind, location, chunk_hash in carrier.get_all_events():
             if kind == "admit":
                 holders = self._admitted.setdefault((location, chunk_hash), set())
                 holders.add(rank)
-                if len(holders) == self.tp_size:
+                if len(holders) == self.tp_size:  # held by the instance: an evict now needs `published` only
+                    del self._admitted[(location, chunk_hash)]
                     self._publish_stored(location, chunk_hash)
             else:
                 self._admitted.pop((location, chunk_hash), None)
                 self._publish_removed(location, chunk_hash)
-        if len(self._admitted) > 4 * self.max_chunks:  # ranks' admits that never completed
+        if len(self._admitted) > self.max_chunks:  # some ranks' admits whose chunk no rank completed
             for key in list(self._admitted)[: len(self._admitted) // 2]:
                 del self._admitted[key]
 
@@ -175,7 +180,7 @@ class BlockEventMapper:
         fields = {
             "block_hashes": chunk.block_hashes,
             "parent_block_hash": chunk.parent,
-            "token_ids": chunk.token_ids,
+            "token_ids": chunk.token_ids.tolist(),
             "block_size": self.block_size,
             "lora_id": None,
             "medium": MEDIUM_BY_LOCATION[location],
@@ -189,8 +194,10 @@ class BlockEventMapper:
 
     def _publish_removed(self, location: str, chunk_hash: int) -> None:
         chunk = self._chunks.get(chunk_hash)
-        if chunk is None or location not in chunk.published:
-            return
+        if chunk is not None and location in chunk.published:
+            self._remove(location, chunk)
+
+    def _remove(self, location: str, chunk: _ChunkBlocks) -> None:
         chunk.published.discard(location)
         fields: dict[str, Any] = {
             "block_hashes": chunk.block_hashes,
