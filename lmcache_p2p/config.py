@@ -573,19 +573,25 @@ class LMCacheConfig:
 
 PORT_LIST_KEYS = ("lmcache_worker_ports", "p2p_init_ports", "p2p_lookup_ports")
 DEFAULT_INSTANCE_ID = "{hostname}-{engine_id}"
-_INSTANCE_ID_FIELDS = ("hostname", "engine_id")
 
 
-def expand_instance_id(template: str, engine_id: str, hostname: str) -> str:
-    """``{hostname}`` and ``{engine_id}`` in an instance id template; ValueError names any other."""
+def _expand(template: str, **values: str) -> str:
+    """``template`` with its ``{name}`` placeholders filled from ``values``; ValueError names an
+    unmatched brace or a placeholder that is not one of ``values``."""
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as e:  # an unmatched brace
         raise ValueError(f"{template!r}: {e}; write {{{{ and }}}} for literal braces") from None
     for name in fields:
-        if name not in _INSTANCE_ID_FIELDS:
-            raise ValueError(f"{template!r} names {{{name}}}: only {{hostname}} and {{engine_id}} expand")
-    instance_id = template.format(hostname=hostname, engine_id=engine_id)
+        if name not in values:
+            known = " and ".join(f"{{{v}}}" for v in values)
+            raise ValueError(f"{template!r} names {{{name}}}: only {known} expand{'s' if len(values) == 1 else ''}")
+    return template.format(**values)
+
+
+def expand_instance_id(template: str, engine_id: str, hostname: str) -> str:
+    """``{hostname}`` and ``{engine_id}`` in an instance id template; ValueError names any other."""
+    instance_id = _expand(template, hostname=hostname, engine_id=engine_id)
     if not instance_id or any(c.isspace() for c in instance_id):
         raise ValueError(f"{template!r} expands to {instance_id!r}: an id needs characters and no spaces")
     return instance_id
@@ -593,14 +599,7 @@ def expand_instance_id(template: str, engine_id: str, hostname: str) -> str:
 
 def expand_serve_url(template: str, host: str) -> str:
     """``{host}`` in a serve_url; ValueError for another placeholder or a URL that is not http(s)."""
-    try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-    except ValueError as e:
-        raise ValueError(f"{template!r}: {e}") from None
-    for name in fields:
-        if name != "host":
-            raise ValueError(f"{template!r} names {{{name}}}: only {{host}} expands")
-    url = template.format(host=host).rstrip("/")
+    url = _expand(template, host=host).rstrip("/")
     scheme, _, rest = url.partition("://")
     if scheme not in ("http", "https") or not rest or any(c.isspace() for c in url):
         raise ValueError(f"{template!r}: expected http://host:port or https://host:port")

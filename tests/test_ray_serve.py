@@ -73,11 +73,10 @@ class RayCluster:
         done = subprocess.run([str(BIN / "ray"), *args], capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 0, f"ray {' '.join(args)}:\n{done.stderr[-3000:]}"
 
-    def _kill_leftovers(self, engines_only: bool) -> int:
+    def _kill_leftovers(self, engines_only: bool) -> None:
         """SIGKILL what this cluster started and outlived its stop (only vLLM's processes, with
-        ``engines_only``); how many. Seen: each run left two engines of 1.5 GB behind."""
+        ``engines_only``). Seen: each run left two engines of 1.5 GB behind."""
         marker = f"LMC_P2P_TEST_RAY_CLUSTER={self.dir.name}".encode()
-        killed = 0
         for proc in Path("/proc").glob("[0-9]*"):
             try:
                 if marker not in (proc / "environ").read_bytes().split(b"\0"):
@@ -85,10 +84,8 @@ class RayCluster:
                 if engines_only and not (proc / "cmdline").read_bytes().startswith(b"VLLM::"):
                     continue
                 os.kill(int(proc.name), signal.SIGKILL)
-                killed += 1
             except (OSError, ValueError):  # gone meanwhile, or not ours to read
                 continue
-        return killed
 
     def start(self) -> RayCluster:
         # Each node offers one "lmcache_engine" slot and each replica asks for one: one per node.

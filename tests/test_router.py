@@ -8,8 +8,6 @@ is down."""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -20,6 +18,7 @@ import pytest
 from openai_standin import ServedApp, StandinEngine, chat_text, standin_tokens
 from protocol_client import ControllerProcess, FakeWorker, free_ports, registered_workers, wait_for
 
+from lmcache_p2p.demo import ServedProcess
 from lmcache_p2p.protocol import EngineLoad
 from lmcache_p2p.router import cli
 from lmcache_p2p.router.app import create_app
@@ -381,6 +380,7 @@ def test_the_command_routes_through_a_controller_with_a_token(tmp_path, engines,
     ).start()
     port = free_ports(1)[0]
     proc = None
+    log = tmp_path / "router.log"
     try:
         with registered_workers(c) as make:
             engine = engines("inst-a", api_key="sk-client")
@@ -388,25 +388,15 @@ def test_the_command_routes_through_a_controller_with_a_token(tmp_path, engines,
             # Without the token the controller refuses /route; health says so, by status.
             unauthorized = router(c.url).http.get("/health").json()
             assert "HTTP 401" in unauthorized["reason"] and "--api-token-file" in unauthorized["reason"]
-            proc = subprocess.Popen(
+            proc = ServedProcess(
+                "lmcache_router",
                 [sys.executable, "-m", "lmcache_p2p.router.cli", "--controller-url", c.url, "--port", str(port)]
                 + ["--api-token-file", str(token_file)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env={k: v for k, v in os.environ.items() if k != "LMCACHE_API_TOKEN"},
-            )
+                log,
+                env={"LMCACHE_API_TOKEN": ""},  # the file is the one source (an empty variable is unset)
+            ).start()
             url = f"http://127.0.0.1:{port}"
-
-            def up() -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"lmcache_router exited {proc.returncode}: {proc.communicate()[0]}")
-                try:
-                    return httpx.get(f"{url}/health").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_for(up, 20, "lmcache_router", interval=0.1)
+            proc.wait_http(f"{url}/health", 20)
             auth = {"Authorization": "Bearer sk-client"}  # the client's key for the engine, passed on
             response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": DOC}, headers=auth)
             assert answered_by(response) == "inst-a"
@@ -416,8 +406,8 @@ def test_the_command_routes_through_a_controller_with_a_token(tmp_path, engines,
             assert (stats["route_errors"], stats["tokenize_errors"], stats["forwarded"]) == (0, 0, 1)
     finally:
         if proc is not None:
-            proc.terminate()
-            out = proc.communicate(timeout=10)[0]
+            proc.stop()
         c.stop()
+    out = log.read_text()
     assert "routing with policy kv-aware via controller" in out
     assert "/v1/completions model=tiny-llama stream=False policy=kv-aware prompt_tokens=64 -> inst-a" in out

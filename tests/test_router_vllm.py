@@ -7,7 +7,6 @@ the other one."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
@@ -16,6 +15,7 @@ import pytest
 from conftest import ENGINE_ENV
 from protocol_client import wait_for
 
+from lmcache_p2p.demo import stream_completion
 from lmcache_p2p.router.tokenizer import LocalTokenizer
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
@@ -38,15 +38,9 @@ def complete(url: str, model: str, prompt: str, **extra) -> httpx.Response:
 
 
 def streamed_text(url: str, model: str, prompt: str) -> tuple[str, str]:
-    """(the text, the engine the router chose) of a streamed completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "stream": True}
-    pieces = []
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                pieces.append(json.loads(line[6:])["choices"][0]["text"])
-        return "".join(pieces), response.headers.get("x-lmcache-instance", "")
+    """(the text, the engine the router chose: "" when asked directly) of a streamed completion."""
+    answer = stream_completion(url, model, prompt, max_tokens=8)
+    return answer["text"], answer["headers"].get("x-lmcache-instance", "")
 
 
 def route(fleet: ServedFleet, tokens: list[int]) -> dict:
@@ -63,9 +57,10 @@ def test_next_turn_follows_its_history_streams_intact_and_survives_its_engine_dy
     _, router = fleet.start_router("kv-aware")
     # Both engines report their queue (rank 0 reads it from its own /metrics at serve_url).
     wait_for(
-        lambda: all(e["load"]["reported"] for e in route(fleet, [1, 2, 3]).values()) and len(fleet.instance_ids) == 2,
+        lambda: len(r := route(fleet, [1, 2, 3])) == 2 and all(e["load"]["reported"] for e in r.values()),
         30,
         "both engines' load at /route",
+        interval=0.2,
     )
 
     history = sample_text(1200, seed=11) + "\nUser: what is this about?\nAssistant:"
@@ -78,6 +73,7 @@ def test_next_turn_follows_its_history_streams_intact_and_survives_its_engine_dy
         lambda: (r := route(fleet, tokens_of(fleet, turn1))) and r[holder]["local_tokens"] >= 1024 and r,
         20,
         f"the controller to index turn 1 at {holder}",
+        interval=0.2,
     )
     assert held[holder]["expected_ttft_ms"] < held[other]["expected_ttft_ms"], held
     # --tokenizer gives the ids the engine prefills, so routing by them finds the same chunks.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from starlette.background import BackgroundTask
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import Candidate, RoundRobin, demote, make_policy
-from lmcache_p2p.router.tokenizer import LocalTokenizer, TokenizerError
+from lmcache_p2p.router.tokenizer import TEMPLATE_FIELDS, LocalTokenizer, TokenizerError
 
 logger = logging.getLogger("lmcache_p2p.router")
 
@@ -52,13 +52,10 @@ TOKEN_LIMIT = 2**31  # the controller refuses larger ids (TokenId in its api.py)
 # about must be those (a missing generation prompt shifts every chunk boundary after it).
 CHAT_TEMPLATE_FIELDS = (
     "add_generation_prompt",
-    "continue_final_message",
     "add_special_tokens",
-    "chat_template",
     "chat_template_kwargs",
-    "tools",
-    "documents",
     "mm_processor_kwargs",
+    *TEMPLATE_FIELDS,
 )
 # Request headers the engine may need: its --api-key (Authorization), request-id correlation,
 # and the encodings the client accepts (answers are passed on still encoded).
@@ -106,9 +103,10 @@ def _token_list(value: Any) -> list[int] | None:
     return None
 
 
-def parse_body(raw: bytes, path: str) -> dict[str, Any]:
+def parse_body(raw: bytes, path: str) -> tuple[dict[str, Any], str | list[int] | None]:
     """The JSON body of a completions (``path`` = :data:`COMPLETIONS`) or chat request, checked
-    only as far as routing needs; everything else is the engine's to judge."""
+    only as far as routing needs (everything else is the engine's to judge), and what a
+    completion is routed by (:func:`prompt_text_or_tokens`; None for a chat)."""
     if not raw.strip():
         raise BadRequest("the request has no body: expected a JSON object")
     try:
@@ -127,11 +125,10 @@ def parse_body(raw: bytes, path: str) -> dict[str, Any]:
             raise BadRequest("'messages' is required", "messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list of messages", "messages")
-    else:
-        if "prompt" not in body:
-            raise BadRequest("'prompt' is required", "prompt")
-        prompt_text_or_tokens(body["prompt"])  # raises on a shape that is none of OpenAI's
-    return body
+        return body, None
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required", "prompt")
+    return body, prompt_text_or_tokens(body["prompt"])  # raises on a shape that is none of OpenAI's
 
 
 def prompt_text_or_tokens(prompt: Any) -> str | list[int]:
@@ -156,15 +153,14 @@ def prompt_text_or_tokens(prompt: Any) -> str | list[int]:
     )
 
 
-def tokenize_body(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's ``/tokenize`` body for a request: the completion's prompt, or the chat's messages
-    with every field that shapes the chat template (``add_generation_prompt`` defaults to true,
-    as in a chat request)."""
-    if path == CHAT:
+def tokenize_body(body: Mapping[str, Any], prompt: str | None) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` body for a request: the completion's ``prompt`` text, or (None) the
+    chat's messages with every field that shapes the chat template (``add_generation_prompt``
+    defaults to true, as in a chat request)."""
+    if prompt is None:
         out = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True}
         out.update({k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body})
         return out
-    prompt = prompt_text_or_tokens(body["prompt"])
     out = {"model": body["model"], "prompt": prompt}
     if "add_special_tokens" in body:
         out["add_special_tokens"] = body["add_special_tokens"]
@@ -291,12 +287,7 @@ def _brief(body: bytes, limit: int = 200) -> str:
 class RouterService:
     """Everything behind the routes: one httpx client, the engines known, the counters."""
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        transport: httpx.AsyncBaseTransport | None = None,
-        tokenizer: LocalTokenizer | None = None,
-    ):
+    def __init__(self, config: RouterConfig, tokenizer: LocalTokenizer | None = None):
         self.config = config
         self.tokenizer = tokenizer  # --tokenizer: ids without asking an engine
         self.policy = make_policy(config.policy)
@@ -304,8 +295,11 @@ class RouterService:
         self.engines = KnownEngines()
         self._cooling: dict[str, float] = {}  # instance_id -> monotonic time it may go first again
         self._warn = RateLimitedLog(logger, every_s=10.0)
-        self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self._controller_headers = {"content-type": "application/json"}
+        if config.api_token:
+            self._controller_headers["authorization"] = f"Bearer {config.api_token}"
+        self._route_timeout = httpx.Timeout(config.route_timeout_s, connect=config.connect_timeout_s)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -323,7 +317,6 @@ class RouterService:
             # Engines and the controller are inside the fleet's network: an HTTP(S)_PROXY meant
             # for the outside must not capture them.
             trust_env=False,
-            transport=self._transport,
         )
         error = await self.discover()
         if error:
@@ -344,24 +337,18 @@ class RouterService:
 
     # -- the controller --------------------------------------------------------------------------
 
-    def _controller_headers(self) -> dict[str, str]:
-        headers = {"content-type": "application/json"}
-        if self.config.api_token:
-            headers["authorization"] = f"Bearer {self.config.api_token}"
-        return headers
-
     async def ask_route(self, tokens: list[int]) -> tuple[dict[str, Any] | None, str | None]:
         """The controller's /route answer for ``tokens`` (an empty list ranks by load alone),
         or None and why not."""
-        body: dict[str, Any] = {"tokens": tokens[:MAX_ROUTE_TOKENS]}
+        body: dict[str, Any] = {"tokens": tokens if len(tokens) <= MAX_ROUTE_TOKENS else tokens[:MAX_ROUTE_TOKENS]}
         if self.config.model:
             body["model"] = self.config.model
         try:
             response = await self.client.post(
                 f"{self.config.controller_url}/route",
                 content=msgspec.json.encode(body),
-                headers=self._controller_headers(),
-                timeout=httpx.Timeout(self.config.route_timeout_s, connect=self.config.connect_timeout_s),
+                headers=self._controller_headers,
+                timeout=self._route_timeout,
             )
         except httpx.HTTPError as e:
             return None, _describe_error(e)
@@ -403,56 +390,49 @@ class RouterService:
         self.stats.route_calls += 1
         if answer is None:
             self.stats.route_errors += 1
-            why = f"controller {self.config.controller_url} /route failed: {error}"
-            self._warn.warning(
-                ("route", "error"),
-                "%s; routing round-robin over the %d known engine(s)",
-                why,
-                len(self.engines.engines),
+            kind, why = "error", f"controller {self.config.controller_url} /route failed: {error}"
+        else:
+            ranked = self._candidates(answer)
+            self.engines.update(ranked)
+            forwardable = [c for c in ranked if c.serve_url is not None]
+            if forwardable:
+                return RouteResult(self.policy.order(forwardable), route_ms)
+            kind, why = (
+                "empty",
+                "the controller ranked no instance with a serve_url"
+                + (f" (skipped: {answer.get('skipped')!r:.300})" if answer.get("skipped") else ""),
             )
-            return RouteResult(self.engines.fallback_order(), route_ms, f"round-robin fallback ({why})")
-        ranked = self._candidates(answer)
-        self.engines.update(ranked)
-        forwardable = [c for c in ranked if c.serve_url is not None]
-        if not forwardable:
-            why = "the controller ranked no instance with a serve_url" + (
-                f" (skipped: {answer.get('skipped')!r:.300})" if answer.get("skipped") else ""
-            )
-            self._warn.warning(
-                ("route", "empty"),
-                "%s; routing round-robin over the %d known engine(s)",
-                why,
-                len(self.engines.engines),
-            )
-            return RouteResult(self.engines.fallback_order(), route_ms, f"round-robin fallback ({why})")
-        return RouteResult(self.policy.order(forwardable), route_ms)
+        self._warn.warning(
+            ("route", kind), "%s; routing round-robin over the %d known engine(s)", why, len(self.engines.engines)
+        )
+        return RouteResult(self.engines.fallback_order(), route_ms, f"round-robin fallback ({why})")
 
     # -- engines ---------------------------------------------------------------------------------
 
-    async def tokenize(self, path: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[list[int], str]:
-        """The prompt's token ids from a known engine's /tokenize, and a note when there are
-        none (then the request is routed by load alone: ``[]``)."""
-        if path == COMPLETIONS:
-            prompt = prompt_text_or_tokens(body["prompt"])
-            if isinstance(prompt, list):
-                return prompt, ""  # already ids: nothing to ask
+    async def tokenize(
+        self, body: Mapping[str, Any], prompt: str | list[int] | None, headers: Mapping[str, str]
+    ) -> tuple[list[int], str]:
+        """The prompt's token ids (``prompt``: a completion's text or ids, None for a chat) from
+        --tokenizer or a known engine's /tokenize, and a note when there are none (then the
+        request is routed by load alone: ``[]``)."""
+        if isinstance(prompt, list):
+            return prompt, ""  # already ids: nothing to ask
+        t0 = time.perf_counter()
         if self.tokenizer is not None:
-            t0 = time.perf_counter()
             try:
-                if path == COMPLETIONS:
-                    assert isinstance(prompt, str)
-                    return self.tokenizer.completion(prompt, body.get("add_special_tokens", True) is not False), ""
-                return self.tokenizer.chat(body), ""
-            except TokenizerError as e:
-                self._warn.warning(("local tokenizer",), "%s; asking an engine's /tokenize instead", e)
-            finally:
+                if prompt is None:
+                    tokens = self.tokenizer.chat(body)
+                else:
+                    tokens = self.tokenizer.completion(prompt, body.get("add_special_tokens", True) is not False)
                 self.stats.tokenize_ms_total += (time.perf_counter() - t0) * 1e3
                 self.stats.tokenize_calls += 1
+                return tokens, ""
+            except TokenizerError as e:  # timed and counted once, with the engine's answer below
+                self._warn.warning(("local tokenizer",), "%s; asking an engine's /tokenize instead", e)
         if not self.engines.engines:
             await self.discover()
-        payload = msgspec.json.encode(tokenize_body(path, body))
+        payload = msgspec.json.encode(tokenize_body(body, prompt))
         problems: list[str] = []
-        t0 = time.perf_counter()
         try:
             for engine in demote(self.engines.tokenize_order(body.get("model")), self.cooling()):
                 assert engine.serve_url is not None
@@ -474,11 +454,10 @@ class RouterService:
                     # the engine's own error.
                     problems.append(f"{engine.instance_id}: HTTP {response.status_code}: {_brief(response.content)}")
                     break
-                try:
-                    tokens = response.json()["tokens"]
-                except (ValueError, KeyError, TypeError):
-                    tokens = None
-                if isinstance(tokens, list) and all(_is_token(t) for t in tokens):
+                ids: Any = None
+                with suppress(ValueError, KeyError, TypeError):
+                    ids = response.json()["tokens"]
+                if isinstance(ids, list) and all(_is_token(t) for t in ids):
                     if problems:  # an engine down: it is demoted for cooldown_s, forwarding too
                         logger.warning(
                             "tokenized on %s after %s; demoted for %.0f s",
@@ -486,7 +465,7 @@ class RouterService:
                             "; ".join(problems),
                             self.config.cooldown_s,
                         )
-                    return tokens, ""
+                    return ids, ""
                 problems.append(
                     f"{engine.instance_id}: /tokenize answered without token ids: {_brief(response.content)}"
                 )
@@ -638,14 +617,14 @@ class RouterService:
         self.stats.requests += 1
         raw = await request.body()
         try:
-            body = parse_body(raw, path)
+            body, prompt = parse_body(raw, path)
         except BadRequest as e:
             self.stats.bad_requests += 1
             return openai_error(400, e.message, "invalid_request_error", e.param)
         client_headers = {k: request.headers[k] for k in FORWARDED_REQUEST_HEADERS if k in request.headers}
         t0 = time.perf_counter()
         tokens, tokenize_note = await self.tokenize(
-            path, body, {k: v for k, v in client_headers.items() if k == "authorization"}
+            body, prompt, {k: v for k, v in client_headers.items() if k == "authorization"}
         )
         tokenize_ms = (time.perf_counter() - t0) * 1e3
         routed = await self.route(tokens)
@@ -755,12 +734,10 @@ class RouterService:
         }
 
 
-def create_app(
-    config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None, tokenizer: LocalTokenizer | None = None
-) -> FastAPI:
+def create_app(config: RouterConfig, tokenizer: LocalTokenizer | None = None) -> FastAPI:
     """The router's FastAPI app; its httpx client lives as long as the app's lifespan.
-    ``transport``: httpx's, for tests that want no network; ``tokenizer``: --tokenizer's."""
-    service = RouterService(config, transport, tokenizer)
+    ``tokenizer``: --tokenizer's."""
+    service = RouterService(config, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -52,9 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         help="tokenize in the router with this tokenizer (the engines' model directory or hub id; needs "
-        "transformers) instead of asking an engine's /tokenize: about 1 ms instead of an HTTP round trip",
+        "transformers) instead of asking an engine's /tokenize, saving an HTTP round trip to a busy engine",
     )
-    p.add_argument("--log-level", default="info", help="debug, info (default: one line per request), warning, error")
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="debug, info (default: one line per request), warning, error",
+    )
     p.add_argument(
         "--request-timeout",
         type=float,
@@ -120,8 +126,6 @@ def read_api_token(path: str | None, env: Mapping[str, str]) -> str | None:
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> RouterConfig:
     if not 0 <= args.port <= 65535:
         raise FlagError(f"--port {args.port}: expected 0-65535")
-    if args.log_level.lower() not in LOG_LEVELS:
-        raise FlagError(f"--log-level {args.log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
     for flag, value in (
         ("--request-timeout", args.request_timeout),
         ("--connect-timeout", args.connect_timeout),
@@ -169,11 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     except FlagError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] lmcache_router %(levelname)s: %(message)s")
-    if args.log_level.lower() != "debug":
-        # httpx logs every request at INFO: twice the lines of ours, with none of the numbers.
-        for name in ("httpx", "httpcore"):
-            logging.getLogger(name).setLevel(logging.WARNING)
     tokenizer = None
     if config.tokenizer is not None:
         try:
@@ -181,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         except TokenizerError as e:
             print(f"{PROG}: {e}", file=sys.stderr)
             return 2
+    # Logging is set up only once the flags all hold: a refused command leaves its caller's alone.
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] lmcache_router %(levelname)s: %(message)s")
+    if args.log_level != "debug":
+        # httpx logs every request at INFO: twice the lines of ours, with none of the numbers.
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if tokenizer is not None:
         logger.info("tokenizing locally with %s", config.tokenizer)
     try:
         sock = bind(args.host, args.port)

@@ -20,11 +20,9 @@ router calls policies from one asyncio loop.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
-
-POLICY_NAMES = ("kv-aware", "round-robin", "least-loaded")
 
 
 def _int(value: Any) -> int:
@@ -53,9 +51,6 @@ class Candidate:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    load_reported: bool = False
-    # The controller's whole entry, for logs and for fields this class does not name.
-    entry: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_route(cls, entry: Mapping[str, Any]) -> Candidate:
@@ -80,8 +75,6 @@ class Candidate:
             running=_int(load.get("running")),
             waiting=_int(load.get("waiting")),
             kv_usage=_float(load.get("kv_usage")) or 0.0,
-            load_reported=load.get("reported") is True,
-            entry=entry,
         )
 
     @property
@@ -118,12 +111,8 @@ class RoundRobin(Policy):
         self.turn = 0
 
     def order(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        ordered = sorted(candidates, key=lambda c: c.instance_id)
-        if not ordered:
-            return []
-        start = self.turn % len(ordered)
         self.turn += 1
-        return ordered[start:] + ordered[:start]
+        return _rotate(sorted(candidates, key=lambda c: c.instance_id), self.turn - 1)
 
 
 class LeastLoaded(Policy):
@@ -142,21 +131,27 @@ class LeastLoaded(Policy):
         ordered = sorted(candidates, key=lambda c: (c.queued, c.kv_usage, c.instance_id))
         out: list[Candidate] = []
         for _, group in groupby(ordered, key=lambda c: (c.queued, c.kv_usage)):
-            equals = list(group)
-            start = turn % len(equals)
-            out += equals[start:] + equals[:start]
+            out += _rotate(list(group), turn)
         return out
+
+
+def _rotate(items: list[Candidate], turn: int) -> list[Candidate]:
+    """``items`` started at position ``turn`` (modulo their number), wrapping around."""
+    if not items:
+        return []
+    start = turn % len(items)
+    return items[start:] + items[:start]
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (KvAware, RoundRobin, LeastLoaded)}
+POLICY_NAMES = tuple(POLICIES)
 
 
 def make_policy(name: str) -> Policy:
     """The policy called ``name`` (one of :data:`POLICY_NAMES`); ValueError naming the choices."""
-    if name == "kv-aware":
-        return KvAware()
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "least-loaded":
-        return LeastLoaded()
-    raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICY_NAMES)}")
+    return POLICIES[name]()
 
 
 def demote(candidates: Sequence[Candidate], cooling: set[str] | frozenset[str]) -> list[Candidate]:
