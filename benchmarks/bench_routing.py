@@ -5,6 +5,7 @@ summary line.
 
     pip install 'lmcache-p2p[bench]'    # vllm-router==0.1.17
     .venv/bin/python benchmarks/bench_routing.py [--engines 2] [--users 6] [--turns 4] [--runs 3]
+                                                 [--router-replicas 1]
 
 The workload: every user's conversation opens with one shared system prompt
 (``--system-words``), then each turn appends the user's message (``--turn-words``) and the
@@ -18,6 +19,11 @@ prompt tokens came from (vLLM's ``prompt_tokens_by_source``: its own prefix cach
 (``external_kv_transfer``: our CPU tier plus peer pulls, split by the pull lines the engines
 log), computed), and requests per engine (vLLM's ``request_success`` counters): all read from the
 engines, the same way for every router.
+
+With ``--router-replicas N`` every policy runs as N router processes and the users' requests go
+to them in turn, as behind a load balancer in front of a highly available router tier: each
+vllm-router replica then keeps its own prefix tree from the requests it saw, while every
+lmcache_router replica asks the one controller, whose index holds what the engines hold.
 
 Routers:
 * ``kv-aware``, ``round-robin``, ``least-loaded``: lmcache_router (tokenizes on an engine, asks
@@ -34,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import itertools
 import json
 import os
 import random
@@ -43,14 +51,15 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_p2p.demo import P2P_LINE, ServedProcess
-from lmcache_p2p.testing.served_fleet import ServedFleet, free_port
+from lmcache_p2p.demo import P2P_LINE, ServedProcess, stream_completion
+from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import build, sample_text
 
 LMCACHE_POLICIES = ("kv-aware", "round-robin", "least-loaded")
@@ -94,52 +103,49 @@ def peer_tokens(fleet: ServedFleet, offsets: dict[str, int]) -> tuple[int, dict[
 # -- the workload --------------------------------------------------------------------------------
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-    t0 = time.perf_counter()
-    ttft, pieces = None, []
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            piece = json.loads(line[6:])["choices"][0].get("text", "")
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            pieces.append(piece)
-    if ttft is None:
+async def one_turn(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str]:
+    """(TTFT in s, text) of one streamed completion (demo.stream_completion, on a thread, so that
+    users run at once)."""
+    answer = await asyncio.to_thread(stream_completion, url, model, prompt, max_tokens)
+    if answer["ttft_s"] is None:
         raise RuntimeError(f"{url}: a stream without tokens")
-    return ttft, "".join(pieces)
+    return answer["ttft_s"], answer["text"]
 
 
-async def workload(url: str, model: str, args, seed: int) -> tuple[list[float], int]:
+async def workload(urls: list[str], model: str, args, seed: int) -> tuple[list[float], int]:
+    """Every user's turns, each sent to the next of ``urls`` (router replicas behind a load
+    balancer that takes requests in turn); (TTFTs in s, failed requests)."""
+    # One thread per user: asyncio's default pool has min(32, cores + 4) threads, and a request
+    # waiting for a thread would wait outside the TTFT it is timed by.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=args.users))
     rng = random.Random(seed)
+    sent = itertools.count()
     system = f"System: {text(args.system_words, rng)}\n"
     histories = [system for _ in range(args.users)]
     ttfts: list[float] = []
     failures = 0
-    limits = httpx.Limits(max_connections=args.users * 2)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
-        async def user(u: int) -> None:
-            nonlocal failures
-            user_rng = random.Random(seed * 1000 + u)
-            await asyncio.sleep(u * args.stagger_s)
-            for _ in range(args.turns):
-                histories[u] += f"User: {text(args.turn_words, user_rng)}\nAssistant:"
-                try:
-                    ttft, answer = await one_turn(client, url, model, histories[u], args.max_tokens)
-                except (httpx.HTTPError, RuntimeError) as e:
-                    failures += 1
-                    print(f"  user {u}: {e}", file=sys.stderr)
-                    answer = ""
-                else:
-                    ttfts.append(ttft)
-                histories[u] += answer + "\n"
-                await asyncio.sleep(args.think_s)
+    async def user(u: int) -> None:
+        nonlocal failures
+        user_rng = random.Random(seed * 1000 + u)
+        await asyncio.sleep(u * args.stagger_s)
+        for _ in range(args.turns):
+            histories[u] += f"User: {text(args.turn_words, user_rng)}\nAssistant:"
+            try:
+                url = urls[next(sent) % len(urls)]
+                ttft, answer = await one_turn(url, model, histories[u], args.max_tokens)
+            # urllib's HTTP and connection errors are OSErrors; a stream cut short is an
+            # HTTPException; an SSE error event has no "choices" (KeyError).
+            except (OSError, ValueError, RuntimeError, KeyError, http.client.HTTPException) as e:
+                failures += 1
+                print(f"  user {u}: {e}", file=sys.stderr)
+                answer = ""
+            else:
+                ttfts.append(ttft)
+            histories[u] += answer + "\n"
+            await asyncio.sleep(args.think_s)
 
-        await asyncio.gather(*(user(u) for u in range(args.users)))
+    await asyncio.gather(*(user(u) for u in range(args.users)))
     return ttfts, failures
 
 
@@ -163,21 +169,15 @@ def forward_events(endpoint: str) -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-def start_vllm_router(fleet: ServedFleet, policy: str) -> tuple[ServedProcess, str]:
-    port = free_port()
-    name = f"vllm-router-{policy}"
-    command = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+def start_vllm_router(fleet: ServedFleet, policy: str, replica: int = 0) -> tuple[ServedProcess, str]:
+    command = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", "{port}"]
     command += ["--worker-urls", *fleet.engine_urls, "--policy", policy]
     if policy == "kv_aware":
         # Fed by each engine's KV event stream, which carries our CPU and disk tiers (kv_events.py).
         for url, endpoint in zip(fleet.engine_urls, fleet.kv_event_endpoints, strict=True):
             command += ["--kv-event-source", f"{url}={forward_events(endpoint)}"]
         command += ["--kv-event-block-size", str(KV_BLOCK_SIZE), "--kv-event-model", fleet.model]
-    router = ServedProcess(name, command, fleet.workdir / f"{name}.log").start()
-    fleet.processes[name] = router
-    url = f"http://127.0.0.1:{port}"
-    router.wait_http(f"{url}/health", 120)
-    return router, url
+    return fleet.start_server(f"vllm-router-{policy}-{replica}", command)
 
 
 def warm_up(fleet: ServedFleet, args) -> None:
@@ -187,34 +187,45 @@ def warm_up(fleet: ServedFleet, args) -> None:
     rng = random.Random(7)
     texts = [text(args.system_words, rng) for _ in fleet.engine_urls]
 
-    async def go() -> None:
-        async with httpx.AsyncClient(timeout=600) as client:
-            for url, own in zip(fleet.engine_urls, texts, strict=True):
-                for _ in range(2):
-                    await one_turn(client, url, fleet.model, own, args.max_tokens)
-            await asyncio.sleep(2 * fleet.heartbeat_s)  # the controller learns who holds what
-            for i, url in enumerate(fleet.engine_urls):
-                await one_turn(client, url, fleet.model, texts[i - 1], args.max_tokens)
+    for url, own in zip(fleet.engine_urls, texts, strict=True):
+        for _ in range(2):
+            stream_completion(url, fleet.model, own, args.max_tokens)
+    time.sleep(2 * fleet.heartbeat_s)  # the controller learns who holds what
+    for i, url in enumerate(fleet.engine_urls):
+        stream_completion(url, fleet.model, texts[i - 1], args.max_tokens)
 
-    asyncio.run(go())
+
+def start_routers(fleet: ServedFleet, policy: str, args, seed: int) -> list[tuple[ServedProcess, str]]:
+    """``--router-replicas`` routers of ``policy``, each its own process (with its own state:
+    vllm-router's prefix tree; lmcache_router's cooldowns, while /route is the one controller's)."""
+    routers = []
+    for replica in range(args.router_replicas):
+        if policy.startswith("vllm-router:"):
+            routers.append(start_vllm_router(fleet, policy.split(":", 1)[1], replica))
+        else:
+            extra = ("--tokenizer", fleet.model) if args.router_tokenizer == "local" else ()
+            routers.append(fleet.start_router(policy, f"lmcache-router-{policy}-{seed}-{replica}", *extra))
+    return routers
 
 
 def run_policy(fleet: ServedFleet, policy: str, args, seed: int) -> dict:
-    if policy.startswith("vllm-router:"):
-        router, url = start_vllm_router(fleet, policy.split(":", 1)[1])
-    else:
-        extra = ("--tokenizer", fleet.model) if args.router_tokenizer == "local" else ()
-        router, url = fleet.start_router(policy, f"lmcache-router-{policy}-{seed}", *extra)
+    routers = start_routers(fleet, policy, args, seed)
+    urls = [url for _, url in routers]
     before = {name: engine_counters(u) for name, u in zip(fleet.instance_ids, fleet.engine_urls, strict=True)}
     _, offsets = peer_tokens(fleet, {})
     t0 = time.perf_counter()
-    ttfts, failures = asyncio.run(workload(url, fleet.model, args, seed))
+    ttfts, failures = asyncio.run(workload(urls, fleet.model, args, seed))
     wall = time.perf_counter() - t0
     time.sleep(1.5)  # the engines' metrics are published on their stats interval
     after = {name: engine_counters(u) for name, u in zip(fleet.instance_ids, fleet.engine_urls, strict=True)}
     peer, _ = peer_tokens(fleet, offsets)
-    router.stop()
-    del fleet.processes[router.name]
+    # What lmcache_router spent before forwarding, per replica (vllm-router reports no such figures).
+    overheads = (
+        [] if policy.startswith("vllm-router:") else [httpx.get(f"{u}/router/stats", timeout=10).json() for u in urls]
+    )
+    for router, _ in routers:
+        router.stop()
+        del fleet.processes[router.name]
     delta = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in after}
     by_source = {s: sum(d[s] for d in delta.values()) for s in SOURCES}
     prompt_tokens = sum(by_source.values()) or 1.0
@@ -236,6 +247,9 @@ def run_policy(fleet: ServedFleet, policy: str, args, seed: int) -> dict:
             "recompute": round(by_source["local_compute"] / prompt_tokens, 3),
         },
         "requests_per_engine": {n: int(d["requests"]) for n, d in delta.items()},
+        "router_replicas": len(routers),
+        "router_mean_tokenize_ms": [o.get("mean_tokenize_ms") for o in overheads] or None,
+        "router_mean_route_ms": [o.get("mean_route_ms") for o in overheads] or None,
     }
 
 
@@ -252,6 +266,12 @@ def main() -> int:
     parser.add_argument("--stagger-s", type=float, default=0.5, help="users start this far apart")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="routers per policy, each its own process, taking the requests in turn (as behind a load balancer)",
+    )
+    parser.add_argument(
         "--router-tokenizer",
         choices=("local", "engine"),
         default="local",
@@ -265,6 +285,8 @@ def main() -> int:
         help="comma-separated; lmcache_router's names, or vllm-router:POLICY",
     )
     args = parser.parse_args()
+    if args.router_replicas < 1:
+        parser.error(f"--router-replicas {args.router_replicas}: expected 1 or more")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for policy in policies:
         if policy not in LMCACHE_POLICIES and not re.fullmatch(r"vllm-router:\w+", policy):
@@ -284,7 +306,9 @@ def main() -> int:
         num_kv_heads=max(2, args.hidden // 64),
     )
     env = {"VLLM_LOGGING_LEVEL": "WARNING"}
-    fleet = ServedFleet(workdir / "fleet", model, engines=args.engines, engine_env=env, kv_events=True)
+    # KV events cost every engine work on every step: on only when a router reads them.
+    events = "vllm-router:kv_aware" in policies
+    fleet = ServedFleet(workdir / "fleet", model, engines=args.engines, engine_env=env, kv_events=events)
     results = []
     try:
         print(f"starting {args.engines} engines, logs in {fleet.workdir}", file=sys.stderr, flush=True)

@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib import error as urlerror
@@ -67,12 +66,6 @@ def post_json(url: str, body: dict, timeout: float) -> Any:
     """POST a JSON body, return the decoded JSON answer (raises on an HTTP error)."""
     with _post(url, body, timeout) as response:
         return json.loads(response.read())
-
-
-def _sse_lines(url: str, body: dict, timeout: float) -> Iterator[str]:
-    with _post(url, body, timeout) as response:
-        for raw in response:
-            yield raw.decode().rstrip("\r\n")
 
 
 class ServedProcess:
@@ -156,19 +149,23 @@ class ServedProcess:
             self._log.close()
 
 
-def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int = 16) -> dict:
-    """One streamed completion: time to first token, total time and the text."""
+def stream_completion(base_url: str, model: str, prompt: str | list[int], max_tokens: int = 16) -> dict:
+    """One streamed greedy completion of a text or of token ids: time to first token (None if no
+    token came), total time, the text and the response headers (lower-case names)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     t0 = time.perf_counter()
     ttft, pieces = None, []
-    for line in _sse_lines(f"{base_url}/v1/completions", body, timeout=600):
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        text = json.loads(line[6:])["choices"][0].get("text", "")
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        pieces.append(text)
-    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "text": "".join(pieces)}
+    with _post(f"{base_url}/v1/completions", body, timeout=600) as response:
+        headers = {name.lower(): value for name, value in response.headers.items()}
+        for raw in response:
+            line = raw.decode().rstrip("\r\n")
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0].get("text", "")
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            pieces.append(text)
+    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "text": "".join(pieces), "headers": headers}
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -192,14 +189,20 @@ def _config_ports(data: dict) -> list[int]:
     return ports
 
 
-def _wait_indexed(engine_url: str, controller_url: str, model: str, prompt: str, timeout: float = 10.0) -> None:
-    """Until the controller knows a holder of the prompt's chunks (workers report in batches)."""
+def wait_indexed(
+    engine_url: str, controller_url: str, model: str, prompt: str, timeout: float = 10.0, chunk_size: int = 256
+) -> bool:
+    """Until the controller knows an instance holding every full chunk of the prompt (workers
+    report in batches, so a first answer can be part of it); whether that happened in ``timeout``."""
     tokens = post_json(f"{engine_url}/tokenize", {"model": model, "prompt": prompt}, timeout=30)["tokens"]
+    whole = len(tokens) // chunk_size * chunk_size
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if post_json(f"{controller_url}/lookup", {"tokens": tokens}, timeout=5)["layout_info"]:
-            return
+        layout = post_json(f"{controller_url}/lookup", {"tokens": tokens}, timeout=5)["layout_info"]
+        if any(held >= whole for _, held in layout.values()):
+            return True
         time.sleep(0.05)
+    return False
 
 
 def _wait_mesh_warm(controller_url: str, instance_ids: list[str], timeout: float = 60.0) -> float | None:
@@ -232,6 +235,7 @@ def _wait_mesh_warm(controller_url: str, instance_ids: list[str], timeout: float
 # spinning processes, and so did engine 1's side of the pull (its server thread fights that spin
 # for the GIL). Two users asking the same document a couple of seconds apart, as on two hosts,
 # is what the demo shows; --gap-s 0 shows the shared-CPU case.
+ASK_GAP_S = 2.0
 
 # The line a peer pull logs (p2p_client), as the demo and benchmarks/gpu/e2e.py read it.
 P2P_LINE = re.compile(
@@ -239,6 +243,26 @@ P2P_LINE = re.compile(
     r"cost (?P<ms>[\d.]+) ms, throughput: (?P<gbps>[\d.]+) GB/s \(from (?P<peer>.+?) "
     r"over (?P<channel>\w+(?: via GPU staging)?)\)"
 )
+# What vLLM puts before a worker process's output: "(Worker_TP1 pid=..)", "(Worker pid=..)" at TP=1.
+_WORKER_PREFIX = re.compile(r"\(Worker(?:_TP(?P<rank>\d+))? pid=\d+\)")
+
+
+def peer_pulls(log: str) -> list[dict]:
+    """Every peer pull in an engine's log: :data:`P2P_LINE`'s fields, plus the rank that pulled
+    (``rank``) and the peer instance and rank it pulled from (``peer_instance``, ``peer_rank``)."""
+    pulls = []
+    for line in log.splitlines():
+        match = P2P_LINE.search(line)
+        if match is None:
+            continue
+        pull: dict = match.groupdict()
+        worker = _WORKER_PREFIX.search(line)
+        pull["rank"] = int(worker["rank"] or 0) if worker else 0
+        # The peer reads "engine1 rank 0 (127.0.0.1:8201)".
+        pull["peer_instance"], _, rest = pull["peer"].partition(" rank ")
+        pull["peer_rank"] = int(rest.split()[0])
+        pulls.append(pull)
+    return pulls
 
 
 def main(argv=None) -> int:
@@ -255,7 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--gap-s",
         type=float,
-        default=2.0,
+        default=ASK_GAP_S,
         help="seconds between engine 1's answer and engine 2's request (default 2: see ASK_GAP_WHY)",
     )
     parser.add_argument("--no-wait", action="store_true", help="stop after the report instead of at Ctrl-C")
@@ -355,7 +379,10 @@ def main(argv=None) -> int:
         )
         first = stream_completion(f"http://localhost:{engine_ports[0]}", model, prompt)
         answered = time.monotonic()
-        _wait_indexed(f"http://localhost:{engine_ports[0]}", f"http://localhost:{args.controller_port}", model, prompt)
+        if not wait_indexed(
+            f"http://localhost:{engine_ports[0]}", f"http://localhost:{args.controller_port}", model, prompt
+        ):
+            print("  (the controller had not indexed engine 1's whole prompt after 10 s: engine 2 may recompute part)")
         time.sleep(max(0.0, args.gap_s - (time.monotonic() - answered)))
         second = stream_completion(f"http://localhost:{engine_ports[1]}", model, prompt)
 

@@ -182,6 +182,44 @@ def test_p2p_lookup_offers_peers_with_the_same_layout_never_itself(controller, w
     assert [(h.instance_id, h.matched_chunks, h.p2p_lookup_port) for h in holders] == [("inst-a", 10, 9200)]
 
 
+@pytest.fixture
+def patient_workers():
+    """Workers of a controller that reaps nobody during a test (FAST's 1 s would reap a rank that
+    only spoke when it admitted, on a busy host)."""
+    c = ControllerProcess("--health-check-interval", "0.1", "--worker-timeout", "30").start()
+    try:
+        with registered_workers(c) as make:
+            yield c, make
+    finally:
+        c.stop()
+
+
+def test_p2p_lookup_offers_a_tp_peer_only_the_prefix_every_rank_of_it_holds(patient_workers):
+    """The asker's ranks each pull from the same rank of the peer and load only what all of them
+    got: a peer whose rank 1 evicted chunks 4+ (or left) offers rank 0's askers 4 chunks, not 10."""
+    controller, workers = patient_workers
+    p0, p1 = workers("peer", rank=0, tp=2), workers("peer", rank=1, tp=2, locations=(CPU, DISK))
+    a0, a1 = workers("asker", rank=0, tp=2), workers("asker", rank=1, tp=2)
+    hashes = p0.admit_tokens(DOC)
+    p1.admit_tokens(DOC)
+    wait_lookup(controller, DOC, "peer", 160)
+    assert [(h.rank, h.matched_chunks) for h in a0.p2p_lookup(hashes).holders] == [(0, 10)]
+    p1.events(evicted=hashes[4:])
+    wait_lookup(controller, DOC, "peer", 4 * CHUNK)
+    assert [(h.rank, h.matched_chunks) for h in a0.p2p_lookup(hashes).holders] == [(0, 4)]
+    assert [(h.rank, h.matched_chunks) for h in a1.p2p_lookup(hashes).holders] == [(1, 4)]
+    # A rank serves a pull from whichever of its tiers holds each chunk: chunks 4+ on rank 1's
+    # disk make the whole prefix pullable again, though no single tier of it holds all ten.
+    p1.events(DISK, admitted=hashes[4:])
+    wait_for(
+        lambda: [(h.rank, h.matched_chunks, h.location) for h in a1.p2p_lookup(hashes).holders] == [(1, 10, CPU)],
+        5,
+        "rank 1's CPU and disk chunks to count together",
+    )
+    p1.deregister()  # pushed: the controller takes it in its own time
+    wait_for(lambda: a0.p2p_lookup(hashes).holders == [], 5, "a rank gone to leave nothing to pull from its instance")
+
+
 # -- sequence gaps, re-sync, re-registration --------------------------------------------------------
 
 

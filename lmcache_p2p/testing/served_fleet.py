@@ -4,13 +4,16 @@ The router tests and ``benchmarks/bench_routing.py`` start it; every process log
 ``workdir`` and is stopped with its process group.
 
 Engines are configured the way an operator configures a fleet from one template: ports 0, an
-instance id per engine (``engine1``...), ``serve_url: http://{host}:PORT``.
+instance id per engine (``engine1``...), ``serve_url: http://{host}:PORT``. With ``tp`` > 1 each
+engine runs ``--tensor-parallel-size tp`` with its ranks pinned (:func:`tp_engine_env`) and, with
+``ports_per_rank``, seed 004's explicit port lists (one port per rank in each list).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -18,20 +21,25 @@ from pathlib import Path
 
 import yaml
 
-from lmcache_p2p.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, ServedProcess, http_status
+from lmcache_p2p.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, ServedProcess, stream_completion
 from lmcache_p2p.integration.vllm.launcher import vllm_server_command
+from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.tiny_model import sample_text
 
 
 def _bin(name: str) -> str:
     return shutil.which(name, path=str(Path(sys.executable).parent)) or name
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def tp_engine_env(tp: int) -> dict[str, str]:
+    """What a vLLM CPU engine with ``tp`` ranks needs on a small host (README, "Tensor
+    parallelism"): rank r's OpenMP thread on core r (vLLM's automatic binding wants a NUMA node per
+    rank and refuses to start on a one-node host), and no torch.compile: vLLM compiles its vocab
+    mask with inductor at the first forward pass of a TP engine, a C++ build (each engine's first
+    request 4-6 s instead of 0.2-1.3 s in bench_tp.py on a 2-vCPU host), while the other rank
+    spins in the all-reduce (its Python threads, lookups and pulls included, held up with it)."""
+    cores = os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(rank % cores) for rank in range(tp)), "TORCHDYNAMO_DISABLE": "1"}
 
 
 @dataclass
@@ -40,12 +48,13 @@ class ServedFleet:
     model: str
     engines: int = 2
     cpu_gb: float = 0.5  # each engine's CPU pool
-    channel: str = "tcp"
     heartbeat_s: float = 1.0  # the load /route weighs is this fresh
-    controller_args: tuple[str, ...] = ()
-    engine_args: tuple[str, ...] = ()  # more vLLM arguments (e.g. --kv-events-config)
     engine_env: dict[str, str] = field(default_factory=dict)
     engine_extra: dict = field(default_factory=dict)  # more LMCache config keys for every engine
+    engine_args: tuple[str, ...] = ()  # more vLLM arguments for every engine
+    controller_args: tuple[str, ...] = ()  # more lmcache_controller arguments
+    tp: int = 1  # --tensor-parallel-size of every engine
+    ports_per_rank: bool = False  # seed 004's port lists, a free port per rank, instead of 0
     # Each engine publishes vLLM's KV cache events (--kv-events-config) on an endpoint of its own.
     kv_events: bool = False
     kv_event_endpoints: list[str] = field(default_factory=list)
@@ -61,22 +70,25 @@ class ServedFleet:
             "max_local_cpu_size": self.cpu_gb,
             "enable_p2p": True,
             "p2p_host": "127.0.0.1",
-            "p2p_init_ports": 0,
-            "p2p_lookup_ports": 0,
-            "transfer_channel": self.channel,
+            "p2p_init_ports": self._rank_ports(),
+            "p2p_lookup_ports": self._rank_ports(),
+            "transfer_channel": "tcp",
             "enable_controller": True,
             "lmcache_instance_id": f"engine{index}",
             "controller_pull_url": f"127.0.0.1:{pull}",
             "controller_reply_url": f"127.0.0.1:{reply}",
-            "lmcache_worker_ports": 0,
+            "lmcache_worker_ports": self._rank_ports(),
             "lmcache_worker_heartbeat_time": self.heartbeat_s,
             "serve_url": f"http://{{host}}:{port}",
             **self.engine_extra,
         }
 
+    def _rank_ports(self) -> list[int] | int:
+        return free_ports(self.tp) if self.ports_per_rank else 0
+
     def start(self, timeout: float = 300.0) -> ServedFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        http, pull, reply, heartbeat = (free_port() for _ in range(4))
+        http, pull, reply, heartbeat = free_ports(4)
         controller = ServedProcess(
             "controller",
             [
@@ -95,11 +107,14 @@ class ServedFleet:
         self.controller_url = f"http://127.0.0.1:{http}"
         controller.wait_http(f"{self.controller_url}/controller/workers", 30)
         for i in range(1, self.engines + 1):
-            port = free_port()
+            port = free_ports(1)[0]
             path = self.workdir / f"engine{i}.yaml"
             path.write_text(yaml.safe_dump(self.engine_config(i, pull, reply, port)))
             env = {**CPU_ENGINE_ENV, **self.engine_env, "LMCACHE_CONFIG_FILE": str(path)}
-            extra = list(self.engine_args)
+            extra: list[str] = list(self.engine_args)
+            if self.tp > 1:
+                env = {**tp_engine_env(self.tp), **env}
+                extra += ["--tensor-parallel-size", str(self.tp)]
             if self.kv_events:
                 # ipc: vLLM's publisher binds only wildcard tcp (all interfaces) or ipc addresses,
                 # and connects to any other; a local socket file keeps it off the network.
@@ -117,31 +132,31 @@ class ServedFleet:
             self.processes[name].wait_http(f"{url}/health", timeout)
         return self
 
-    def start_router(self, policy: str, name: str | None = None, *extra: str) -> tuple[ServedProcess, str]:
-        """``lmcache_router`` with ``policy`` on a free port; (its process, its URL) once healthy."""
-        port = free_port()
-        name = name or f"router-{policy}"
-        router = ServedProcess(
-            name,
-            [
-                _bin("lmcache_router"),
-                "--controller-url",
-                self.controller_url,
-                "--port",
-                str(port),
-                "--policy",
-                policy,
-                *extra,
-            ],
-            self.workdir / f"{name}.log",
-        ).start()
-        self.processes[name] = router
-        url = f"http://127.0.0.1:{port}"
-        router.wait_http(f"{url}/health", 60)
-        return router, url
+    def first_forward(self, words: int) -> list[float]:
+        """Send each engine a document of ``words`` words that no later prompt shares, so that
+        vLLM's first forward pass at that size (where a TP engine builds its kernels) stays out of
+        what a test or benchmark measures; each engine's time to first token, in seconds."""
+        return [
+            stream_completion(url, self.model, sample_text(words, seed=10_000 + i), max_tokens=2)["ttft_s"]
+            for i, url in enumerate(self.engine_urls)
+        ]
 
-    def engines_up(self) -> list[str]:
-        return [i for i, u in zip(self.instance_ids, self.engine_urls, strict=True) if http_status(f"{u}/health", 2)]
+    def start_server(self, name: str, command: list[str], health_path: str = "/health") -> tuple[ServedProcess, str]:
+        """Another HTTP server beside the fleet (a router): ``command`` with its ``"{port}"``
+        argument replaced by a free port; (its process, its URL) once ``health_path`` answers.
+        Stopped with the rest."""
+        port = free_ports(1)[0]
+        command = [str(port) if arg == "{port}" else arg for arg in command]
+        server = ServedProcess(name, command, self.workdir / f"{name}.log").start()
+        self.processes[name] = server
+        url = f"http://127.0.0.1:{port}"
+        server.wait_http(f"{url}{health_path}", 120)
+        return server, url
+
+    def start_router(self, policy: str, name: str | None = None, *extra: str) -> tuple[ServedProcess, str]:
+        """``lmcache_router`` with ``policy``; (its process, its URL) once healthy."""
+        command = [_bin("lmcache_router"), "--controller-url", self.controller_url, "--port", "{port}"]
+        return self.start_server(name or f"router-{policy}", [*command, "--policy", policy, *extra])
 
     def stop(self) -> None:
         for process in self.processes.values():
