@@ -59,6 +59,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from lmcache_p2p.demo import P2P_LINE, ServedProcess, stream_completion
+from lmcache_p2p.testing.ports import free_ports
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import build, sample_text
 
@@ -172,6 +173,8 @@ def forward_events(endpoint: str) -> str:
 def start_vllm_router(fleet: ServedFleet, policy: str, replica: int = 0) -> tuple[ServedProcess, str]:
     command = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", "{port}"]
     command += ["--worker-urls", *fleet.engine_urls, "--policy", policy]
+    # Its Prometheus exporter binds a fixed port by default: one of its own per replica.
+    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_ports(1)[0])]
     if policy == "kv_aware":
         # Fed by each engine's KV event stream, which carries our CPU and disk tiers (kv_events.py).
         for url, endpoint in zip(fleet.engine_urls, fleet.kv_event_endpoints, strict=True):
