@@ -2,7 +2,7 @@
 and vLLM's ``NixlConnector`` (GPU buffers) second, two vLLM OpenAI servers and the P/D proxy flow.
 Prints one JSON object.
 
-    python benchmarks/gpu/pd.py --model DIR [--workdir W] [--gpus 0,0] [--docs 4 --tokens 10000]
+    python benchmarks/gpu/pd.py --model DIR [--workdir W] [--gpus 0,0] [--docs 4 --tokens 10000] [--dtype float32]
 
 1. **single**: one plain engine (no connector) answers every document, greedy: the reference
    outputs and a cold TTFT; then it stops.
@@ -13,7 +13,11 @@ Prints one JSON object.
    decode engine, which stored what NIXL delivered), so no NIXL read is needed.
 
 Outputs of 2 and 3 must equal 1's. The decode engine's NIXL metrics and both engines' "LMCache hit"
-lines say where the KV came from.
+lines say where the KV came from. Every request asks for its top-2 logprobs, so where an output
+first differs from the single engine's the JSON says by how much the two engines' top two tokens
+were apart there (``first_difference``): a random-weight model's logits are nearly flat, and a
+gap of a few thousandths of a nat is a tie that rounding breaks, not KV that arrived wrong.
+``--dtype float32`` runs all three engines in float32, where such ties are far rarer.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 from threading import Thread
+from typing import NamedTuple
 from urllib import request as urlrequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
@@ -50,10 +55,11 @@ def free_ports(n: int) -> list[int]:
 
 
 def start(
-    name: str, model: str, workdir: Path, gpu: str, util: float, connector: bool, cpu_gb: float
+    name: str, model: str, workdir: Path, gpu: str, util: float, connector: bool, cpu_gb: float, dtype: str
 ) -> tuple[ServedProcess, str]:
     http, side = free_ports(2)
     extra = ["--port", str(http), "--enforce-eager", "--max-model-len", "16384", "--gpu-memory-utilization", str(util)]
+    extra += ["--dtype", dtype]
     extra += ["--no-enable-prefix-caching", "--enable-prompt-tokens-details"]
     env = {
         **os.environ,
@@ -74,27 +80,61 @@ def start(
     return process, f"http://127.0.0.1:{http}"
 
 
-def stream_ttft(url: str, body: dict) -> tuple[float, str]:
-    """Time to the first streamed text, and the whole text."""
+class Answer(NamedTuple):
+    ttft_s: float
+    text: str
+    tokens: list[str]  # the generated tokens, as vLLM names them in its logprobs
+    top2: list[dict[str, float]]  # each position's two likeliest tokens and their logprobs
+
+
+def stream_answer(url: str, body: dict) -> Answer:
+    """Time to the first streamed text, the whole text, and each token's top-2 logprobs."""
     req = urlrequest.Request(
         url + "/v1/completions",
-        data=json.dumps({**body, "stream": True}).encode(),
+        data=json.dumps({**body, "stream": True, "logprobs": 2}).encode(),
         method="POST",
         headers={"Content-Type": "application/json"},
     )
     t0 = time.perf_counter()
-    ttft, text = None, []
+    ttft, text, tokens, top2 = None, [], [], []
     with urlrequest.urlopen(req, timeout=600) as response:
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            piece = json.loads(line[5:])["choices"][0].get("text", "")
+            choice = json.loads(line[5:])["choices"][0]
+            piece = choice.get("text", "")
             if piece and ttft is None:
                 ttft = time.perf_counter() - t0
             text.append(piece)
+            logprobs = choice.get("logprobs") or {}
+            tokens += logprobs.get("tokens") or []
+            top2 += [dict(t or {}) for t in logprobs.get("top_logprobs") or []]
     assert ttft is not None, "no token streamed"
-    return ttft, "".join(text)
+    return Answer(ttft, "".join(text), tokens, top2)
+
+
+def first_difference(got: Answer, ref: Answer) -> dict | None:
+    """Where ``got``'s tokens first leave ``ref``'s, and how close a call it was there: the gap
+    between the two tokens' logprobs in each engine's own distribution (None where a token is
+    not in that engine's top two). None when the tokens are equal."""
+    pairs = zip(got.tokens, ref.tokens, strict=False)
+    i = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    if i is None:
+        if len(got.tokens) == len(ref.tokens):
+            return None
+        return {"token": min(len(got.tokens), len(ref.tokens)), "length_differs": True}
+    a, b = got.tokens[i], ref.tokens[i]
+
+    def gap(top: dict[str, float]) -> float | None:
+        return round(abs(top[a] - top[b]), 5) if a in top and b in top else None
+
+    return {
+        "token": i,
+        "of": len(ref.tokens),
+        "single_gap_nats": gap(ref.top2[i]) if i < len(ref.top2) else None,
+        "pd_gap_nats": gap(got.top2[i]) if i < len(got.top2) else None,
+    }
 
 
 def nixl_metrics(url: str) -> dict[str, float]:
@@ -131,6 +171,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     # Pinned, per engine: two engines of 40 GB each were killed at start-up on a 128 GiB host.
     parser.add_argument("--cpu-gb", type=float, default=20, help="each engine's CPU pool (pinned), GB")
+    parser.add_argument("--dtype", default="auto", help="vLLM's --dtype for all three engines (float32: fewer ties)")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -140,21 +181,27 @@ def main() -> None:
     gp, gd = args.gpus.split(",")
     one_gpu = gp == gd
     body = {"model": args.model, "max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
-    result: dict = {"docs": args.docs, "tokens": args.tokens, "output_len": args.output_len, "gpus": args.gpus}
+    result: dict = {
+        "docs": args.docs,
+        "tokens": args.tokens,
+        "output_len": args.output_len,
+        "gpus": args.gpus,
+        "dtype": args.dtype,
+    }
 
     say("single engine (no connector): reference outputs")
-    single, url = start("single", args.model, workdir, gp, 0.85, False, args.cpu_gb)
+    single, url = start("single", args.model, workdir, gp, 0.85, False, args.cpu_gb, args.dtype)
     try:
         single.wait_http(url + "/health", timeout=900)
-        stream_ttft(url, {**body, "prompt": docs[0][:200]})  # warm-up
-        ref = [stream_ttft(url, {**body, "prompt": d}) for d in docs]
+        stream_answer(url, {**body, "prompt": docs[0][:200]})  # warm-up
+        ref = [stream_answer(url, {**body, "prompt": d}) for d in docs]
     finally:
         single.stop(timeout=60)
-    result["single"] = summary([t for t, _ in ref])
+    result["single"] = summary([r.ttft_s for r in ref])
 
     util = 0.42 if one_gpu else 0.85
-    prefill, purl = start("prefill", args.model, workdir, gp, util, True, args.cpu_gb)
-    decode, durl = start("decode", args.model, workdir, gd, util, True, args.cpu_gb)
+    prefill, purl = start("prefill", args.model, workdir, gp, util, True, args.cpu_gb, args.dtype)
+    decode, durl = start("decode", args.model, workdir, gd, util, True, args.cpu_gb, args.dtype)
     proxy = None
     try:
         prefill.wait_http(purl + "/health", timeout=900)
@@ -162,22 +209,23 @@ def main() -> None:
         proxy = make_server(purl, durl, port=0)
         Thread(target=proxy.serve_forever, daemon=True).start()
         xurl = f"http://127.0.0.1:{proxy.server_address[1]}"
-        stream_ttft(xurl, {**body, "prompt": docs[0][:200]})  # warm-up: NIXL's handshake, no full chunk
+        stream_answer(xurl, {**body, "prompt": docs[0][:200]})  # warm-up: NIXL's handshake, no full chunk
         texts: dict[str, list[str]] = {}
         for name in ("pd_cold", "pd_repeat"):
             before = nixl_metrics(durl)
-            runs = [stream_ttft(xurl, {**body, "prompt": d}) for d in docs]
-            result[name] = summary([t for t, _ in runs])
-            texts[name] = [text for _, text in runs]
-            result[name]["outputs_equal_single"] = [text == r[1] for (_, text), r in zip(runs, ref, strict=True)]
+            runs = [stream_answer(xurl, {**body, "prompt": d}) for d in docs]
+            result[name] = summary([run.ttft_s for run in runs])
+            texts[name] = [run.text for run in runs]
+            result[name]["outputs_equal_single"] = [run.text == r.text for run, r in zip(runs, ref, strict=True)]
             # Where each output first differs from the single engine's (characters; len = equal).
             result[name]["common_prefix_chars"] = [
-                len(os.path.commonprefix([text, r[1]])) for (_, text), r in zip(runs, ref, strict=True)
+                len(os.path.commonprefix([run.text, r.text])) for run, r in zip(runs, ref, strict=True)
             ]
+            result[name]["first_difference"] = [first_difference(run, r) for run, r in zip(runs, ref, strict=True)]
             result[name]["decode_metrics_delta"] = delta(before, nixl_metrics(durl))
             say(name, json.dumps(result[name]))
         result["pd_repeat_equals_pd_cold"] = texts["pd_repeat"] == texts["pd_cold"]
-        result["single_output_chars"] = [len(r[1]) for r in ref]
+        result["single_output_chars"] = [len(r.text) for r in ref]
         for engine, log in (("prefill", prefill.log()), ("decode", decode.log())):
             hits = re.findall(r"Total tokens (\d+), LMCache hit tokens: (\d+), need to load: (\d+)", log)
             result[f"{engine}_lookups"] = [[int(x) for x in h] for h in hits]
