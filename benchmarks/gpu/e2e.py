@@ -312,6 +312,30 @@ def yaml_config(path: Path, **overrides) -> dict:
 # -- CPU offload and miss overhead (seed 002) ---------------------------------------------------------
 
 
+def _profiler():
+    import torch.profiler as tp
+
+    return tp.profile(activities=[tp.ProfilerActivity.CPU, tp.ProfilerActivity.CUDA], record_shapes=False)
+
+
+def _write_profile(profiler, out_dir: Path) -> dict:
+    """Run 2's profile: tables of the top operators by host and by device time, a Chrome trace,
+    and the device's busy time split by kind (kernels, copies) for the JSON."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    events = profiler.key_averages()
+    for sort in ("cpu_time_total", "self_cpu_time_total", "device_time_total"):
+        (out_dir / f"run2_by_{sort}.txt").write_text(events.table(sort_by=sort, row_limit=40))
+    profiler.export_chrome_trace(str(out_dir / "run2_trace.json"))
+    device_ms: dict[str, float] = {}
+    for event in events:
+        us = getattr(event, "self_device_time_total", 0) or 0
+        if us <= 0:
+            continue
+        kind = "memcpy" if "memcpy" in event.key.lower() else "kernel"
+        device_ms[kind] = device_ms.get(kind, 0.0) + us / 1e3
+    return {"device_ms": {k: round(v, 1) for k, v in device_ms.items()}, "dir": str(out_dir)}
+
+
 def cmd_offload(args) -> dict:
     """Seed 002's shape in one offline engine: 10 prompts x 10,000 tokens, max_tokens=1, prefix
     caching off, GPU memory capped at 24 GB so their KV does not fit. Run 1 and run 2 are the same
@@ -319,6 +343,8 @@ def cmd_offload(args) -> dict:
     (every chunk a miss), for the connector's cost when nothing is reused."""
     import torch
 
+    if args.profile_dir:  # the engine core in this process, where the profiler sees it
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if args.connector == "on":
         os.environ.update(
             {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)}
@@ -352,9 +378,17 @@ def cmd_offload(args) -> dict:
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
     for name, prompts in (("run1", reused), ("run2", reused), ("run3_new_prompts", fresh)):
+        profiler = _profiler() if args.profile_dir and name == "run2" else None
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.start()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if profiler is not None:
+            torch.cuda.synchronize()
+            profiler.stop()
         out[f"{name}_s"] = round(time.perf_counter() - t0, 3)
+        if profiler is not None:
+            out["run2_profile"] = _write_profile(profiler, Path(args.profile_dir))
         say(f"connector {args.connector}: {name} {out[f'{name}_s']:.2f} s")
     out["speedup_run1_over_run2"] = round(out["run1_s"] / out["run2_s"], 2)
     return out
@@ -403,6 +437,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=10_000)
     p.add_argument("--gpu-gb", type=float, default=24, help="GPU memory for the engine (the seed's 24 GB)")
     p.add_argument("--cpu-gb", type=float, default=30)
+    p.add_argument(
+        "--profile-dir",
+        help="profile run 2 with torch.profiler (engine in this process): its top operators by host "
+        "and by device time, and a Chrome trace, written here",
+    )
     p = sub.add_parser("report")
     p.add_argument("workdir")
     args = parser.parse_args()

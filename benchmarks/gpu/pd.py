@@ -34,10 +34,9 @@ from threading import Thread
 from typing import NamedTuple
 from urllib import request as urlrequest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-
-from lmcache_p2p.demo import ServedProcess  # noqa: E402
-from lmcache_p2p.testing.pd_proxy import make_server, seed_kv_transfer_config  # noqa: E402
+from lmcache_p2p.demo import ServedProcess
+from lmcache_p2p.testing.pd_proxy import make_server, seed_kv_transfer_config
+from lmcache_p2p.testing.ports import free_ports
 
 CHUNK = 256
 # Seed 000's kv_transfer_config, GPU buffers (NIXL's default kv_buffer_device on a GPU host).
@@ -46,12 +45,6 @@ KV_TRANSFER_CONFIG = seed_kv_transfer_config()
 
 def say(*args) -> None:
     print("[pd]", *args, file=sys.stderr, flush=True)
-
-
-def free_ports(n: int) -> list[int]:
-    from protocol_client import free_ports as ports
-
-    return ports(n)
 
 
 def start(
@@ -171,6 +164,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     # Pinned, per engine: two engines of 40 GB each were killed at start-up on a 128 GiB host.
     parser.add_argument("--cpu-gb", type=float, default=20, help="each engine's CPU pool (pinned), GB")
+    parser.add_argument("--util", type=float, help="each P/D engine's --gpu-memory-utilization (0.42 on one GPU)")
     parser.add_argument("--dtype", default="auto", help="vLLM's --dtype for all three engines (float32: fewer ties)")
     args = parser.parse_args()
     workdir = Path(args.workdir)
@@ -199,7 +193,7 @@ def main() -> None:
         single.stop(timeout=60)
     result["single"] = summary([r.ttft_s for r in ref])
 
-    util = 0.42 if one_gpu else 0.85
+    util = args.util or (0.42 if one_gpu else 0.85)
     prefill, purl = start("prefill", args.model, workdir, gp, util, True, args.cpu_gb, args.dtype)
     decode, durl = start("decode", args.model, workdir, gd, util, True, args.cpu_gb, args.dtype)
     proxy = None
