@@ -18,6 +18,13 @@ first differs from the single engine's the JSON says by how much the two engines
 were apart there (``first_difference``): a random-weight model's logits are nearly flat, and a
 gap of a few thousandths of a nat is a tie that rounding breaks, not KV that arrived wrong.
 ``--dtype float32`` runs all three engines in float32, where such ties are far rarer.
+
+The seed's config names ``LMCacheConnectorV1`` without a module path, so our plugin must be
+visible to vLLM as an installed distribution's ``vllm.general_plugins`` entry point. Where the
+project is only on ``PYTHONPATH`` (the GPU machine), a ``lmcache_p2p-0.0.0.dist-info`` folder on the
+path with a ``METADATA`` (``Name: lmcache-p2p``) and an ``entry_points.txt`` copied from
+pyproject.toml's ``[project.entry-points."vllm.general_plugins"]`` is enough; without it the
+engines fail at start-up importing the original ``lmcache``.
 """
 
 from __future__ import annotations
@@ -194,11 +201,14 @@ def main() -> None:
     result["single"] = summary([r.ttft_s for r in ref])
 
     util = args.util or (0.42 if one_gpu else 0.85)
+    # One after the other: vLLM sizes its KV cache from the GPU memory free while it profiles,
+    # and an engine loading its weights beside it on the same GPU left the other 1.9 GiB (float32).
     prefill, purl = start("prefill", args.model, workdir, gp, util, True, args.cpu_gb, args.dtype)
-    decode, durl = start("decode", args.model, workdir, gd, util, True, args.cpu_gb, args.dtype)
+    decode = None
     proxy = None
     try:
         prefill.wait_http(purl + "/health", timeout=900)
+        decode, durl = start("decode", args.model, workdir, gd, util, True, args.cpu_gb, args.dtype)
         decode.wait_http(durl + "/health", timeout=900)
         proxy = make_server(purl, durl, port=0)
         Thread(target=proxy.serve_forever, daemon=True).start()
@@ -227,9 +237,10 @@ def main() -> None:
     finally:
         if proxy is not None:
             proxy.shutdown()
-        for p in (prefill, decode):
+        engines = [p for p in (prefill, decode) if p is not None]
+        for p in engines:
             p.terminate()
-        for p in (prefill, decode):
+        for p in engines:
             p.stop(timeout=60)
     result["repeat_over_cold"] = round(result["pd_repeat"]["mean_ttft_s"] / result["pd_cold"]["mean_ttft_s"], 3)
     print(json.dumps(result))
