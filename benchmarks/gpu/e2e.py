@@ -390,8 +390,32 @@ def cmd_offload(args) -> dict:
         if profiler is not None:
             out["run2_profile"] = _write_profile(profiler, Path(args.profile_dir))
         say(f"connector {args.connector}: {name} {out[f'{name}_s']:.2f} s")
+    if args.profile_dir:
+        out["run2_again_python_profile"] = _python_profile(llm, reused, params, Path(args.profile_dir))
     out["speedup_run1_over_run2"] = round(out["run1_s"] / out["run2_s"], 2)
     return out
+
+
+def _python_profile(llm, prompts, params, out_dir: Path) -> dict:
+    """Run 2's prompts once more (their KV still in the CPU pool) under cProfile: the host-side
+    time torch.profiler cannot attribute (in issue 21's first profile ~60% of run 2 was host time
+    between GPU work: scheduler, connector, sampling). Writes the top functions by cumulative and
+    by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    t0 = time.perf_counter()
+    profile.enable()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    profile.disable()
+    seconds = time.perf_counter() - t0
+    for sort in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(sort).print_stats(60)
+        (out_dir / f"run2_again_python_by_{sort}.txt").write_text(text.getvalue())
+    return {"s": round(seconds, 3), "dir": str(out_dir)}
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -440,7 +464,8 @@ def main() -> None:
     p.add_argument(
         "--profile-dir",
         help="profile run 2 with torch.profiler (engine in this process): its top operators by host "
-        "and by device time, and a Chrome trace, written here",
+        "and by device time, and a Chrome trace; then run 2's prompts once more under cProfile; "
+        "all written here",
     )
     p = sub.add_parser("report")
     p.add_argument("workdir")
