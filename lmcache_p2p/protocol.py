@@ -197,6 +197,10 @@ class EngineLoad(msgspec.Struct, kw_only=True):
     # The engine's measured prefill rate, tokens/s (the pull policy's PrefillRate); 0: not
     # measured yet, and the controller uses --route-prefill-tokens-per-s.
     prefill_tokens_per_s: float = 0.0
+    # How many prefill steps that rate was measured over: the controller trusts a rate measured
+    # over few (a cold engine's first step can be several times slower than its next) only when
+    # no candidate's is measured over more (--route-prefill-min-steps).
+    prefill_steps: int = 0
     # This rank's measured peer-pull bandwidth, bytes/s, and fixed cost per pull, ms (the pull
     # policy's LinkEstimate over its links, e.g. their median); 0: not measured yet, and the
     # controller uses --route-pull-gbps / --route-pull-fixed-ms. Traffic's totals cannot give

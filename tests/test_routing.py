@@ -189,7 +189,7 @@ def test_every_decision_is_logged_with_its_numbers():
     assert len(lines) == 1, lines
     assert (
         "route 1024 tokens -> inst-a: expected TTFT 276.0 ms = local 768 tokens {'LocalCPUBackend': 768} (0.0 ms) "
-        "+ pull 0 tokens from - (0.0 ms) + recompute 256 tokens at 1000 tokens/s (256.0 ms) "
+        "+ pull 0 tokens from - (0.0 ms) + recompute 256 tokens at 1000 tokens/s (default) (256.0 ms) "
         "+ load running 2 waiting 0 kv 0.35 (20.0 ms); 1 ranked, 1 skipped"
     ) in lines[0]
 

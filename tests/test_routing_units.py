@@ -222,6 +222,45 @@ def test_a_reported_prefill_rate_and_pull_rate_replace_the_defaults():
     assert by_id(r.route(DOC))["puller"]["prefill_tokens_per_s"] == 4000.0
 
 
+def test_a_rate_measured_over_few_steps_gives_way_to_the_candidates_median():
+    # Seen on two equal CPU engines: one's first step measured 1,394 tokens/s, the other's 7,794;
+    # scored at its first step's rate, the holder of a prompt lost it to a peer that had to pull.
+    registry = Registry()
+    for name in ("cold", "warm-1", "warm-2"):
+        register(registry, name)
+    hold(registry, "cold", 10)
+    r = router(registry, route_pull_fixed_ms=1.0, route_prefill_min_steps=5)
+
+    def beat(name: str, rate: float, steps: int) -> None:
+        load = EngineLoad(running=0, waiting=0, kv_usage=0, prefill_tokens_per_s=rate, prefill_steps=steps)
+        registry.note_load((name, 0), load)
+
+    beat("cold", 100.0, 1)
+    beat("warm-1", 8000.0, 40)
+    beat("warm-2", 6000.0, 12)
+    answer = r.route(DOC)
+    cold = by_id(answer)["cold"]
+    assert (cold["prefill_tokens_per_s"], cold["prefill_source"], cold["prefill_steps"]) == (
+        7000.0,
+        "candidates' median",
+        1,
+    )
+    assert answer["chosen"] == "cold"  # it holds the prompt: 1 token to compute at 7,000 tokens/s
+    assert by_id(answer)["warm-1"]["prefill_source"] == "measured"
+    beat("cold", 100.0, 5)  # measured over enough steps: its own rate stands, and it is that slow
+    cold = by_id(answer := r.route(DOC))["cold"]
+    assert (cold["prefill_tokens_per_s"], cold["prefill_source"]) == (100.0, "measured")
+    assert answer["chosen"] == "warm-1"  # one token at 100 tokens/s (10 ms) loses to a 1 ms pull
+    beat("warm-1", 8000.0, 4)
+    beat("warm-2", 6000.0, 4)
+    beat("cold", 100.0, 4)  # nobody measured over enough: each its own
+    assert {i: e["prefill_tokens_per_s"] for i, e in by_id(r.route(DOC)).items()} == {
+        "cold": 100.0,
+        "warm-1": 8000.0,
+        "warm-2": 6000.0,
+    }
+
+
 # -- protocol fields checked -----------------------------------------------------------------------------
 
 
@@ -249,6 +288,7 @@ def test_good_serve_urls_and_none_pass():
         ("load.kv_usage", {"kv_usage": 1.5}),
         ("load.kv_usage", {"kv_usage": float("nan")}),
         ("load.prefill_tokens_per_s", {"prefill_tokens_per_s": -5.0}),
+        ("load.prefill_steps", {"prefill_steps": -1}),
         ("load.pull_bytes_per_s", {"pull_bytes_per_s": float("inf")}),
         ("load.pull_fixed_ms", {"pull_fixed_ms": 1e9}),
     ],

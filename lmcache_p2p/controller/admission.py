@@ -242,6 +242,9 @@ def validate_load(load: EngineLoad) -> None:
         value = getattr(load, field)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_REQUESTS:
             raise _refuse_load(field, value, f"an integer 0..{MAX_REQUESTS}")
+    steps = load.prefill_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 2**53:
+        raise _refuse_load("prefill_steps", steps, "an integer >= 0")
     _check_gauge("kv_usage", load.kv_usage, 1.0)
     _check_gauge("prefill_tokens_per_s", load.prefill_tokens_per_s, MAX_PREFILL_TOKENS_PER_S)
     _check_gauge("pull_bytes_per_s", load.pull_bytes_per_s, MAX_PULL_BYTES_PER_S)

@@ -20,7 +20,9 @@ What the controller knows about an instance for one prompt (:class:`Facts`):
   pull bandwidth and fixed cost per pull (the slowest rank's). The queue comes from the rank that
   reads the engine's ``/metrics`` (rank 0, with ``serve_url`` set: worker/engine_load.py); ``load``
   in the answer says ``reported: false`` when no rank did. Rates an instance does not report, the
-  settings' defaults stand in for (``--route-*``, :class:`RouteWeights`).
+  settings' defaults stand in for (``--route-*``, :class:`RouteWeights`); a prefill rate measured
+  over fewer than ``--route-prefill-min-steps`` steps (or none) gives way to the median of the
+  candidates measured over more, when any is (``prefill_source`` in the answer says which).
 
 :func:`expected_ttft_ms` turns those into one number (its docstring has the formula). It favours,
 in this order of typical size: an instance holding the prefix (loading it costs a fraction of
@@ -73,6 +75,7 @@ class RouteWeights:
     """The defaults and weights of :func:`expected_ttft_ms`, from ``ControllerSettings.route_*``."""
 
     prefill_tokens_per_s: float  # engines that report no prefill rate
+    prefill_min_steps: float  # steps a reported rate must be measured over to count on its own
     pull_bytes_per_s: float  # ranks that report no pull bandwidth
     pull_fixed_ms: float  # ... nor a fixed cost per pull
     cpu_load_bytes_per_s: float  # a CPU tier (and any tier neither GPU nor disk) into the engine
@@ -86,6 +89,7 @@ class RouteWeights:
     def from_settings(cls, settings: ControllerSettings) -> RouteWeights:
         return cls(
             prefill_tokens_per_s=settings.route_prefill_tokens_per_s,
+            prefill_min_steps=settings.route_prefill_min_steps,
             pull_bytes_per_s=settings.route_pull_gbps * GB,
             pull_fixed_ms=settings.route_pull_fixed_ms,
             cpu_load_bytes_per_s=settings.route_cpu_load_gbps * GB,
@@ -118,6 +122,8 @@ class Facts:
     waiting: int = 0
     kv_usage: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    prefill_steps: int = 0  # steps that rate was measured over (the fewest of its ranks')
+    prefill_source: str = "measured"  # or "candidates' median" / "default": see Router._settle_rates
     pull_bytes_per_s: float = 0.0
     pull_fixed_ms: float = 0.0
 
@@ -318,9 +324,13 @@ class Router:
             best.top = sorted([*best.top, (chunks, key[0])], key=lambda t: (-t[0], t[1]))[:2]
 
         prompt_tokens = len(tokens)
+        gathered = [
+            (instance_id, records, *self._facts(instance_id, records, prompt_tokens, held, peers, now))
+            for instance_id, records in sorted(eligible.items())
+        ]
+        self._settle_rates([g[2] for g in gathered])
         ranked = []
-        for position, (instance_id, records) in enumerate(sorted(eligible.items())):
-            facts, pull_from, load = self._facts(instance_id, records, prompt_tokens, held, peers, now)
+        for position, (instance_id, records, facts, pull_from, load) in enumerate(gathered):
             score = expected_ttft_ms(facts, self.weights)
             rotation = (position - self._turn) % len(eligible)
             ranked.append(
@@ -337,6 +347,19 @@ class Router:
             "ranked": answer,
             "skipped": skipped,
         }
+
+    def _settle_rates(self, candidates: list[Facts]) -> None:
+        """A prefill rate measured over fewer than ``prefill_min_steps`` steps is replaced by the
+        median of the candidates' rates measured over more, when there are any. Recompute time is
+        most of a score, so one cold engine's slow first step would otherwise keep the router
+        away from it, and an engine that gets no traffic measures nothing new."""
+        settled = [f.prefill_tokens_per_s for f in candidates if f.prefill_steps >= self.weights.prefill_min_steps]
+        if not settled:
+            return
+        median = float(np.median(settled))
+        for facts in candidates:
+            if facts.prefill_steps < self.weights.prefill_min_steps:
+                facts.prefill_tokens_per_s, facts.prefill_source = median, "candidates' median"
 
     def _ineligible(self, records: list[WorkerRecord], model: str | None, now: float) -> str | None:
         info = records[0].info
@@ -369,6 +392,7 @@ class Router:
         running = waiting = 0
         kv_usage = pull_fixed_ms = 0.0
         prefill = pull_rate = math.inf
+        prefill_steps = 0
         load_at = math.inf
         bytes_per_token = 0
         for record, (chunks, _) in zip(records, own, strict=True):
@@ -390,7 +414,8 @@ class Router:
                     kv_usage = max(kv_usage, load.kv_usage)
                     load_at = min(load_at, record.load_at)
                 pull_fixed_ms = max(pull_fixed_ms, load.pull_fixed_ms)
-                prefill = min(prefill, load.prefill_tokens_per_s or math.inf)
+                if load.prefill_tokens_per_s and load.prefill_tokens_per_s < prefill:
+                    prefill, prefill_steps = load.prefill_tokens_per_s, load.prefill_steps
                 pull_rate = min(pull_rate, load.pull_bytes_per_s or math.inf)
         reach = max(local, reach) if can_pull else local
         pull_from = sorted(
@@ -423,6 +448,8 @@ class Router:
             waiting=waiting,
             kv_usage=kv_usage,
             prefill_tokens_per_s=prefill if prefill < math.inf else 0.0,
+            prefill_steps=prefill_steps,
+            prefill_source="measured" if prefill < math.inf else "default",
             pull_bytes_per_s=pull_rate if pull_rate < math.inf else 0.0,
             pull_fixed_ms=pull_fixed_ms,
         )
@@ -457,6 +484,10 @@ class Router:
             "pull_bytes_per_s": facts.pull_bytes_per_s or self.weights.pull_bytes_per_s,
             "recompute_tokens": score.recompute_tokens,
             "prefill_tokens_per_s": score.prefill_tokens_per_s,
+            # measured (over prefill_steps steps), the candidates' median (measured over too few),
+            # or the default (--route-prefill-tokens-per-s: none reported)
+            "prefill_source": facts.prefill_source,
+            "prefill_steps": facts.prefill_steps,
             "recompute_ms": round(score.recompute_ms, 3),
             "load": {
                 **load,
@@ -485,7 +516,7 @@ class Router:
         )
         logger.info(
             "route %d tokens -> %s: expected TTFT %.1f ms = local %d tokens %s (%.1f ms) + pull %d tokens from %s "
-            "(%.1f ms) + recompute %d tokens at %.0f tokens/s (%.1f ms) + load running %d waiting %d kv %.2f%s "
+            "(%.1f ms) + recompute %d tokens at %.0f tokens/s %s (%.1f ms) + load running %d waiting %d kv %.2f%s "
             "(%.1f ms)%s; %d ranked, %d skipped",
             prompt_tokens,
             best["instance_id"],
@@ -498,6 +529,9 @@ class Router:
             best["pull_ms"],
             best["recompute_tokens"],
             best["prefill_tokens_per_s"],
+            f"({best['prefill_source']}, {best['prefill_steps']} steps)"
+            if best["prefill_source"] != "default"
+            else "(default)",
             best["recompute_ms"],
             load["running"],
             load["waiting"],

@@ -58,6 +58,11 @@ ROUTE_WEIGHTS: dict[str, tuple[float, bool, str]] = {
     # The pull policy's start-up value for cuda (pull_policy.DEFAULT_PREFILL_TOKENS_PER_S): a
     # conservative engine, so that a cache hit is never valued below what it saves.
     "route_prefill_tokens_per_s": (10_000.0, True, "prefill rate, tokens/s, of an engine that reports none"),
+    # A cold engine's first prefill steps can run several times slower than the rest (CPU engines
+    # here: 1,394 against 7,794 tokens/s on two equal engines' first steps), and an engine the
+    # router then avoids measures nothing more. A rate measured over fewer steps than this stands
+    # only when no candidate's is measured over more; otherwise their median stands in.
+    "route_prefill_min_steps": (5.0, False, "prefill steps an engine's measured rate needs to count"),
     # A nixl peer pull moved 4.7 GB/s here (BENCHMARKS.md); the fixed cost covers a pull's
     # round trips and first-batch latency.
     "route_pull_gbps": (5.0, True, "peer-pull bandwidth, GB/s, of a rank that reports none"),
@@ -104,6 +109,7 @@ class ControllerSettings:
     events_file: str | None = None
     # POST /route's weights (ROUTE_WEIGHTS says what each is).
     route_prefill_tokens_per_s: float = ROUTE_WEIGHTS["route_prefill_tokens_per_s"][0]
+    route_prefill_min_steps: float = ROUTE_WEIGHTS["route_prefill_min_steps"][0]
     route_pull_gbps: float = ROUTE_WEIGHTS["route_pull_gbps"][0]
     route_pull_fixed_ms: float = ROUTE_WEIGHTS["route_pull_fixed_ms"][0]
     route_cpu_load_gbps: float = ROUTE_WEIGHTS["route_cpu_load_gbps"][0]

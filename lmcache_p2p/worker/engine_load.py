@@ -144,6 +144,7 @@ class EngineLoadProbe:
             kv_usage=queue.kv_usage if queue else 0.0,
             queue_reported=queue is not None,
             prefill_tokens_per_s=prefill,
+            prefill_steps=self.prefill.steps,
             pull_bytes_per_s=bytes_per_s,
             pull_fixed_ms=fixed_ms,
         )
