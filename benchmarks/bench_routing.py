@@ -5,7 +5,7 @@ summary line.
 
     pip install 'lmcache-p2p[bench]'    # vllm-router==0.1.17
     .venv/bin/python benchmarks/bench_routing.py [--engines 2] [--users 6] [--turns 4] [--runs 3]
-                                                 [--router-replicas 1]
+                                                 [--router-replicas 1] [--workload chat|rag]
 
 The workload: every user's conversation opens with one shared system prompt
 (``--system-words``), then each turn appends the user's message (``--turn-words``) and the
@@ -13,6 +13,18 @@ engine's answer (``--max-tokens``) to that user's own history, so each request's
 previous one plus a little. Users run at once (each one turn at a time, ``--think-s`` apart).
 Every policy run draws new texts (its own system prompt, its own users), so nothing one run left
 in any cache helps the next, and policies take turns in a rotated order from run to run.
+
+``--workload rag`` is the case an index of what the engines hold is for: traffic the router did
+not see. Before the users start, a batch job (an ingestion pipeline warming the fleet, another
+router replica, an operator's ``/move``) sends ``--docs`` documents of ``--doc-words`` words
+straight to the engines, each to one engine picked at random (seeded), bypassing the router
+under test, which starts before it. Then every user asks ``--turns`` questions, each about a
+document picked at random (prompt: the document, then the question). A router that knows where
+each document's KV is sends the first question about it to its holder (a local hit); one that
+learns only from the requests it routed sends it by load or at random, and a miss there costs a
+peer pull (or a recompute) instead of a local hit. The controller learns of the documents from
+the engines' workers; vllm-router's ``kv_aware`` from the engines' KV events, which it receives
+for the ingestion too (it is subscribed before it starts); ``cache_aware`` never sees them.
 
 Per policy run: mean and p90 TTFT (client side: request sent to first streamed token), where the
 prompt tokens came from (vLLM's ``prompt_tokens_by_source``: its own prefix cache, our connector
@@ -58,7 +70,7 @@ import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_p2p.demo import P2P_LINE, ServedProcess, stream_completion
+from lmcache_p2p.demo import P2P_LINE, ServedProcess, stream_completion, wait_indexed
 from lmcache_p2p.testing.ports import free_ports
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import build, sample_text
@@ -113,7 +125,7 @@ async def one_turn(url: str, model: str, prompt: str, max_tokens: int) -> tuple[
     return answer["ttft_s"], answer["text"]
 
 
-async def workload(urls: list[str], model: str, args, seed: int) -> tuple[list[float], int]:
+async def chat_workload(urls: list[str], model: str, args, seed: int) -> tuple[list[float], int]:
     """Every user's turns, each sent to the next of ``urls`` (router replicas behind a load
     balancer that takes requests in turn); (TTFTs in s, failed requests)."""
     # One thread per user: asyncio's default pool has min(32, cores + 4) threads, and a request
@@ -144,6 +156,55 @@ async def workload(urls: list[str], model: str, args, seed: int) -> tuple[list[f
             else:
                 ttfts.append(ttft)
             histories[u] += answer + "\n"
+            await asyncio.sleep(args.think_s)
+
+    await asyncio.gather(*(user(u) for u in range(args.users)))
+    return ttfts, failures
+
+
+def ingest_documents(fleet: ServedFleet, args, seed: int) -> list[tuple[str, int]]:
+    """The batch job of ``--workload rag``: ``--docs`` documents, each sent straight to one engine
+    picked at random (not through a router), and held there once the controller has indexed it;
+    [(document prompt, engine index)]."""
+    rng = random.Random(seed)
+    documents = []
+    for d in range(args.docs):
+        document = f"Document {d}: {text(args.doc_words, rng)}\n"
+        engine = rng.randrange(len(fleet.engine_urls))
+        stream_completion(fleet.engine_urls[engine], fleet.model, document, 1)
+        if not wait_indexed(fleet.engine_urls[engine], fleet.controller_url, fleet.model, document):
+            print(f"  document {d}: not indexed 10 s after engine{engine + 1} computed it", file=sys.stderr)
+        documents.append((document, engine))
+    # vllm-router's kv_aware hears of them through the engines' KV events: let those arrive too.
+    time.sleep(2 * fleet.heartbeat_s)
+    return documents
+
+
+async def rag_workload(
+    urls: list[str], model: str, documents: list[tuple[str, int]], args, seed: int
+) -> tuple[list[float], int]:
+    """Every user asks ``--turns`` questions, each about a document picked at random (prompt: the
+    document, then the question), one at a time ``--think-s`` apart, users at once; requests go
+    to ``urls`` in turn. (TTFTs in s, failed requests)."""
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=args.users))
+    sent = itertools.count()
+    ttfts: list[float] = []
+    failures = 0
+
+    async def user(u: int) -> None:
+        nonlocal failures
+        user_rng = random.Random(seed * 1000 + u)
+        await asyncio.sleep(u * args.stagger_s)
+        for _ in range(args.turns):
+            document, _ = documents[user_rng.randrange(len(documents))]
+            prompt = f"{document}Question: {text(args.turn_words, user_rng)}\nAnswer:"
+            try:
+                ttft, _ = await one_turn(urls[next(sent) % len(urls)], model, prompt, args.max_tokens)
+            except (OSError, ValueError, RuntimeError, KeyError, http.client.HTTPException) as e:
+                failures += 1
+                print(f"  user {u}: {e}", file=sys.stderr)
+            else:
+                ttfts.append(ttft)
             await asyncio.sleep(args.think_s)
 
     await asyncio.gather(*(user(u) for u in range(args.users)))
@@ -216,8 +277,16 @@ def run_policy(fleet: ServedFleet, policy: str, args, seed: int) -> dict:
     urls = [url for _, url in routers]
     before = {name: engine_counters(u) for name, u in zip(fleet.instance_ids, fleet.engine_urls, strict=True)}
     _, offsets = peer_tokens(fleet, {})
+    documents: list[tuple[str, int]] = []
+    if args.workload == "rag":  # after the routers start: vllm-router's kv_aware hears its events
+        documents = ingest_documents(fleet, args, seed)
+        before = {name: engine_counters(u) for name, u in zip(fleet.instance_ids, fleet.engine_urls, strict=True)}
+        _, offsets = peer_tokens(fleet, {})
     t0 = time.perf_counter()
-    ttfts, failures = asyncio.run(workload(urls, fleet.model, args, seed))
+    if args.workload == "rag":
+        ttfts, failures = asyncio.run(rag_workload(urls, fleet.model, documents, args, seed))
+    else:
+        ttfts, failures = asyncio.run(chat_workload(urls, fleet.model, args, seed))
     wall = time.perf_counter() - t0
     time.sleep(1.5)  # the engines' metrics are published on their stats interval
     after = {name: engine_counters(u) for name, u in zip(fleet.instance_ids, fleet.engine_urls, strict=True)}
@@ -235,6 +304,7 @@ def run_policy(fleet: ServedFleet, policy: str, args, seed: int) -> dict:
     external = by_source["external_kv_transfer"]
     return {
         "bench": "routing",
+        "workload": args.workload,
         "policy": policy,
         "seed": seed,
         "requests": len(ttfts) + failures,
@@ -251,6 +321,9 @@ def run_policy(fleet: ServedFleet, policy: str, args, seed: int) -> dict:
         },
         "requests_per_engine": {n: int(d["requests"]) for n, d in delta.items()},
         "router_replicas": len(routers),
+        "documents_per_engine": [sum(1 for _, e in documents if e == i) for i in range(len(fleet.engine_urls))]
+        if documents
+        else None,
         "router_mean_tokenize_ms": [o.get("mean_tokenize_ms") for o in overheads] or None,
         "router_mean_route_ms": [o.get("mean_route_ms") for o in overheads] or None,
     }
@@ -259,11 +332,20 @@ def run_policy(fleet: ServedFleet, policy: str, args, seed: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=None, help="model, logs (default: a temporary directory)")
+    parser.add_argument(
+        "--workload",
+        choices=("chat", "rag"),
+        default="chat",
+        help="chat: multi-turn conversations on a shared system prompt; rag: questions about documents "
+        "a batch job sent straight to the engines first (see above)",
+    )
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=1500)
-    parser.add_argument("--turn-words", type=int, default=200)
+    parser.add_argument("--turn-words", type=int, default=200, help="a user's turn (rag: a question)")
+    parser.add_argument("--docs", type=int, default=12, help="rag: documents the batch job sends to the engines")
+    parser.add_argument("--doc-words", type=int, default=4000, help="rag: words per document")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--think-s", type=float, default=1.0, help="pause between a user's turns")
     parser.add_argument("--stagger-s", type=float, default=0.5, help="users start this far apart")
@@ -279,6 +361,12 @@ def main() -> int:
         choices=("local", "engine"),
         default="local",
         help="lmcache_router tokenizes with the model's tokenizer (--tokenizer) or asks an engine's /tokenize",
+    )
+    parser.add_argument(
+        "--pin-engines",
+        action="store_true",
+        help="each engine's processes on a core of their own (ServedFleet.pin_engines), as a fleet's "
+        "engines do not share cores; routers, controller and clients share them all",
     )
     parser.add_argument("--layers", type=int, default=4, help="the local random Llama's depth")
     parser.add_argument("--hidden", type=int, default=256, help="... and width")
@@ -311,7 +399,9 @@ def main() -> int:
     env = {"VLLM_LOGGING_LEVEL": "WARNING"}
     # KV events cost every engine work on every step: on only when a router reads them.
     events = "vllm-router:kv_aware" in policies
-    fleet = ServedFleet(workdir / "fleet", model, engines=args.engines, engine_env=env, kv_events=events)
+    fleet = ServedFleet(
+        workdir / "fleet", model, engines=args.engines, engine_env=env, kv_events=events, pin_engines=args.pin_engines
+    )
     results = []
     try:
         print(f"starting {args.engines} engines, logs in {fleet.workdir}", file=sys.stderr, flush=True)

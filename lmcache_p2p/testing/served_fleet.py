@@ -55,6 +55,12 @@ class ServedFleet:
     controller_args: tuple[str, ...] = ()  # more lmcache_controller arguments
     tp: int = 1  # --tensor-parallel-size of every engine
     ports_per_rank: bool = False  # seed 004's port lists, a free port per rank, instead of 0
+    # Each engine's processes (API server, engine core, workers) on cores of their own: engine i
+    # (from 0) on core i mod the host's cores, its OpenMP thread bound there too. Engines that share
+    # cores slow each other down (vLLM's processes spin for a second after every step), which on a
+    # small host makes one engine doing everything beat any spreading; a fleet's engines do not
+    # share cores. TP > 1 keeps tp_engine_env's binding.
+    pin_engines: bool = False
     # Each engine publishes vLLM's KV cache events (--kv-events-config) on an endpoint of its own.
     kv_events: bool = False
     kv_event_endpoints: list[str] = field(default_factory=list)
@@ -123,6 +129,10 @@ class ServedFleet:
                 events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
                 extra += ["--kv-events-config", json.dumps(events)]
             command = vllm_server_command(self.model, port, *CPU_ENGINE_ARGS, *extra)
+            if self.pin_engines and self.tp == 1:
+                core = str((i - 1) % (os.cpu_count() or 1))
+                env["VLLM_CPU_OMP_THREADS_BIND"] = core
+                command = ["taskset", "--cpu-list", core, *command]
             self.processes[f"engine{i}"] = ServedProcess(
                 f"engine{i}", command, self.workdir / f"engine{i}.log", env
             ).start()
