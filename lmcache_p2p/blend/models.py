@@ -1,0 +1,94 @@
+"""Model adapters for blending (blender.BlendModel): one per model family, over the model's own
+modules and weights.
+
+* :class:`HFLlama`: a transformers ``LlamaForCausalLM`` (and the architectures that share its
+  modules). The quality benchmark runs segments through it to compare blended KV with a full
+  prefill on the same weights, and the tests hold the blender to a full prefill with it.
+
+Adding a RoPE family means writing ``embed`` / ``qkv`` / ``finish`` over its modules and saying
+where its ``inv_freq`` and rope type are; :data:`SUPPORTED` lists the architectures blending
+accepts, and anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lmcache_p2p.blend.rope import check_rope_kind
+
+SUPPORTED = ("LlamaForCausalLM",)
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def check_architecture(architectures: list[str] | None) -> str:
+    """The architecture blending will run, or UnsupportedModel naming what was given."""
+    for arch in architectures or []:
+        if arch in SUPPORTED:
+            return arch
+    raise UnsupportedModel(
+        f"enable_blending supports {', '.join(SUPPORTED)}; this model is {architectures or 'of unknown architecture'}"
+    )
+
+
+class HFLlama:
+    """blender.BlendModel over a transformers Llama. ``residual`` is the residual stream itself:
+    transformers' layers add, they do not fuse the add into the norm."""
+
+    def __init__(self, model: Any):
+        check_architecture(list(getattr(model.config, "architectures", None) or ["LlamaForCausalLM"]))
+        config = model.config
+        rope = getattr(config, "rope_parameters", None) or {}
+        check_rope_kind(rope.get("rope_type"))
+        self.model = model.model
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.inv_freq = self.model.rotary_emb.inv_freq.float()
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(token_ids)
+
+    def _rotate(self, x: torch.Tensor, heads: int, positions: torch.Tensor, cos_sin) -> torch.Tensor:
+        cos, sin = cos_sin  # [1, T, D]
+        t = x.view(-1, heads, self.head_dim).transpose(0, 1)  # [H, T, D]
+        half = self.head_dim // 2
+        rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+        return (t * cos + rotated * sin).transpose(0, 1).reshape(x.shape)
+
+    def qkv(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor):
+        block = self.model.layers[layer]
+        attn = block.self_attn
+        normed = block.input_layernorm(hidden)
+        q, k, v = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
+        cos_sin = self.model.rotary_emb(hidden, positions[None])
+        q = self._rotate(q, self.num_heads, positions, cos_sin)
+        k = self._rotate(k, self.num_kv_heads, positions, cos_sin)
+        return q, k, v, hidden
+
+    def finish(self, layer: int, attn_out: torch.Tensor, residual: torch.Tensor):
+        block = self.model.layers[layer]
+        x = residual + block.self_attn.o_proj(attn_out)
+        x = x + block.mlp(block.post_attention_layernorm(x))
+        return x, x
+
+
+@torch.inference_mode()
+def hf_prefill_kv(model: Any, token_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A plain prefill's KV of ``token_ids`` (positions 0..T-1) by transformers itself: per layer
+    [T, kv_heads, head_dim] keys (rotated) and values."""
+    out = model(input_ids=token_ids[None], use_cache=True)
+    cache = out.cache  # transformers >= 5.24 (past_key_values before)
+    layers = cache.layers if hasattr(cache, "layers") else None
+    keys, values = [], []
+    for i in range(model.config.num_hidden_layers):
+        k, v = (layers[i].keys, layers[i].values) if layers is not None else cache[i]
+        keys.append(k[0].transpose(0, 1).contiguous())
+        values.append(v[0].transpose(0, 1).contiguous())
+    return keys, values
