@@ -13,7 +13,8 @@ import sys
 import threading
 
 import yaml
-from protocol_client import free_ports
+
+from lmcache_p2p.testing.ports import free_ports
 
 
 def instance_config(

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from protocol_client import free_ports
+
+from lmcache_p2p.testing.ports import free_ports
 
 if TYPE_CHECKING:
     from typing import Self

@@ -27,7 +27,8 @@ from typing import TypeVar
 
 import pytest
 import redis
-from protocol_client import free_ports
+
+from lmcache_p2p.testing.ports import free_ports
 
 START_TIMEOUT_S = 15.0
 # Peers flag a silent node as failing after this long, and a restarted master waits about as long

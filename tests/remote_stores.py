@@ -10,10 +10,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from protocol_client import free_ports, wait_for
+from protocol_client import wait_for
 
 from lmcache_p2p.remote.lm_store import LmServerStore
 from lmcache_p2p.remote.url import parse_remote_url
+from lmcache_p2p.testing.ports import free_ports
 
 SCRIPT = str(Path(sys.executable).with_name("lmcache_server"))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq.asyncio
 from instances import instance_config, tokens
-from protocol_client import CHUNK, CPU, ControllerProcess, FakeWorker, free_ports, layout, wait_for
+from protocol_client import CHUNK, CPU, ControllerProcess, FakeWorker, layout, wait_for
 
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.protocol import (
@@ -24,6 +24,7 @@ from lmcache_p2p.protocol import (
 )
 from lmcache_p2p.rpc import RemoteError, RpcClient
 from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.testing.ports import free_ports
 from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.identity import WorkerIdentity
 

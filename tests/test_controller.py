@@ -11,13 +11,13 @@ from protocol_client import (
     DISK,
     ControllerProcess,
     FakeWorker,
-    free_ports,
     registered_workers,
     wait_for,
 )
 
 from lmcache_p2p.keys import chunk_hashes
 from lmcache_p2p.protocol import Ack, CommandReply, Heartbeat, MoveCommand, unpack_hashes
+from lmcache_p2p.testing.ports import free_ports
 
 FAST = ("--health-check-interval", "0.1", "--worker-timeout", "1.0", "--command-timeout", "1.0")
 DOC = list(range(1000, 1000 + 10 * CHUNK))  # 10 chunks

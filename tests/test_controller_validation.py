@@ -10,7 +10,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from protocol_client import CHUNK, CPU, ControllerProcess, FakeWorker, free_ports, layout, wait_for
+from protocol_client import CHUNK, CPU, ControllerProcess, FakeWorker, layout, wait_for
 
 from lmcache_p2p.keys import LayoutFingerprint
 from lmcache_p2p.protocol import (
@@ -21,6 +21,7 @@ from lmcache_p2p.protocol import (
     controller_reply_decoder,
     encode,
 )
+from lmcache_p2p.testing.ports import free_ports
 
 DOC = list(range(5000, 5000 + 4 * CHUNK))
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 from conftest import ENGINE_ENV
-from protocol_client import free_ports, wait_for
+from protocol_client import wait_for
 
 from lmcache_p2p.integration.vllm.launcher import CONNECTOR, serve_command
 from lmcache_p2p.remote.lm_store import LmServerStore
 from lmcache_p2p.remote.url import parse_remote_url
+from lmcache_p2p.testing.ports import free_ports
 
 LAUNCHER = str(Path(sys.executable).with_name("lmcache_vllm"))
 

@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
-from protocol_client import free_ports, wait_for
+from protocol_client import wait_for
 from remote_stores import SCRIPT as SERVER
 from remote_stores import LmServer
 
 from lmcache_p2p.remote import wire
 from lmcache_p2p.remote.lm_store import LmServerStore, RemoteRefused
 from lmcache_p2p.remote.store import RemoteUnavailable
+from lmcache_p2p.testing.ports import free_ports
 
 MiB = 1 << 20
 

@@ -52,7 +52,7 @@ from urllib import request as urlrequest
 
 import pytest
 from conftest import ENGINE_ENV
-from protocol_client import free_ports, wait_for
+from protocol_client import wait_for
 
 from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, http_status, vllm_server_command
 from lmcache_p2p.testing.pd_proxy import (
@@ -62,6 +62,7 @@ from lmcache_p2p.testing.pd_proxy import (
     prefill,
     seed_kv_transfer_config,
 )
+from lmcache_p2p.testing.ports import free_ports
 
 pytestmark = pytest.mark.slow
 

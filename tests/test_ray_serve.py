@@ -33,7 +33,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from protocol_client import ControllerProcess, free_ports, wait_for
+from protocol_client import ControllerProcess, wait_for
+
+from lmcache_p2p.testing.ports import free_ports
 
 # Each test starts vLLM engines inside Ray on shared cores, and serve.run returns only once every
 # replica is up: in a full `make test` the two-replica test outran pytest's default 300 s once.

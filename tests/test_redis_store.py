@@ -197,7 +197,7 @@ def test_standalone_hung_fails_within_the_timeout_and_recovers(tmp_path):
 
 
 def test_down_at_construction_is_no_error_until_used():
-    from protocol_client import free_ports
+    from lmcache_p2p.testing.ports import free_ports
 
     port = free_ports(1)[0]
     for url in (f"redis://127.0.0.1:{port}", f"redis-cluster://127.0.0.1:{port},127.0.0.1:{port + 1}"):

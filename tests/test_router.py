@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from openai_standin import ServedApp, StandinEngine, chat_text, standin_tokens
-from protocol_client import ControllerProcess, FakeWorker, free_ports, registered_workers, wait_for
+from protocol_client import ControllerProcess, FakeWorker, registered_workers, wait_for
 
 from lmcache_p2p.demo import ServedProcess
 from lmcache_p2p.protocol import EngineLoad
@@ -24,6 +24,7 @@ from lmcache_p2p.router import cli
 from lmcache_p2p.router.app import create_app
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import Candidate, LeastLoaded, RoundRobin, demote, make_policy
+from lmcache_p2p.testing.ports import free_ports
 
 NAMES = ["inst-a", "inst-b", "inst-c"]
 MODEL = "tiny-llama"  # the stand-ins' served model and the FakeWorkers' layout model

@@ -8,10 +8,10 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from protocol_client import free_ports
 
 from lmcache_p2p.protocol import Ack, ClearCommand, CommandReply, HealthCommand, StatusCommand, command_reply_decoder
 from lmcache_p2p.rpc import Answer, RemoteError, RequestFailed, RpcClient, RpcServer
+from lmcache_p2p.testing.ports import free_ports
 
 
 def run(coro):

@@ -13,9 +13,10 @@ import sys
 import pytest
 from conftest import ENGINE_ENV
 from instances import InstanceProcess, instance_config
-from protocol_client import ControllerProcess, free_ports, wait_for
+from protocol_client import ControllerProcess, wait_for
 
 from lmcache_p2p.testing import offline_driver
+from lmcache_p2p.testing.ports import free_ports
 
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks and a tail vLLM computes itself

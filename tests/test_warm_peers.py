@@ -19,7 +19,7 @@ import time
 import pytest
 import zmq
 from instances import InstanceProcess, instance_config, tokens
-from protocol_client import ControllerProcess, free_ports, wait_for
+from protocol_client import ControllerProcess, wait_for
 
 from lmcache_p2p.keys import LayoutFingerprint
 from lmcache_p2p.protocol import (
@@ -29,6 +29,7 @@ from lmcache_p2p.protocol import (
     controller_reply_decoder,
     encode,
 )
+from lmcache_p2p.testing.ports import free_ports
 
 CHUNK = 32
 CPU = "LocalCPUBackend"

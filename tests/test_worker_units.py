@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 import zmq.asyncio
-from protocol_client import free_ports, layout
+from protocol_client import layout
 
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey
@@ -15,6 +15,7 @@ from lmcache_p2p.protocol import CommandReply, PinCommand, command_reply_decoder
 from lmcache_p2p.rpc import RemoteError, RpcClient
 from lmcache_p2p.storage.manager import CPU, DISK, StorageEvent, StorageManager
 from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.testing.ports import free_ports
 from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.identity import WorkerIdentity, _route_address
 from lmcache_p2p.worker.link import EventBatcher
