@@ -138,6 +138,30 @@ def _to_int_list(raw: Any) -> list[int]:
     return out
 
 
+def _to_float_list(raw: Any) -> list[float]:
+    """A YAML list of numbers, one number, or "0.15,0.3" / "[0.15]" from env."""
+    if isinstance(raw, str):
+        items: list[Any] = [x for x in (p.strip() for p in raw.strip().strip("[]").split(",")) if x]
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        items = [raw]
+    try:
+        out = [_to_float(x) for x in items]
+    except _Invalid:
+        raise _Invalid("expected a number or a list of numbers such as [0.15]") from None
+    if not out:
+        raise _Invalid("expected at least one number")
+    return out
+
+
+def _to_separator(raw: Any) -> str:
+    """A separator string kept as written: its spaces are part of it (``" # # "``)."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise _Invalid('expected a non-blank string such as " # # "')
+    return raw
+
+
 def _to_dict(raw: Any) -> dict:
     if isinstance(raw, dict):
         return dict(raw)
@@ -297,6 +321,17 @@ class LMCacheConfig:
         "start-up estimate of this engine's prefill rate (default: 10,000 on CUDA, 200 on CPU)",
     )
     # Controller
+    # Non-prefix reuse (CacheBlend, issue 23; docs/blend.md), the original's keys
+    enable_blending: bool = _key(
+        _to_bool, False, "reuse cached segments of a prompt wherever they appear (Llama, TP 1; docs/blend.md)"
+    )
+    blend_special_str: str = _key(_to_separator, " # # ", "the separator between a blended prompt's segments")
+    blend_recompute_ratios: list[float] = _key(
+        _to_float_list, [0.15], "share of cached tokens recomputed in every layer (the first is used)"
+    )
+    blend_check_layers: list[int] = _key(
+        _to_int_list, [1], "the layer choosing the tokens to recompute (the first is used)"
+    )
     enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
     lmcache_instance_id: str | None = _key(
         _optional(_to_str),
@@ -433,6 +468,10 @@ class LMCacheConfig:
             raise self._err(
                 "p2p_pull_margin", "expected a factor in (0, 10] (pull when pull time <= margin x recompute)"
             )
+        if not all(0.0 <= r <= 1.0 for r in self.blend_recompute_ratios):
+            raise self._err("blend_recompute_ratios", "expected shares within 0..1 (0.15: 15% of cached tokens)")
+        if any(layer < 0 for layer in self.blend_check_layers):
+            raise self._err("blend_check_layers", "expected layer numbers >= 0")
         if self.prefill_tokens_per_s is not None and self.prefill_tokens_per_s <= 0:
             raise self._err("prefill_tokens_per_s", "expected tokens per second > 0")
         if self.nixl_buffer_size is not None and self.nixl_buffer_size <= 0:
@@ -692,12 +731,8 @@ _IGNORED_LMCACHE_KEYS = frozenset(
         "use_layerwise",
         "save_decode_cache",
         "pre_caching_hash_algorithm",
-        "enable_blending",
-        "blend_recompute_ratios",
         "blend_thresholds",
-        "blend_check_layers",
         "blend_min_tokens",
-        "blend_special_str",
         "retrieve_locations",
         "store_location",
         "mp_host",

@@ -32,6 +32,9 @@ PRODUCT_MODULES = [
     "lmcache_p2p.controller.api",
     "lmcache_p2p.controller.cli",
     "lmcache_p2p.demo",
+    "lmcache_p2p.blend.segments",
+    "lmcache_p2p.blend.blender",
+    "lmcache_p2p.blend.models",
 ]
 NOT_INSTALLED_BY_PIP_INSTALL_DOT = ["pytest", "playwright", "nixl", "vllm"]
 

@@ -6,13 +6,17 @@ vLLM ``LlamaForCausalLM``: its embedding, each layer's fused-residual RMSNorms, 
 ours (scaled dot-product over the gathered KV): vLLM offers no way to run its attention kernels
 outside a scheduled batch.
 
-A KV connector is never handed the model; a general plugin can re-register the architecture
-with a subclass that records itself (docs/blend.md, "The connector, next"). Until the connector
-blends, tests reach the model through ``LLM.apply_model``.
+A KV connector is never handed the model. With ``enable_blending`` our vLLM plugin re-registers
+the architecture ``LlamaForCausalLM`` as this module's ``LlamaForCausalLM``: vLLM's class,
+unchanged but for recording each instance it builds, which :func:`tracked_model` returns to the
+connector's worker half (built after the model loads). The class is made on first access
+(module ``__getattr__``), so importing this module needs no vLLM.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -68,3 +72,41 @@ class VllmLlama:
         out, _ = block.self_attn.o_proj(attn_out)
         hidden, residual = block.post_attention_layernorm(out, residual)
         return block.mlp(hidden), residual
+
+
+_built: list[weakref.ref] = []
+_built_lock = threading.Lock()
+_tracking_class: type | None = None
+
+
+def tracked_model() -> Any:
+    """The newest live model built by the tracking class in this process, or None."""
+    with _built_lock:
+        for ref in reversed(_built):
+            model = ref()
+            if model is not None:
+                return model
+    return None
+
+
+def _make_tracking_class() -> type:
+    from vllm.model_executor.models.llama import LlamaForCausalLM as VllmLlamaForCausalLM
+
+    class LlamaForCausalLM(VllmLlamaForCausalLM):  # the same name: vLLM keys some behaviour on it
+        # vLLM reads the constructor's signature to decide how to call it: it must name vllm_config.
+        def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+            with _built_lock:
+                _built.append(weakref.ref(self))
+
+    LlamaForCausalLM.__module__ = __name__
+    return LlamaForCausalLM
+
+
+def __getattr__(name: str) -> Any:
+    global _tracking_class
+    if name != "LlamaForCausalLM":
+        raise AttributeError(name)
+    if _tracking_class is None:
+        _tracking_class = _make_tracking_class()
+    return _tracking_class

@@ -43,6 +43,9 @@ class LookupRequest(msgspec.Struct, tag="lookup"):
     # tokens; None on a poll, which names a lookup the rank already has.
     hashes: bytes | None = None
     num_tokens: int = 0
+    # Blending (docs/blend.md): each reusable segment's chunk keys (pack_hashes); the rank says
+    # which segments it holds whole in its local tiers and pins them for the load.
+    segments: list[bytes] | None = None
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
@@ -52,6 +55,7 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     pending: bool = False
     unknown: bool = False  # a poll for a lookup this rank does not have: ask again with the hashes
     error: str = ""
+    segments_held: list[bool] | None = None  # a segment lookup's answer, one per segment
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -205,6 +209,41 @@ class LookupClient:
                 )
                 return 0
         return min(a.hit_tokens for a in answers.values())
+
+    def lookup_segments(self, req_id: str, segments: list[np.ndarray], timeout_s: float) -> list[bool]:
+        """Which of ``segments`` (each a segment's chunk keys) every rank holds whole in its local
+        tiers, pinned there for the load. A rank that does not answer, or fails, holds none."""
+        self._seq += 1
+        seq = self._seq
+        payload = _encoder.encode(
+            LookupRequest(
+                seq=seq,
+                req_id=req_id,
+                fetch_missing=False,
+                wait_s=0.0,
+                segments=[pack_hashes(keys) for keys in segments],
+            )
+        )
+        for sock in self._socks:
+            sock.send(payload, copy=False)
+        held = [True] * len(segments)
+        answered = 0
+        deadline = time.monotonic() + timeout_s
+        while answered < len(self._socks):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                logger.warning("segment lookup of request %s: a TP rank did not answer; treating it as a miss", req_id)
+                return [False] * len(segments)
+            for sock, _ in self._poller.poll(left_ms):
+                reply = self._decode(sock.recv())
+                if reply is None or reply.seq != seq:
+                    continue
+                answered += 1
+                if reply.error or reply.segments_held is None or len(reply.segments_held) != len(segments):
+                    logger.warning("segment lookup of request %s failed on a rank (%s)", req_id, reply.error)
+                    return [False] * len(segments)
+                held = [a and b for a, b in zip(held, reply.segments_held, strict=True)]
+        return held
 
     @staticmethod
     def _decode(payload: bytes) -> LookupReply | None:

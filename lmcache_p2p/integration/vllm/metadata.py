@@ -13,8 +13,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 @dataclass
+class BlendSegment:
+    """A reusable segment of a blended prompt: tokens ``[start, end)`` and its chunk keys."""
+
+    start: int
+    end: int
+    keys: np.ndarray  # uint64, blend.segments.segment_chunks' keys
+    held: bool  # every rank holds it whole (pinned by the segment lookup)
+
+
+@dataclass
+class BlendSpec:
+    """How a blended load fills ``[0, end)``: the tokens, and the segments that may be reused."""
+
+    token_ids: np.ndarray  # int32, the prompt's tokens [0, end)
+    segments: list[BlendSegment]
+
+
+@dataclass
 class LoadSpec:
-    """Load the request's tokens ``[start, end)`` from the local tiers into its blocks."""
+    """Load the request's tokens ``[start, end)`` from the local tiers into its blocks (with
+    ``blend``: blend them from cached segments, docs/blend.md)."""
 
     req_id: str
     chunk_hashes: np.ndarray  # the prompt's, uint64
@@ -22,6 +41,16 @@ class LoadSpec:
     block_ids: list[int]  # the request's blocks from token 0
     start: int
     end: int
+    blend: BlendSpec | None = None
+
+
+@dataclass
+class SegmentStoreSpec:
+    """Compute these segments' KV on their own (positions from 0) and store them under their keys."""
+
+    req_id: str
+    token_ids: np.ndarray  # int32, the prompt's
+    segments: list[BlendSegment]
 
 
 @dataclass
@@ -37,6 +66,7 @@ class StoreSpec:
 class P2PConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    segment_stores: list[SegmentStoreSpec] = field(default_factory=list)
     # Requests whose lookup pins the ranks may drop (finished, or scheduled with nothing to load).
     released: list[str] = field(default_factory=list)
     # Blocks were freed without waiting for our stores (a preemption), and may be written this

@@ -121,6 +121,24 @@ def _decide() -> str:
     return "p2p"
 
 
+def _register_blend_model() -> None:
+    """With ``enable_blending`` in this process's lmcache-p2p configuration, vLLM builds Llama
+    models through a class that lets the connector reach them (blend_model.py). A configuration
+    that does not load is left to the connector, which names the bad key when it starts."""
+    from lmcache_p2p.config import ConfigError, LMCacheConfig
+
+    try:
+        enabled = LMCacheConfig.load().enable_blending
+    except ConfigError:
+        return
+    if not enabled:
+        return
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("LlamaForCausalLM", "lmcache_p2p.integration.vllm.blend_model:LlamaForCausalLM")
+    logger.info("enable_blending: LlamaForCausalLM is built by lmcache_p2p.integration.vllm.blend_model")
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Cheap (it imports vLLM's connector factory, never
     our connector nor LMCache), idempotent, and never raises: vLLM calls general plugins without
@@ -135,6 +153,8 @@ def register() -> None:
 
         logs.ensure_handler()
         _decision = _decide()
+        if _decision == "p2p":
+            _register_blend_model()
     except Exception:
         _decision = "error"
         logger.exception(

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.integration.vllm.blending import BlendPlanner
 from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents, kv_events_enabled
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path
-from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata, StoreSpec
+from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PConnectorMetadata, StoreSpec
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S
 
@@ -55,6 +56,12 @@ class _Request:
     seen_at: float = field(default_factory=time.monotonic)  # first asked about (its lookup's start)
     lookup_ms: float = 0.0  # from seen_at until every rank answered (a peer pull included)
     remembered: bool = False  # its chunks' blocks are known to the KV-event mapper
+    # Blending (enable_blending, a prompt of two or more segments): its tokens, reusable segments
+    # and where its last segment starts; such a prompt takes the segment path, never the prefix one.
+    tokens: np.ndarray | None = None
+    segments: list[BlendSegment] | None = None
+    last_start: int = 0
+    segments_stored: bool = False
 
 
 class SchedulerSide:
@@ -87,6 +94,9 @@ class SchedulerSide:
             else None
         )
         self._engine_busy = False  # did the last step schedule any tokens?
+        self.blend: BlendPlanner | None = None
+        if config.enable_blending:
+            self.blend = BlendPlanner(vllm_config, config, self.block_size)
         self._idle_wait_taken = False  # a lookup of this scheduling round already waited long
         logger.info(
             "lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
@@ -110,9 +120,13 @@ class SchedulerSide:
             state.remembered = True
         if not self.loads:
             return 0, False
-        if not len(state.chunk_hashes):
+        hit: int | None
+        if state.segments is not None:
+            hit = state.hit if state.hit is not None else self._ask_segments(req_id, state)
+        elif not len(state.chunk_hashes):
             return 0, False
-        hit = state.hit if state.hit is not None else self._ask(req_id, state)
+        else:
+            hit = state.hit if state.hit is not None else self._ask(req_id, state)
         if hit is None:
             return None, False
         # vLLM must compute at least the prompt's last token to sample from it.
@@ -136,8 +150,32 @@ class SchedulerSide:
         if state is None:
             tokens = np.asarray(prompt_token_ids or [], dtype=np.int32)
             state = _Request(chunk_hash_array(tokens, self.chunk_size), len(tokens))
+            planned = self.blend.segments(tokens) if self.blend is not None else None
+            if planned is not None:
+                state.tokens, (state.segments, state.last_start) = tokens, planned
             self._requests[req_id] = state
         return state
+
+    def _ask_segments(self, req_id: str, state: _Request) -> int:
+        """Blending: which reusable segments the ranks hold, and the tokens a blended load fills."""
+        assert self.blend is not None and state.segments is not None
+        held = self.client.lookup_segments(req_id, [s.keys for s in state.segments], LOOKUP_REPLY_SLACK_S)
+        for segment, whole in zip(state.segments, held, strict=True):
+            segment.held = whole
+        state.hit = self.blend.decide(state.segments, state.last_start, state.num_tokens)
+        state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
+        cached = sum(s.end - s.start for s in state.segments if s.held)
+        logger.info(
+            "Reqid: %s, blend: %d segment(s) before the last, %d held (%d tokens); blending tokens [0, %d) of %d%s",
+            req_id,
+            len(state.segments),
+            sum(held),
+            cached,
+            state.hit,
+            state.num_tokens,
+            "" if state.hit else " (nothing: a plain prefill, then the segments are stored)",
+        )
+        return state.hit
 
     def _ask(self, req_id: str, state: _Request) -> int | None:
         """Ask the ranks; ``state.hit`` once they all answered, None while it is not known."""
@@ -231,6 +269,9 @@ class SchedulerSide:
     def _add_load(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.
         if state.load_tokens:
+            blend = None
+            if state.segments is not None and state.tokens is not None and self.blend is not None:
+                blend = self.blend.load_spec(state.tokens, state.segments, computed)
             meta.loads.append(
                 LoadSpec(
                     req_id,
@@ -239,12 +280,22 @@ class SchedulerSide:
                     list(state.block_ids),
                     start=computed - state.load_tokens,
                     end=computed,
+                    blend=blend,
                 )
             )
             state.load_tokens = 0
 
     def _add_store(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed_after: int) -> None:
         if not self.stores:
+            return
+        if state.segments is not None:
+            # Blended KV is approximate: never stored as prefix chunks. New segments are stored
+            # once, computed on their own by the rank (from the tokens, not from these blocks).
+            if not state.segments_stored and state.tokens is not None and self.blend is not None:
+                spec = self.blend.store_spec(req_id, state.tokens, state.segments)
+                if spec is not None:
+                    meta.segment_stores.append(spec)
+                state.segments_stored = True
             return
         end = min(computed_after, state.num_tokens) // self.chunk_size * self.chunk_size
         # Chunks the lookup found are held already; storing starts after them.

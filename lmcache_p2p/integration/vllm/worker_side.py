@@ -124,6 +124,8 @@ class WorkerSide:
         self._finishing: set[str] = set()  # of those, finished in vLLM, store copies maybe in flight
         self._clock: _StepClock | None = None  # times prefill steps (register_kv_caches makes it)
         self.storage_events: StorageEventBuffer | None = None  # with --kv-events-config
+        self.blender: Any = None  # blending.SegmentBlender, with enable_blending
+        self._segment_pins: dict[str, tuple[float, dict[int, Any]]] = {}  # req_id -> (when, key -> pinned chunk)
         self.tp_rank, self.tp_size = self._tp_rank_and_size()
 
     def _tp_rank_and_size(self) -> tuple[int, int]:
@@ -164,6 +166,10 @@ class WorkerSide:
             self.engine.storage.subscribe(self.storage_events)
         with _live_lock:
             _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
+        if self.config.enable_blending:
+            from lmcache_p2p.integration.vllm.blending import SegmentBlender
+
+            self.blender = SegmentBlender(self.vllm_config, self.config, kv_caches, self.engine.storage)
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
         logger.info(
             "lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
@@ -185,6 +191,8 @@ class WorkerSide:
 
     def _on_lookup(self, request: LookupRequest) -> LookupReply:
         self._expire_lookups()
+        if request.segments is not None:
+            return self._on_segment_lookup(request)
         with self._lock:
             state = self._lookups.get(request.req_id)
         if state is None:
@@ -209,6 +217,33 @@ class WorkerSide:
             self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
 
+    def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
+        """Which segments this rank holds whole in its local tiers; those are pinned for the load."""
+        storage = self._engine.storage
+        self._release_segments(request.req_id)  # asked again (a preempted request): the new answer stands
+        held, pins = [], {}
+        for packed in request.segments or []:
+            keys = unpack_hashes(packed).tolist()
+            chunks = [storage.pin(int(k)) for k in keys]
+            whole = bool(keys) and all(c is not None for c in chunks)
+            held.append(whole)
+            for key, chunk in zip(keys, chunks, strict=True):
+                if chunk is None:
+                    continue
+                if whole:
+                    pins[int(key)] = chunk
+                else:
+                    chunk.release()
+        with self._lock:
+            self._segment_pins[request.req_id] = (time.monotonic(), pins)
+        return LookupReply(seq=request.seq, req_id=request.req_id, segments_held=held)
+
+    def _release_segments(self, req_id: str) -> None:
+        with self._lock:
+            entry = self._segment_pins.pop(req_id, None)
+        for chunk in (entry[1] if entry else {}).values():
+            chunk.release()
+
     def _take_lookup(self, req_id: str) -> _Lookup | None:
         with self._lock:
             return self._lookups.pop(req_id, None)
@@ -218,6 +253,9 @@ class WorkerSide:
         with self._lock:
             stale = [r for r, s in self._lookups.items() if s.started < cutoff]
             states = [self._lookups.pop(r) for r in stale]
+            stale_segments = [r for r, (when, _) in self._segment_pins.items() if when < cutoff]
+        for req_id in stale_segments:
+            self._release_segments(req_id)
         for req_id, state in zip(stale, states, strict=True):
             logger.warning("request %s: dropping its lookup pins after %.0f s unclaimed", req_id, LOOKUP_PIN_TTL_S)
             self._release(state)
@@ -240,7 +278,11 @@ class WorkerSide:
             state = self._take_lookup(req_id)
             if state is not None:
                 self._release(state)
+            self._release_segments(req_id)
         for spec in meta.loads:
+            if spec.blend is not None:
+                self._load_blended(spec)
+                continue
             state = self._take_lookup(spec.req_id)
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
@@ -258,6 +300,22 @@ class WorkerSide:
                 self._report_short_load(spec, loaded_to)
         if self._clock is not None:
             self._clock.start(meta)  # the forward pass starts now
+
+    def _load_blended(self, spec) -> None:
+        with self._lock:
+            _, pins = self._segment_pins.pop(spec.req_id, (0.0, {}))
+        try:
+            if self.blender is None:
+                raise RuntimeError("a blended load reached a rank without enable_blending")
+            loaded_to = self.blender.load(spec.req_id, spec.blend, spec.block_ids, pins)
+        except Exception:
+            logger.exception("request %s: blending tokens [0, %d) failed", spec.req_id, spec.end)
+            loaded_to = 0
+        finally:
+            for chunk in pins.values():
+                chunk.release()
+        if loaded_to < spec.end:
+            self._report_short_load(spec, loaded_to)
 
     def _report_short_load(self, spec, loaded_to: int) -> None:
         block_size = self._engine.layout.block_size
@@ -281,6 +339,12 @@ class WorkerSide:
             self._clock.stop()  # the forward pass is over (on a GPU: queued)
         engine = self._engine
         engine.poll_stores()
+        for segment_spec in meta.segment_stores:
+            try:
+                if self.blender is not None:
+                    self.blender.store(segment_spec)
+            except Exception:  # a failed store is a future miss, never a failed request
+                logger.exception("request %s: storing its segments failed", segment_spec.req_id)
         for spec in meta.stores:
             self._saving.add(spec.req_id)
             try:
@@ -313,6 +377,8 @@ class WorkerSide:
             states, self._lookups = list(self._lookups.values()), {}
         for state in states:
             self._release(state)
+        for req_id in list(self._segment_pins):
+            self._release_segments(req_id)
         self._clock = None
         if self.engine is not None:
             with _live_lock:

@@ -1,0 +1,254 @@
+"""Blending in the connector (issue 23; docs/blend.md): both halves' parts.
+
+* :class:`BlendPlanner` (scheduler side): splits a prompt at the separator into segments, keys
+  the reusable ones (all but the last: the new text), and decides how much of the prompt a
+  blended load fills: ``[0, N)`` with N the last segment's start, rounded down to a block, when
+  the ranks hold at least a block's worth of the reusable segments; 0 (a plain prefill) otherwise.
+* :class:`SegmentBlender` (worker side): loads a request's held segments from the local tiers,
+  moves their keys to the segments' places, blends ``[0, N)`` with the engine's own Llama modules
+  (:class:`~lmcache_p2p.integration.vllm.blend_model.VllmLlama`) and writes every layer's KV into
+  the request's blocks through the attention backend's own cache writer. New segments are computed
+  on their own (positions from 0) and stored under their keys, in the tiers' pages, token-major:
+  ``[layers, 2 (K, V), tokens, kv_heads, head_dim]`` in the KV's dtype, a page per chunk of the
+  segment, the last one padded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from lmcache_p2p.blend.models import check_architecture
+from lmcache_p2p.blend.segments import segment_chunks, separator_ids, split_segments
+from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.integration.vllm.metadata import BlendSegment, BlendSpec, SegmentStoreSpec
+
+logger = logging.getLogger(__name__)
+
+
+class BlendPlanner:
+    def __init__(self, vllm_config: Any, config: LMCacheConfig, block_size: int):
+        model_config = vllm_config.model_config
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ConfigError(
+                "enable_blending",
+                "needs vLLM's prefix caching off (--no-enable-prefix-caching): blended KV is approximate, "
+                "and vLLM would reuse its blocks as exact",
+                value=True,
+            )
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise ConfigError("enable_blending", "supports tensor_parallel_size 1 for now", value=True)
+        try:
+            check_architecture(list(getattr(model_config.hf_config, "architectures", None) or []))
+        except ValueError as e:
+            raise ConfigError("enable_blending", str(e), value=True) from None
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+        try:
+            self.separator = separator_ids(
+                lambda t: tokenizer.encode(t, add_special_tokens=False), config.blend_special_str
+            )
+        except ValueError as e:
+            raise ConfigError("blend_special_str", str(e), value=config.blend_special_str) from None
+        self.chunk_size = config.chunk_size
+        self.block_size = block_size
+        logger.info(
+            "lmcache-p2p blending: separator %r = token ids %s, recompute ratio %.2f, check layer %d",
+            config.blend_special_str,
+            self.separator,
+            config.blend_recompute_ratios[0],
+            config.blend_check_layers[0],
+        )
+
+    def segments(self, tokens: np.ndarray) -> tuple[list[BlendSegment], int] | None:
+        """The prompt's reusable segments and where its last (new) segment starts; None for a
+        prompt with fewer than two segments (nothing to blend: the prefix path serves it)."""
+        found = split_segments(tokens, self.separator)
+        if len(found) < 2:
+            return None
+        reusable = [
+            BlendSegment(
+                s.start,
+                s.end,
+                np.fromiter((c.key for c in segment_chunks(tokens[s.start : s.end], self.chunk_size)), np.uint64),
+                held=False,
+            )
+            for s in found[:-1]
+        ]
+        return reusable, found[-1].start
+
+    def decide(self, segments: list[BlendSegment], last_start: int, num_tokens: int) -> int:
+        """Tokens ``[0, N)`` a blended load fills, 0 for none."""
+        cached = sum(s.end - s.start for s in segments if s.held)
+        end = min(last_start, num_tokens - 1) // self.block_size * self.block_size
+        return end if cached >= self.block_size and end > 0 else 0
+
+    @staticmethod
+    def load_spec(tokens: np.ndarray, segments: list[BlendSegment], end: int) -> BlendSpec:
+        return BlendSpec(tokens[:end].copy(), [s for s in segments if s.start < end])
+
+    @staticmethod
+    def store_spec(req_id: str, tokens: np.ndarray, segments: list[BlendSegment]) -> SegmentStoreSpec | None:
+        missing = [s for s in segments if not s.held]
+        return SegmentStoreSpec(req_id, tokens, missing) if missing else None
+
+
+class SegmentBlender:
+    """The worker side: blends loads and stores segments for one rank (TP 1)."""
+
+    def __init__(self, vllm_config: Any, config: LMCacheConfig, kv_caches: dict[str, Any], storage: Any):
+        import torch
+
+        from lmcache_p2p.integration.vllm.blend_model import VllmLlama, tracked_model
+
+        model = tracked_model()
+        if model is None:
+            raise ConfigError(
+                "enable_blending",
+                "the engine's model was not built by lmcache-p2p's blending class: is the lmcache_p2p vLLM "
+                "plugin loaded in this process (VLLM_PLUGINS), and LMCACHE_ENABLE_BLENDING set where vLLM starts?",
+                value=True,
+            )
+        self.adapter = VllmLlama(model)
+        self.ratio = config.blend_recompute_ratios[0]
+        self.check_layer = config.blend_check_layers[0]
+        if self.check_layer >= self.adapter.num_layers:
+            raise ConfigError(
+                "blend_check_layers",
+                f"layer {self.check_layer} does not exist: the model has {self.adapter.num_layers}",
+                value=config.blend_check_layers,
+            )
+        context = vllm_config.compilation_config.static_forward_context
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        if len(names) != self.adapter.num_layers:
+            raise ConfigError(
+                "enable_blending",
+                f"{len(names)} KV cache layers for a model of {self.adapter.num_layers} layers",
+                value=True,
+            )
+        self.layers = [(context[name], kv_caches[name]) for name in names]
+        first = kv_caches[names[0]]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.chunk_size = config.chunk_size
+        self.storage = storage
+        token_bytes = self.adapter.num_layers * 2 * self.adapter.num_kv_heads * self.adapter.head_dim
+        token_bytes *= torch.tensor([], dtype=self.dtype).element_size()
+        if token_bytes * self.chunk_size != storage.page_bytes:
+            raise ConfigError(
+                "enable_blending",
+                f"a segment chunk is {token_bytes * self.chunk_size} bytes, the tier's pages {storage.page_bytes}",
+                value=True,
+            )
+
+    # -- pages -----------------------------------------------------------------------------------
+
+    def _page_shape(self) -> tuple[int, ...]:
+        a = self.adapter
+        return (a.num_layers, 2, self.chunk_size, a.num_kv_heads, a.head_dim)
+
+    def _store(self, token_ids: Any, keys: np.ndarray) -> int:
+        """Computes a segment alone (positions 0..n-1) and stores its chunks; returns the chunks newly held."""
+        import torch
+
+        from lmcache_p2p.blend.blender import blend
+
+        n = len(token_ids)
+        empty = [torch.zeros(n, self.adapter.num_kv_heads, self.adapter.head_dim, dtype=self.dtype)]
+        none = torch.zeros(n, dtype=torch.bool)
+        result = blend(
+            self.adapter, token_ids, empty * self.adapter.num_layers, empty * self.adapter.num_layers, none, 1.0, 0
+        )
+        stacked = torch.stack([torch.stack((k, v)) for k, v in zip(result.keys, result.values, strict=True)])
+        stored = 0
+        for i, key in enumerate(keys.tolist()):
+            page = torch.zeros(self._page_shape(), dtype=self.dtype)
+            part = stacked[:, :, i * self.chunk_size : (i + 1) * self.chunk_size]
+            page[:, :, : part.shape[2]] = part.to("cpu")
+            stored += bool(self.storage.put(int(key), page.view(torch.uint8).reshape(-1)))
+        return stored
+
+    def store(self, spec: SegmentStoreSpec) -> None:
+        import torch
+
+        started = time.perf_counter()
+        tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
+        total = chunks = 0
+        for segment in spec.segments:
+            chunks += self._store(tokens[segment.start : segment.end], segment.keys)
+            total += segment.end - segment.start
+        logger.info(
+            "request %s: stored %d segment(s) of %d tokens as %d chunk(s), computed on their own in %.1f ms",
+            spec.req_id,
+            len(spec.segments),
+            total,
+            chunks,
+            (time.perf_counter() - started) * 1e3,
+        )
+
+    # -- load ------------------------------------------------------------------------------------
+
+    def load(self, req_id: str, spec: BlendSpec, block_ids: list[int], pins: dict[int, Any]) -> int:
+        """Blends ``[0, len(spec.token_ids))`` into the request's blocks; returns the tokens
+        filled (0 when a held segment's chunk is gone: the engine then recomputes)."""
+        import torch
+
+        from lmcache_p2p.blend.blender import blend
+        from lmcache_p2p.blend.rope import rotate_keys
+
+        started = time.perf_counter()
+        a = self.adapter
+        n = len(spec.token_ids)
+        keys = [torch.zeros(n, a.num_kv_heads, a.head_dim, dtype=self.dtype) for _ in range(a.num_layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        cached = torch.zeros(n, dtype=torch.bool)
+        for segment in spec.segments:
+            if not segment.held:
+                continue
+            length = min(segment.end, n) - segment.start
+            for i, key in enumerate(segment.keys.tolist()):
+                chunk = pins.get(int(key))
+                if chunk is None:
+                    logger.warning("request %s: segment chunk %016x not pinned; recomputing the prompt", req_id, key)
+                    return 0
+                lo = i * self.chunk_size
+                hi = min(lo + self.chunk_size, length)
+                if hi <= lo:
+                    break
+                page = chunk.data.view(self.dtype).view(self._page_shape())
+                for layer in range(a.num_layers):
+                    keys[layer][segment.start + lo : segment.start + hi] = page[layer, 0, : hi - lo]
+                    values[layer][segment.start + lo : segment.start + hi] = page[layer, 1, : hi - lo]
+            for layer in range(a.num_layers):
+                span = slice(segment.start, segment.start + length)
+                keys[layer][span] = rotate_keys(
+                    keys[layer][span], segment.start, a.inv_freq, a.rotary_dim, a.neox_style
+                )
+            cached[segment.start : segment.start + length] = True
+        tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
+        result = blend(a, tokens, keys, values, cached, self.ratio, self.check_layer)
+        positions = torch.arange(n)
+        blocks = torch.as_tensor(block_ids, dtype=torch.long)
+        slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        for (attn, kv_cache), k, v in zip(self.layers, result.keys, result.values, strict=True):
+            attn.impl.do_kv_cache_update(attn, k.contiguous(), v.contiguous(), kv_cache, slots.to(kv_cache.device))
+        logger.info(
+            "request %s: blended %d tokens: %d cached in %d segment(s) reused, %d recomputed past layer %d "
+            "(ratio %.2f), in %.1f ms",
+            req_id,
+            n,
+            int(cached.sum()),
+            sum(1 for s in spec.segments if s.held),
+            len(result.recomputed),
+            self.check_layer,
+            self.ratio,
+            (time.perf_counter() - started) * 1e3,
+        )
+        return n

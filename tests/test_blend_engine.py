@@ -1,0 +1,60 @@
+"""Blending in a real vLLM CPU engine (issue 23): ``enable_blending`` with the tiny Llama.
+
+A prompt of segments joined by ``" # # "`` is computed as usual the first time, and its segments
+(all but the last) are stored under keys of their own tokens; a later prompt holding the same
+segments in another order is blended from them. With every token recomputed
+(``blend_recompute_ratios: [1.0]``) a blend is a full prefill by other means, so the engine's
+greedy output must equal a plain engine's: the oracle that segments were found, stored, loaded,
+moved to their new places and written into vLLM's blocks correctly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.testing.tiny_model import sample_text
+
+CHUNK = 256
+BASE = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25}
+
+
+def test_blend_keys_load_and_bad_values_are_named():
+    config = LMCacheConfig.from_dict(
+        {"enable_blending": True, "blend_special_str": " ## ", "blend_recompute_ratios": [0.3], "blend_check_layers": 2}
+    )
+    assert (config.blend_special_str, config.blend_recompute_ratios, config.blend_check_layers) == (" ## ", [0.3], [2])
+    with pytest.raises(ConfigError, match=r"blend_recompute_ratios=\[1.5\].*within 0..1"):
+        LMCacheConfig.from_dict({"blend_recompute_ratios": [1.5]})
+    with pytest.raises(ConfigError, match="blend_special_str"):
+        LMCacheConfig.from_dict({"blend_special_str": "  "})
+    env = LMCacheConfig.load({"LMCACHE_ENABLE_BLENDING": "True", "LMCACHE_BLEND_RECOMPUTE_RATIOS": "0.05"})
+    assert env.enable_blending and env.blend_recompute_ratios == [0.05]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model) -> tuple[list[int], list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    system, first, second = (sample_text(120, seed) for seed in (21, 22, 23))
+    one = " # # ".join([system, first, second, sample_text(30, 24)])
+    other = " # # ".join([system, second, first, sample_text(30, 25)])
+    return tuple(tokenizer.encode(text, add_special_tokens=False) for text in (one, other))  # type: ignore[return-value]
+
+
+def test_segments_stored_once_are_blended_in_another_order_and_a_full_blend_equals_a_prefill(engine, prompts):
+    one, other = prompts
+    eng = engine({**BASE, "enable_blending": True, "blend_recompute_ratios": [1.0]}, name="blend")
+    cold = eng.generate(other)  # nothing stored: computed as usual, and its leading segments stored
+    log = eng.log()
+    assert "blend: 3 segment(s) before the last, 0 held (0 tokens); blending tokens [0, 0)" in log
+    assert "stored 3 segment(s)" in log
+    eng.generate(one)  # the same segments in another order, after other text: blended
+    log = eng.log()
+    assert "blend: 3 segment(s) before the last, 3 held" in log
+    assert "cached in 3 segment(s) reused" in log and "recomputed past layer 1 (ratio 1.00)" in log
+    assert "stored 1 segment(s)" not in log  # nothing new to store
+    # Every token recomputed: the blend is a prefill by other means, and the output the cold one.
+    assert eng.generate(other) == cold
+    assert eng.log().count("cached in 3 segment(s) reused") == 2
