@@ -11,6 +11,8 @@ moved to their new places and written into vLLM's blocks correctly.
 from __future__ import annotations
 
 import pytest
+from instances import instance_config
+from protocol_client import ControllerProcess, wait_for
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.testing.tiny_model import sample_text
@@ -58,3 +60,30 @@ def test_segments_stored_once_are_blended_in_another_order_and_a_full_blend_equa
     # Every token recomputed: the blend is a prefill by other means, and the output the cold one.
     assert eng.generate(other) == cold
     assert eng.log().count("cached in 3 segment(s) reused") == 2
+
+
+def test_an_engine_pulls_the_segments_a_peer_stored_and_blends_them(engine, prompts):
+    """Segment chunks are chunks like any other: the controller indexes them and a peer pulls
+    them. Engine B has never seen these documents; it pulls the three segments engine A stored
+    and blends them, and at ratio 1.0 answers as A does from its own tier."""
+    one, other = prompts
+    controller = ControllerProcess().start()
+    try:
+        blend = {"enable_blending": True, "blend_recompute_ratios": [1.0], "cpu_gb": 0.25}
+        a = engine(instance_config("blend_a", controller, chunk_size=CHUNK, **blend), name="a")
+        b = engine(instance_config("blend_b", controller, chunk_size=CHUNK, **blend), name="b")
+        a.generate(other)
+        a.request("flush")
+
+        def indexed() -> bool:
+            workers = controller.http.get("/controller/workers").json()["workers"]
+            return any(w["instance_id"] == "blend_a" and sum(w["keys"].values()) >= 3 for w in workers)
+
+        wait_for(indexed, timeout=10, what="the controller to index engine A's three segment chunks")
+        out = b.generate(one)
+        log = b.log()
+        assert "blend: 3 segment(s) before the last, 3 held" in log and "cached in 3 segment(s) reused" in log
+        assert b.status()["p2p_client"]["chunks_pulled"] == 3
+        assert a.generate(one) == out
+    finally:
+        controller.stop()

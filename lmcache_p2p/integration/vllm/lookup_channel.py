@@ -210,16 +210,19 @@ class LookupClient:
                 return 0
         return min(a.hit_tokens for a in answers.values())
 
-    def lookup_segments(self, req_id: str, segments: list[np.ndarray], timeout_s: float) -> list[bool]:
+    def lookup_segments(
+        self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float
+    ) -> list[bool]:
         """Which of ``segments`` (each a segment's chunk keys) every rank holds whole in its local
-        tiers, pinned there for the load. A rank that does not answer, or fails, holds none."""
+        tiers (with ``fetch_missing``: after pulling what they lack), pinned there for the load.
+        A rank that does not answer, or fails, holds none."""
         self._seq += 1
         seq = self._seq
         payload = _encoder.encode(
             LookupRequest(
                 seq=seq,
                 req_id=req_id,
-                fetch_missing=False,
+                fetch_missing=fetch_missing,
                 wait_s=0.0,
                 segments=[pack_hashes(keys) for keys in segments],
             )

@@ -159,7 +159,9 @@ class SchedulerSide:
     def _ask_segments(self, req_id: str, state: _Request) -> int:
         """Blending: which reusable segments the ranks hold, and the tokens a blended load fills."""
         assert self.blend is not None and state.segments is not None
-        held = self.client.lookup_segments(req_id, [s.keys for s in state.segments], LOOKUP_REPLY_SLACK_S)
+        # Segments' pulls run one after another on the rank, each within the peer fetch timeout.
+        timeout_s = LOOKUP_REPLY_SLACK_S + (PEER_FETCH_TIMEOUT_S * len(state.segments) if self.fetch_missing else 0)
+        held = self.client.lookup_segments(req_id, [s.keys for s in state.segments], self.fetch_missing, timeout_s)
         for segment, whole in zip(state.segments, held, strict=True):
             segment.held = whole
         state.hit = self.blend.decide(state.segments, state.last_start, state.num_tokens)

@@ -218,12 +218,20 @@ class WorkerSide:
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
 
     def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
-        """Which segments this rank holds whole in its local tiers; those are pinned for the load."""
-        storage = self._engine.storage
+        """Which segments this rank holds whole in its local tiers, after pulling what they lack
+        from peers or the remote store (``fetch_missing``: a segment's keys are a chain like a
+        prefix's, indexed by the controller like any chunk); those are pinned for the load."""
+        engine = self._engine
+        storage = engine.storage
         self._release_segments(request.req_id)  # asked again (a preempted request): the new answer stands
         held, pins = [], {}
         for packed in request.segments or []:
             keys = unpack_hashes(packed).tolist()
+            if request.fetch_missing and storage.lookup_prefix(keys).num_chunks < len(keys):
+                try:
+                    engine.lookup(keys, fetch_missing=True)
+                except Exception:  # a failed pull is a segment not held, never a failed lookup
+                    logger.exception("request %s: fetching a segment's %d chunk(s) failed", request.req_id, len(keys))
             chunks = [storage.pin(int(k)) for k in keys]
             whole = bool(keys) and all(c is not None for c in chunks)
             held.append(whole)
