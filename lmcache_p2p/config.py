@@ -323,7 +323,7 @@ class LMCacheConfig:
     # Controller
     # Non-prefix reuse (CacheBlend, issue 23; docs/blend.md), the original's keys
     enable_blending: bool = _key(
-        _to_bool, False, "reuse cached segments of a prompt wherever they appear (Llama, TP 1; docs/blend.md)"
+        _to_bool, False, "reuse cached segments of a prompt wherever they appear (Llama; docs/blend.md)"
     )
     blend_special_str: str = _key(_to_separator, " # # ", "the separator between a blended prompt's segments")
     blend_recompute_ratios: list[float] = _key(

@@ -59,6 +59,11 @@ class BlendModel(Protocol):
         the MLP of ``layer``."""
         ...
 
+    def sum_over_ranks(self, per_token: torch.Tensor) -> torch.Tensor:
+        """A per-token quantity summed over tensor-parallel ranks (each holds some heads): every
+        rank must select the same tokens, or their row-parallel all-reduces see other shapes."""
+        ...
+
 
 @dataclass
 class BlendResult:
@@ -116,7 +121,7 @@ def blend(
         keys[layer][rows], values[layer][rows] = k, v
         if layer == check_layer:
             # K deviation of every cached token; uncached tokens are recomputed whatever it is.
-            deviation = (k.float() - cached_keys[layer].float()).square().sum(dim=(1, 2))
+            deviation = model.sum_over_ranks((k.float() - cached_keys[layer].float()).square().sum(dim=(1, 2)))
             deviation = torch.where(cached, deviation, torch.full_like(deviation, float("inf")))
             reused = int(cached.sum())
             chosen = min(n, int(round(reused * ratio)) + (n - reused))

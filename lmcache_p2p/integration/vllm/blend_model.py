@@ -27,7 +27,10 @@ from lmcache_p2p.blend.rope import check_rope_kind
 
 class VllmLlama:
     """blender.BlendModel over vLLM's LlamaForCausalLM. ``residual`` is vLLM's: the layers carry
-    it beside the hidden states and fuse the add into the next RMSNorm."""
+    it beside the hidden states and fuse the add into the next RMSNorm. Under tensor parallelism
+    each rank runs the blend on its own heads, in step with the others: the embedding and the
+    row-parallel projections all-reduce inside vLLM's modules, and the check layer's deviation is
+    summed over ranks so that every rank recomputes the same tokens."""
 
     def __init__(self, model: Any):
         check_architecture([type(model).__name__])
@@ -72,6 +75,13 @@ class VllmLlama:
         out, _ = block.self_attn.o_proj(attn_out)
         hidden, residual = block.post_attention_layernorm(out, residual)
         return block.mlp(hidden), residual
+
+    def sum_over_ranks(self, per_token: torch.Tensor) -> torch.Tensor:
+        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return per_token
+        return tensor_model_parallel_all_reduce(per_token.contiguous())
 
 
 _built: list[weakref.ref] = []

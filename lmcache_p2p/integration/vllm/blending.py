@@ -39,8 +39,6 @@ class BlendPlanner:
                 "and vLLM would reuse its blocks as exact",
                 value=True,
             )
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise ConfigError("enable_blending", "supports tensor_parallel_size 1 for now", value=True)
         try:
             check_architecture(list(getattr(model_config.hf_config, "architectures", None) or []))
         except ValueError as e:
@@ -98,9 +96,12 @@ class BlendPlanner:
 
 
 class SegmentBlender:
-    """The worker side: blends loads and stores segments for one rank (TP 1)."""
+    """The worker side: blends loads and stores segments for one rank. Under tensor parallelism
+    every rank gets the same specs in the same order each step and blends in step (the model's
+    all-reduces run inside the blend): a rank must never skip a blend the others run."""
 
-    def __init__(self, vllm_config: Any, config: LMCacheConfig, kv_caches: dict[str, Any], storage: Any):
+    def __init__(self, vllm_config: Any, config: LMCacheConfig, kv_caches: dict[str, Any], storage: Any, rank: int = 0):
+        self.rank = rank
         import torch
 
         from lmcache_p2p.integration.vllm.blend_model import VllmLlama, tracked_model
@@ -185,8 +186,9 @@ class SegmentBlender:
             chunks += self._store(tokens[segment.start : segment.end], segment.keys)
             total += segment.end - segment.start
         logger.info(
-            "request %s: stored %d segment(s) of %d tokens as %d chunk(s), computed on their own in %.1f ms",
+            "request %s rank %d: stored %d segment(s) of %d tokens as %d chunk(s), computed on their own in %.1f ms",
             spec.req_id,
+            self.rank,
             len(spec.segments),
             total,
             chunks,
@@ -197,7 +199,10 @@ class SegmentBlender:
 
     def load(self, req_id: str, spec: BlendSpec, block_ids: list[int], pins: dict[int, Any]) -> int:
         """Blends ``[0, len(spec.token_ids))`` into the request's blocks; returns the tokens
-        filled (0 when a held segment's chunk is gone: the engine then recomputes)."""
+        filled. A held segment whose chunk is not pinned here (this rank restarted, the pins
+        expired) is recomputed like uncached text: the blend still runs, so that under tensor
+        parallelism this rank stays in step with the others (the selection is summed over ranks,
+        and an uncached token is selected on every rank)."""
         import torch
 
         from lmcache_p2p.blend.blender import blend
@@ -209,29 +214,34 @@ class SegmentBlender:
         keys = [torch.zeros(n, a.num_kv_heads, a.head_dim, dtype=self.dtype) for _ in range(a.num_layers)]
         values = [torch.zeros_like(k) for k in keys]
         cached = torch.zeros(n, dtype=torch.bool)
+        reused = 0
         for segment in spec.segments:
             if not segment.held:
                 continue
             length = min(segment.end, n) - segment.start
-            for i, key in enumerate(segment.keys.tolist()):
-                chunk = pins.get(int(key))
-                if chunk is None:
-                    logger.warning("request %s: segment chunk %016x not pinned; recomputing the prompt", req_id, key)
-                    return 0
-                lo = i * self.chunk_size
-                hi = min(lo + self.chunk_size, length)
-                if hi <= lo:
-                    break
+            needed = segment.keys.tolist()[: -(-length // self.chunk_size)]
+            chunks = [chunk for chunk in (pins.get(int(key)) for key in needed) if chunk is not None]
+            if len(chunks) < len(needed):
+                logger.warning(
+                    "request %s: a chunk of segment [%d, %d) is not pinned on this rank; recomputing it",
+                    req_id,
+                    segment.start,
+                    segment.end,
+                )
+                continue
+            for i, chunk in enumerate(chunks):
+                lo, hi = i * self.chunk_size, min((i + 1) * self.chunk_size, length)
                 page = chunk.data.view(self.dtype).view(self._page_shape())
                 for layer in range(a.num_layers):
                     keys[layer][segment.start + lo : segment.start + hi] = page[layer, 0, : hi - lo]
                     values[layer][segment.start + lo : segment.start + hi] = page[layer, 1, : hi - lo]
+            span = slice(segment.start, segment.start + length)
             for layer in range(a.num_layers):
-                span = slice(segment.start, segment.start + length)
                 keys[layer][span] = rotate_keys(
                     keys[layer][span], segment.start, a.inv_freq, a.rotary_dim, a.neox_style
                 )
-            cached[segment.start : segment.start + length] = True
+            cached[span] = True
+            reused += 1
         tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
         result = blend(a, tokens, keys, values, cached, self.ratio, self.check_layer)
         positions = torch.arange(n)
@@ -240,12 +250,13 @@ class SegmentBlender:
         for (attn, kv_cache), k, v in zip(self.layers, result.keys, result.values, strict=True):
             attn.impl.do_kv_cache_update(attn, k.contiguous(), v.contiguous(), kv_cache, slots.to(kv_cache.device))
         logger.info(
-            "request %s: blended %d tokens: %d cached in %d segment(s) reused, %d recomputed past layer %d "
+            "request %s rank %d: blended %d tokens: %d cached in %d segment(s) reused, %d recomputed past layer %d "
             "(ratio %.2f), in %.1f ms",
             req_id,
+            self.rank,
             n,
             int(cached.sum()),
-            sum(1 for s in spec.segments if s.held),
+            reused,
             len(result.recomputed),
             self.check_layer,
             self.ratio,

@@ -169,7 +169,7 @@ class WorkerSide:
         if self.config.enable_blending:
             from lmcache_p2p.integration.vllm.blending import SegmentBlender
 
-            self.blender = SegmentBlender(self.vllm_config, self.config, kv_caches, self.engine.storage)
+            self.blender = SegmentBlender(self.vllm_config, self.config, kv_caches, self.engine.storage, self.tp_rank)
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
         logger.info(
             "lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
