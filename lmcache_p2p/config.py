@@ -120,26 +120,9 @@ def _to_str(raw: Any) -> str:
     raise _Invalid("expected a string")
 
 
-def _to_int_list(raw: Any) -> list[int]:
-    """Ports: a YAML list, a single int (one rank), or "8200,8202" / "[8200, 8202]" from env."""
-    if isinstance(raw, str):
-        s = raw.strip().strip("[]")
-        items: list[Any] = [p for p in (x.strip() for x in s.split(",")) if p]
-    elif isinstance(raw, (list, tuple)):
-        items = list(raw)
-    else:
-        items = [raw]
-    try:
-        out = [_to_int(x) for x in items]
-    except _Invalid:
-        raise _Invalid("expected an integer or a list of integers such as 8200,8202") from None
-    if not out:
-        raise _Invalid("expected at least one integer")
-    return out
-
-
-def _to_float_list(raw: Any) -> list[float]:
-    """A YAML list of numbers, one number, or "0.15,0.3" / "[0.15]" from env."""
+def _to_list(raw: Any, parse: Callable[[Any], Any], expected: str) -> list:
+    """A YAML list, a single value, or "a,b" / "[a, b]" from env, each item through ``parse``;
+    ``expected`` says what a good value looks like in the error."""
     if isinstance(raw, str):
         items: list[Any] = [x for x in (p.strip() for p in raw.strip().strip("[]").split(",")) if x]
     elif isinstance(raw, (list, tuple)):
@@ -147,12 +130,22 @@ def _to_float_list(raw: Any) -> list[float]:
     else:
         items = [raw]
     try:
-        out = [_to_float(x) for x in items]
+        out = [parse(x) for x in items]
     except _Invalid:
-        raise _Invalid("expected a number or a list of numbers such as [0.15]") from None
+        raise _Invalid(f"expected {expected}") from None
     if not out:
-        raise _Invalid("expected at least one number")
+        raise _Invalid("expected at least one value")
     return out
+
+
+def _to_int_list(raw: Any) -> list[int]:
+    """Ports: a YAML list, a single int (one rank), or "8200,8202" / "[8200, 8202]" from env."""
+    return _to_list(raw, _to_int, "an integer or a list of integers such as 8200,8202")
+
+
+def _to_float_list(raw: Any) -> list[float]:
+    """Shares: a YAML list of numbers, one number, or "0.15,0.3" / "[0.15]" from env."""
+    return _to_list(raw, _to_float, "a number or a list of numbers such as [0.15]")
 
 
 def _to_separator(raw: Any) -> str:
