@@ -59,6 +59,12 @@ def main() -> int:
     parser.add_argument("--gpu-util", type=float, default=None, help="engines on CUDA at this memory share each")
     parser.add_argument("--model", default=None, help="a local model directory (default: the tiny model, built)")
     parser.add_argument("--dtype", default=None, help="vLLM's --dtype (default float32)")
+    parser.add_argument(
+        "--cpu-gb",
+        type=float,
+        default=0.5,
+        help="each rank's CPU pool: it must hold a prompt's chunks (1 GB: 7,000 tokens of an 8B model at TP=1)",
+    )
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_tp_"))
@@ -77,6 +83,7 @@ def main() -> int:
         engine_args=engine_args,
         engine_env={"TORCHDYNAMO_DISABLE": "0"} if args.torch_compile else {},
         gpu_memory_utilization=args.gpu_util,
+        cpu_gb=args.cpu_gb,
     )
     result: dict = {
         "tp": args.tp,
@@ -87,6 +94,7 @@ def main() -> int:
         "device": "cuda" if args.gpu_util is not None else "cpu",
         "model": model,
         "dtype": args.dtype or "float32",
+        "cpu_gb": args.cpu_gb,
         "workdir": str(workdir),  # the engines' logs
     }
     try:

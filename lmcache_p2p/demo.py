@@ -241,7 +241,7 @@ ASK_GAP_S = 2.0
 P2P_LINE = re.compile(
     r"Retrieved (?P<tokens>\d+) out of total (?P<total>\d+) tokens\. size: (?P<gb>[\d.]+) gb, "
     r"cost (?P<ms>[\d.]+) ms, throughput: (?P<gbps>[\d.]+) GB/s \(from (?P<peer>.+?) "
-    r"over (?P<channel>\w+(?: via GPU staging)?)\)"
+    r"over (?P<channel>\w+(?: via GPU staging)?)(?:, to rank (?P<to_rank>\d+))?\)"
 )
 # What vLLM puts before a worker process's output: "(Worker_TP1 pid=..)", "(Worker pid=..)" at TP=1.
 _WORKER_PREFIX = re.compile(r"\(Worker(?:_TP(?P<rank>\d+))? pid=\d+\)")
@@ -256,8 +256,12 @@ def peer_pulls(log: str) -> list[dict]:
         if match is None:
             continue
         pull: dict = match.groupdict()
-        worker = _WORKER_PREFIX.search(line)
-        pull["rank"] = int(worker["rank"] or 0) if worker else 0
+        to_rank = pull.pop("to_rank")
+        if to_rank is not None:  # the line names the rank that pulled
+            pull["rank"] = int(to_rank)
+        else:  # an older line: vLLM's prefix (wrong where two ranks' lines interleaved)
+            worker = _WORKER_PREFIX.search(line)
+            pull["rank"] = int(worker["rank"] or 0) if worker else 0
         # The peer reads "engine1 rank 0 (127.0.0.1:8201)".
         pull["peer_instance"], _, rest = pull["peer"].partition(" rank ")
         pull["peer_rank"] = int(rest.split()[0])

@@ -61,7 +61,7 @@ def pull_and_check(controller, a: InstanceProcess, b: InstanceProcess, chunks: i
 def test_gpu_kv_pulled_through_staging_on_both_ends_is_bit_exact(controller, spawn):
     a, b = (staged(spawn, controller, f"lmcache_instance_{i}") for i in (1, 2))
     pull_and_check(controller, a, b, chunks=8)
-    assert "over nixl via GPU staging)" in b.log()
+    assert "over nixl via GPU staging, to rank 0)" in b.log()
     assert "GPU staging on cuda:0: 32 slots" in a.log()
     served = a.status()
     assert served["p2p_server"]["chunks_served"] == 8 and served["storage"]["cpu"]["pins_held"] == 0
@@ -73,7 +73,7 @@ def test_a_requester_without_staging_is_written_pool_to_pool(controller, spawn):
     a = staged(spawn, controller, "lmcache_instance_1")
     b = staged(spawn, controller, "lmcache_instance_2", nixl_buffer_device="cpu")
     pull_and_check(controller, a, b, chunks=8)
-    assert "over nixl)" in b.log() and "via GPU staging" not in b.log()
+    assert "over nixl, to rank" in b.log() and "via GPU staging" not in b.log()
 
 
 @pytest.mark.gpu
@@ -83,7 +83,7 @@ def test_staging_smaller_than_a_batch_still_moves_every_chunk(controller, spawn)
     small = dict(nixl_buffer_size=2 * page_bytes)  # one slot to send, one to receive
     a, b = (staged(spawn, controller, f"lmcache_instance_{i}", **small) for i in (1, 2))
     pull_and_check(controller, a, b, chunks=12, seed=3)
-    assert "over nixl via GPU staging)" in b.log()
+    assert "over nixl via GPU staging, to rank 0)" in b.log()
     assert "(1 receive, 1 send)" in b.log()
 
 

@@ -76,7 +76,7 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     served = a.status()
     assert served["p2p_server"]["chunks_served"] == 8
     assert served["storage"]["cpu"]["pins_held"] == 0  # the holder released what it served
-    assert f"over {channel})" in b.log() or f"over {channel} via GPU staging)" in b.log()
+    assert f"over {channel}, to rank 0)" in b.log() or f"over {channel} via GPU staging, to rank 0)" in b.log()
     assert "Retrieved 256 out of total 256 tokens. size: 0.0336 gb, cost " in b.log()
     # ... and where the pull's time went, the holder's part as the holder measured it
     phases = re.search(

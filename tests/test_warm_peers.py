@@ -306,7 +306,7 @@ def test_nixl_missing_is_one_error_line_naming_the_fix_and_status_shows_tcp(cont
     wait_for(lambda: controller.holders(mine).get("lmcache_instance_2") == [CPU, 2 * CHUNK], what="B's keys")
     wait_for(lambda: controller.holders(theirs).get("lmcache_instance_1") == [CPU, 2 * CHUNK], what="A's keys")
     assert a.lookup(mine) == 2 * CHUNK and b.lookup(theirs) == 2 * CHUNK
-    assert "over tcp)" in a.log() and "over tcp)" in b.log()
+    assert "over tcp, to rank" in a.log() and "over tcp, to rank" in b.log()
 
 
 # -- the registry's choice -----------------------------------------------------------------------------

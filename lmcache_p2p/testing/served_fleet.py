@@ -29,7 +29,7 @@ from lmcache_p2p.testing.tiny_model import sample_text
 # On CUDA: eager (no graph capture, which costs each engine's start-up a minute), float32 like
 # the CPU engines (greedy outputs compared across engines and TP sizes stay equal), and vLLM's
 # PyTorch sampler (the GPU host has no flashinfer).
-GPU_ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "16384")
+GPU_ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "8192")
 GPU_ENGINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 

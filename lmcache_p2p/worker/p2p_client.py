@@ -368,7 +368,7 @@ class P2PClient:
             # The seed's line, then where the batches' time went (summed: batches overlap).
             logger.info(
                 "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
-                "(from %s over %s) [%d batches, ms summed: %s]",
+                "(from %s over %s, to rank %d) [%d batches, ms summed: %s]",
                 len(result.held) * self.me.chunk_size,
                 asked * self.me.chunk_size,
                 nbytes / 1e9,
@@ -376,6 +376,7 @@ class P2PClient:
                 nbytes / 1e9 / max(elapsed, 1e-9),
                 peer.describe(),
                 channel,
+                self.me.rank,  # vLLM's per-process line prefixes interleave when ranks log at once
                 batches,
                 ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases_ms.items()),
             )
