@@ -87,3 +87,22 @@ def test_an_engine_pulls_the_segments_a_peer_stored_and_blends_them(engine, prom
         assert a.generate(one) == out
     finally:
         controller.stop()
+
+
+def test_an_engine_fetches_the_segments_another_stored_in_the_remote_store_and_blends_them(engine, prompts, lm_server):
+    """Seed 001's remote tier serves segments like any chunk: engine A (no controller, no peers,
+    only ``remote_url``) stores its three segments there; engine B has never seen these documents,
+    fetches them from the store and blends them, and at ratio 1.0 answers as A does."""
+    one, other = prompts
+    config = {**BASE, "enable_blending": True, "blend_recompute_ratios": [1.0], "remote_url": lm_server.url}
+    a = engine(config, name="a")
+    a.generate(other)
+    a.request("flush")  # write-behind done: the store holds A's segment chunks
+    assert a.status()["storage"]["remote"]["chunks_written"] == 3
+    b = engine(config, name="b")
+    out = b.generate(one)
+    log = b.log()
+    assert "blend: 3 segment(s) before the last, 3 held" in log and "cached in 3 segment(s) reused" in log
+    remote = b.status()["storage"]["remote"]
+    assert remote["chunks_read"] == 3 and remote["bad_values"] == 0
+    assert a.generate(one) == out
