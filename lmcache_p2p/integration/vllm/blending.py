@@ -212,13 +212,14 @@ class SegmentBlender:
         started = time.perf_counter()
         a = self.adapter
         n = len(spec.token_ids)
-        # Where the engine's KV is (on a GPU the pinned pages are copied there, one per chunk).
-        keys = [
-            torch.zeros(n, a.num_kv_heads, a.head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(a.num_layers)
-        ]
-        values = [torch.zeros_like(k) for k in keys]
+        # Every layer's cached KV at once, [layers, tokens, kv_heads, head_dim], where the engine's
+        # KV is: a page lands with two copies whatever the layer count, and the keys are re-rotated
+        # in one call. (Per layer and per segment, a GPU ran thousands of tiny kernels here.)
+        shape = (a.num_layers, n, a.num_kv_heads, a.head_dim)
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros_like(keys)
         cached = torch.zeros(n, dtype=torch.bool, device=self.device)
+        moved_by = torch.zeros(n, dtype=torch.float32, device=self.device)  # each cached token's new start
         reused = 0
         for segment in spec.segments:
             if not segment.held:
@@ -237,23 +238,24 @@ class SegmentBlender:
             for i, chunk in enumerate(chunks):
                 lo, hi = i * self.chunk_size, min((i + 1) * self.chunk_size, length)
                 page = chunk.data.to(self.device).view(self.dtype).view(self._page_shape())
-                for layer in range(a.num_layers):
-                    keys[layer][segment.start + lo : segment.start + hi] = page[layer, 0, : hi - lo]
-                    values[layer][segment.start + lo : segment.start + hi] = page[layer, 1, : hi - lo]
+                keys[:, segment.start + lo : segment.start + hi] = page[:, 0, : hi - lo]
+                values[:, segment.start + lo : segment.start + hi] = page[:, 1, : hi - lo]
             span = slice(segment.start, segment.start + length)
-            for layer in range(a.num_layers):
-                keys[layer][span] = rotate_keys(
-                    keys[layer][span], segment.start, a.inv_freq, a.rotary_dim, a.neox_style
-                )
             cached[span] = True
+            moved_by[span] = segment.start
             reused += 1
+        if reused:  # (a rotation by 0, for tokens not cached, leaves them as they are)
+            by_token = keys.permute(1, 0, 2, 3).reshape(n, a.num_layers * a.num_kv_heads, a.head_dim)
+            by_token = rotate_keys(by_token, moved_by, a.inv_freq, a.rotary_dim, a.neox_style)
+            keys = by_token.view(n, a.num_layers, a.num_kv_heads, a.head_dim).permute(1, 0, 2, 3).contiguous()
         tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
-        result = blend(a, tokens, keys, values, cached, self.ratio, self.check_layer)
+        result = blend(a, tokens, list(keys.unbind(0)), list(values.unbind(0)), cached, self.ratio, self.check_layer)
         positions = torch.arange(n)
         blocks = torch.as_tensor(block_ids, dtype=torch.long)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        slots = slots.to(self.device)
         for (attn, kv_cache), k, v in zip(self.layers, result.keys, result.values, strict=True):
-            attn.impl.do_kv_cache_update(attn, k.contiguous(), v.contiguous(), kv_cache, slots.to(kv_cache.device))
+            attn.impl.do_kv_cache_update(attn, k.contiguous(), v.contiguous(), kv_cache, slots)
         logger.info(
             "request %s rank %d: blended %d tokens: %d cached in %d segment(s) reused, %d recomputed past layer %d "
             "(ratio %.2f), in %.1f ms",
