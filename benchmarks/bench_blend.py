@@ -209,7 +209,13 @@ def engine_run(
     workdir = Path(tempfile.mkdtemp(prefix="bench_blend_engine_"))
     env = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
     command = offline_driver.command(
-        path, "--max-model-len", "8192", "--kv-cache-mib", str(args.kv_cache_mib), "--dtype", args.dtype
+        path,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-mib",
+        str(args.kv_cache_mib),
+        "--dtype",
+        args.dtype,
     )
     reference: list[list[int]] = []
     summary: dict = {"bench": "blend_engine_summary", "model": path, "prompts": len(prompts)}
@@ -272,6 +278,9 @@ def main() -> int:
     parser.add_argument("--engine", action="store_true", help="measure in vLLM CPU engines (see above)")
     parser.add_argument("--dtype", default="float32", help="--engine: the engines' dtype (bfloat16 on a GPU)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="--engine: each engine's KV cache")
+    parser.add_argument(
+        "--max-model-len", type=int, default=8192, help="--engine: vLLM's limit (raise it with --long-docs)"
+    )
     parser.add_argument(
         "--task",
         action="store_true",

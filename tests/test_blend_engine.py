@@ -62,6 +62,21 @@ def test_segments_stored_once_are_blended_in_another_order_and_a_full_blend_equa
     assert eng.log().count("cached in 3 segment(s) reused") == 2
 
 
+def test_with_blending_off_a_prompt_of_segments_is_served_as_before(engine, prompts):
+    """``enable_blending`` off (the default) changes nothing: vLLM builds its own Llama class,
+    separators mean nothing, a repeated prompt is a prefix hit from the CPU tier, and every answer
+    equals plain vLLM's (no connector) token for token."""
+    one, other = prompts
+    plain = engine({}, name="vllm", connector=False)
+    ours = engine(BASE, name="ours")
+    for prompt in (one, other, one):
+        assert ours.generate(prompt) == plain.generate(prompt)
+    log = ours.log()
+    assert "blend" not in log.lower()  # neither the model class nor a segment path
+    whole = len(one) // CHUNK * CHUNK
+    assert f"Total tokens {len(one)}, LMCache hit tokens: {whole}, need to load: {whole}" in log
+
+
 def test_an_engine_pulls_the_segments_a_peer_stored_and_blends_them(engine, prompts):
     """Segment chunks are chunks like any other: the controller indexes them and a peer pulls
     them. Engine B has never seen these documents; it pulls the three segments engine A stored
