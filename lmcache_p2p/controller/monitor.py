@@ -32,6 +32,7 @@ from lmcache_p2p.controller.admission import RegisterRefused
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.orchestration import Orchestrator
 from lmcache_p2p.controller.registry import Registry, WorkerKey, WorkerRecord
+from lmcache_p2p.controller.routing import held_prefixes
 from lmcache_p2p.controller.settings import MONITOR_MAX_MESSAGE_BYTES, ControllerSettings, SettingsError
 from lmcache_p2p.controller.traffic import FleetTraffic
 from lmcache_p2p.logs import RateLimitedLog
@@ -234,26 +235,29 @@ class Monitor:
         if asker is None or not len(hashes):
             return P2PLookupReply(holders=[])
         self.registry.touch(asker.key)
-        held = self._rank_prefixes(hashes)
+        # (instance, rank) -> (leading chunks it holds in any of its tiers, the runs each tier
+        # serves, fastest first): a rank serves a pull from whichever tier has each chunk, so a
+        # prefix split across its CPU and disk counts whole. The same walk /route makes.
+        held = held_prefixes(self.registry, hashes, self.registry.workers)
         # Each of the asker's TP ranks pulls from the same rank of a peer, and its scheduler
         # loads only what every rank got; so a peer instance offers only the prefix all its ranks
         # hold (one rank evicted, or gone): the asker's ranks then pull the same chunks, and none
         # pulls what another rank cannot match.
         holders = []
-        for (instance_id, rank), (_, location) in held.items():
+        for (instance_id, rank), (_, runs) in held.items():
             peer = self.registry.workers.get((instance_id, rank))
             # Only a peer whose pages have our exact layout (same model, dtype, block shape, TP
             # rank...) can serve us; never ourselves.
             if peer is None or instance_id == msg.instance_id or peer.info.layout != asker.info.layout:
                 continue
-            offered = min(held.get((instance_id, r), (0, ""))[0] for r in range(peer.info.layout.tp_size))
+            offered = min(held.get((instance_id, r), (0, []))[0] for r in range(peer.info.layout.tp_size))
             if offered == 0:
                 continue
             holders.append(
                 PeerHolder(
                     instance_id=instance_id,
                     rank=rank,
-                    location=location,
+                    location=runs[0][2],  # the tier serving the first chunk
                     matched_chunks=offered,
                     host=peer.info.host,
                     p2p_init_port=peer.info.p2p_init_port,
@@ -264,27 +268,6 @@ class Monitor:
         holders.sort(key=lambda h: -h.matched_chunks)
         self.metrics.inc("lmcache_controller_p2p_lookups_total")
         return P2PLookupReply(holders=holders)
-
-    def _rank_prefixes(self, hashes) -> dict[tuple[str, int], tuple[int, str]]:
-        """(instance, rank) -> (how many leading ``hashes`` the rank holds in any of its tiers,
-        the tier holding the first): a rank serves a pull from whichever tier has each chunk
-        (CPU, then disk), so a prefix split across its tiers counts whole."""
-        held: dict[tuple[str, int], int] = {}
-        first_tier: dict[tuple[str, int], str] = {}
-        alive: set[tuple[str, int]] | None = None
-        for start, end, members in self.registry.index.holder_runs(hashes):
-            here = set()
-            for hid in members:
-                instance_id, rank, location = self.registry.holders[hid]
-                here.add((instance_id, rank))
-                if start == 0:
-                    first_tier.setdefault((instance_id, rank), location)
-            alive = here if alive is None else alive & here
-            if not alive:
-                break
-            for key in alive:
-                held[key] = end
-        return {key: (chunks, first_tier[key]) for key, chunks in held.items()}
 
     # -- heartbeat socket --------------------------------------------------------------------------
 

@@ -152,7 +152,11 @@ class ServedFleet:
                 self.kv_event_endpoints.append(endpoint)
                 events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
                 extra += ["--kv-events-config", json.dumps(events)]
-            command = vllm_server_command(self.model, port, *(GPU_ENGINE_ARGS if on_gpu else CPU_ENGINE_ARGS), *extra)
+            base: tuple[str, ...] = GPU_ENGINE_ARGS if on_gpu else CPU_ENGINE_ARGS
+            if "--dtype" in self.engine_args:  # the caller's replaces ours (vLLM warns of a duplicate)
+                at = base.index("--dtype")
+                base = base[:at] + base[at + 2 :]
+            command = vllm_server_command(self.model, port, *base, *extra)
             if self.pin_engines and tp == 1 and not on_gpu:
                 core = str((i - 1) % (os.cpu_count() or 1))
                 env["VLLM_CPU_OMP_THREADS_BIND"] = core
