@@ -113,11 +113,18 @@ def documents(words: int) -> list[str]:
     return docs
 
 
-def build_prompt(rng: random.Random, docs: list[str], separator: str, task: bool) -> tuple[str, str | None]:
-    """A prompt, and with ``task`` the answer its question has (else None)."""
+def build_prompt(
+    rng: random.Random, docs: list[str], task: bool, questions: tuple[str, ...] = QUESTIONS
+) -> tuple[list[str], str, str | None]:
+    """A prompt of 3 to 6 of ``docs``: (the documents chosen, the prompt, and with ``task`` the
+    answer its question has, else None)."""
     chosen = rng.sample(docs, rng.randint(3, 6))
-    question, answer = task_question(rng, chosen) if task else (rng.choice(QUESTIONS), None)
-    return separator.join([SYSTEM, *chosen, question]), answer
+    question, answer = task_question(rng, chosen) if task else (rng.choice(questions), None)
+    return chosen, join_segments([SYSTEM, *chosen, question]), answer
+
+
+def join_segments(segments: list[str]) -> str:
+    return DEFAULT_SEPARATOR.join(segments)
 
 
 def task_question(rng: random.Random, chosen: list[str]) -> tuple[str, str]:
@@ -138,11 +145,20 @@ def answer_scores(generated: str, answer: str) -> tuple[bool, float]:
     predicted = re.findall(r"[a-z0-9_]+", generated.strip().split("\n")[0].lower())
     gold = answer.lower()
     exact = bool(predicted) and predicted[0] == gold
-    common = predicted.count(gold)
-    if not common:
+    if gold not in predicted:
         return exact, 0.0
-    precision, recall = common / len(predicted), 1.0
-    return exact, 2 * precision * recall / (precision + recall)
+    precision = 1 / len(predicted)  # the one gold word, matched once however often it repeats
+    return exact, 2 * precision / (precision + 1)
+
+
+def task_scores(scores: list[tuple[bool, float]]) -> dict:
+    """``task_exact`` and ``task_f1`` over a method's answers (nothing without ``--task``)."""
+    if not scores:
+        return {}
+    return {
+        "task_exact": round(sum(e for e, _ in scores) / len(scores), 3),
+        "task_f1": round(statistics.fmean(f for _, f in scores), 3),
+    }
 
 
 def cached_kv(model, adapter: HFLlama, ids: torch.Tensor, segments) -> tuple[list, list, torch.Tensor]:
@@ -254,10 +270,8 @@ def engine_run(
             "greedy_equal_share": round(sum(same) / len(same), 3),
             "blended_requests": blended,
             "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
+            **task_scores(scores),
         }
-        if scores:
-            line["task_exact"] = round(sum(e for e, _ in scores) / len(scores), 3)
-            line["task_f1"] = round(statistics.fmean(f for _, f in scores), 3)
         print(json.dumps(line), flush=True)
         summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share", "task_exact") if k in line}
     summary["workdir"] = str(workdir)  # the engines' logs
@@ -315,22 +329,20 @@ def main() -> int:
     if args.engine:
         triples = []
         for _ in range(args.prompts):
-            chosen = rng.sample(docs, rng.randint(3, 6))
-            seed_text = " # # ".join([SYSTEM, *reversed(chosen), QUESTIONS[0]])
-            question, gold = task_question(rng, chosen) if args.task else (rng.choice(QUESTIONS[1:]), None)
-            text = " # # ".join([SYSTEM, *chosen, question])
+            chosen, text, gold = build_prompt(rng, docs, args.task, QUESTIONS[1:])
+            seed_text = join_segments([SYSTEM, *reversed(chosen), QUESTIONS[0]])
             triples.append((encode(seed_text), encode(text), gold))
         engine_run(path, triples, methods, args, tokenizer.decode)
         return 0
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     adapter = HFLlama(model)
-    separator = separator_ids(lambda t: tokenizer.encode(t, add_special_tokens=False), DEFAULT_SEPARATOR)
+    separator = separator_ids(encode, DEFAULT_SEPARATOR)
     results: dict[str, dict[str, list]] = {
         m: {"k": [], "v": [], "same": [], "lead": [], "ms": [], "task": []} for m in methods
     }
     prompt_tokens, segment_counts = [], []
     for p in range(args.prompts):
-        text, gold = build_prompt(rng, docs, " # # ", args.task)
+        _, text, gold = build_prompt(rng, docs, args.task)
         ids = torch.tensor(encode(text))
         segments = split_segments(ids.tolist(), separator)
         prompt_tokens.append(len(ids))
@@ -378,10 +390,8 @@ def main() -> int:
             "greedy_leading_equal_share": round(statistics.fmean(r["lead"]), 3),
             "ms_mean": round(statistics.fmean(r["ms"]), 1),
             "ms_min_max": [round(min(r["ms"]), 1), round(max(r["ms"]), 1)],
+            **task_scores(r["task"]),
         }
-        if r["task"]:
-            line["task_exact"] = round(sum(e for e, _ in r["task"]) / len(r["task"]), 3)
-            line["task_f1"] = round(statistics.fmean(f for _, f in r["task"]), 3)
         print(json.dumps(line), flush=True)
         keep = ("v_deviation_mean", "greedy_equal_share", "ms_mean", "task_exact")
         summary[method] = {k: line[k] for k in keep if k in line}

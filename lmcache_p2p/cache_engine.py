@@ -201,11 +201,17 @@ class CacheEngine:
         fetched from the remote store: :meth:`_fetch_missing`). ``num_tokens`` is the prompt's
         length for the counters (default: its full chunks' tokens)."""
         hashes = hash_list(chunk_hashes)
-        hit = self.storage.lookup_prefix(hashes).num_chunks
-        if fetch_missing and hit < len(hashes):
-            hit = self._fetch_missing(hashes, hit)
+        hit = self.fetch(hashes) if fetch_missing else self.storage.lookup_prefix(hashes).num_chunks
         self.count_lookup(self._prompt_tokens(hashes, num_tokens), hit * self.chunk_size)
         return hit * self.chunk_size
+
+    def fetch(self, chunk_hashes: ChunkHashes) -> int:
+        """Leading chunks of ``chunk_hashes`` held locally once what the local tiers lack has
+        been fetched (:meth:`_fetch_missing`). Counts no lookup: for chunks that are not a
+        prompt's prefix (a blended prompt's segments)."""
+        hashes = hash_list(chunk_hashes)
+        hit = self.storage.lookup_prefix(hashes).num_chunks
+        return self._fetch_missing(hashes, hit) if hit < len(hashes) else hit
 
     def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[int, concurrent.futures.Future | None]:
         """The local hit now, and a future for fetching the rest (None when there is nothing to

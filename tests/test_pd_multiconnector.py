@@ -292,9 +292,9 @@ def pd(tiny_model, tmp_path_factory):
         pd = PD(engines[0], engines[1], f"http://127.0.0.1:{proxy.server_address[1]}", tiny_model)
         # One P/D request before the tests, of tokens no test sends. On this 2-vCPU host the very
         # first NIXL read of a fresh pair of engines sometimes never completes and is released
-        # when the prefill engine's lease expires (2 minutes; seen in 2 of 5 runs on 2026-11-25,
-        # never after it; the warm-up itself hit it in 2 of 2 runs since): the tests are about P/D,
-        # not about NIXL's first read here.
+        # when the prefill engine's lease expires (2 minutes: before the warm-up, the tests failed
+        # on it in 2 of 5 runs on 2026-11-25; the warm-up now meets it in most runs, which is the
+        # fixture's 2-3 minutes of set-up): the tests are about P/D, not about NIXL's first read here.
         try:
             pd.via_proxy(list(range(20, 20 + CHUNK + 64)), "warm-up", timeout=240)
         except OSError as e:

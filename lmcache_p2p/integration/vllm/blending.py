@@ -168,12 +168,13 @@ class SegmentBlender:
         result = blend(
             self.adapter, token_ids, empty * self.adapter.num_layers, empty * self.adapter.num_layers, none, 1.0, 0
         )
-        stacked = torch.stack([torch.stack((k, v)) for k, v in zip(result.keys, result.values, strict=True)])
+        # [layers, 2, tokens, kv_heads, head_dim] on the host, in one copy: the pages are there.
+        stacked = torch.stack([torch.stack((k, v)) for k, v in zip(result.keys, result.values, strict=True)]).cpu()
         stored = 0
         for i, key in enumerate(keys.tolist()):
             page = torch.zeros(self._page_shape(), dtype=self.dtype)
             part = stacked[:, :, i * self.chunk_size : (i + 1) * self.chunk_size]
-            page[:, :, : part.shape[2]] = part.to("cpu")
+            page[:, :, : part.shape[2]] = part
             stored += bool(self.storage.put(int(key), page.view(torch.uint8).reshape(-1)))
         return stored
 

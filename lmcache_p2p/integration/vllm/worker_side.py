@@ -227,9 +227,9 @@ class WorkerSide:
         held, pins = [], {}
         for packed in request.segments or []:
             keys = unpack_hashes(packed).tolist()
-            if request.fetch_missing and storage.lookup_prefix(keys).num_chunks < len(keys):
+            if request.fetch_missing:
                 try:
-                    engine.lookup(keys, fetch_missing=True)
+                    engine.fetch(keys)
                 except Exception:  # a failed pull is a segment not held, never a failed lookup
                     logger.exception("request %s: fetching a segment's %d chunk(s) failed", request.req_id, len(keys))
             chunks = [storage.pin(int(k)) for k in keys]
