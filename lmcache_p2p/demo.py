@@ -68,6 +68,10 @@ def post_json(url: str, body: dict, timeout: float) -> Any:
         return json.loads(response.read())
 
 
+# vLLM's worker start-up line, e.g. "... distributed_init_method=tcp://127.0.0.1:57573 backend=gloo".
+_CPU_SHM_INIT_PORT = re.compile(r"distributed_init_method=tcp://\S*:(\d+)(?:\s|$)", re.MULTILINE)
+
+
 class ServedProcess:
     """A server process with its output in a log file, stopped with its whole process group."""
 
@@ -135,11 +139,12 @@ class ServedProcess:
                 os.killpg(self.proc.pid, signal.SIGTERM)
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None or self._log.closed:
             return
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout)
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
@@ -147,6 +152,17 @@ class ServedProcess:
             pass
         finally:
             self._log.close()
+            self._unlink_cpu_shm()
+
+    def _unlink_cpu_shm(self) -> None:
+        """Remove the shared-memory segments of a stopped vLLM CPU engine's TP workers.
+
+        They are named after the engine's distributed init port and are not unlinked when the
+        workers die by a signal, so they pile up in /dev/shm; a later engine that draws the same
+        port fails to start with "create shm in SHMManager failed. errno: 17" (CI met this)."""
+        for port in set(_CPU_SHM_INIT_PORT.findall(self.log())):
+            for segment in Path("/dev/shm").glob(f"{port}-*-cpushm_*"):
+                segment.unlink(missing_ok=True)
 
 
 def stream_completion(base_url: str, model: str, prompt: str | list[int], max_tokens: int = 16) -> dict:
