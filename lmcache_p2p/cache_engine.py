@@ -7,11 +7,13 @@ lives in paged per-layer tensors; the engine hands them in with the block ids of
 tokens. Prompts arrive as their chained chunk hashes, computed once per request by the caller
 (``keys.chunk_hash_array``); chunk *i* covers tokens ``[i * chunk_size, (i + 1) * chunk_size)``:
 
-* ``store``: gather each full chunk not held yet into a CPU page and admit it;
+* ``store``: gather each full chunk not held yet into a CPU page (and, with ``local_gpu``, a GPU
+  tier page in the same launch) and admit it;
 * ``lookup``: how many leading tokens can be loaded (local tiers; with ``enable_p2p`` the rest of
   the prefix is first pulled from the peer holding the most of it, and with ``remote_url`` what
   is still missing is fetched from the remote store);
-* ``retrieve``: scatter the held leading chunks into the request's blocks;
+* ``retrieve``: scatter the held leading chunks into the request's blocks (from the GPU tier's
+  copy where there is one: device to device);
 * ``observe_prefill``: the engine's measured forward passes, the prefill rate the worker's pull
   policy weighs a peer pull against (``lmcache_p2p.pull_policy``).
 
@@ -35,7 +37,7 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
 from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S, EngineCounters, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
-from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.storage.manager import GPU, StorageManager
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class CacheEngine:
         ``num_tokens`` is the prompt's length for the log (default: the chunks' tokens)."""
         batch = self._reserve(chunk_hashes, block_ids)
         try:
-            gpu_ops.gather_chunks(layers, [c.blocks for c in batch], [c.data for c in batch])
+            gpu_ops.gather_chunks(layers, *_gather_targets(batch))
         except BaseException:
             self._abandon(batch)
             raise
@@ -106,9 +108,7 @@ class CacheEngine:
             return 0
         t0 = time.perf_counter()
         try:
-            copy = gpu_ops.gather_chunks_async(
-                layers, [c.blocks for c in batch], [c.data for c in batch], max_ctas=self.config.store_ctas
-            )
+            copy = gpu_ops.gather_chunks_async(layers, *_gather_targets(batch), max_ctas=self.config.store_ctas)
         except BaseException:
             self._abandon(batch)
             raise
@@ -152,7 +152,9 @@ class CacheEngine:
             reserved = self.storage.reserve_page()
             if reserved is None:
                 break  # every page pinned: nothing more can be stored now
-            batch.append(_ReservedChunk(chunk_hash, blocks, *reserved))
+            # The GPU tier's copy, when it has a page to spare (none: the chunk is in the CPU tier only).
+            gpu_page, gpu_data = self.storage.reserve_gpu_page() or (None, None)
+            batch.append(_ReservedChunk(chunk_hash, blocks, *reserved, gpu_page, gpu_data))
         return batch
 
     def _prompt_tokens(self, chunk_hashes: ChunkHashes, num_tokens: int | None) -> int:
@@ -162,10 +164,15 @@ class CacheEngine:
     def _abandon(self, batch: list[_ReservedChunk]) -> None:
         for chunk in batch:
             self.storage.abandon_page(chunk.page)
+            if chunk.gpu_page is not None:
+                self.storage.abandon_gpu_page(chunk.gpu_page)
 
     def _commit(self, batch: list[_ReservedChunk], num_tokens: int, launched: float | None = None) -> int:
         """Index a gathered batch; ``launched`` is when an asynchronous copy of it started."""
         stored = sum(self.chunk_size for c in batch if self.storage.commit_page(c.chunk_hash, c.page))
+        for c in batch:  # after the CPU tier: the GPU tier copies what it holds
+            if c.gpu_page is not None:
+                self.storage.commit_gpu_page(c.chunk_hash, c.gpu_page)
         self.counters.stored_tokens += stored
         took = (
             ""
@@ -252,7 +259,7 @@ class CacheEngine:
         for index, chunk_hash in enumerate(hash_list(chunk_hashes)):
             if max_tokens is not None and index * self.chunk_size >= max_tokens:
                 break
-            chunk = self.storage.pin(chunk_hash)
+            chunk = self.storage.pin(chunk_hash, gpu=True)  # loads copy on the device
             if chunk is None:
                 break
             chunks.append(chunk)
@@ -275,7 +282,7 @@ class CacheEngine:
         start -= start % block_size
         t0 = time.perf_counter()
         pages, chunk_blocks, skips = [], [], []
-        loaded_to, nbytes = start, 0
+        loaded_to, nbytes, from_gpu = start, 0, 0
         for index in range(start // self.chunk_size, -(-end // self.chunk_size)):
             chunk_start = index * self.chunk_size
             blocks = self._blocks(block_ids, chunk_start)
@@ -283,6 +290,7 @@ class CacheEngine:
                 break
             skip = (max(start, chunk_start) - chunk_start) // block_size
             pages.append(prefix.chunks[index].data)
+            from_gpu += prefix.chunks[index].location == GPU
             chunk_blocks.append(blocks)
             skips.append(skip)
             nbytes += self.storage.page_bytes * (len(blocks) - skip) // len(blocks)
@@ -292,12 +300,13 @@ class CacheEngine:
         self.counters.retrieved_tokens += loaded_to - start
         self.counters.retrieves += 1
         logger.info(
-            "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s",
+            "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s%s",
             loaded_to - start,
             total_tokens if total_tokens is not None else end,
             nbytes / 1e9,
             elapsed * 1e3,
             nbytes / 1e9 / max(elapsed, 1e-9),
+            f" ({from_gpu} of {len(pages)} chunks from the GPU tier)" if from_gpu else "",
         )
         return loaded_to
 
@@ -365,6 +374,17 @@ class _ReservedChunk(NamedTuple):
     blocks: list[int]
     page: int
     data: torch.Tensor
+    gpu_page: int | None = None  # the GPU tier's copy (local_gpu), gathered in the same launch
+    gpu_data: torch.Tensor | None = None
+
+
+def _gather_targets(batch: list[_ReservedChunk]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Block ids and pages for one gather of ``batch``: every chunk into its CPU page, and those
+    with a GPU tier page into that too."""
+    mirrored = [c for c in batch if c.gpu_data is not None]
+    blocks = [c.blocks for c in batch] + [c.blocks for c in mirrored]
+    pages = [c.data for c in batch] + [c.gpu_data for c in mirrored if c.gpu_data is not None]
+    return blocks, pages
 
 
 @dataclass

@@ -252,6 +252,13 @@ class LMCacheConfig:
     chunk_size: int = _key(_to_int, 256, "tokens per chunk; a multiple of vLLM's block size")
     local_cpu: bool = _key(_to_bool, True, "keep chunks in the CPU pool (LocalCPUBackend)")
     max_local_cpu_size: float = _key(_to_float, 5.0, "CPU pool size in GB (1 GB = 1024**3 bytes)")
+    local_gpu: bool = _key(
+        _to_bool,
+        False,
+        "keep a VRAM copy of the hottest chunks (LocalGPUBackend): loads and same-host pulls skip PCIe; "
+        "its VRAM is taken beside vLLM's KV cache",
+    )
+    max_local_gpu_size: float = _key(_to_float, 2.0, "GPU tier size in GB, on the engine's GPU")
     local_disk: str | None = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
     max_local_disk_size: float = _key(_to_float, 0.0, "disk tier size cap in GB")
     enable_async_loading: bool = _key(_to_bool, False, "peer lookups do not block the scheduler")
@@ -435,6 +442,10 @@ class LMCacheConfig:
             raise self._err("chunk_size", "expected a positive number of tokens (LMCache uses 256)")
         if self.max_local_cpu_size < 0:
             raise self._err("max_local_cpu_size", "expected a size in GB >= 0")
+        if self.max_local_gpu_size < 0:
+            raise self._err("max_local_gpu_size", "expected a size in GB >= 0")
+        if self.local_gpu and not self.local_cpu:
+            raise self._err("local_gpu", "needs local_cpu: the GPU tier keeps copies of CPU-tier chunks")
         if self.max_local_disk_size < 0:
             raise self._err("max_local_disk_size", "expected a size in GB >= 0")
         if self.local_disk and self.max_local_disk_size <= 0:
@@ -578,6 +589,10 @@ class LMCacheConfig:
     @property
     def max_local_cpu_bytes(self) -> int:
         return int(self.max_local_cpu_size * GB)
+
+    @property
+    def max_local_gpu_bytes(self) -> int:
+        return int(self.max_local_gpu_size * GB)
 
     @property
     def remote(self) -> RemoteUrl | None:

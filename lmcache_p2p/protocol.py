@@ -366,6 +366,10 @@ class ChannelHello(_Msg, tag="channel_hello"):
     staging_base: int = 0
     staging_slots: int = 0
     staging_device: int = 0
+    # Its GPU tier's pages (local_gpu), on the same device: a staged pull's slots number the
+    # receive slots first, then these pages (slot staging_slots + i is GPU tier page i).
+    gpu_tier_base: int = 0
+    gpu_tier_pages: int = 0
 
 
 class ChannelHelloReply(_Msg, tag="channel_hello_reply"):
@@ -382,7 +386,8 @@ class ChannelHelloReply(_Msg, tag="channel_hello_reply"):
 class ChunkPull(_Msg, tag="chunk_pull"):
     """Send me these chunks (in order). ``pages`` (uint32 LE, one per hash) are the requester's
     pool pages to WRITE into under "nixl"; empty under "tcp". ``slots`` (same form), when the
-    session is staged, are its GPU receive slots: the holder writes there instead if it can."""
+    session is staged, are its GPU receive slots or GPU tier pages (numbered as ChannelHello says):
+    the holder writes there instead if it can."""
 
     session: str
     fingerprint: int

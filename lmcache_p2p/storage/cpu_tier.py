@@ -34,7 +34,7 @@ class _Entry:
 class PinnedChunk:
     """A chunk held against eviction and reuse until :meth:`release` (or the end of ``with``)."""
 
-    __slots__ = ("key", "data", "_checksum", "_compute_checksum", "_release")
+    __slots__ = ("key", "data", "location", "_checksum", "_compute_checksum", "_release")
 
     def __init__(
         self,
@@ -43,9 +43,11 @@ class PinnedChunk:
         checksum: int | None = None,
         release: Callable[[], None] | None = None,
         compute_checksum: Callable[[], int] | None = None,
+        location: str = "",
     ):
         self.key = key
         self.data = data  # uint8 tensor view of the payload; valid until release
+        self.location = location  # the tier it was pinned in (the GPU tier's: data in VRAM)
         self._checksum = checksum
         self._compute_checksum = compute_checksum
         self._release = release
@@ -193,11 +195,11 @@ class CpuTier:
             data,
             entry.checksum,
             release=lambda: self._unpin(entry),
-            compute_checksum=lambda: self._checksum_of(entry, data),
+            compute_checksum=lambda: self._checksum_of(key, entry, data),
+            location=self.location,
         )
 
-    @staticmethod
-    def _checksum_of(entry: _Entry, data: torch.Tensor) -> int:
+    def _checksum_of(self, key: ChunkKey, entry: _Entry, data: torch.Tensor) -> int:
         # Cached on the entry: computed at most once per stored chunk, outside the lock (the
         # caller's pin keeps the page from being reused meanwhile).
         if entry.checksum is None:

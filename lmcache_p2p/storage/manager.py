@@ -1,4 +1,4 @@
-"""StorageManager: one engine rank's chunk store across the CPU and disk tiers and a remote store.
+"""StorageManager: one engine rank's chunk store across the GPU, CPU and disk tiers and a remote store.
 
 It answers the scheduler's question ("how much of this prefix do we hold locally?") for chunk
 hashes its caller computed (it never sees tokens), hands out pinned chunk payloads (promoting
@@ -7,10 +7,16 @@ disk hits into the CPU tier), writes CPU admits behind to disk and to the remote
 (:meth:`fetch_remote_prefix`), and emits an admit/evict
 :class:`StorageEvent` for every change of what a location holds: the worker forwards those to
 the controller, which is how the mesh knows who holds what.
+
+With ``local_gpu`` a :class:`GpuTier` keeps a VRAM copy of the hottest CPU chunks (gpu_tier's
+docstring says why and at what price). A peer pull that landed in VRAM is committed there at once
+and written back to the CPU tier behind the request (:meth:`commit_landed`): copied to the host,
+its checksum checked, then indexed and announced like any pulled chunk.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +27,12 @@ import numpy as np
 import torch
 
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
+from lmcache_p2p.keys import ChunkKey, LayoutFingerprint, in_parallel, payload_checksum
 from lmcache_p2p.remote.store import open_store
 from lmcache_p2p.remote.tier import RemoteTier
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
+from lmcache_p2p.storage.gpu_tier import GpuTier
 from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.write_behind import WriteBehind
 
@@ -33,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 CPU = CpuTier.location
 DISK = DiskTier.location
+GPU = GpuTier.location
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +71,10 @@ class StorageManager:
         layout: LayoutFingerprint,
         pin_memory: bool | None = None,
         write_behind_depth: int = 100_000,
+        device: torch.device | None = None,
     ):
+        """``device`` is the engine's KV device when it is a GPU: the GPU tier's (``local_gpu``).
+        Tests pass a CPU device to run the tier's logic in host memory."""
         self.config = config
         self.layout = layout
         self.fingerprint = layout.digest
@@ -80,7 +91,13 @@ class StorageManager:
                     config.max_local_cpu_size,
                     self.page_bytes / 2**20,
                 )
-            self.cpu = CpuTier(pool, on_evict=lambda key: self._emit("evict", CPU, key))
+            self.cpu = CpuTier(pool, on_evict=self._on_cpu_evict)
+        self.gpu: GpuTier | None = None
+        self._write_backs: list[concurrent.futures.Future] = []  # pulls landed in VRAM, on their way to the CPU tier
+        self._write_back_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.write_back_mismatches = 0
+        if config.local_gpu:
+            self._build_gpu_tier(device)
         self.disk: DiskTier | None = None
         self._writer: _DiskWriter | None = None
         if config.local_disk:
@@ -111,6 +128,44 @@ class StorageManager:
                     config.remote_timeout_s,
                 )
 
+    def _build_gpu_tier(self, device: torch.device | None) -> None:
+        if device is None:
+            logger.warning("local_gpu is on but the engine's KV is not on a GPU; the GPU tier is off")
+            return
+        if self.cpu is None:  # config.validate() refuses this; a cache over nothing caches nothing
+            logger.warning("local_gpu needs local_cpu (the GPU tier is a copy of CPU chunks); the GPU tier is off")
+            return
+        try:
+            pool = PagePool(self.page_bytes, self.config.max_local_gpu_bytes, device=device)
+        except torch.OutOfMemoryError:
+            logger.error(
+                "no room on %s for a %.2f GB GPU tier (max_local_gpu_size); the GPU tier is off",
+                device,
+                self.config.max_local_gpu_size,
+            )
+            return
+        if pool.num_pages == 0:
+            logger.warning(
+                "max_local_gpu_size=%s GB holds no %.1f MiB chunk; the GPU tier is off",
+                self.config.max_local_gpu_size,
+                self.page_bytes / 2**20,
+            )
+            return
+        self.gpu = GpuTier(pool, checksum_of=self._cpu_checksum)
+        self._write_back_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-gpu-writeback")
+
+    def _cpu_checksum(self, key: ChunkKey) -> int | None:
+        chunk = self.cpu.pin(key) if self.cpu is not None else None
+        if chunk is None:
+            return None
+        with chunk:
+            return chunk.checksum
+
+    def _on_cpu_evict(self, key: ChunkKey) -> None:
+        self._emit("evict", CPU, key)
+        if self.gpu is not None:  # a copy of the CPU tier: what leaves it leaves the GPU too
+            self.gpu.remove(key)
+
     # -- keys ------------------------------------------------------------------------------------
 
     def key(self, chunk_hash: int) -> ChunkKey:
@@ -132,9 +187,13 @@ class StorageManager:
     # -- lookup ----------------------------------------------------------------------------------
 
     def location_of(self, chunk_hash: int) -> str | None:
+        """Where the chunk is held: the CPU tier, else the GPU tier alone (a pull landed in VRAM
+        and not yet written back), else the disk tier; None when nowhere here."""
         key = self.key(chunk_hash)
         if self.cpu is not None and self.cpu.contains(key):
             return CPU
+        if self.gpu is not None and self.gpu.contains(key):
+            return GPU
         if self.disk is not None and self.disk.contains(key):
             return DISK
         return None
@@ -229,6 +288,107 @@ class StorageManager:
     def abandon_page(self, page: int) -> None:
         self._page_owner().pool.free(page)
 
+    # -- the GPU tier ----------------------------------------------------------------------------
+
+    def reserve_gpu_page(self) -> tuple[int, torch.Tensor] | None:
+        """A free GPU tier page (evicting the tier's least recently used unpinned chunk), or None
+        without a GPU tier or when every page is pinned."""
+        if self.gpu is None:
+            return None
+        page = self.gpu.allocate()
+        return None if page is None else (page, self.gpu.pool.page(page))
+
+    def commit_gpu_page(self, chunk_hash: int, page: int, checksum: int | None = None) -> bool:
+        """Index a GPU page filled after :meth:`reserve_gpu_page` (a store's copy of a chunk the
+        CPU tier holds); False, and the page freed, if it is held there already."""
+        return self._gpu_tier().admit(self.key(chunk_hash), page, checksum)
+
+    def abandon_gpu_page(self, page: int) -> None:
+        self._gpu_tier().pool.free(page)
+
+    def _gpu_tier(self) -> GpuTier:
+        if self.gpu is None:
+            raise RuntimeError("no GPU tier (local_gpu is off), so no GPU page can have been reserved")
+        return self.gpu
+
+    def commit_landed(
+        self,
+        chunk_hashes: Sequence[int],
+        gpu_pages: Sequence[int],
+        cpu_pages: Sequence[int],
+        checksums: Sequence[int],
+        location: str = CPU,
+    ) -> None:
+        """Chunks a peer wrote into GPU tier pages: loadable from the GPU tier now (``location``
+        CPU), and written back behind the caller into the reserved ``cpu_pages``, where their
+        checksums are checked before the CPU tier (or the disk tier, with ``location`` DISK)
+        indexes them. A chunk whose checksum differs is dropped from both and logged."""
+        gpu = self._gpu_tier()
+        pins: list[PinnedChunk | None] = []
+        for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True):
+            key = self.key(chunk_hash)
+            if location == CPU and gpu.admit(key, page, checksum):
+                pins.append(gpu.pin(key))  # kept until written back: the tier may not evict it meanwhile
+            else:  # not kept in VRAM (held there already, or bound for the disk tier): read, then freed
+                if location == CPU:  # admit freed the page: read the held copy instead
+                    pins.append(gpu.pin(key))
+                else:
+                    pins.append(None)
+        job = (list(chunk_hashes), list(gpu_pages), list(cpu_pages), list(checksums), location, pins)
+        assert self._write_back_thread is not None  # made with the GPU tier
+        self._write_backs = [f for f in self._write_backs if not f.done()]
+        self._write_backs.append(self._write_back_thread.submit(self._write_back, *job))
+
+    def _write_back(
+        self,
+        chunk_hashes: list[int],
+        gpu_pages: list[int],
+        cpu_pages: list[int],
+        checksums: list[int],
+        location: str,
+        pins: list[PinnedChunk | None],
+    ) -> None:
+        gpu, cpu = self._gpu_tier(), self._page_owner()
+        t0 = time.perf_counter()
+        try:
+            sources = [
+                pin.data if pin is not None else gpu.pool.page(page) for pin, page in zip(pins, gpu_pages, strict=True)
+            ]
+            targets = [cpu.pool.page(page) for page in cpu_pages]
+            _copy_pages(sources, targets)
+            got = in_parallel(lambda page: payload_checksum(page.numpy()), targets)
+            written = 0
+            for chunk_hash, page, expected, actual in zip(chunk_hashes, cpu_pages, checksums, got, strict=True):
+                if actual == expected:
+                    written += self.commit_page(chunk_hash, page, expected, location)
+                    continue
+                self.write_back_mismatches += 1
+                self.abandon_page(page)
+                gpu.remove(self.key(chunk_hash))
+                logger.error(
+                    "chunk %016x landed in VRAM with checksum %016x, the holder's is %016x: dropped",
+                    chunk_hash,
+                    actual,
+                    expected,
+                )
+            logger.debug(
+                "wrote back %d of %d landed chunk(s) to %s in %.1f ms",
+                written,
+                len(chunk_hashes),
+                location,
+                (time.perf_counter() - t0) * 1e3,
+            )
+        except Exception:
+            logger.exception("writing back %d chunk(s) landed in VRAM failed; they stay GPU-only", len(chunk_hashes))
+            for page in cpu_pages:
+                self.abandon_page(page)
+        finally:
+            for pin, page in zip(pins, gpu_pages, strict=True):
+                if pin is not None:
+                    pin.release()
+                elif location != CPU:
+                    gpu.pool.free(page)
+
     def _after_cpu_admit(self, key: ChunkKey, from_remote: bool = False) -> None:
         self._emit("admit", CPU, key)
         # (a writer exists only with a disk tier)
@@ -292,9 +452,15 @@ class StorageManager:
 
     # -- retrieve --------------------------------------------------------------------------------
 
-    def pin(self, chunk_hash: int) -> PinnedChunk | None:
-        """The chunk's payload held until released; disk hits are promoted into the CPU tier."""
+    def pin(self, chunk_hash: int, gpu: bool = False) -> PinnedChunk | None:
+        """The chunk's payload held until released; disk hits are promoted into the CPU tier.
+        With ``gpu``, the GPU tier's copy when it has one (its ``data`` is in VRAM): for readers
+        that copy on the device (loads into vLLM's blocks, staged NIXL sends)."""
         key = self.key(chunk_hash)
+        if gpu and self.gpu is not None:
+            chunk = self.gpu.pin(key)
+            if chunk is not None:
+                return chunk
         if self.cpu is not None:
             chunk = self.cpu.pin(key)
             if chunk is not None:
@@ -328,6 +494,8 @@ class StorageManager:
             if tier is not None and tier.remove(key):
                 dropped.append(loc)
                 self._emit("evict", loc, key)
+        if self.gpu is not None and CPU in ([location] if location else [CPU]):
+            self.gpu.remove(key)
         return dropped
 
     def clear(self, location: str | None = None) -> int:
@@ -340,6 +508,8 @@ class StorageManager:
             for key in tier.clear():
                 self._emit("evict", loc, key)
                 n += 1
+        if self.gpu is not None and location in (None, CPU):
+            self.gpu.clear()
         return n
 
     def _tier(self, location: str) -> CpuTier | DiskTier | None:
@@ -353,11 +523,16 @@ class StorageManager:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until queued disk and remote writes are done (tests, shutdown)."""
+        done, _ = concurrent.futures.wait(self._write_backs, timeout)  # they queue CPU admits: first
+        written = len(done) == len(self._write_backs)
         disk = self._writer.queue.flush(timeout) if self._writer is not None else True
         remote = self.remote.flush(timeout) if self.remote is not None else True
-        return disk and remote
+        return written and disk and remote
 
     def close(self) -> None:
+        if self._write_back_thread is not None:
+            self._write_back_thread.shutdown(wait=True)
+            self._write_back_thread = None
         if self._writer is not None:
             self._writer.queue.close(timeout=60.0)
             self._writer = None
@@ -375,6 +550,15 @@ class StorageManager:
                 "pins_held": self.cpu.pins_held,
                 "evictions": self.cpu.evictions,
                 "rejected_puts": self.cpu.rejected_puts,
+            }
+        if self.gpu is not None:
+            out["gpu"] = {
+                "chunks": len(self.gpu),
+                "capacity_chunks": self.gpu.pool.num_pages,
+                "free_pages": self.gpu.pool.free_pages,
+                "pins_held": self.gpu.pins_held,
+                "evictions": self.gpu.evictions,
+                "write_back_mismatches": self.write_back_mismatches,
             }
         if self.disk is not None:
             out["disk"] = {
@@ -419,3 +603,25 @@ class _DiskWriter:
                 if self.disk.write(key, chunk.data.numpy(), chunk.checksum):
                     logger.debug("wrote %s to disk in %.2f ms", key, (time.perf_counter() - t0) * 1e3)
                     self.on_written(key)
+
+
+def _copy_pages(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:
+    """Copy VRAM pages to host pages and wait: on a stream of its own when on CUDA, so the
+    write-back queues behind no forward pass."""
+    if not sources:
+        return
+    device = sources[0].device
+    if device.type != "cuda":
+        for src, dst in zip(sources, targets, strict=True):
+            dst.copy_(src)
+        return
+    stream = _write_back_streams.get(device)
+    if stream is None:
+        stream = _write_back_streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for src, dst in zip(sources, targets, strict=True):
+            dst.copy_(src, non_blocking=True)
+    stream.synchronize()
+
+
+_write_back_streams: dict[torch.device, torch.cuda.Stream] = {}

@@ -19,28 +19,37 @@ logger = logging.getLogger(__name__)
 class PagePool:
     """``num_pages`` pages of ``page_bytes`` each in one uint8 buffer; thread-safe alloc/free."""
 
-    def __init__(self, page_bytes: int, capacity_bytes: int, pin_memory: bool | None = None):
+    def __init__(
+        self, page_bytes: int, capacity_bytes: int, pin_memory: bool | None = None, device: torch.device | None = None
+    ):
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.page_bytes = page_bytes
         self.num_pages = capacity_bytes // page_bytes
+        # ``device``: the pages live there instead (the GPU tier's VRAM; always resident).
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        on_host = self.device.type == "cpu"
         if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        self.pinned = pin_memory
-        self.buffer = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+            pin_memory = on_host and torch.cuda.is_available()
+        self.pinned = pin_memory and on_host
+        if on_host:
+            self.buffer = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        else:
+            self.buffer = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, device=self.device)
         # Pop from the end: low page indices are handed out first, which keeps the touched part
         # of a plain (unpinned) buffer small when the pool is mostly empty.
         self._free = list(range(self.num_pages - 1, -1, -1))
         # Pages whose memory the OS has mapped (written once). A pinned buffer is resident from
         # the start; a pageable one is faulted in on first write (see make_resident).
-        self._resident = bytearray([1 if pin_memory else 0]) * self.num_pages
+        self._resident = bytearray([1 if self.pinned or not on_host else 0]) * self.num_pages
         self._lock = threading.Lock()
         logger.info(
-            "CPU page pool: %d pages x %.2f MiB = %.2f GiB (%s)",
+            "%s page pool: %d pages x %.2f MiB = %.2f GiB (%s)",
+            "CPU" if on_host else "GPU",
             self.num_pages,
             page_bytes / 2**20,
             self.num_pages * page_bytes / 2**30,
-            "pinned" if pin_memory else "pageable",
+            ("pinned" if self.pinned else "pageable") if on_host else self.device,
         )
 
     @property

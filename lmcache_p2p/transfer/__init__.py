@@ -45,11 +45,13 @@ def make_transport(
     nixl_buffer_device: str = "cpu",
     nixl_buffer_size: int | None = None,
     engine_device=None,
+    gpu_tier=None,
 ) -> Transport:
     """The transport for ``channel``; raises TransferError if it cannot run here. Under nixl,
     GPU staging goes on ``engine_device`` (or this process's CUDA device) unless
     ``nixl_buffer_device`` is "cpu"; with "auto", a staging buffer that cannot be had is logged
-    and left out, with "cuda" it is an error."""
+    and left out, with "cuda" it is an error. A ``gpu_tier`` (storage's GPU tier) is registered
+    with NIXL beside the staging buffer: peers of this host then write into it and read from it."""
     if channel == "tcp":
         return TcpTransport(pool, session)
     if channel == "nixl":
@@ -69,7 +71,13 @@ def make_transport(
                     raise
                 logger.warning("no GPU staging for NIXL pulls (%s); pulls go pool to pool", e)
         try:
-            return NixlTransport(pool, session, progress_delay_us=nixl_progress_delay_us, staging=staging)
+            return NixlTransport(
+                pool,
+                session,
+                progress_delay_us=nixl_progress_delay_us,
+                staging=staging,
+                gpu_tier=gpu_tier if staging is not None else None,
+            )
         except BaseException:
             if staging is not None:
                 staging.close()

@@ -46,6 +46,7 @@ def check_hello_bounds(hello: ChannelHello) -> None:
         ("num_pages", hello.num_pages, MAX_HELLO_PAGES),
         ("page_bytes", hello.page_bytes, MAX_HELLO_PAGE_BYTES),
         ("staging_slots", hello.staging_slots, MAX_HELLO_STAGING_SLOTS),
+        ("gpu_tier_pages", hello.gpu_tier_pages, MAX_HELLO_PAGES),
     ):
         if not 0 <= value <= limit:
             raise refuse(field, value, f"0 to {limit}")
@@ -65,9 +66,17 @@ def check_hello_bounds(hello: ChannelHello) -> None:
             hello.staging_slots,
             f"at most {MAX_HELLO_STAGING_BYTES >> 30} GiB of staging ({hello.page_bytes}-byte slots)",
         )
+    gpu_tier_bytes = hello.gpu_tier_pages * hello.page_bytes
+    if gpu_tier_bytes > MAX_HELLO_STAGING_BYTES:
+        raise refuse(
+            "gpu_tier_pages",
+            hello.gpu_tier_pages,
+            f"at most {MAX_HELLO_STAGING_BYTES >> 30} GiB of GPU tier ({hello.page_bytes}-byte pages)",
+        )
     for field, base, size in (
         ("pool_base", hello.pool_base, pool_bytes),
         ("staging_base", hello.staging_base, staging_bytes),
+        ("gpu_tier_base", hello.gpu_tier_base, gpu_tier_bytes),
     ):
         if not 0 <= base <= _MAX_ADDRESS - size:
             raise refuse(field, base, "an address range inside 64 bits")
@@ -138,7 +147,13 @@ class Transport:
         ``slots`` the holder wrote (nothing to do when it wrote the pages directly)."""
 
     def release(self, slots: Sequence[int]) -> None:
-        """Give back receive slots taken by prepare (once nothing can write into them)."""
+        """Give back receive slots (and GPU tier pages) taken by prepare, once nothing can write
+        into them."""
+
+    def gpu_landing(self, slots: Sequence[int]) -> list[int]:
+        """The GPU tier pages ``slots`` (from :meth:`prepare`) are, when the holder writes a pull
+        straight into the GPU tier; empty when they are receive slots, or there are none."""
+        return []
 
     # -- holder side -----------------------------------------------------------------------------
 
@@ -159,6 +174,11 @@ class Transport:
     def addressable(self, chunk: PinnedChunk) -> bool:
         """Whether this channel can send ``chunk`` (NIXL only reaches the registered pool)."""
         return True
+
+    def reads_gpu_tier(self, session: str) -> bool:
+        """Whether a send to ``session`` can read chunks from the GPU tier (VRAM pages): holders
+        then pin the GPU tier's copy of a chunk first."""
+        return False
 
     async def send_streamed(
         self, session: str, chunks: Sequence[PinnedChunk], transfer: int, timeout: float

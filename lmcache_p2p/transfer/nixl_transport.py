@@ -15,6 +15,12 @@ default where CUDA is), the holder writes through VRAM instead (see gpu_staging)
 host memory between processes at ~5 GB/s but GPU memory at over 1 TB/s over cuda_ipc. A
 requester on a staged session sends its receive slots along with its pages, and the holder
 falls back to the pages if the staged write fails.
+
+With a GPU tier (``local_gpu``) its pages are registered beside the staging slots, and both
+ends use them: a holder writes a chunk its GPU tier holds straight from there (no copy from host
+memory first), and a requester asks for a pull to be written into GPU tier pages it reserved
+instead of receive slots, where the engine loads it from device to device (the pages are then
+written back to the CPU tier behind the request: StorageManager.commit_landed).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 
 from lmcache_p2p.protocol import ChannelHello
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
+from lmcache_p2p.storage.gpu_tier import GpuTier
 from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.transfer import NIXL_FIX
 from lmcache_p2p.transfer.base import TransferError, Transport, check_hello_bounds
@@ -51,7 +58,7 @@ class _RemotePool:
     instance: tuple[str, int]
     pages: object  # NIXL prepared descriptor list handle
     num_pages: int
-    slots: object = None  # its GPU receive slots (prepared list), when the session is staged
+    slots: object = None  # its GPU receive slots then its GPU tier pages (prepared list), when staged
     num_slots: int = 0
 
 
@@ -104,9 +111,18 @@ def _progress_thread_delay(delay_us: int):
 class NixlTransport(Transport):
     name = "nixl"
 
-    def __init__(self, pool: PagePool, session: str, progress_delay_us: int = 200, staging: GpuStaging | None = None):
+    def __init__(
+        self,
+        pool: PagePool,
+        session: str,
+        progress_delay_us: int = 200,
+        staging: GpuStaging | None = None,
+        gpu_tier: GpuTier | None = None,
+    ):
         super().__init__(pool, session)
         self.staging = staging
+        self.gpu_tier = gpu_tier if staging is not None else None  # reached through staged sessions only
+        self._gpu_tier_registration = None
         if pool.num_pages == 0:
             raise TransferError("the CPU page pool is empty: nothing to register with NIXL")
         try:
@@ -139,6 +155,7 @@ class NixlTransport(Transport):
                 )
                 staging.close()
                 self.staging = staging = None
+                self.gpu_tier = None
         self._metadata = self.agent.get_agent_metadata()
         self._peers: dict[str, _RemotePool] = {}
         logger.info(
@@ -147,7 +164,8 @@ class NixlTransport(Transport):
             pool.num_pages,
             pool.page_bytes / 2**20,
             size / 2**30,
-            f" and {staging.num_slots} GPU staging slots on {staging.device}" if staging else "",
+            (f" and {staging.num_slots} GPU staging slots on {staging.device}" if staging else "")
+            + (f" and {self.gpu_tier.pool.num_pages} GPU tier pages" if self.gpu_tier else ""),
             (time.perf_counter() - t0) * 1e3,
         )
 
@@ -163,14 +181,37 @@ class NixlTransport(Transport):
             torch.cuda.set_device(self.staging.device)
 
     def _register_staging(self) -> None:
+        """Register the staging slots (and the GPU tier's pages after them, local index
+        ``num_slots + page``) as one VRAM descriptor list."""
         staging = self._staged
         dev = staging.device_index
         self._staged_registration = self.agent.register_memory(
             [(staging.base, staging.num_slots * staging.page_bytes, dev, "")], "VRAM"
         )
-        self._local_slots = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _page_descs(staging.base, staging.num_slots, staging.page_bytes, dev), "VRAM"
-        )
+        descs = _page_descs(staging.base, staging.num_slots, staging.page_bytes, dev)
+        tier = self.gpu_tier
+        if tier is not None:
+            try:
+                self._gpu_tier_registration = self.agent.register_memory(
+                    [(tier.pool.buffer.data_ptr(), tier.pool.num_pages * tier.pool.page_bytes, dev, "")], "VRAM"
+                )
+                descs = np.concatenate(
+                    [descs, _page_descs(tier.pool.buffer.data_ptr(), tier.pool.num_pages, tier.pool.page_bytes, dev)]
+                )
+            except Exception as e:
+                logger.warning("NIXL cannot register the GPU tier (%s); peers reach only its CPU copies", e)
+                self.gpu_tier = None
+        self._local_slots = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, "VRAM")
+
+    def _tier_index(self, chunk: PinnedChunk) -> int | None:
+        """``chunk``'s GPU tier page as a local staged descriptor index, or None (host memory)."""
+        tier = self.gpu_tier
+        if tier is None or not chunk.data.is_cuda:
+            return None
+        offset = chunk.data.data_ptr() - tier.pool.buffer.data_ptr()
+        if not 0 <= offset < tier.pool.num_pages * tier.pool.page_bytes or offset % tier.pool.page_bytes:
+            return None
+        return self._staged.num_slots + offset // tier.pool.page_bytes
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -186,6 +227,9 @@ class NixlTransport(Transport):
             hello.staging_base = self.staging.base
             hello.staging_slots = self.staging.receiving.capacity
             hello.staging_device = self.staging.device_index
+            if self.gpu_tier is not None:
+                hello.gpu_tier_base = self.gpu_tier.pool.buffer.data_ptr()
+                hello.gpu_tier_pages = self.gpu_tier.pool.num_pages
         return hello
 
     @property
@@ -196,14 +240,46 @@ class NixlTransport(Transport):
         self.pool.make_resident(pages)  # the holder may write the pages after all
         if not staged or self.staging is None:
             return []
+        tier_pages = self._reserve_tier_pages(len(pages))
+        if tier_pages:
+            return [self.staging.receiving.capacity + p for p in tier_pages]
         return await self.staging.receiving.take(len(pages), timeout, whole=True)
 
+    def _reserve_tier_pages(self, count: int) -> list[int]:
+        """``count`` GPU tier pages for a pull to land in (evicting the tier's least recently
+        used chunks), or none at all: a batch lands in one place."""
+        tier = self.gpu_tier
+        if tier is None or count > tier.pool.num_pages // 2:  # never let one batch empty the tier
+            return []
+        taken: list[int] = []
+        for _ in range(count):
+            page = tier.allocate()
+            if page is None:
+                for p in taken:
+                    tier.pool.free(p)
+                return []
+            taken.append(page)
+        return taken
+
+    def gpu_landing(self, slots: Sequence[int]) -> list[int]:
+        if self.gpu_tier is None or not slots:
+            return []
+        first = self._staged.receiving.capacity
+        return [s - first for s in slots] if slots[0] >= first else []
+
     async def land(self, frames: list, pages: Sequence[int], slots: Sequence[int]) -> None:
-        if slots:
+        if slots and not self.gpu_landing(slots):  # in GPU tier pages, the bytes are where they stay
             await self._staged.from_slots(slots, [self.pool.page(p) for p in pages])
 
     def release(self, slots: Sequence[int]) -> None:
-        if slots:
+        if not slots:
+            return
+        tier_pages = self.gpu_landing(slots)
+        if tier_pages:
+            assert self.gpu_tier is not None
+            for page in tier_pages:
+                self.gpu_tier.pool.free(page)
+        else:
             self._staged.receiving.give(slots)
 
     # -- holder side -----------------------------------------------------------------------------
@@ -229,20 +305,25 @@ class NixlTransport(Transport):
         )
         peer = self._peers[hello.session] = _RemotePool(name, instance, pages, hello.num_pages)
         if self.staging is not None and hello.staging_slots > 0 and hello.host_id == host_id():
-            peer.slots = await self._call(
-                self.agent.prep_xfer_dlist,
-                name,
-                _page_descs(hello.staging_base, hello.staging_slots, hello.page_bytes, hello.staging_device),
-                "VRAM",
-            )
-            peer.num_slots = hello.staging_slots
+            descs = _page_descs(hello.staging_base, hello.staging_slots, hello.page_bytes, hello.staging_device)
+            if hello.gpu_tier_pages > 0:
+                descs = np.concatenate(
+                    [
+                        descs,
+                        _page_descs(hello.gpu_tier_base, hello.gpu_tier_pages, hello.page_bytes, hello.staging_device),
+                    ]
+                )
+            peer.slots = await self._call(self.agent.prep_xfer_dlist, name, descs, "VRAM")
+            peer.num_slots = len(descs)
         logger.info(
             "NIXL session from %s rank %d (%s, %d pages%s)",
             hello.instance_id,
             hello.rank,
             name,
             hello.num_pages,
-            f", staged through {peer.num_slots} GPU slots" if peer.slots is not None else "",
+            f", staged through {hello.staging_slots} GPU slots and {hello.gpu_tier_pages} GPU tier pages"
+            if peer.slots is not None
+            else "",
         )
         return peer.slots is not None
 
@@ -256,8 +337,18 @@ class NixlTransport(Transport):
             logger.debug("forgetting NIXL peer %s: %s", peer.agent_name, e)
 
     def addressable(self, chunk: PinnedChunk) -> bool:
+        if self._tier_index(chunk) is not None:
+            return True
         offset = chunk.data.data_ptr() - self.base
-        return 0 <= offset < self.pool.num_pages * self.pool.page_bytes and offset % self.pool.page_bytes == 0
+        return (
+            not chunk.data.is_cuda
+            and 0 <= offset < self.pool.num_pages * self.pool.page_bytes
+            and offset % self.pool.page_bytes == 0
+        )
+
+    def reads_gpu_tier(self, session: str) -> bool:
+        peer = self._peers.get(session)
+        return self.gpu_tier is not None and peer is not None and peer.slots is not None
 
     async def send(
         self, session: str, chunks: Sequence[PinnedChunk], dst_pages: np.ndarray, dst_slots: np.ndarray, timeout: float
@@ -275,13 +366,17 @@ class NixlTransport(Transport):
             try:
                 await self._send_staged(peer, chunks, dst_slots, deadline)
                 return [], True
-            except TransferError as e:  # the pages are still there to write
+            except TransferError as e:
+                if any(c.data.is_cuda for c in chunks):  # VRAM chunks reach no requester's pool pages
+                    raise
                 logger.warning(
                     "staged write of %d chunk(s) to %s failed (%s); writing its pool pages instead",
                     len(chunks),
                     peer.agent_name,
                     e,
                 )
+        if any(c.data.is_cuda for c in chunks):
+            raise TransferError("GPU tier chunks are sent to staged sessions only")
         if len(dst_pages) < len(chunks) or (len(dst_pages) and int(dst_pages.max()) >= peer.num_pages):
             raise TransferError(
                 f"destination pages {dst_pages.tolist()[:8]}... do not fit the requester's {peer.num_pages}-page pool"
@@ -295,23 +390,26 @@ class NixlTransport(Transport):
     async def _send_staged(
         self, peer: _RemotePool, chunks: Sequence[PinnedChunk], dst_slots: np.ndarray, deadline: float
     ) -> None:
-        """Pool pages -> our send slots -> the requester's receive slots, as many at a time as
+        """Into the requester's receive slots or GPU tier pages: chunks our GPU tier holds in one
+        WRITE from there, the rest from pool pages through our send slots, as many at a time as
         send slots are free."""
         staging = self._staged  # the requester sent receive slots: we are staged
-        mine = await staging.sending.take(len(chunks), deadline - time.monotonic())
+        in_tier = [(self._tier_index(c), int(dst_slots[i])) for i, c in enumerate(chunks)]
+        direct = [(src, dst) for src, dst in in_tier if src is not None]
+        if direct:
+            await self._write(
+                peer, self._local_slots, [src for src, _ in direct], peer.slots, [dst for _, dst in direct], deadline
+            )
+        on_host = [i for i, (src, _) in enumerate(in_tier) if src is None]
+        if not on_host:
+            return
+        mine = await staging.sending.take(len(on_host), deadline - time.monotonic())
         try:
-            for start in range(0, len(chunks), len(mine)):
-                group = chunks[start : start + len(mine)]
+            for start in range(0, len(on_host), len(mine)):
+                group = on_host[start : start + len(mine)]
                 used = mine[: len(group)]
-                await staging.to_slots([c.data for c in group], used)
-                await self._write(
-                    peer,
-                    self._local_slots,
-                    used,
-                    peer.slots,
-                    [int(s) for s in dst_slots[start : start + len(group)]],
-                    deadline,
-                )
+                await staging.to_slots([chunks[i].data for i in group], used)
+                await self._write(peer, self._local_slots, used, peer.slots, [in_tier[i][1] for i in group], deadline)
         finally:
             staging.sending.give(mine)
 
@@ -350,6 +448,8 @@ class NixlTransport(Transport):
                 if self._local_slots is not None:
                     self.agent.release_dlist_handle(self._local_slots)
                     self.agent.deregister_memory(self._staged_registration)
+                if self._gpu_tier_registration is not None:
+                    self.agent.deregister_memory(self._gpu_tier_registration)
             except Exception as e:
                 logger.debug("NIXL shutdown: %s", e)
 

@@ -79,6 +79,7 @@ class Peer:
 class PullResult:
     held: list[int] = field(default_factory=list)  # hashes now held here (in order of the request)
     error: str | None = None  # why the run ended early, if it did
+    gpu_landed: int = 0  # of those, chunks the holder wrote into our GPU tier
 
 
 # Where a pull's batches spend their time, in its log line (see _Batch.phases_ms).
@@ -89,6 +90,9 @@ PHASES = ("slots", "holder", "queue+wire", "land", "verify")
 class _Batch:
     hashes: list[int]  # the chunks asked for: one per reserved page
     pages: list[int] = field(default_factory=list)  # reserved here; committed or abandoned later
+    # GPU tier pages the holder wrote the served chunks into (local_gpu): ``pages`` then receive
+    # them by the write-back (StorageManager.commit_landed), which also checks the checksums.
+    gpu_pages: list[int] = field(default_factory=list)
     good: int = 0  # leading chunks landed with matching checksums
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
@@ -211,6 +215,7 @@ class P2PClient:
             "prefix_hit_chunks": 0,
             "checksum_mismatches": 0,
             "pages_quarantined": 0,
+            "gpu_landed_chunks": 0,
             "transfer_ms": 0.0,
             "verify_ms": 0.0,
             # The pull policy's skips: prefix pulls not made (slower than recomputing), the chunks
@@ -340,8 +345,9 @@ class P2PClient:
             for phase, ms in batch.phases_ms.items():
                 phases_ms[phase] += ms
             if stopped:  # an earlier batch failed: what follows it is a miss
-                self._abandon(batch.pages)
+                self._abandon_batch(batch)
                 continue
+            result.gpu_landed += min(batch.good, len(batch.gpu_pages))
             result.held += self._commit(batch, location)
             if batch.error is None:
                 continue
@@ -368,7 +374,7 @@ class P2PClient:
             # The seed's line, then where the batches' time went (summed: batches overlap).
             logger.info(
                 "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
-                "(from %s over %s, to rank %d) [%d batches, ms summed: %s]",
+                "(from %s over %s, to rank %d) [%d batches, ms summed: %s]%s",
                 len(result.held) * self.me.chunk_size,
                 asked * self.me.chunk_size,
                 nbytes / 1e9,
@@ -379,7 +385,9 @@ class P2PClient:
                 self.me.rank,  # vLLM's per-process line prefixes interleave when ranks log at once
                 batches,
                 ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases_ms.items()),
+                f"; {result.gpu_landed} chunk(s) landed in the GPU tier" if result.gpu_landed else "",
             )
+            self.stats["gpu_landed_chunks"] += result.gpu_landed
         if result.error:
             self.stats["pull_failures"] += 1
             logger.warning(
@@ -553,22 +561,31 @@ class P2PClient:
         t1 = time.perf_counter()
         batch.phases_ms["holder"] = reply.holder_ms
         batch.phases_ms["queue+wire"] = max(0.0, (t1 - t0) * 1e3 - reply.holder_ms)
+        # The holder wrote into GPU tier pages we reserved: the bytes stay there, and the batch
+        # owns the served pages from here (committed or freed with it).
+        in_gpu_tier = transport.gpu_landing(slots) if reply.staged else []
+        batch.gpu_pages = in_gpu_tier[:served]
         try:
             try:
                 if reply.streamed:
                     if batch.landing is None:
                         raise TransferError(f"{peer.describe()} streamed payloads we did not ask to be streamed")
                     await batch.landing.landed(served, max(1.0, timeout - (t1 - t0)))
-                else:
+                elif not in_gpu_tier:
                     await transport.land(frames, batch.pages[:served], slots[:served] if reply.staged else [])
             finally:  # the bytes are in our pages: the slots take the next request's while we verify
-                transport.release(slots)
+                transport.release(slots[served:] if in_gpu_tier else slots)
                 idle = self._close_landing(batch)
             if not idle:  # its pages are kept out of use until that write ends
                 raise TransferError(f"{peer.describe()} still writes into pages after its reply")
             batch.phases_ms["land"] = (time.perf_counter() - t1) * 1e3
             batch.checksums = unpack_hashes(reply.checksums)
-            batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
+            if in_gpu_tier:
+                # Checked on the write-back, behind the request: a copy to host memory and a hash
+                # here would cost what landing in VRAM saves. Same host, cuda_ipc: no wire between.
+                batch.good = min(served, len(batch.checksums))
+            else:
+                batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
             batch.good, batch.peer_failed, batch.error = 0, True, str(e)
             return batch
@@ -589,12 +606,23 @@ class P2PClient:
 
     def _commit(self, batch: _Batch, location: str) -> list[int]:
         """Index the verified leading pages of a batch; the rest go back to the pool."""
-        held = []
-        for i in range(batch.good):
-            self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)
-            held.append(batch.hashes[i])
-        self._abandon(batch.pages[batch.good :])
+        good = batch.good
+        held = list(batch.hashes[:good])
+        if batch.gpu_pages:
+            checksums = [int(c) for c in batch.checksums[:good]]
+            self.storage.commit_landed(held, batch.gpu_pages[:good], batch.pages[:good], checksums, location)
+        else:
+            for i in range(good):
+                self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)
+        self._abandon(batch.pages[good:])
+        for page in batch.gpu_pages[good:]:
+            self.storage.abandon_gpu_page(page)
         return held
+
+    def _abandon_batch(self, batch: _Batch) -> None:
+        self._abandon(batch.pages)
+        for page in batch.gpu_pages:
+            self.storage.abandon_gpu_page(page)
 
     def _verify(self, pages: list[int], checksums: np.ndarray) -> int:
         """How many leading pages match their checksums (hashed on several threads)."""

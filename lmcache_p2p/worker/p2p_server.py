@@ -39,7 +39,7 @@ from lmcache_p2p.protocol import (
 )
 from lmcache_p2p.rpc import Answer, Handler, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
-from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.storage.manager import GPU, StorageManager
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.p2p_client import P2PClient, Peer
@@ -79,6 +79,7 @@ class PeerServer:
             "sessions": 0,
             "pulls_served": 0,
             "chunks_served": 0,
+            "chunks_served_from_gpu_tier": 0,  # sent from VRAM (local_gpu): no host copy first
             "bytes_served": 0,
             "pulls_refused": 0,
             "bad_frames": 0,
@@ -203,8 +204,9 @@ class PeerServer:
         hashes = unpack_hashes(request.hashes)
         pages = unpack_pages(request.pages)
         slots = unpack_pages(request.slots)
+        from_gpu = transport.reads_gpu_tier(request.session)  # VRAM copies go out device to device
         for h in hashes:
-            chunk = self.storage.pin(int(h))
+            chunk = self.storage.pin(int(h), gpu=from_gpu)
             if chunk is None:
                 break
             if not transport.addressable(chunk):
@@ -234,6 +236,7 @@ class PeerServer:
         elapsed = time.perf_counter() - t0 - (queued or 0.0)
         self.stats["pulls_served"] += 1
         self.stats["chunks_served"] += len(pins)
+        self.stats["chunks_served_from_gpu_tier"] += sum(c.location == GPU for c in pins)
         self.stats["bytes_served"] += nbytes
         logger.debug(
             "%s: served %d chunk(s), %.1f MiB over %s%s in %.2f ms (%.2f GB/s)",

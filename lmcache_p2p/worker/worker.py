@@ -53,7 +53,7 @@ def build_engine(
     config.validate()
     config.validate_for_tp(layout.tp_size)
     config.validate_for_block_size(layout.block_size)
-    storage = StorageManager(config, layout, pin_memory=pin_memory)
+    storage = StorageManager(config, layout, pin_memory=pin_memory, device=device)
     # The engine measures its prefill rate into this; the worker's pull policy reads it.
     device_class = "cuda" if device is not None and getattr(device, "type", None) == "cuda" else "cpu"
     counters = EngineCounters(
@@ -230,6 +230,7 @@ class Worker:
                     self.config.nixl_buffer_device,
                     self.config.nixl_buffer_size,
                     self.device,
+                    gpu_tier=self.storage.gpu,
                 )
             except TransferError as e:
                 if self.config.nixl_buffer_device == "cuda":  # the fast path was asked for by name

@@ -1,0 +1,42 @@
+"""LocalGPUBackend: a copy of the hottest chunks in VRAM, beside the engine's own KV cache.
+
+Why: a chunk in pinned host memory reaches vLLM's blocks over PCIe (~55 GB/s on an H200) and a
+peer's GPU only through PCIe twice; a chunk in VRAM is loaded into the blocks device to device
+and served to a peer on the same host over cuda_ipc or NVLink (BENCHMARKS.md, issue 21). The
+price is VRAM that vLLM's KV cache does not get, so the tier is off by default (``local_gpu``)
+and small when on (``max_local_gpu_size``, GB).
+
+It is a cache over the CPU tier, never instead of it: a stored chunk is written to both (one
+gather), a chunk the CPU tier evicts or drops leaves this tier too, and this tier evicts on its
+own (LRU) without telling the controller, whose index knows the CPU and disk tiers only. The
+one moment a chunk is here alone is a pull that landed in VRAM: it is loadable at once and
+joins the CPU tier when its write-back (copy to host, checksum check) is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lmcache_p2p.keys import ChunkKey, payload_checksum
+from lmcache_p2p.storage.cpu_tier import CpuTier, _Entry
+from lmcache_p2p.storage.memory import PagePool
+
+
+class GpuTier(CpuTier):
+    """Chunks in a VRAM :class:`PagePool`, LRU, pinned like the CPU tier's. ``checksum_of``
+    gives a chunk's checksum from the CPU tier (pages here are never hashed on the host)."""
+
+    location = "LocalGPUBackend"
+
+    def __init__(self, pool: PagePool, checksum_of: Callable[[ChunkKey], int | None]):
+        super().__init__(pool)
+        self._checksum_source = checksum_of
+
+    def _checksum_of(self, key: ChunkKey, entry: _Entry, data: torch.Tensor) -> int:
+        if entry.checksum is None:
+            checksum = self._checksum_source(key)
+            # Not in the CPU tier (a write-back in flight, or dropped there): hash a host copy.
+            entry.checksum = checksum if checksum is not None else payload_checksum(data.cpu().numpy())
+        return entry.checksum

@@ -1,0 +1,242 @@
+"""The GPU tier (``local_gpu``): a VRAM copy of the hottest chunks, loaded device to device and
+served to same-host peers over cuda_ipc; pulls land in it and are written back to the CPU tier.
+
+Tests marked ``gpu`` run two stand-in engine processes whose KV lives on the GPU (real
+controller, real NIXL over cuda_ipc, our kernels), on the H200 device. The others run the tier's
+logic everywhere, with its pages in host memory (StorageManager's ``device`` set to the CPU)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+import torch
+from instances import InstanceProcess, instance_config, tokens
+from protocol_client import ControllerProcess, wait_for
+
+from lmcache_p2p.config import GB, ConfigError, LMCacheConfig
+from lmcache_p2p.keys import chunk_hash_array, payload_checksum
+from lmcache_p2p.protocol import ChannelHello
+from lmcache_p2p.storage import CPU, GPU
+from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
+from lmcache_p2p.transfer.base import TransferError, check_hello_bounds
+from lmcache_p2p.worker import build_engine
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (runs on the H200 device)")
+CHUNK = 32
+SHAPE = MODEL_SHAPES["qwen2.5-0.5b"]
+PAGE = CHUNK * 24 * 2 * 2 * 64 * 2  # 24 layers x K,V x 2 heads x 64 x bf16 per token
+
+
+# -- everywhere: the tier's logic with its pages in host memory ------------------------------------
+
+
+def engine_with_gpu_tier(gpu_pages: int, cpu_pages: int = 32, blocks: int = 64):
+    config = LMCacheConfig.from_dict(
+        {
+            "chunk_size": CHUNK,
+            "local_gpu": True,
+            "max_local_gpu_size": (gpu_pages * PAGE + 1) / GB,
+            "max_local_cpu_size": (cpu_pages * PAGE + 1) / GB,
+        }
+    )
+    kv = StandInKV(SHAPE, blocks)
+    engine = build_engine(config, kv.layout(), pin_memory=False, device=torch.device("cpu"))
+    return engine, kv
+
+
+def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(caplog):
+    engine, kv = engine_with_gpu_tier(gpu_pages=8)
+    try:
+        prompt = chunk_hash_array(tokens(4 * CHUNK, seed=1), CHUNK)
+        blocks = list(range(len(kv.layers[0])))
+        kv.prefill(prompt, blocks, CHUNK)
+        assert engine.store(prompt, kv.layers, blocks) == 4 * CHUNK
+        storage = engine.storage
+        assert storage.stats()["gpu"]["chunks"] == 4 and len(storage.cpu) == 4
+        for h in prompt.tolist():
+            with storage.pin(h, gpu=True) as from_gpu, storage.pin(h) as from_cpu:
+                assert from_gpu.data.data_ptr() != from_cpu.data.data_ptr()  # the GPU tier's own page
+                assert torch.equal(from_gpu.data, from_cpu.data)
+                assert from_gpu.checksum == from_cpu.checksum
+        kv.wipe()
+        with caplog.at_level("INFO", logger="lmcache_p2p.cache_engine"):
+            assert engine.retrieve(prompt, kv.layers, blocks) == 4 * CHUNK
+        assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
+        assert "(4 of 4 chunks from the GPU tier)" in caplog.text
+    finally:
+        engine.close()
+
+
+def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses():
+    engine, kv = engine_with_gpu_tier(gpu_pages=3, cpu_pages=6)
+    events = []
+    engine.storage.subscribe(lambda e: events.append((e.kind, e.location)))
+    try:
+        prompt = chunk_hash_array(tokens(5 * CHUNK, seed=2), CHUNK)
+        hashes = prompt.tolist()
+        blocks = list(range(len(kv.layers[0])))
+        kv.prefill(prompt, blocks, CHUNK)
+        storage = engine.storage
+        engine.store(prompt[:3], kv.layers, blocks)
+        engine.store(prompt, kv.layers, blocks)  # chunks 3 and 4 are new
+        gpu_stats = storage.stats()["gpu"]
+        # Three pages: the two new chunks took the least recently used ones, and nobody was told.
+        assert gpu_stats["chunks"] == 3 and gpu_stats["evictions"] == 2
+        assert all(loc == CPU for _, loc in events) and len(events) == 5
+        assert [storage.gpu.contains(storage.key(h)) for h in hashes] == [False, False, True, True, True]
+        # A chunk the CPU tier drops leaves the GPU tier too: the GPU tier is a copy, never the only one.
+        storage.remove(hashes[4])
+        assert not storage.gpu.contains(storage.key(hashes[4])) and storage.location_of(hashes[4]) is None
+        # Loads still get every held chunk, from whichever tier has it.
+        kv.wipe()
+        assert engine.retrieve(prompt[:4], kv.layers, blocks) == 4 * CHUNK
+        assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
+        storage.clear()
+        assert len(storage.gpu) == 0 and storage.stats()["gpu"]["free_pages"] == 3
+    finally:
+        engine.close()
+
+
+def test_a_pull_landed_in_the_gpu_tier_is_loadable_at_once_and_written_back_checked():
+    engine, kv = engine_with_gpu_tier(gpu_pages=8)
+    storage = engine.storage
+    try:
+        good, bad = 777, 778
+        payloads = {h: kv.chunk_payload(h, CHUNK) for h in (good, bad)}
+        landed = []
+        for h in (good, bad):  # what a holder's NIXL write leaves in reserved pages
+            gpu_page, gpu_data = storage.reserve_gpu_page()
+            cpu_page, _ = storage.reserve_page()
+            gpu_data.copy_(payloads[h])
+            landed.append((h, gpu_page, cpu_page))
+        checksums = [payload_checksum(payloads[good].numpy()), 12345]  # the second is damaged in flight
+        storage.commit_landed([h for h, _, _ in landed], [g for _, g, _ in landed], [c for _, _, c in landed], checksums)
+        assert storage.location_of(good) in (GPU, CPU)  # loadable now, before the write-back
+        assert storage.flush(10)
+        assert storage.location_of(good) == CPU
+        with storage.pin(good) as chunk:
+            assert torch.equal(chunk.data, payloads[good])
+        assert storage.location_of(bad) is None  # dropped from both tiers
+        stats = storage.stats()
+        assert stats["gpu"]["write_back_mismatches"] == 1 and stats["gpu"]["pins_held"] == 0
+        assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"] - 1
+        assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"] - 1
+    finally:
+        engine.close()
+
+
+def test_gpu_tier_settings_name_the_key():
+    with pytest.raises(ConfigError, match="local_gpu.*needs local_cpu"):
+        LMCacheConfig.from_dict({"local_gpu": True, "local_cpu": False}).validate()
+    with pytest.raises(ConfigError, match="max_local_gpu_size"):
+        LMCacheConfig.from_dict({"max_local_gpu_size": -1}).validate()
+
+
+def test_a_hello_claiming_an_impossible_gpu_tier_is_refused():
+    hello = ChannelHello(
+        instance_id="x", rank=0, fingerprint=1, channel="nixl", session="s", page_bytes=2**20, num_pages=4
+    )
+    hello.gpu_tier_pages = 2**23
+    with pytest.raises(TransferError, match="gpu_tier_pages=8388608"):
+        check_hello_bounds(hello)
+
+
+def test_without_a_gpu_the_tier_is_off_and_says_so(caplog):
+    config = LMCacheConfig.from_dict({"chunk_size": CHUNK, "local_gpu": True, "max_local_cpu_size": 0.01})
+    with caplog.at_level("WARNING"):
+        engine = build_engine(config, StandInKV(SHAPE, 8).layout(), pin_memory=False)
+    try:
+        assert engine.storage.gpu is None and "gpu" not in engine.storage.stats()
+        assert "local_gpu is on but the engine's KV is not on a GPU; the GPU tier is off" in caplog.text
+    finally:
+        engine.close()
+
+
+# -- on the GPU ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def controller():
+    proc = ControllerProcess().start()
+    yield proc
+    proc.stop()
+
+
+def on_gpu(spawn, controller, instance_id: str, gpu_pages: int = 64, **extra) -> InstanceProcess:
+    """A nixl instance whose KV lives on the GPU, with a GPU tier of ``gpu_pages`` chunk pages."""
+    config = instance_config(
+        instance_id,
+        controller,
+        "nixl",
+        chunk_size=CHUNK,
+        local_gpu=True,
+        max_local_gpu_size=(gpu_pages * PAGE + 1) / GB,
+        **extra,
+    )
+    return spawn(config, num_blocks=256, device="cuda", model="qwen2.5-0.5b")
+
+
+def holders_ready(controller, proc: InstanceProcess, prompt, tokens_held: int) -> None:
+    wait_for(
+        lambda: controller.holders(prompt).get(proc.config["lmcache_instance_id"]) == [CPU, tokens_held],
+        what=f"{proc.config['lmcache_instance_id']}'s keys",
+        timeout=30,
+    )
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_pull_from_gpu_tier_to_gpu_tier_is_bit_exact_and_written_back(controller, spawn):
+    a, b = (on_gpu(spawn, controller, f"lmcache_instance_{i}") for i in (1, 2))
+    prompt = tokens(16 * CHUNK, seed=5)
+    assert a.prefill(prompt) == 16 * CHUNK
+    holders_ready(controller, a, prompt, 16 * CHUNK)
+    assert b.lookup(prompt) == 16 * CHUNK
+    got = b.retrieve(prompt)  # wipes B's GPU KV, scatters the pulled pages back, compares
+    assert got["retrieved"] == 16 * CHUNK and got["exact"], got
+    assert "16 chunk(s) landed in the GPU tier" in b.log()
+    assert "(16 of 16 chunks from the GPU tier)" in b.log()
+    assert a.status()["p2p_server"]["chunks_served_from_gpu_tier"] == 16
+    # Written back behind the pull: B's CPU tier has them, checked, and the controller knows.
+    holders_ready(controller, b, prompt, 16 * CHUNK)
+    storage = b.status()["storage"]
+    assert storage["gpu"]["write_back_mismatches"] == 0 and storage["gpu"]["pins_held"] == 0
+    assert storage["cpu"]["chunks"] == 16
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_holder_whose_gpu_tier_evicted_serves_from_host_memory(controller, spawn):
+    a = on_gpu(spawn, controller, "lmcache_instance_1", gpu_pages=4)
+    b = on_gpu(spawn, controller, "lmcache_instance_2")
+    prompt = tokens(12 * CHUNK, seed=6)
+    a.prefill(prompt)
+    holders_ready(controller, a, prompt, 12 * CHUNK)
+    assert a.status()["storage"]["gpu"]["evictions"] == 8
+    assert b.lookup(prompt) == 12 * CHUNK
+    assert b.retrieve(prompt)["exact"]
+    assert a.status()["p2p_server"]["chunks_served_from_gpu_tier"] == 4  # the rest went through send slots
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_holder_dying_mid_pull_leaves_no_corrupt_chunk_and_no_held_page(controller, spawn):
+    a, b = (on_gpu(spawn, controller, f"lmcache_instance_{i}", gpu_pages=128) for i in (1, 2))
+    prompt = tokens(96 * CHUNK, seed=7)
+    a.prefill(prompt)
+    holders_ready(controller, a, prompt, 96 * CHUNK)
+    hit = {}
+    puller = threading.Thread(target=lambda: hit.__setitem__("tokens", b.lookup(prompt)))
+    puller.start()
+    wait_for(lambda: "Retrieved" in b.log() or a.status()["p2p_server"]["pulls_served"] > 0, timeout=30)
+    a.proc.send_signal(signal.SIGKILL)
+    puller.join(120)
+    assert not puller.is_alive()
+    got = b.retrieve(prompt)  # whatever B holds now is exact, the rest a miss
+    assert got["exact"] and got["retrieved"] == hit["tokens"], (got, hit)
+    wait_for(lambda: b.status()["storage"]["gpu"]["pins_held"] == 0, what="B's GPU tier pins released", timeout=30)
+    gpu_stats = b.status()["storage"]["gpu"]
+    assert gpu_stats["free_pages"] + gpu_stats["chunks"] == gpu_stats["capacity_chunks"]  # no page lost
