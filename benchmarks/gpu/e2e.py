@@ -153,15 +153,12 @@ def summarize(name: str, answer: dict) -> dict:
 
 
 def cmd_peer(args) -> dict:
-    import httpx
     from instances import InstanceProcess
-    from protocol_client import wait_for
 
-    from lmcache_p2p.demo import P2P_LINE, ServedProcess
+    from lmcache_p2p.demo import ServedProcess
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    docs = documents(args.model, args.docs, args.doc_tokens)
     gpus = [g.strip() for g in args.gpus.split(",")]
     if len(gpus) != 2:
         raise SystemExit(f"--gpus takes two GPU indices (engine 1's, engine 2's), got {args.gpus!r}")
@@ -186,6 +183,8 @@ def cmd_peer(args) -> dict:
         engines = []
         for i in (1, 2):
             overrides: dict = {"max_local_cpu_size": args.cpu_gb}
+            if args.gpu_tier_gb:
+                overrides.update(local_gpu=True, max_local_gpu_size=args.gpu_tier_gb)
             if args.channel:
                 overrides["transfer_channel"] = args.channel
             if args.pull_policy:
@@ -215,6 +214,7 @@ def cmd_peer(args) -> dict:
             "inflight": args.inflight,
             "gpus": gpus,
             "gpu_util": args.gpu_util,
+            "gpu_tier_gb": args.gpu_tier_gb,
             "channel": args.channel or "as in the YAMLs",
             "pull_policy": args.pull_policy or "auto",
         }
@@ -227,78 +227,104 @@ def cmd_peer(args) -> dict:
                 output_len=4,
                 inflight=1,
             )
-        texts = {}
-        for i, engine in enumerate(engines, start=1):
-            if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
-                want = args.docs * (args.doc_tokens // 256)
-                wait_for(
-                    lambda want=want: (
-                        httpx.get("http://localhost:9000/controller/key-stats", timeout=5)
-                        .json()["instances"]
-                        .get("lmcache_instance_1", {})
-                        .get("LocalCPUBackend", 0)
-                        >= want
-                    ),
-                    timeout=60,
-                    what="engine 1's chunks at the controller",
-                )
-            for name in ("warmup", "query"):
-                answer = engine.request(
-                    "round",
-                    timeout=900,
-                    name=f"e{i}{name}",
-                    prompts=docs,
-                    output_len=args.output_len,
-                    inflight=args.inflight,
-                )
-                out[f"engine{i}_{name}"] = summarize(f"engine {i} {name}", answer)
-                texts[(i, name)] = [x["token_ids"] for x in answer["results"]]
-        log2 = engines[1].log()
-        pulls = [
-            {k: v if k in ("peer", "channel") else float(v) for k, v in m.groupdict().items()}
-            for m in P2P_LINE.finditer(log2)
+        # Each repeat: new documents, engine 1 cold then from its own cache, engine 2 from engine 1.
+        waves = [
+            _peer_wave(args, engines, documents(args.model, args.docs, args.doc_tokens, first_seed=1000 * r), r)
+            for r in range(args.repeats)
         ]
-        loads = [
-            dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4])) for m in LOAD_LINE.findall(log2)
-        ]
-        out["engine2_pulls"] = {
-            "count": len(pulls),
-            "tokens": int(sum(p["tokens"] for p in pulls)),
-            "checksum_mismatches": log2.count("checksum mismatch"),
-            "gb": round(sum(p["gb"] for p in pulls), 3),
-            "median_GB/s": statistics.median(p["gbps"] for p in pulls) if pulls else None,
-            "min_GB/s": min((p["gbps"] for p in pulls), default=None),
-            "max_GB/s": max((p["gbps"] for p in pulls), default=None),
-            "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
-            "channels": sorted({p["channel"] for p in pulls}),
-        }
-        phases = [{k: float(v) for k, v in m.groupdict().items()} for m in PULL_PHASES.finditer(log2)]
-        out["engine2_pull_phases_median_ms"] = (
-            {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else None
-        )
-        out["engine2_loads"] = {
-            "count": len(loads),
-            "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None,
-            "median_ms": statistics.median(p["ms"] for p in loads) if loads else None,
-        }
-        e1, e2 = out["engine1_warmup"], out["engine2_warmup"]
-        out["ttft_ratio"] = round(e2["mean_ttft_s"] / e1["mean_ttft_s"], 4)
-        out["round_ratio"] = round(e2["round_s"] / e1["round_s"], 4)
-        # Greedy outputs: engine 2 (KV from the peer) against engine 1 (cold); engine 1's own
-        # query round (vLLM's prefix cache) shows how far numerics alone move them.
-        cold = texts[(1, "warmup")]
-        out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(2, "warmup")], strict=True))
-        out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(1, "query")], strict=True))
-        # (one result per prompt, in order; ignore_eos makes every output output_len tokens long)
-        for key, other in (("peer", texts[(2, "warmup")]), ("own_cache", texts[(1, "query")])):
-            out[f"greedy_leading_tokens_equal_{key}_vs_cold"] = [
-                next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-                for a, b in zip(cold, other, strict=True)
-            ]
+        out.update(waves[0])
+        if args.repeats > 1:
+            out["repeats"] = waves
+            for key in ("ttft_ratio", "round_ratio"):
+                values = [w[key] for w in waves]
+                out[f"{key}_spread"] = {"min": min(values), "median": statistics.median(values), "max": max(values)}
         return out
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
+    """One measurement: engine 1's warmup (cold) and query (its own cache) rounds, then engine
+    2's (from engine 1), over ``docs``; what engine 2's log says about this wave's pulls and loads."""
+    import httpx
+    from protocol_client import wait_for
+
+    from lmcache_p2p.demo import P2P_LINE
+
+    out: dict = {"repeat": repeat}
+    log_from = len(engines[1].log())
+    indexed_before = _indexed_chunks(httpx)
+    texts = {}
+    for i, engine in enumerate(engines, start=1):
+        if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
+            want = indexed_before + args.docs * (args.doc_tokens // 256)
+            wait_for(
+                lambda want=want: _indexed_chunks(httpx) >= want,
+                timeout=60,
+                what="engine 1's chunks at the controller",
+            )
+        for name in ("warmup", "query"):
+            answer = engine.request(
+                "round",
+                timeout=900,
+                name=f"e{i}{name}",
+                prompts=docs,
+                output_len=args.output_len,
+                inflight=args.inflight,
+            )
+            out[f"engine{i}_{name}"] = summarize(f"engine {i} {name}", answer)
+            texts[(i, name)] = [x["token_ids"] for x in answer["results"]]
+    log2 = engines[1].log()[log_from:]
+    pulls = [
+        {k: v if k in ("peer", "channel") else float(v) for k, v in m.groupdict().items()}
+        for m in P2P_LINE.finditer(log2)
+    ]
+    loads = [dict(tokens=int(m[0]), gb=float(m[2]), ms=float(m[3]), gbps=float(m[4])) for m in LOAD_LINE.findall(log2)]
+    out["engine2_pulls"] = {
+        "count": len(pulls),
+        "tokens": int(sum(p["tokens"] for p in pulls)),
+        "checksum_mismatches": log2.count("checksum mismatch"),
+        "gb": round(sum(p["gb"] for p in pulls), 3),
+        "median_GB/s": statistics.median(p["gbps"] for p in pulls) if pulls else None,
+        "min_GB/s": min((p["gbps"] for p in pulls), default=None),
+        "max_GB/s": max((p["gbps"] for p in pulls), default=None),
+        "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
+        "channels": sorted({p["channel"] for p in pulls}),
+    }
+    phases = [{k: float(v) for k, v in m.groupdict().items()} for m in PULL_PHASES.finditer(log2)]
+    out["engine2_pull_phases_median_ms"] = (
+        {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else None
+    )
+    out["engine2_loads"] = {
+        "count": len(loads),
+        "median_GB/s": statistics.median(p["gbps"] for p in loads) if loads else None,
+        "median_ms": statistics.median(p["ms"] for p in loads) if loads else None,
+    }
+    e1, e2 = out["engine1_warmup"], out["engine2_warmup"]
+    out["ttft_ratio"] = round(e2["mean_ttft_s"] / e1["mean_ttft_s"], 4)
+    out["round_ratio"] = round(e2["round_s"] / e1["round_s"], 4)
+    # Greedy outputs: engine 2 (KV from the peer) against engine 1 (cold); engine 1's own
+    # query round (vLLM's prefix cache) shows how far numerics alone move them.
+    cold = texts[(1, "warmup")]
+    out["greedy_equal_peer_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(2, "warmup")], strict=True))
+    out["greedy_equal_own_cache_vs_cold"] = sum(a == b for a, b in zip(cold, texts[(1, "query")], strict=True))
+    # (one result per prompt, in order; ignore_eos makes every output output_len tokens long)
+    for key, other in (("peer", texts[(2, "warmup")]), ("own_cache", texts[(1, "query")])):
+        out[f"greedy_leading_tokens_equal_{key}_vs_cold"] = [
+            next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+            for a, b in zip(cold, other, strict=True)
+        ]
+    gpu_landed = [int(m[1]) for m in re.finditer(r"; (\d+) chunk\(s\) landed in the GPU tier", log2)]
+    from_gpu_tier = [int(m[1]) for m in re.finditer(r"\((\d+) of \d+ chunks from the GPU tier\)", log2)]
+    out["engine2_gpu_tier"] = {"chunks_landed": sum(gpu_landed), "chunks_loaded": sum(from_gpu_tier)}
+    return out
+
+
+def _indexed_chunks(httpx) -> int:
+    """Engine 1's chunks in the controller's index."""
+    stats = httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()
+    return stats["instances"].get("lmcache_instance_1", {}).get("LocalCPUBackend", 0)
 
 
 def yaml_config(path: Path, **overrides) -> dict:
@@ -450,6 +476,8 @@ def main() -> None:
     p.add_argument("--cpu-smoke", action="store_true", help="vLLM's CPU build and the tiny model: checks the script")
     p.add_argument("--channel", choices=["nixl", "tcp"], help="override the YAMLs' transfer_channel")
     p.add_argument("--pull-policy", choices=["auto", "always"], help="override p2p_pull_policy (default auto)")
+    p.add_argument("--gpu-tier-gb", type=float, default=0, help="local_gpu with this max_local_gpu_size (0: off)")
+    p.add_argument("--repeats", type=int, default=1, help="measurements with new documents on the same engines")
     p = sub.add_parser("engine")
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-util", type=float, default=0.4)
