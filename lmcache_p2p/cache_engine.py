@@ -27,7 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -265,6 +265,35 @@ class CacheEngine:
             chunks.append(chunk)
         return PinnedPrefix(chunks, self.chunk_size)
 
+    def plan_load(
+        self,
+        prefix: PinnedPrefix,
+        block_ids: Sequence[int],
+        start: int = 0,
+        end: int | None = None,
+        total_tokens: int | None = None,
+    ) -> LoadPlan:
+        """What loading the pinned chunks covering tokens ``[start, end)`` into ``block_ids`` (the
+        request's blocks from token 0) copies. Blocks before ``start`` are left alone: the engine
+        computed them already."""
+        end = prefix.num_tokens if end is None else min(end, prefix.num_tokens)
+        block_size = self.layout.block_size
+        start -= start % block_size
+        plan = LoadPlan(start=start, loaded_to=start, total_tokens=total_tokens if total_tokens is not None else end)
+        for index in range(start // self.chunk_size, -(-end // self.chunk_size)):
+            chunk_start = index * self.chunk_size
+            blocks = self._blocks(block_ids, chunk_start)
+            if blocks is None:
+                break
+            skip = (max(start, chunk_start) - chunk_start) // block_size
+            plan.pages.append(prefix.chunks[index].data)
+            plan.from_gpu += prefix.chunks[index].location == GPU
+            plan.chunk_blocks.append(blocks)
+            plan.skips.append(skip)
+            plan.nbytes += self.storage.page_bytes * (len(blocks) - skip) // len(blocks)
+            plan.loaded_to = min(chunk_start + self.chunk_size, end)
+        return plan
+
     def load(
         self,
         prefix: PinnedPrefix,
@@ -274,41 +303,31 @@ class CacheEngine:
         end: int | None = None,
         total_tokens: int | None = None,
     ) -> int:
-        """Scatter the pinned chunks covering tokens ``[start, end)`` into ``block_ids`` (the
-        request's blocks from token 0). Blocks before ``start`` are left alone: the engine computed
-        them already. Returns the end of what was loaded (``start`` when nothing was)."""
-        end = prefix.num_tokens if end is None else min(end, prefix.num_tokens)
-        block_size = self.layout.block_size
-        start -= start % block_size
+        """Scatter the pinned chunks covering tokens ``[start, end)`` into ``block_ids`` (every
+        layer, one batch, done when this returns). Returns the end of what was loaded (``start``
+        when nothing was)."""
         t0 = time.perf_counter()
-        pages, chunk_blocks, skips = [], [], []
-        loaded_to, nbytes, from_gpu = start, 0, 0
-        for index in range(start // self.chunk_size, -(-end // self.chunk_size)):
-            chunk_start = index * self.chunk_size
-            blocks = self._blocks(block_ids, chunk_start)
-            if blocks is None:
-                break
-            skip = (max(start, chunk_start) - chunk_start) // block_size
-            pages.append(prefix.chunks[index].data)
-            from_gpu += prefix.chunks[index].location == GPU
-            chunk_blocks.append(blocks)
-            skips.append(skip)
-            nbytes += self.storage.page_bytes * (len(blocks) - skip) // len(blocks)
-            loaded_to = min(chunk_start + self.chunk_size, end)
-        gpu_ops.scatter_chunks(pages, layers, chunk_blocks, skips)  # one batch; returns when complete
-        elapsed = time.perf_counter() - t0
-        self.counters.retrieved_tokens += loaded_to - start
+        plan = self.plan_load(prefix, block_ids, start, end, total_tokens)
+        gpu_ops.scatter_chunks(plan.pages, layers, plan.chunk_blocks, plan.skips)
+        self.loaded(plan, time.perf_counter() - t0)
+        return plan.loaded_to
+
+    def loaded(self, plan: LoadPlan, seconds: float, how: str = "") -> None:
+        """Count and log a finished load (the seed's line, with where its chunks came from)."""
+        self.counters.retrieved_tokens += plan.loaded_to - plan.start
         self.counters.retrieves += 1
+        notes = [how] if how else []
+        if plan.from_gpu:
+            notes.append(f"{plan.from_gpu} of {len(plan.pages)} chunks from the GPU tier")
         logger.info(
             "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s%s",
-            loaded_to - start,
-            total_tokens if total_tokens is not None else end,
-            nbytes / 1e9,
-            elapsed * 1e3,
-            nbytes / 1e9 / max(elapsed, 1e-9),
-            f" ({from_gpu} of {len(pages)} chunks from the GPU tier)" if from_gpu else "",
+            plan.loaded_to - plan.start,
+            plan.total_tokens,
+            plan.nbytes / 1e9,
+            seconds * 1e3,
+            plan.nbytes / 1e9 / max(seconds, 1e-9),
+            f" ({'; '.join(notes)})" if notes else "",
         )
-        return loaded_to
 
     def retrieve(
         self,
@@ -365,6 +384,21 @@ class CacheEngine:
             self.peers.close()
             self.peers = None
         self.storage.close()
+
+
+@dataclass
+class LoadPlan:
+    """One load: each chunk's page, the blocks it goes to and how many of them the engine computed
+    already (``skips``), and the tokens ``[start, loaded_to)`` it covers."""
+
+    start: int
+    loaded_to: int
+    total_tokens: int  # the prompt's length, for the log
+    pages: list[torch.Tensor] = field(default_factory=list)
+    chunk_blocks: list[list[int]] = field(default_factory=list)
+    skips: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    from_gpu: int = 0  # chunks whose page is the GPU tier's (copied device to device)
 
 
 class _ReservedChunk(NamedTuple):

@@ -262,6 +262,11 @@ class LMCacheConfig:
     local_disk: str | None = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
     max_local_disk_size: float = _key(_to_float, 0.0, "disk tier size cap in GB")
     enable_async_loading: bool = _key(_to_bool, False, "peer lookups do not block the scheduler")
+    use_layerwise: bool = _key(
+        _to_bool,
+        False,
+        "load hits layer by layer during the forward pass (on a GPU, layer i+1's copy beside layer i's compute)",
+    )
     # Remote tier (issue 20): a store shared by every instance, below CPU and disk
     remote_url: str | None = _key(
         _optional(_to_remote_url),
@@ -736,7 +741,6 @@ _IGNORED_LMCACHE_KEYS = frozenset(
         "local_cpu_use_hugepages",
         "reserve_local_cpu_size",
         "local_disk_path_sharding",
-        "use_layerwise",
         "save_decode_cache",
         "pre_caching_hash_algorithm",
         "blend_thresholds",

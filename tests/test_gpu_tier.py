@@ -113,7 +113,8 @@ def test_a_pull_landed_in_the_gpu_tier_is_loadable_at_once_and_written_back_chec
             gpu_data.copy_(payloads[h])
             landed.append((h, gpu_page, cpu_page))
         checksums = [payload_checksum(payloads[good].numpy()), 12345]  # the second is damaged in flight
-        storage.commit_landed([h for h, _, _ in landed], [g for _, g, _ in landed], [c for _, _, c in landed], checksums)
+        hashes, gpu_pages, cpu_pages = (list(x) for x in zip(*landed, strict=True))
+        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
         assert storage.location_of(good) in (GPU, CPU)  # loadable now, before the write-back
         assert storage.flush(10)
         assert storage.location_of(good) == CPU

@@ -99,10 +99,15 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
             self._worker_side.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
+        """With use_layerwise, until ``layer_name``'s loads are in its blocks (on a GPU: for the
+        forward pass's stream); otherwise start_load_kv loaded every layer already."""
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # wait_for_save stores whole chunks across all layers in one pass
+        # wait_for_save gathers whole chunks across all layers in one launch, on a copy stream
+        # beside the next forward pass: already off the critical path, so no per-layer save.
+        return
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():

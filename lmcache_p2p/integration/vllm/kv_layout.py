@@ -49,6 +49,18 @@ def block_planes(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list
     return planes
 
 
+def planes_by_layer(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> dict[str, range]:
+    """Each layer's block planes as indices into :func:`block_planes`'s list (one plane, or
+    two where K and V are stored apart), in the same order."""
+    out: dict[str, range] = {}
+    first = 0
+    for name, tensor in kv_caches.items():
+        count = 1 if tensor.shape[0] == num_blocks else int(tensor.shape[0])
+        out[name] = range(first, first + count)
+        first += count
+    return out
+
+
 def fingerprint(
     planes: list[torch.Tensor], model: str, block_size: int, tp_size: int, tp_rank: int
 ) -> LayoutFingerprint:

@@ -11,6 +11,10 @@ Chunks a lookup promised are pinned until the load (or the request's end), so an
 between cannot turn a promised hit into garbage; should a load still come up short, the blocks it
 did not fill are reported to vLLM, which recomputes them.
 
+With ``use_layerwise`` a step's loads go layer by layer instead (lmcache_p2p.layerwise): planned
+and pinned in ``start_load_kv``, each layer's copy waited for in ``wait_for_layer_load``, and the
+pins released once the copies are done (on a GPU, after the forward pass that overlapped them).
+
 It also times the forward passes that prefill (:class:`_StepClock`): the engine's prefill rate,
 which the rank's pull policy weighs a peer pull against.
 """
@@ -28,12 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcache_p2p.cache_engine import CacheEngine, PinnedPrefix
+from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
 from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, LookupServer, engine_socket_path
-from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
+from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
+from lmcache_p2p.layerwise import LayerwiseLoad
 from lmcache_p2p.protocol import unpack_hashes
 from lmcache_p2p.worker import build_engine
 
@@ -51,6 +56,16 @@ _live_lock = threading.Lock()
 def live_engines() -> dict[tuple[str, int], CacheEngine]:
     with _live_lock:
         return dict(_live_engines)
+
+
+@dataclass
+class _StepLoad:
+    """A step's layer-wise load, its requests and their pins (released once its copies are done)."""
+
+    load: LayerwiseLoad
+    specs: list[LoadSpec]
+    prefixes: list[PinnedPrefix]
+    failed: bool = False
 
 
 @dataclass
@@ -116,6 +131,9 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.engine: CacheEngine | None = None
         self.planes: list[torch.Tensor] = []
+        self.layer_planes: dict[str, range] = {}  # each attention layer's planes (layer-wise loads)
+        self._step_load: _StepLoad | None = None  # this step's layer-wise load (use_layerwise)
+        self._loads_in_flight: deque[_StepLoad] = deque()  # earlier steps', copies maybe running
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
@@ -150,6 +168,7 @@ class WorkerSide:
         first = next(iter(kv_caches.values()))
         num_blocks = getattr(self.kv_cache_config, "num_blocks", None) or int(first.shape[0])
         self.planes = kv_layout.block_planes(kv_caches, num_blocks)
+        self.layer_planes = kv_layout.planes_by_layer(kv_caches, num_blocks)
         block_size = int(self.vllm_config.cache_config.block_size)
         model = str(self.vllm_config.model_config.model)
         layout = kv_layout.fingerprint(self.planes, model, block_size, self.tp_size, self.tp_rank)
@@ -280,6 +299,7 @@ class WorkerSide:
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
         engine = self._engine
         engine.poll_stores()
+        self._poll_step_loads()
         if meta.fence_stores and self.planes and self.planes[0].is_cuda:
             engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
         for req_id in meta.released:
@@ -287,6 +307,7 @@ class WorkerSide:
             if state is not None:
                 self._release(state)
             self._release_segments(req_id)
+        layerwise: list[tuple[LoadSpec, PinnedPrefix, LoadPlan]] = []
         for spec in meta.loads:
             if spec.blend is not None:
                 self._load_blended(spec)
@@ -295,6 +316,10 @@ class WorkerSide:
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
+            if self.config.use_layerwise:
+                plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
+                layerwise.append((spec, prefix, plan))
+                continue
             try:
                 loaded_to = engine.load(
                     prefix, self.planes, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens
@@ -306,8 +331,72 @@ class WorkerSide:
                 prefix.release()
             if loaded_to < spec.end:
                 self._report_short_load(spec, loaded_to)
+        if layerwise:
+            self._start_layerwise(layerwise)
         if self._clock is not None:
             self._clock.start(meta)  # the forward pass starts now
+
+    # -- layer-wise loads ------------------------------------------------------------------------
+
+    def _start_layerwise(self, loads: list[tuple[LoadSpec, PinnedPrefix, LoadPlan]]) -> None:
+        """Queue (GPU) or plan (CPU) the step's loads layer by layer; what a plan does not cover
+        is reported short now, as a whole load would."""
+        engine = self._engine
+        specs, prefixes, plans = (list(x) for x in zip(*loads, strict=True))
+        try:
+            load = LayerwiseLoad(plans, self.planes, self.layer_planes, fence=engine.order_stores_before)
+        except Exception:
+            logger.exception("a layer-wise load of %d request(s) could not start", len(specs))
+            for spec, prefix in zip(specs, prefixes, strict=True):
+                prefix.release()
+                self._report_short_load(spec, spec.start)
+            return
+        self._step_load = _StepLoad(load, specs, prefixes)
+        for spec, plan in zip(specs, plans, strict=True):
+            if plan.loaded_to < spec.end:
+                self._report_short_load(spec, plan.loaded_to)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        step = self._step_load
+        if step is None or step.failed:
+            return
+        try:
+            step.load.wait(layer_name)
+        except Exception:  # the layer's blocks are not what was promised: vLLM recomputes them
+            logger.exception("layer-wise load of layer %s failed", layer_name)
+            step.failed = True
+
+    def _end_layerwise(self) -> None:
+        """After the forward pass: a load some layer did not wait for (or that failed) is reported
+        as failed, and vLLM recomputes its blocks; the pins wait for the copies to finish."""
+        step, self._step_load = self._step_load, None
+        if step is None:
+            return
+        skipped = step.load.not_waited()
+        if skipped or step.failed:
+            if skipped:
+                logger.error(
+                    "layer-wise load: %d layer(s) were not waited for (first %s); %d request(s) recompute",
+                    len(skipped),
+                    skipped[0],
+                    len(step.specs),
+                )
+            for spec in step.specs:
+                self._report_short_load(spec, spec.start)
+        self._loads_in_flight.append(step)
+        self._poll_step_loads()
+
+    def _poll_step_loads(self, wait: bool = False) -> None:
+        """Release the pins of layer-wise loads whose copies are done, and log them."""
+        while self._loads_in_flight and (wait or self._loads_in_flight[0].load.done()):
+            step = self._loads_in_flight.popleft()
+            if wait:
+                step.load.synchronize()
+            seconds = step.load.seconds
+            how = "layer by layer" + (f", one copy for {len(step.specs)} requests" if len(step.specs) > 1 else "")
+            for plan, prefix in zip(step.load.plans, step.prefixes, strict=True):
+                self._engine.loaded(plan, seconds, how)
+                prefix.release()
 
     def _load_blended(self, spec) -> None:
         with self._lock:
@@ -345,6 +434,7 @@ class WorkerSide:
         requests' blocks stay allocated until get_finished reports them done."""
         if self._clock is not None:
             self._clock.stop()  # the forward pass is over (on a GPU: queued)
+        self._end_layerwise()
         engine = self._engine
         engine.poll_stores()
         for segment_spec in meta.segment_stores:
@@ -367,6 +457,7 @@ class WorkerSide:
         their blocks now (the scheduler side delayed it)."""
         engine = self._engine
         engine.poll_stores()
+        self._poll_step_loads()
         self._finishing.update(r for r in finished_req_ids if r in self._saving)
         done = {r for r in self._finishing if not engine.stores_pending(r)}
         self._finishing -= done
@@ -387,6 +478,9 @@ class WorkerSide:
             self._release(state)
         for req_id in list(self._segment_pins):
             self._release_segments(req_id)
+        if self.engine is not None:
+            self._end_layerwise()
+            self._poll_step_loads(wait=True)
         self._clock = None
         if self.engine is not None:
             with _live_lock:

@@ -1,0 +1,117 @@
+"""Layer-wise loads (``use_layerwise``): a step's hits copied into vLLM's blocks layer by layer,
+each layer's just before that layer's attention reads it.
+
+vLLM calls the connector's ``wait_for_layer_load(layer)`` on entering every attention layer. On
+a GPU, every layer's copy is queued at the start of the step on a load stream of its own, and a
+wait only makes the forward pass's stream wait, on the device, for that layer's copy: layer i+1
+is copied while layer i computes, and the host never blocks. Elsewhere (CPU engines) a layer is
+copied when its wait comes: no overlap, the same order and the same bytes.
+
+A chunk page holds plane after plane (gpu_ops), so a layer's part of every page is one slice,
+and one launch per layer copies it for every request of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from lmcache_p2p import gpu_ops
+from lmcache_p2p.cache_engine import LoadPlan
+
+_load_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class LayerwiseLoad:
+    """One step's loads (``plans``) into ``planes`` (the engine's block planes), by layer:
+    ``layer_planes`` maps each attention layer's name to its planes. ``fence`` orders the load
+    stream after other work that may still read the blocks (stores in flight)."""
+
+    def __init__(
+        self,
+        plans: Sequence[LoadPlan],
+        planes: Sequence[torch.Tensor],
+        layer_planes: Mapping[str, range],
+        fence: Callable[[torch.cuda.Stream], None] | None = None,
+    ):
+        self.plans = list(plans)
+        self.planes = list(planes)
+        self.layer_planes = dict(layer_planes)
+        self._pages = [page for plan in self.plans for page in plan.pages]
+        self._blocks = [blocks for plan in self.plans for blocks in plan.chunk_blocks]
+        self._skips = [skip for plan in self.plans for skip in plan.skips]
+        self._plane_bytes = self._pages[0].numel() // len(self.planes) if self._pages else 0
+        self._waited: set[str] = set()
+        self._copies: dict[str, gpu_ops.PendingCopy | None] = {}
+        self._host_seconds = 0.0
+        self._started = time.perf_counter()
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        device = self.planes[0].device
+        if device.type == "cuda" and self._pages:
+            stream = _load_streams.get(device)
+            if stream is None:
+                stream = _load_streams[device] = torch.cuda.Stream(device)
+            # The blocks may still be read by work queued before this step (a finished request's
+            # last decode) and by store copies: the loads go after both.
+            stream.wait_stream(torch.cuda.current_stream(device))
+            if fence is not None:
+                fence(stream)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for name, layer in self.layer_planes.items():
+                self._copies[name] = self._copy(layer, stream)
+            end.record(stream)
+            self._events = (start, end)
+
+    def _copy(self, layer: range, stream: torch.cuda.Stream | None) -> gpu_ops.PendingCopy | None:
+        lo, hi = layer.start * self._plane_bytes, layer.stop * self._plane_bytes
+        pages = [page[lo:hi] for page in self._pages]
+        planes = self.planes[layer.start : layer.stop]
+        return gpu_ops.scatter_chunks_async(pages, planes, self._blocks, self._skips, stream)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._pages)
+
+    def wait(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention: its KV is in the blocks (on a GPU: for the work the
+        current stream runs from now on)."""
+        layer = self.layer_planes.get(layer_name)
+        if layer is None or layer_name in self._waited or not self._pages:
+            return
+        self._waited.add(layer_name)
+        if self._events is not None:
+            copy = self._copies.get(layer_name)
+            if copy is not None:
+                copy.order_before(torch.cuda.current_stream(self.planes[0].device))
+            return
+        t0 = time.perf_counter()
+        self._copy(layer, None)
+        self._host_seconds += time.perf_counter() - t0
+
+    def not_waited(self) -> list[str]:
+        """Layers whose attention ran without waiting for their load (none, when vLLM called
+        ``wait_for_layer_load`` for every layer): their blocks were not complete when read."""
+        if not self._pages:
+            return []
+        return [name for name in self.layer_planes if name not in self._waited]
+
+    def done(self) -> bool:
+        """Every copy finished (the pins may go)."""
+        return self._events is None or self._events[1].query()
+
+    def synchronize(self) -> None:
+        """Wait (on the host) until every copy has finished."""
+        if self._events is not None:
+            self._events[1].synchronize()
+
+    @property
+    def seconds(self) -> float:
+        """The copies' time: on a GPU from the first copy's start to the last one's end, on the
+        device (call once done); elsewhere the host's time in them."""
+        if self._events is None:
+            return self._host_seconds
+        start, end = self._events
+        return start.elapsed_time(end) / 1e3
