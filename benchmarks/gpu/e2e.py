@@ -375,6 +375,8 @@ def cmd_offload(args) -> dict:
         os.environ.update(
             {"LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": str(args.cpu_gb)}
         )
+        if args.layerwise:
+            os.environ["LMCACHE_USE_LAYERWISE"] = "True"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -400,6 +402,7 @@ def cmd_offload(args) -> dict:
         "tokens": args.tokens,
         "gpu_gb": args.gpu_gb,
         "store_ctas": LMCacheConfig.load().store_ctas if args.connector == "on" else None,
+        "use_layerwise": args.layerwise,
     }
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
@@ -488,6 +491,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--tokens", type=int, default=10_000)
     p.add_argument("--gpu-gb", type=float, default=24, help="GPU memory for the engine (the seed's 24 GB)")
+    p.add_argument("--layerwise", action="store_true", help="use_layerwise: loads overlap the forward pass")
     p.add_argument("--cpu-gb", type=float, default=30)
     p.add_argument(
         "--profile-dir",
