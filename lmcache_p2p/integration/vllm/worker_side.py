@@ -299,6 +299,8 @@ class WorkerSide:
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
         engine = self._engine
         engine.poll_stores()
+        if self._step_load is not None:  # the last step ended without wait_for_save: end its load now
+            self._end_layerwise()
         self._poll_step_loads()
         if meta.fence_stores and self.planes and self.planes[0].is_cuda:
             engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
