@@ -286,8 +286,13 @@ class CacheEngine:
             if blocks is None:
                 break
             skip = (max(start, chunk_start) - chunk_start) // block_size
-            plan.pages.append(prefix.chunks[index].data)
-            plan.from_gpu += prefix.chunks[index].location == GPU
+            chunk = prefix.chunks[index]
+            plan.pages.append(chunk.data)
+            if chunk.location == GPU:
+                plan.from_gpu += 1
+                check = self.storage.landing_check(chunk.key.chunk_hash)
+                if check is not None:  # landed from a peer, its checksum not checked yet
+                    plan.unchecked.append((chunk_start, chunk.key.chunk_hash, check))
             plan.chunk_blocks.append(blocks)
             plan.skips.append(skip)
             plan.nbytes += self.storage.page_bytes * (len(blocks) - skip) // len(blocks)
@@ -306,11 +311,29 @@ class CacheEngine:
         """Scatter the pinned chunks covering tokens ``[start, end)`` into ``block_ids`` (every
         layer, one batch, done when this returns). Returns the end of what was loaded (``start``
         when nothing was)."""
-        t0 = time.perf_counter()
         plan = self.plan_load(prefix, block_ids, start, end, total_tokens)
+        self.run_load(plan, layers)
+        return plan.loaded_to
+
+    def run_load(self, plan: LoadPlan, layers: Sequence[torch.Tensor]) -> None:
+        """Copy a planned load into ``layers`` (every layer, one batch, done when this returns)."""
+        t0 = time.perf_counter()
         gpu_ops.scatter_chunks(plan.pages, layers, plan.chunk_blocks, plan.skips)
         self.loaded(plan, time.perf_counter() - t0)
-        return plan.loaded_to
+
+    def first_bad_chunk(self, plan: LoadPlan, timeout: float) -> int | None:
+        """Where the first chunk of a load that landed in VRAM unchecked starts, if its
+        write-back found its checksum wrong or did not finish within ``timeout``; None when
+        every such chunk is good (or there were none)."""
+        deadline = time.monotonic() + timeout
+        for start, chunk_hash, check in plan.unchecked:
+            try:
+                bad = check.result(max(0.0, deadline - time.monotonic()))
+            except Exception:  # not finished in time, or the write-back failed: not known good
+                return start
+            if chunk_hash in bad:
+                return start
+        return None
 
     def loaded(self, plan: LoadPlan, seconds: float, how: str = "") -> None:
         """Count and log a finished load (the seed's line, with where its chunks came from)."""
@@ -399,6 +422,9 @@ class LoadPlan:
     skips: list[int] = field(default_factory=list)
     nbytes: int = 0
     from_gpu: int = 0  # chunks whose page is the GPU tier's (copied device to device)
+    # Of those, chunks a peer wrote there whose write-back is still checking them: (first token,
+    # hash, the write-back's future). The engine's output from them stands only once it says good.
+    unchecked: list[tuple[int, int, concurrent.futures.Future]] = field(default_factory=list)
 
 
 class _ReservedChunk(NamedTuple):

@@ -220,6 +220,46 @@ def scatter_chunks_async(
     return PendingCopy(event, keep)
 
 
+def scatter_layers_async(
+    pages: Sequence[torch.Tensor],
+    layers: Sequence[torch.Tensor],
+    groups: Sequence[range],
+    block_ids: Sequence[Sequence[int]],
+    first_blocks: Sequence[int] | None,
+    stream: torch.cuda.Stream,
+) -> list[PendingCopy] | None:
+    """A layer-wise load: one launch per group of layers (``groups``: index ranges of
+    ``layers``, in page order), queued on ``stream``, each with its copy to wait for. The batch
+    is checked once and its block ids and page addresses go to the device in one upload (a
+    group's pages are the slices at its offset), so the host time does not grow with the
+    layers. None where the kernels cannot do the batch: the caller copies group by group."""
+    batch = _Batch(layers, block_ids, pages, first_blocks)
+    if not pages:
+        return []
+    module = _kernels_for(batch)
+    if module is None:
+        return None
+    device = batch.layers[0].device
+    plane_bytes = batch.blocks_per_chunk * batch.block_bytes
+    ids = [b for chunk in batch.block_ids for b in chunk]
+    addresses = [p.data_ptr() for p in batch.pages]
+    rows = [ids + [a + g.start * plane_bytes for a in addresses] + batch.first_blocks for g in groups]
+    # Tables first, on the current stream: building one synchronises it, which must not stall
+    # the load stream behind copies already queued.
+    tables = [_layer_table(batch.layers[g.start : g.stop]) for g in groups]
+    host = torch.tensor(rows, dtype=torch.int64).pin_memory()
+    vector = _vector_bytes(batch)
+    copies = []
+    with torch.cuda.stream(stream):
+        meta = host.to(device, non_blocking=True)
+        for row, table in zip(meta, tables, strict=True):
+            module.copy_blocks(table, row, len(pages), batch.blocks_per_chunk, batch.block_bytes, vector, False, 0)
+            event = torch.cuda.Event()
+            event.record(stream)
+            copies.append(PendingCopy(event, (host, meta, table)))
+    return copies
+
+
 def gather_chunk(layers: Sequence[torch.Tensor], block_ids: Sequence[int], page: torch.Tensor) -> None:
     gather_chunks(layers, [block_ids], [page])
 

@@ -44,7 +44,7 @@ class LayerwiseLoad:
         self._skips = [skip for plan in self.plans for skip in plan.skips]
         self._plane_bytes = self._pages[0].numel() // len(self.planes) if self._pages else 0
         self._waited: set[str] = set()
-        self._copies: dict[str, gpu_ops.PendingCopy | None] = {}
+        self._copies: dict[str, gpu_ops.PendingCopy] = {}
         self._host_seconds = 0.0
         self._started = time.perf_counter()
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -60,16 +60,18 @@ class LayerwiseLoad:
                 fence(stream)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            for name, layer in self.layer_planes.items():
-                self._copies[name] = self._copy(layer, stream)
-            end.record(stream)
-            self._events = (start, end)
+            groups = list(self.layer_planes.values())
+            copies = gpu_ops.scatter_layers_async(self._pages, self.planes, groups, self._blocks, self._skips, stream)
+            if copies is not None:  # else (pages the kernels cannot reach) each layer is copied at its wait
+                self._copies = dict(zip(self.layer_planes, copies, strict=True))
+                end.record(stream)
+                self._events = (start, end)
 
-    def _copy(self, layer: range, stream: torch.cuda.Stream | None) -> gpu_ops.PendingCopy | None:
+    def _copy(self, layer: range) -> None:
+        """One layer's copy, now (no kernels here: a CPU engine, or pages in pageable memory)."""
         lo, hi = layer.start * self._plane_bytes, layer.stop * self._plane_bytes
         pages = [page[lo:hi] for page in self._pages]
-        planes = self.planes[layer.start : layer.stop]
-        return gpu_ops.scatter_chunks_async(pages, planes, self._blocks, self._skips, stream)
+        gpu_ops.scatter_chunks(pages, self.planes[layer.start : layer.stop], self._blocks, self._skips)
 
     @property
     def num_chunks(self) -> int:
@@ -88,7 +90,7 @@ class LayerwiseLoad:
                 copy.order_before(torch.cuda.current_stream(self.planes[0].device))
             return
         t0 = time.perf_counter()
-        self._copy(layer, None)
+        self._copy(layer)
         self._host_seconds += time.perf_counter() - t0
 
     def not_waited(self) -> list[str]:
@@ -101,6 +103,12 @@ class LayerwiseLoad:
     def done(self) -> bool:
         """Every copy finished (the pins may go)."""
         return self._events is None or self._events[1].query()
+
+    def order_before_current(self) -> None:
+        """Make what the current stream runs from now on wait (on the device) for every copy: for
+        the work after a forward pass that skipped a wait (a recompute, the blocks' next owner)."""
+        if self._events is not None:
+            torch.cuda.current_stream(self.planes[0].device).wait_event(self._events[1])
 
     def synchronize(self) -> None:
         """Wait (on the host) until every copy has finished."""
@@ -115,3 +123,11 @@ class LayerwiseLoad:
             return self._host_seconds
         start, end = self._events
         return start.elapsed_time(end) / 1e3
+
+
+def drain(device: torch.device) -> None:
+    """Wait until every copy queued on ``device``'s load stream is done (a load that failed to
+    start part-way: its pins may go only then)."""
+    stream = _load_streams.get(device)
+    if stream is not None:
+        stream.synchronize()

@@ -296,12 +296,13 @@ def test_unknown_env_key_is_an_error_too():
 
 def test_original_lmcache_keys_we_do_not_implement_warn_once_and_load(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(config_mod, "_warned_ignored", set())
-    path = write(tmp_path, "chunk_size: 256\nuse_layerwise: false\nsave_unfull_chunk: false\n")
+    path = write(tmp_path, "chunk_size: 256\nsave_decode_cache: false\nsave_unfull_chunk: false\nuse_layerwise: true\n")
     with caplog.at_level(logging.WARNING):
         cfg = load({"LMCACHE_CONFIG_FILE": path})
         load({"LMCACHE_CONFIG_FILE": path})
     assert cfg.chunk_size == 256
-    assert caplog.text.count("use_layerwise") == 1 and "does not implement" in caplog.text
+    assert caplog.text.count("save_decode_cache") == 1 and "does not implement" in caplog.text
+    assert cfg.use_layerwise and "use_layerwise" not in caplog.text  # implemented (issue 21)
 
 
 def test_missing_or_malformed_file(tmp_path):

@@ -129,6 +129,74 @@ def test_a_pull_landed_in_the_gpu_tier_is_loadable_at_once_and_written_back_chec
         engine.close()
 
 
+def land(storage, kv, chunk_hash: int, checksum: int | None = None) -> tuple[int, int, int, int]:
+    """What a holder's NIXL write leaves: the chunk's bytes in a reserved GPU tier page, a CPU page
+    reserved for its write-back; (hash, GPU page, CPU page, the checksum the holder sent)."""
+    gpu_page, gpu_data = storage.reserve_gpu_page()
+    cpu_page, _ = storage.reserve_page()
+    payload = kv.chunk_payload(chunk_hash, CHUNK)
+    gpu_data.copy_(payload)
+    return chunk_hash, gpu_page, cpu_page, payload_checksum(payload.numpy()) if checksum is None else checksum
+
+
+def commit(storage, landed) -> None:
+    hashes, gpu_pages, cpu_pages, checksums = (list(x) for x in zip(*landed, strict=True))
+    storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
+
+
+def test_a_step_that_loaded_a_landed_chunk_learns_whether_its_checksum_held():
+    engine, kv = engine_with_gpu_tier(gpu_pages=8)
+    storage = engine.storage
+    gate = threading.Event()
+    storage._write_back_thread.submit(gate.wait, 10)  # the write-back runs behind the load: hold it
+    try:
+        prompt = chunk_hash_array(tokens(2 * CHUNK, seed=3), CHUNK).tolist()
+        commit(storage, [land(storage, kv, prompt[0]), land(storage, kv, prompt[1], checksum=99)])
+        blocks = list(range(len(kv.layers[0])))
+        with engine.pin_prefix(prompt) as prefix:
+            plan = engine.plan_load(prefix, blocks)
+            assert plan.from_gpu == 2 and [start for start, _, _ in plan.unchecked] == [0, CHUNK]
+            engine.run_load(plan, kv.layers)  # loadable before its check, as a step does
+            gate.set()
+            assert engine.first_bad_chunk(plan, timeout=10) == CHUNK  # the second chunk: recomputed
+        assert storage.location_of(prompt[0]) == CPU and storage.location_of(prompt[1]) is None
+        assert storage.landing_check(prompt[0]) is None  # checked: nothing pending
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_a_chunk_cleared_while_landing_stays_cleared():
+    engine, kv = engine_with_gpu_tier(gpu_pages=8)
+    storage = engine.storage
+    gate = threading.Event()
+    storage._write_back_thread.submit(gate.wait, 10)
+    try:
+        commit(storage, [land(storage, kv, 41), land(storage, kv, 42)])
+        storage.remove(41)
+        storage.clear()
+        gate.set()
+        assert storage.flush(10)
+        assert storage.location_of(41) is None and storage.location_of(42) is None
+        stats = storage.stats()
+        assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"]
+        assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"]
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_the_gpu_tier_never_holds_a_stored_chunk_the_cpu_tier_lost():
+    engine, _ = engine_with_gpu_tier(gpu_pages=4)
+    storage = engine.storage
+    try:
+        page, _ = storage.reserve_gpu_page()
+        assert not storage.commit_gpu_page(12345, page)  # the CPU tier does not hold it (evicted)
+        assert storage.stats()["gpu"]["free_pages"] == 4 and storage.location_of(12345) is None
+    finally:
+        engine.close()
+
+
 def test_gpu_tier_settings_name_the_key():
     with pytest.raises(ConfigError, match="local_gpu.*needs local_cpu"):
         LMCacheConfig.from_dict({"local_gpu": True, "local_cpu": False}).validate()

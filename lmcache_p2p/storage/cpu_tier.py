@@ -12,6 +12,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -19,6 +20,8 @@ from lmcache_p2p.keys import ChunkKey, payload_checksum
 from lmcache_p2p.storage.memory import PagePool
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class _Entry:
@@ -153,6 +156,12 @@ class CpuTier:
             return False
         self.pool.page(page).copy_(payload.reshape(-1).view(torch.uint8))
         return self.admit(key, page, checksum)
+
+    def while_held(self, key: ChunkKey, action: Callable[[], T]) -> T | None:
+        """``action()`` if the tier holds ``key``, with nothing evicting or removing it meanwhile;
+        None if it does not hold it."""
+        with self._lock:
+            return action() if key in self._entries else None
 
     def touch(self, key: ChunkKey) -> None:
         with self._lock:

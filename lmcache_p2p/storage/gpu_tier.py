@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from lmcache_p2p.keys import ChunkKey, payload_checksum
-from lmcache_p2p.storage.cpu_tier import CpuTier, _Entry
+from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk, _Entry
 from lmcache_p2p.storage.memory import PagePool
 
 
@@ -33,6 +33,15 @@ class GpuTier(CpuTier):
     def __init__(self, pool: PagePool, checksum_of: Callable[[ChunkKey], int | None]):
         super().__init__(pool)
         self._checksum_source = checksum_of
+
+    def admit_pinned(self, key: ChunkKey, page: int, checksum: int | None) -> PinnedChunk:
+        """Index ``page`` under ``key`` (if the key is held already, free it and use the held
+        copy) and pin the entry, in one step: nothing can evict it in between."""
+        with self._lock:
+            self.admit(key, page, checksum)
+            chunk = self.pin(key)
+        assert chunk is not None  # admitted or held, under the lock
+        return chunk
 
     def _checksum_of(self, key: ChunkKey, entry: _Entry, data: torch.Tensor) -> int:
         if entry.checksum is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,12 @@ class StorageManager:
         self._write_backs: list[concurrent.futures.Future] = []  # pulls landed in VRAM, on their way to the CPU tier
         self._write_back_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.write_back_mismatches = 0
+        # Landed chunks whose write-back (and checksum check) has not finished: key -> (its job's
+        # token, the job's future, which answers the hashes that failed); and those removed
+        # meanwhile, which the write-back must not bring back into the CPU tier.
+        self._landing: dict[ChunkKey, tuple[object, concurrent.futures.Future]] = {}
+        self._dropped_while_landing: set[ChunkKey] = set()
+        self._landing_lock = threading.Lock()
         if config.local_gpu:
             self._build_gpu_tier(device)
         self.disk: DiskTier | None = None
@@ -300,8 +307,21 @@ class StorageManager:
 
     def commit_gpu_page(self, chunk_hash: int, page: int, checksum: int | None = None) -> bool:
         """Index a GPU page filled after :meth:`reserve_gpu_page` (a store's copy of a chunk the
-        CPU tier holds); False, and the page freed, if it is held there already."""
-        return self._gpu_tier().admit(self.key(chunk_hash), page, checksum)
+        CPU tier holds); False, and the page freed, if it is held there already or the CPU tier
+        no longer holds the chunk (evicted meanwhile: the GPU tier copies, it never holds alone)."""
+        gpu, key = self._gpu_tier(), self.key(chunk_hash)
+        admitted = self._page_owner().while_held(key, lambda: gpu.admit(key, page, checksum))
+        if admitted is None:
+            gpu.pool.free(page)
+            return False
+        return admitted
+
+    def landing_check(self, chunk_hash: int) -> concurrent.futures.Future | None:
+        """The write-back of a chunk that landed in VRAM, while it runs: its result is the set
+        of hashes whose checksums failed. None once done (or for any other chunk)."""
+        with self._landing_lock:
+            entry = self._landing.get(self.key(chunk_hash))
+        return entry[1] if entry is not None else None
 
     def abandon_gpu_page(self, page: int) -> None:
         self._gpu_tier().pool.free(page)
@@ -324,20 +344,21 @@ class StorageManager:
         checksums are checked before the CPU tier (or the disk tier, with ``location`` DISK)
         indexes them. A chunk whose checksum differs is dropped from both and logged."""
         gpu = self._gpu_tier()
-        pins: list[PinnedChunk | None] = []
-        for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True):
-            key = self.key(chunk_hash)
-            if location == CPU and gpu.admit(key, page, checksum):
-                pins.append(gpu.pin(key))  # kept until written back: the tier may not evict it meanwhile
-            else:  # not kept in VRAM (held there already, or bound for the disk tier): read, then freed
-                if location == CPU:  # admit freed the page: read the held copy instead
-                    pins.append(gpu.pin(key))
-                else:
-                    pins.append(None)
-        job = (list(chunk_hashes), list(gpu_pages), list(cpu_pages), list(checksums), location, pins)
+        # Pinned until written back (the tier may not evict them meanwhile); a chunk bound for the
+        # disk tier is not kept in VRAM: its page is read, then freed.
+        pins: list[PinnedChunk | None] = [
+            gpu.admit_pinned(self.key(chunk_hash), page, checksum) if location == CPU else None
+            for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
+        ]
+        token = object()
+        job = (list(chunk_hashes), list(gpu_pages), list(cpu_pages), list(checksums), location, pins, token)
         assert self._write_back_thread is not None  # made with the GPU tier
-        self._write_backs = [f for f in self._write_backs if not f.done()]
-        self._write_backs.append(self._write_back_thread.submit(self._write_back, *job))
+        with self._landing_lock:  # registered before the job can end and unregister them
+            future = self._write_back_thread.submit(self._write_back, *job)
+            self._write_backs = [f for f in self._write_backs if not f.done()]
+            self._write_backs.append(future)
+            for chunk_hash in chunk_hashes:
+                self._landing[self.key(chunk_hash)] = (token, future)
 
     def _write_back(
         self,
@@ -347,9 +368,14 @@ class StorageManager:
         checksums: list[int],
         location: str,
         pins: list[PinnedChunk | None],
-    ) -> None:
+        token: object,
+    ) -> set[int]:
+        """Returns the hashes that are not good: checksum mismatches (dropped from both tiers),
+        and every chunk not handled when something failed (dropped from the GPU tier too)."""
         gpu, cpu = self._gpu_tier(), self._page_owner()
         t0 = time.perf_counter()
+        bad: set[int] = set()
+        handled = 0  # chunks whose CPU page the tier took or that was freed: never freed again
         try:
             sources = [
                 pin.data if pin is not None else gpu.pool.page(page) for pin, page in zip(pins, gpu_pages, strict=True)
@@ -358,19 +384,28 @@ class StorageManager:
             _copy_pages(sources, targets)
             got = in_parallel(lambda page: payload_checksum(page.numpy()), targets)
             written = 0
-            for chunk_hash, page, expected, actual in zip(chunk_hashes, cpu_pages, checksums, got, strict=True):
-                if actual == expected:
+            for i, (chunk_hash, page, expected, actual) in enumerate(
+                zip(chunk_hashes, cpu_pages, checksums, got, strict=True)
+            ):
+                handled = i + 1  # from here the page is the tier's or freed, whatever follows raises
+                key = self.key(chunk_hash)
+                with self._landing_lock:
+                    dropped = key in self._dropped_while_landing
+                if dropped:  # removed (clear, move) while on its way: it stays removed
+                    self.abandon_page(page)
+                elif actual == expected:
                     written += self.commit_page(chunk_hash, page, expected, location)
-                    continue
-                self.write_back_mismatches += 1
-                self.abandon_page(page)
-                gpu.remove(self.key(chunk_hash))
-                logger.error(
-                    "chunk %016x landed in VRAM with checksum %016x, the holder's is %016x: dropped",
-                    chunk_hash,
-                    actual,
-                    expected,
-                )
+                else:
+                    bad.add(chunk_hash)
+                    self.write_back_mismatches += 1
+                    self.abandon_page(page)
+                    gpu.remove(key)
+                    logger.error(
+                        "chunk %016x landed in VRAM with checksum %016x, the holder's is %016x: dropped",
+                        chunk_hash,
+                        actual,
+                        expected,
+                    )
             logger.debug(
                 "wrote back %d of %d landed chunk(s) to %s in %.1f ms",
                 written,
@@ -379,15 +414,29 @@ class StorageManager:
                 (time.perf_counter() - t0) * 1e3,
             )
         except Exception:
-            logger.exception("writing back %d chunk(s) landed in VRAM failed; they stay GPU-only", len(chunk_hashes))
-            for page in cpu_pages:
+            logger.exception(
+                "writing back %d chunk(s) landed in VRAM failed; %d not checked are dropped",
+                len(chunk_hashes),
+                len(chunk_hashes) - handled,
+            )
+            for chunk_hash, page in zip(chunk_hashes[handled:], cpu_pages[handled:], strict=True):
                 self.abandon_page(page)
+                gpu.remove(self.key(chunk_hash))
+                bad.add(chunk_hash)
         finally:
             for pin, page in zip(pins, gpu_pages, strict=True):
                 if pin is not None:
                     pin.release()
                 elif location != CPU:
                     gpu.pool.free(page)
+            with self._landing_lock:
+                for chunk_hash in chunk_hashes:
+                    key = self.key(chunk_hash)
+                    entry = self._landing.get(key)
+                    if entry is not None and entry[0] is token:
+                        del self._landing[key]
+                        self._dropped_while_landing.discard(key)
+        return bad
 
     def _after_cpu_admit(self, key: ChunkKey, from_remote: bool = False) -> None:
         self._emit("admit", CPU, key)
@@ -496,6 +545,9 @@ class StorageManager:
                 self._emit("evict", loc, key)
         if self.gpu is not None and CPU in ([location] if location else [CPU]):
             self.gpu.remove(key)
+            with self._landing_lock:
+                if key in self._landing:  # its write-back must not bring it back
+                    self._dropped_while_landing.add(key)
         return dropped
 
     def clear(self, location: str | None = None) -> int:
@@ -510,6 +562,8 @@ class StorageManager:
                 n += 1
         if self.gpu is not None and location in (None, CPU):
             self.gpu.clear()
+            with self._landing_lock:
+                self._dropped_while_landing.update(self._landing)
         return n
 
     def _tier(self, location: str) -> CpuTier | DiskTier | None:

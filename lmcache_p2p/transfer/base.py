@@ -131,10 +131,11 @@ class Transport:
         """The most chunks one request may carry on this channel (None: no limit of its own)."""
         return None
 
-    async def prepare(self, pages: Sequence[int], staged: bool, timeout: float) -> list[int]:
+    async def prepare(self, pages: Sequence[int], staged: bool, timeout: float, gpu_tier: bool = False) -> list[int]:
         """Get ``pages`` ready to be written by the holder (before the request goes out); on a
         staged session, also the receive slots the holder may write into instead (empty when
-        none are free, and the holder then writes the pages)."""
+        none are free, and the holder then writes the pages). With ``gpu_tier`` (a pull for the
+        engine), GPU tier pages instead of receive slots where there is a GPU tier."""
         return []
 
     def begin(self, peer: tuple[str, int], pages: Sequence[int]) -> Landing | None:

@@ -236,11 +236,11 @@ class NixlTransport(Transport):
     def max_batch(self) -> int | None:
         return self.staging.receiving.capacity if self.staging is not None else None
 
-    async def prepare(self, pages: Sequence[int], staged: bool, timeout: float) -> list[int]:
+    async def prepare(self, pages: Sequence[int], staged: bool, timeout: float, gpu_tier: bool = False) -> list[int]:
         self.pool.make_resident(pages)  # the holder may write the pages after all
         if not staged or self.staging is None:
             return []
-        tier_pages = self._reserve_tier_pages(len(pages))
+        tier_pages = self._reserve_tier_pages(len(pages)) if gpu_tier else []
         if tier_pages:
             return [self.staging.receiving.capacity + p for p in tier_pages]
         return await self.staging.receiving.take(len(pages), timeout, whole=True)

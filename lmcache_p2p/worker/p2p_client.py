@@ -259,7 +259,7 @@ class P2PClient:
                     return 0
             channel = self._channel_of(peer)
             t0 = time.perf_counter()
-            result = await self.pull(peer, hashes[:chunks], CPU)
+            result = await self.pull(peer, hashes[:chunks], CPU, into_gpu_tier=True)
             elapsed = time.perf_counter() - t0
         if self.policy is not None and result.error is None and result.held and channel is not None:
             # Only clean pulls measure the link: a failure's time says how long a timeout is.
@@ -315,10 +315,15 @@ class P2PClient:
 
     # -- pulls -----------------------------------------------------------------------------------
 
-    async def pull(self, peer: Peer, hashes, location: str, skip_missing: bool = False) -> PullResult:
+    async def pull(
+        self, peer: Peer, hashes, location: str, skip_missing: bool = False, into_gpu_tier: bool = False
+    ) -> PullResult:
         """Pull ``hashes`` from ``peer`` into ``location``, in order. The run ends at the first
         failure; with ``skip_missing`` (move/copy of an arbitrary key set) a chunk the holder
         merely lacks (or sent damaged) is skipped instead. A full pool here ends it either way.
+        With ``into_gpu_tier`` (the engine's prefix pulls) a same-host holder may write them into
+        our GPU tier, where the engine loads them at once; other pulls (move, copy) land in the
+        CPU tier, whose index their callers read right after.
 
         Requests of ``batch_chunks`` chunks are pipelined, ``pipeline_depth`` in flight: checksums of
         one batch are verified while the next is on the wire. Batches are committed in order."""
@@ -339,7 +344,7 @@ class P2PClient:
         batches = 0
         while todo or window:
             while todo and not stopped and len(window) < self.pipeline_depth:
-                window.append(asyncio.ensure_future(self._fetch(conn, peer, todo.popleft())))
+                window.append(asyncio.ensure_future(self._fetch(conn, peer, todo.popleft(), into_gpu_tier)))
             batch = await window.popleft()
             batches += 1
             for phase, ms in batch.phases_ms.items():
@@ -471,7 +476,7 @@ class P2PClient:
         del self._connections[key]
         current.close()
 
-    async def _fetch(self, conn: _Connection, peer: Peer, hashes: list[int]) -> _Batch:
+    async def _fetch(self, conn: _Connection, peer: Peer, hashes: list[int], into_gpu_tier: bool = False) -> _Batch:
         """One ChunkPull into freshly reserved pages, landed and verified, not yet committed."""
         batch = _Batch(hashes)
         for _ in hashes:
@@ -499,7 +504,7 @@ class P2PClient:
         timeout = BASE_TIMEOUT_S + self.pipeline_depth * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
         pages = list(batch.pages)
         t_slots = time.perf_counter()
-        slots = await transport.prepare(pages, conn.staged, timeout)
+        slots = await transport.prepare(pages, conn.staged, timeout, gpu_tier=into_gpu_tier)
         batch.phases_ms["slots"] = (time.perf_counter() - t_slots) * 1e3
         # tcp: the payloads come over our data streams from this holder, straight into the pages
         batch.landing = transport.begin((peer.host, peer.lookup_port), pages)

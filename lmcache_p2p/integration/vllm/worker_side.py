@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmcache_p2p import layerwise
 from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 # Pins of a lookup whose request never came back (scheduler gone, a lost release) are dropped.
 LOOKUP_PIN_TTL_S = 300.0
+# How long the end of a step waits for the checksum check of chunks it loaded straight from a
+# peer's write into the GPU tier; past it they count as bad (vLLM recomputes them).
+LANDED_CHECK_TIMEOUT_S = 10.0
 
 # The explicit registry of live cache engines in this process (DESIGN.md §9), by
 # (instance id, TP rank): what an operator's debug shell or an in-process test reaches them by.
@@ -134,6 +138,8 @@ class WorkerSide:
         self.layer_planes: dict[str, range] = {}  # each attention layer's planes (layer-wise loads)
         self._step_load: _StepLoad | None = None  # this step's layer-wise load (use_layerwise)
         self._loads_in_flight: deque[_StepLoad] = deque()  # earlier steps', copies maybe running
+        # This step's loads that used chunks landed in VRAM unchecked: checked at its end.
+        self._unchecked: list[tuple[LoadSpec, LoadPlan]] = []
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
@@ -251,7 +257,7 @@ class WorkerSide:
                     engine.fetch(keys)
                 except Exception:  # a failed pull is a segment not held, never a failed lookup
                     logger.exception("request %s: fetching a segment's %d chunk(s) failed", request.req_id, len(keys))
-            chunks = [storage.pin(int(k)) for k in keys]
+            chunks = [storage.pin(int(k), gpu=True) for k in keys]  # the blender copies them to its device
             whole = bool(keys) and all(c is not None for c in chunks)
             held.append(whole)
             for key, chunk in zip(keys, chunks, strict=True):
@@ -323,9 +329,11 @@ class WorkerSide:
                 layerwise.append((spec, prefix, plan))
                 continue
             try:
-                loaded_to = engine.load(
-                    prefix, self.planes, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens
-                )
+                plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
+                engine.run_load(plan, self.planes)
+                loaded_to = plan.loaded_to
+                if plan.unchecked:
+                    self._unchecked.append((spec, plan))
             except Exception:
                 logger.exception("request %s: loading tokens [%d, %d) failed", spec.req_id, spec.start, spec.end)
                 loaded_to = spec.start
@@ -349,6 +357,8 @@ class WorkerSide:
             load = LayerwiseLoad(plans, self.planes, self.layer_planes, fence=engine.order_stores_before)
         except Exception:
             logger.exception("a layer-wise load of %d request(s) could not start", len(specs))
+            if self.planes and self.planes[0].is_cuda:  # copies queued before it failed read the pins
+                layerwise.drain(self.planes[0].device)
             for spec, prefix in zip(specs, prefixes, strict=True):
                 prefix.release()
                 self._report_short_load(spec, spec.start)
@@ -357,6 +367,8 @@ class WorkerSide:
         for spec, plan in zip(specs, plans, strict=True):
             if plan.loaded_to < spec.end:
                 self._report_short_load(spec, plan.loaded_to)
+            if plan.unchecked:
+                self._unchecked.append((spec, plan))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step = self._step_load
@@ -374,8 +386,10 @@ class WorkerSide:
         step, self._step_load = self._step_load, None
         if step is None:
             return
+        step.load.order_before_current()  # whatever runs next (a recompute, new owners) after every copy
         skipped = step.load.not_waited()
         if skipped or step.failed:
+            step.failed = True
             if skipped:
                 logger.error(
                     "layer-wise load: %d layer(s) were not waited for (first %s); %d request(s) recompute",
@@ -397,8 +411,27 @@ class WorkerSide:
             seconds = step.load.seconds
             how = "layer by layer" + (f", one copy for {len(step.specs)} requests" if len(step.specs) > 1 else "")
             for plan, prefix in zip(step.load.plans, step.prefixes, strict=True):
-                self._engine.loaded(plan, seconds, how)
+                if not step.failed:  # a failed one was reported, and is recomputed: no hit
+                    self._engine.loaded(plan, seconds, how)
                 prefix.release()
+
+    def _check_landed(self) -> None:
+        """At the end of a step: chunks it loaded that a peer wrote into the GPU tier are checked
+        by their write-back (behind the forward pass). One whose checksum failed, or whose check
+        did not finish in time, fails its request's load from there: vLLM drops the step's
+        output for it and recomputes."""
+        checks, self._unchecked = self._unchecked, []
+        for spec, plan in checks:
+            bad_at = self._engine.first_bad_chunk(plan, LANDED_CHECK_TIMEOUT_S)
+            if bad_at is not None:
+                logger.error(
+                    "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed its "
+                    "checksum check (or was not checked within %.0f s); it is recomputed",
+                    spec.req_id,
+                    bad_at,
+                    LANDED_CHECK_TIMEOUT_S,
+                )
+                self._report_short_load(spec, max(bad_at, spec.start))
 
     def _load_blended(self, spec) -> None:
         with self._lock:
@@ -406,6 +439,7 @@ class WorkerSide:
         try:
             if self.blender is None:
                 raise RuntimeError("a blended load reached a rank without enable_blending")
+            self._wait_landed_checks(pins)
             loaded_to = self.blender.load(spec.req_id, spec.blend, spec.block_ids, pins)
         except Exception:
             logger.exception("request %s: blending tokens [0, %d) failed", spec.req_id, spec.end)
@@ -415,6 +449,15 @@ class WorkerSide:
                 chunk.release()
         if loaded_to < spec.end:
             self._report_short_load(spec, loaded_to)
+
+    def _wait_landed_checks(self, pins: dict[int, Any]) -> None:
+        """Segments that a peer wrote into the GPU tier are blended only once their checksums
+        are checked (a blend cannot be undone after the step); raises if one failed."""
+        storage = self._engine.storage
+        for key in pins:
+            check = storage.landing_check(key)
+            if check is not None and key in check.result(LANDED_CHECK_TIMEOUT_S):
+                raise RuntimeError(f"segment chunk {key:016x} failed its checksum check after landing in VRAM")
 
     def _report_short_load(self, spec, loaded_to: int) -> None:
         block_size = self._engine.layout.block_size
@@ -437,6 +480,7 @@ class WorkerSide:
         if self._clock is not None:
             self._clock.stop()  # the forward pass is over (on a GPU: queued)
         self._end_layerwise()
+        self._check_landed()
         engine = self._engine
         engine.poll_stores()
         for segment_spec in meta.segment_stores:
