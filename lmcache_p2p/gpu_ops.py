@@ -195,31 +195,6 @@ def gather_chunks_async(
     return PendingCopy(event, keep)
 
 
-def scatter_chunks_async(
-    pages: Sequence[torch.Tensor],
-    layers: Sequence[torch.Tensor],
-    block_ids: Sequence[Sequence[int]],
-    first_blocks: Sequence[int] | None,
-    stream: torch.cuda.Stream | None,
-) -> PendingCopy | None:
-    """:func:`scatter_chunks` queued on ``stream`` without waiting (a layer-wise load: the
-    forward pass waits for the returned copy on the device before that layer's attention). The
-    caller orders ``stream`` after whatever may still read the blocks. Where the kernels cannot
-    do the batch (no CUDA, pageable pages) it copies at once and returns None."""
-    batch = _Batch(layers, block_ids, pages, first_blocks)
-    if not pages:
-        return None
-    module = _kernels_for(batch)
-    if module is None or stream is None:
-        _run(batch, to_pages=False)
-        return None
-    with torch.cuda.stream(stream):
-        keep = _launch(module, batch, to_pages=False)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return PendingCopy(event, keep)
-
-
 def scatter_layers_async(
     pages: Sequence[torch.Tensor],
     layers: Sequence[torch.Tensor],

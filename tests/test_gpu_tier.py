@@ -7,6 +7,7 @@ logic everywhere, with its pages in host memory (StorageManager's ``device`` set
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 
@@ -139,6 +140,17 @@ def land(storage, kv, chunk_hash: int, checksum: int | None = None) -> tuple[int
     return chunk_hash, gpu_page, cpu_page, payload_checksum(payload.numpy()) if checksum is None else checksum
 
 
+@contextlib.contextmanager
+def write_back_held(storage):
+    """The write-back runs behind the caller; this holds it until the block's ``release()``."""
+    gate = threading.Event()
+    storage._write_back_thread.submit(gate.wait, 10)
+    try:
+        yield gate.set
+    finally:
+        gate.set()
+
+
 def commit(storage, landed) -> None:
     hashes, gpu_pages, cpu_pages, checksums = (list(x) for x in zip(*landed, strict=True))
     storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
@@ -147,42 +159,37 @@ def commit(storage, landed) -> None:
 def test_a_step_that_loaded_a_landed_chunk_learns_whether_its_checksum_held():
     engine, kv = engine_with_gpu_tier(gpu_pages=8)
     storage = engine.storage
-    gate = threading.Event()
-    storage._write_back_thread.submit(gate.wait, 10)  # the write-back runs behind the load: hold it
     try:
         prompt = chunk_hash_array(tokens(2 * CHUNK, seed=3), CHUNK).tolist()
-        commit(storage, [land(storage, kv, prompt[0]), land(storage, kv, prompt[1], checksum=99)])
         blocks = list(range(len(kv.layers[0])))
-        with engine.pin_prefix(prompt) as prefix:
-            plan = engine.plan_load(prefix, blocks)
-            assert plan.from_gpu == 2 and [start for start, _, _ in plan.unchecked] == [0, CHUNK]
-            engine.run_load(plan, kv.layers)  # loadable before its check, as a step does
-            gate.set()
-            assert engine.first_bad_chunk(plan, timeout=10) == CHUNK  # the second chunk: recomputed
+        with write_back_held(storage) as release:
+            commit(storage, [land(storage, kv, prompt[0]), land(storage, kv, prompt[1], checksum=99)])
+            with engine.pin_prefix(prompt) as prefix:
+                plan = engine.plan_load(prefix, blocks)
+                assert plan.from_gpu == 2 and [start for start, _, _ in plan.unchecked] == [0, CHUNK]
+                engine.run_load(plan, kv.layers)  # loadable before its check, as a step does
+                release()
+                assert engine.first_bad_chunk(plan, timeout=10) == CHUNK  # the second chunk: recomputed
         assert storage.location_of(prompt[0]) == CPU and storage.location_of(prompt[1]) is None
         assert storage.landing_check(prompt[0]) is None  # checked: nothing pending
     finally:
-        gate.set()
         engine.close()
 
 
 def test_a_chunk_cleared_while_landing_stays_cleared():
     engine, kv = engine_with_gpu_tier(gpu_pages=8)
     storage = engine.storage
-    gate = threading.Event()
-    storage._write_back_thread.submit(gate.wait, 10)
     try:
-        commit(storage, [land(storage, kv, 41), land(storage, kv, 42)])
-        storage.remove(41)
-        storage.clear()
-        gate.set()
+        with write_back_held(storage):
+            commit(storage, [land(storage, kv, 41), land(storage, kv, 42)])
+            storage.remove(41)
+            storage.clear()
         assert storage.flush(10)
         assert storage.location_of(41) is None and storage.location_of(42) is None
         stats = storage.stats()
         assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"]
         assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"]
     finally:
-        gate.set()
         engine.close()
 
 

@@ -59,20 +59,16 @@ def check_hello_bounds(hello: ChannelHello) -> None:
             hello.num_pages,
             f"a pool of at most {MAX_HELLO_POOL_BYTES >> 30} GiB ({hello.page_bytes}-byte pages)",
         )
+    for field, count, what in (
+        ("staging_slots", hello.staging_slots, "staging"),
+        ("gpu_tier_pages", hello.gpu_tier_pages, "GPU tier"),
+    ):  # both in VRAM, both named by index in a staged pull's slots
+        if count * hello.page_bytes > MAX_HELLO_STAGING_BYTES:
+            raise refuse(
+                field, count, f"at most {MAX_HELLO_STAGING_BYTES >> 30} GiB of {what} ({hello.page_bytes}-byte pages)"
+            )
     staging_bytes = hello.staging_slots * hello.page_bytes
-    if staging_bytes > MAX_HELLO_STAGING_BYTES:
-        raise refuse(
-            "staging_slots",
-            hello.staging_slots,
-            f"at most {MAX_HELLO_STAGING_BYTES >> 30} GiB of staging ({hello.page_bytes}-byte slots)",
-        )
     gpu_tier_bytes = hello.gpu_tier_pages * hello.page_bytes
-    if gpu_tier_bytes > MAX_HELLO_STAGING_BYTES:
-        raise refuse(
-            "gpu_tier_pages",
-            hello.gpu_tier_pages,
-            f"at most {MAX_HELLO_STAGING_BYTES >> 30} GiB of GPU tier ({hello.page_bytes}-byte pages)",
-        )
     for field, base, size in (
         ("pool_base", hello.pool_base, pool_bytes),
         ("staging_base", hello.staging_base, staging_bytes),
