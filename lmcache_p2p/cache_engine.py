@@ -290,9 +290,8 @@ class CacheEngine:
             plan.pages.append(chunk.data)
             if chunk.location == GPU:
                 plan.from_gpu += 1
-                check = self.storage.landing_check(chunk.key.chunk_hash)
-                if check is not None:  # landed from a peer, its checksum not checked yet
-                    plan.unchecked.append((chunk_start, chunk.key.chunk_hash, check))
+                if chunk.check is not None:  # landed from a peer, its checksum not checked when pinned
+                    plan.unchecked.append((chunk_start, chunk.key.chunk_hash, chunk.check))
             plan.chunk_blocks.append(blocks)
             plan.skips.append(skip)
             plan.nbytes += self.storage.page_bytes * (len(blocks) - skip) // len(blocks)
@@ -321,11 +320,10 @@ class CacheEngine:
         gpu_ops.scatter_chunks(plan.pages, layers, plan.chunk_blocks, plan.skips)
         self.loaded(plan, time.perf_counter() - t0)
 
-    def first_bad_chunk(self, plan: LoadPlan, timeout: float) -> int | None:
+    def first_bad_chunk(self, plan: LoadPlan, deadline: float) -> int | None:
         """Where the first chunk of a load that landed in VRAM unchecked starts, if its
-        write-back found its checksum wrong or did not finish within ``timeout``; None when
-        every such chunk is good (or there were none)."""
-        deadline = time.monotonic() + timeout
+        write-back found its checksum wrong or did not finish by ``deadline`` (time.monotonic);
+        None when every such chunk is good (or there were none)."""
         for start, chunk_hash, check in plan.unchecked:
             try:
                 bad = check.result(max(0.0, deadline - time.monotonic()))

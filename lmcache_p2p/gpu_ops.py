@@ -26,6 +26,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from lmcache_p2p import kv_kernels
@@ -216,13 +217,17 @@ def scatter_layers_async(
         return None
     device = batch.layers[0].device
     plane_bytes = batch.blocks_per_chunk * batch.block_bytes
-    ids = [b for chunk in batch.block_ids for b in chunk]
-    addresses = [p.data_ptr() for p in batch.pages]
-    rows = [ids + [a + g.start * plane_bytes for a in addresses] + batch.first_blocks for g in groups]
+    n_ids, n_pages = len(pages) * batch.blocks_per_chunk, len(pages)
+    rows = np.empty((len(groups), n_ids + 2 * n_pages), dtype=np.int64)  # one row, then offsets
+    rows[:, :n_ids] = np.asarray(batch.block_ids, dtype=np.int64).reshape(-1)
+    addresses = np.asarray([p.data_ptr() for p in batch.pages], dtype=np.int64)
+    starts = np.asarray([g.start for g in groups], dtype=np.int64)
+    rows[:, n_ids : n_ids + n_pages] = addresses[None, :] + starts[:, None] * plane_bytes
+    rows[:, n_ids + n_pages :] = np.asarray(batch.first_blocks, dtype=np.int64)
     # Tables first, on the current stream: building one synchronises it, which must not stall
     # the load stream behind copies already queued.
     tables = [_layer_table(batch.layers[g.start : g.stop]) for g in groups]
-    host = torch.tensor(rows, dtype=torch.int64).pin_memory()
+    host = torch.from_numpy(rows).pin_memory()
     vector = _vector_bytes(batch)
     copies = []
     with torch.cuda.stream(stream):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -169,7 +170,7 @@ def test_a_step_that_loaded_a_landed_chunk_learns_whether_its_checksum_held():
                 assert plan.from_gpu == 2 and [start for start, _, _ in plan.unchecked] == [0, CHUNK]
                 engine.run_load(plan, kv.layers)  # loadable before its check, as a step does
                 release()
-                assert engine.first_bad_chunk(plan, timeout=10) == CHUNK  # the second chunk: recomputed
+                assert engine.first_bad_chunk(plan, time.monotonic() + 10) == CHUNK  # the second: recomputed
         assert storage.location_of(prompt[0]) == CPU and storage.location_of(prompt[1]) is None
         assert storage.landing_check(prompt[0]) is None  # checked: nothing pending
     finally:

@@ -50,6 +50,20 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
     assert eng.generate(prompt) != cold, "the output ignored the loaded KV"
 
 
+def test_a_hit_that_fails_to_load_is_recomputed_not_an_error(engine, prompt):
+    """vLLM's own default policy for a failed load is to end the request with an error; the
+    connector sets 'recompute', so a promised hit that does not arrive is a miss."""
+    eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25})
+    cold = eng.generate(prompt)
+    eng.request("fail_next_load")
+    assert eng.generate(prompt) == cold
+    log = eng.log()
+    assert "injected load failure" in log and "will be recomputed" in log
+    assert "kv_load_failure_policy is 'recompute'" in log
+    assert eng.generate(prompt) == cold  # and the next hit loads as before
+    assert counters(eng)["retrieved_tokens"] == 2 * CHUNK
+
+
 def test_a_prompt_whose_every_chunk_is_cached_still_computes_its_last_token(engine, prompt):
     eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25})
     exact = prompt[: 2 * CHUNK]

@@ -8,6 +8,7 @@ it, a disk write-behind, a scatter into vLLM blocks) never sees its page reused 
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict
@@ -37,7 +38,7 @@ class _Entry:
 class PinnedChunk:
     """A chunk held against eviction and reuse until :meth:`release` (or the end of ``with``)."""
 
-    __slots__ = ("key", "data", "location", "_checksum", "_compute_checksum", "_release")
+    __slots__ = ("key", "data", "location", "check", "_checksum", "_compute_checksum", "_release")
 
     def __init__(
         self,
@@ -51,6 +52,9 @@ class PinnedChunk:
         self.key = key
         self.data = data  # uint8 tensor view of the payload; valid until release
         self.location = location  # the tier it was pinned in (the GPU tier's: data in VRAM)
+        # A GPU tier chunk a peer wrote whose checksum check was still running when pinned: the
+        # write-back's future, answering the hashes that failed (StorageManager.commit_landed).
+        self.check: concurrent.futures.Future | None = None
         self._checksum = checksum
         self._compute_checksum = compute_checksum
         self._release = release

@@ -101,7 +101,7 @@ class StorageManager:
         # token, the job's future, which answers the hashes that failed); and those removed
         # meanwhile, which the write-back must not bring back into the CPU tier.
         self._landing: dict[ChunkKey, tuple[object, concurrent.futures.Future]] = {}
-        self._dropped_while_landing: set[ChunkKey] = set()
+        self._dropped_while_landing: dict[ChunkKey, object] = {}  # key -> the landing job's token
         self._landing_lock = threading.Lock()
         if config.local_gpu:
             self._build_gpu_tier(device)
@@ -344,16 +344,18 @@ class StorageManager:
         checksums are checked before the CPU tier (or the disk tier, with ``location`` DISK)
         indexes them. A chunk whose checksum differs is dropped from both and logged."""
         gpu = self._gpu_tier()
-        # Pinned until written back (the tier may not evict them meanwhile); a chunk bound for the
-        # disk tier is not kept in VRAM: its page is read, then freed.
-        pins: list[PinnedChunk | None] = [
-            gpu.admit_pinned(self.key(chunk_hash), page, checksum) if location == CPU else None
-            for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
-        ]
-        token = object()
-        job = (list(chunk_hashes), list(gpu_pages), list(cpu_pages), list(checksums), location, pins, token)
         assert self._write_back_thread is not None  # made with the GPU tier
-        with self._landing_lock:  # registered before the job can end and unregister them
+        # Under the landing lock from admit to registration: a pin taken meanwhile waits, and so
+        # gets the check with the chunk (lock order: landing, then the GPU tier's).
+        with self._landing_lock:
+            # Pinned until written back (the tier may not evict them meanwhile); a chunk bound for
+            # the disk tier is not kept in VRAM: its page is read, then freed.
+            pins: list[PinnedChunk | None] = [
+                gpu.admit_pinned(self.key(chunk_hash), page, checksum) if location == CPU else None
+                for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
+            ]
+            token = object()
+            job = (list(chunk_hashes), list(gpu_pages), list(cpu_pages), list(checksums), location, pins, token)
             future = self._write_back_thread.submit(self._write_back, *job)
             self._write_backs = [f for f in self._write_backs if not f.done()]
             self._write_backs.append(future)
@@ -389,13 +391,7 @@ class StorageManager:
             ):
                 handled = i + 1  # from here the page is the tier's or freed, whatever follows raises
                 key = self.key(chunk_hash)
-                with self._landing_lock:
-                    dropped = key in self._dropped_while_landing
-                if dropped:  # removed (clear, move) while on its way: it stays removed
-                    self.abandon_page(page)
-                elif actual == expected:
-                    written += self.commit_page(chunk_hash, page, expected, location)
-                else:
+                if actual != expected:  # checked first: a load may have used it, removed or not
                     bad.add(chunk_hash)
                     self.write_back_mismatches += 1
                     self.abandon_page(page)
@@ -406,6 +402,12 @@ class StorageManager:
                         actual,
                         expected,
                     )
+                elif self._dropped_by(key, token):  # removed (clear, move) while on its way: stays so
+                    self.abandon_page(page)
+                else:
+                    written += self.commit_page(chunk_hash, page, expected, location)
+                    if self._dropped_by(key, token):  # removed while it was being admitted
+                        self.remove(chunk_hash)
             logger.debug(
                 "wrote back %d of %d landed chunk(s) to %s in %.1f ms",
                 written,
@@ -435,8 +437,14 @@ class StorageManager:
                     entry = self._landing.get(key)
                     if entry is not None and entry[0] is token:
                         del self._landing[key]
-                        self._dropped_while_landing.discard(key)
+                    if self._dropped_while_landing.get(key) is token:
+                        del self._dropped_while_landing[key]
         return bad
+
+    def _dropped_by(self, key: ChunkKey, token: object) -> bool:
+        """Whether ``key`` was removed while the landing job ``token`` carried it."""
+        with self._landing_lock:
+            return self._dropped_while_landing.get(key) is token
 
     def _after_cpu_admit(self, key: ChunkKey, from_remote: bool = False) -> None:
         self._emit("admit", CPU, key)
@@ -507,8 +515,11 @@ class StorageManager:
         that copy on the device (loads into vLLM's blocks, staged NIXL sends)."""
         key = self.key(chunk_hash)
         if gpu and self.gpu is not None:
-            chunk = self.gpu.pin(key)
+            with self._landing_lock:  # its check, if one runs, is taken with the pin: never missed
+                landing = self._landing.get(key)
+                chunk = self.gpu.pin(key)
             if chunk is not None:
+                chunk.check = landing[1] if landing is not None else None
                 return chunk
         if self.cpu is not None:
             chunk = self.cpu.pin(key)
@@ -547,7 +558,7 @@ class StorageManager:
             self.gpu.remove(key)
             with self._landing_lock:
                 if key in self._landing:  # its write-back must not bring it back
-                    self._dropped_while_landing.add(key)
+                    self._dropped_while_landing[key] = self._landing[key][0]
         return dropped
 
     def clear(self, location: str | None = None) -> int:
@@ -563,7 +574,7 @@ class StorageManager:
         if self.gpu is not None and location in (None, CPU):
             self.gpu.clear()
             with self._landing_lock:
-                self._dropped_while_landing.update(self._landing)
+                self._dropped_while_landing.update((key, token) for key, (token, _) in self._landing.items())
         return n
 
     def _tier(self, location: str) -> CpuTier | DiskTier | None:

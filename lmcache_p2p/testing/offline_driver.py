@@ -15,6 +15,8 @@ stderr). Operations:
   (arrival to first token) and ``total_s``;
 * ``{"op": "corrupt"}`` negates every value of every chunk held in the CPU tier (a wrong but finite
   KV, to prove a hit really feeds the model) -> ``chunks``;
+* ``{"op": "fail_next_load"}`` makes the cache engine's next load raise (a dead peer's or a
+  failed check's effect on a promised hit: vLLM must recompute, not fail the request);
 * ``{"op": "status"}`` -> the cache engine's status (tiers, counters, worker);
 * ``{"op": "flush"}`` waits for disk writes and the controller reports;
 * ``{"op": "quit"}``.
@@ -58,6 +60,16 @@ def _corrupt(engine) -> int:
     return len(hashes)
 
 
+def _fail_next_load(engine) -> None:
+    real = engine.run_load
+
+    def failing(plan, layers):
+        engine.run_load = real
+        raise RuntimeError("injected load failure (offline driver: fail_next_load)")
+
+    engine.run_load = failing
+
+
 def _generate(llm, request: dict) -> dict:
     from vllm import SamplingParams
 
@@ -79,6 +91,9 @@ def handler(llm):
             return _generate(llm, request)
         if op == "corrupt":
             return {"chunks": _corrupt(_engine())}
+        if op == "fail_next_load":
+            _fail_next_load(_engine())
+            return {}
         if op == "status":
             return _engine().status()
         if op == "flush":

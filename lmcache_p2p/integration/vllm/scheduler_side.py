@@ -70,6 +70,12 @@ class SchedulerSide:
         config.validate_for_block_size(self.block_size)
         self.chunk_size = config.chunk_size
         transfer = vllm_config.kv_transfer_config
+        if getattr(transfer, "kv_load_failure_policy", None) == "fail":
+            # vLLM's default would end a request with an error when a chunk we promised does not
+            # load (a peer died, a checksum failed); here that is a miss: its blocks are recomputed.
+            # The scheduler reads the policy after building its connector, so this takes effect.
+            transfer.kv_load_failure_policy = "recompute"
+            logger.info("lmcache-p2p: kv_load_failure_policy is 'recompute': a chunk that fails to load is computed")
         self.loads = bool(getattr(transfer, "is_kv_consumer", True))
         self.stores = bool(getattr(transfer, "is_kv_producer", True))
         parallel = vllm_config.parallel_config

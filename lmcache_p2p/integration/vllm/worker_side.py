@@ -140,6 +140,9 @@ class WorkerSide:
         self._loads_in_flight: deque[_StepLoad] = deque()  # earlier steps', copies maybe running
         # This step's loads that used chunks landed in VRAM unchecked: checked at its end.
         self._unchecked: list[tuple[LoadSpec, LoadPlan]] = []
+        # Requests whose load this step fell short or failed: vLLM recomputes from there, so their
+        # blocks past it hold no KV worth storing this step.
+        self._failed_loads: set[str] = set()
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
@@ -307,6 +310,7 @@ class WorkerSide:
         engine.poll_stores()
         if self._step_load is not None:  # the last step ended without wait_for_save: end its load now
             self._end_layerwise()
+        self._failed_loads.clear()
         self._poll_step_loads()
         if meta.fence_stores and self.planes and self.planes[0].is_cuda:
             engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
@@ -421,8 +425,9 @@ class WorkerSide:
         did not finish in time, fails its request's load from there: vLLM drops the step's
         output for it and recomputes."""
         checks, self._unchecked = self._unchecked, []
+        deadline = time.monotonic() + LANDED_CHECK_TIMEOUT_S  # one wait for the whole step
         for spec, plan in checks:
-            bad_at = self._engine.first_bad_chunk(plan, LANDED_CHECK_TIMEOUT_S)
+            bad_at = self._engine.first_bad_chunk(plan, deadline)
             if bad_at is not None:
                 logger.error(
                     "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed its "
@@ -453,10 +458,8 @@ class WorkerSide:
     def _wait_landed_checks(self, pins: dict[int, Any]) -> None:
         """Segments that a peer wrote into the GPU tier are blended only once their checksums
         are checked (a blend cannot be undone after the step); raises if one failed."""
-        storage = self._engine.storage
-        for key in pins:
-            check = storage.landing_check(key)
-            if check is not None and key in check.result(LANDED_CHECK_TIMEOUT_S):
+        for key, chunk in pins.items():
+            if chunk.check is not None and key in chunk.check.result(LANDED_CHECK_TIMEOUT_S):
                 raise RuntimeError(f"segment chunk {key:016x} failed its checksum check after landing in VRAM")
 
     def _report_short_load(self, spec, loaded_to: int) -> None:
@@ -464,6 +467,7 @@ class WorkerSide:
         first, last = loaded_to // block_size, -(-spec.end // block_size)
         failed = spec.block_ids[first:last]
         self._load_errors.update(failed)
+        self._failed_loads.add(spec.req_id)
         logger.warning(
             "request %s: loaded tokens [%d, %d) of the promised [%d, %d); %d block(s) will be recomputed",
             spec.req_id,
@@ -490,7 +494,13 @@ class WorkerSide:
             except Exception:  # a failed store is a future miss, never a failed request
                 logger.exception("request %s: storing its segments failed", segment_spec.req_id)
         for spec in meta.stores:
-            self._saving.add(spec.req_id)
+            self._saving.add(spec.req_id)  # reported finished as usual (no copy in flight)
+            if spec.req_id in self._failed_loads:
+                logger.info(
+                    "request %s: its load failed this step, so its blocks are not stored (they are recomputed)",
+                    spec.req_id,
+                )
+                continue
             try:
                 engine.store_async(spec.chunk_hashes, self.planes, spec.block_ids, owner=spec.req_id)
             except Exception:  # a failed store is a future miss, never a failed request
@@ -511,6 +521,10 @@ class WorkerSide:
         return done
 
     def take_load_errors(self) -> set[int]:
+        # Also here: vLLM asks for the errors before wait_for_save when it defers that call
+        # (speculative decoding), and the step's output must be dropped in this step's report.
+        self._end_layerwise()
+        self._check_landed()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
