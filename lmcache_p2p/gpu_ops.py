@@ -216,14 +216,7 @@ def scatter_layers_async(
     if module is None:
         return None
     device = batch.layers[0].device
-    plane_bytes = batch.blocks_per_chunk * batch.block_bytes
-    n_ids, n_pages = len(pages) * batch.blocks_per_chunk, len(pages)
-    rows = np.empty((len(groups), n_ids + 2 * n_pages), dtype=np.int64)  # one row, then offsets
-    rows[:, :n_ids] = np.asarray(batch.block_ids, dtype=np.int64).reshape(-1)
-    addresses = np.asarray([p.data_ptr() for p in batch.pages], dtype=np.int64)
-    starts = np.asarray([g.start for g in groups], dtype=np.int64)
-    rows[:, n_ids : n_ids + n_pages] = addresses[None, :] + starts[:, None] * plane_bytes
-    rows[:, n_ids + n_pages :] = np.asarray(batch.first_blocks, dtype=np.int64)
+    rows = _layer_meta_rows(batch, groups)
     # Tables first, on the current stream: building one synchronises it, which must not stall
     # the load stream behind copies already queued.
     tables = [_layer_table(batch.layers[g.start : g.stop]) for g in groups]
@@ -238,6 +231,22 @@ def scatter_layers_async(
             event.record(stream)
             copies.append(PendingCopy(event, (host, meta, table)))
     return copies
+
+
+def _layer_meta_rows(batch: _Batch, groups: Sequence[range]) -> np.ndarray:
+    """The kernel's metadata for each group of layers: the row :func:`_launch` builds for the
+    whole batch (block ids | page addresses | first blocks), with each page address moved to the
+    group's slice of the page (``group.start`` planes in)."""
+    plane_bytes = batch.blocks_per_chunk * batch.block_bytes
+    n_pages = len(batch.pages)
+    n_ids = n_pages * batch.blocks_per_chunk
+    rows = np.empty((len(groups), n_ids + 2 * n_pages), dtype=np.int64)
+    rows[:, :n_ids] = np.asarray(batch.block_ids, dtype=np.int64).reshape(-1)
+    addresses = np.asarray([p.data_ptr() for p in batch.pages], dtype=np.int64)
+    starts = np.asarray([g.start for g in groups], dtype=np.int64)
+    rows[:, n_ids : n_ids + n_pages] = addresses[None, :] + starts[:, None] * plane_bytes
+    rows[:, n_ids + n_pages :] = np.asarray(batch.first_blocks, dtype=np.int64)
+    return rows
 
 
 def gather_chunk(layers: Sequence[torch.Tensor], block_ids: Sequence[int], page: torch.Tensor) -> None:

@@ -86,6 +86,25 @@ def test_torch_path_matches_the_reference_and_skips_leading_blocks():
     assert gpu_ops.backend(cache) == "torch"
 
 
+def test_layer_wise_metadata_is_the_whole_batch_row_at_each_layers_page_offset():
+    """What scatter_layers_async uploads (checked here, where the kernel cannot run): per group of
+    layers, the row a whole-batch launch uses, its page addresses moved to the group's slice."""
+    cache = make_cache(4, 16)
+    ids = [[3, 5], [7, 1], [0, 2]]
+    pages = [torch.zeros(page_bytes(cache, 2), dtype=torch.uint8) for _ in ids]
+    batch = gpu_ops._Batch(cache, ids, pages, [0, 1, 0])
+    groups = [range(0, 1), range(1, 3), range(3, 4)]
+    rows = gpu_ops._layer_meta_rows(batch, groups)
+    whole = [b for chunk in ids for b in chunk] + [p.data_ptr() for p in pages] + [0, 1, 0]
+    assert rows.shape == (3, len(ids) * (2 + 2))  # the kernel checks num_chunks * (blocks_per_chunk + 2)
+    assert rows[0].tolist() == whole
+    plane = page_bytes(cache, 2) // len(cache)
+    for row, group in zip(rows, groups, strict=True):
+        lo = group.start * plane
+        assert row[6:9].tolist() == [p[lo:].data_ptr() for p in pages]  # the slice the CPU path copies
+        assert row[:6].tolist() == whole[:6] and row[9:].tolist() == [0, 1, 0]
+
+
 # -- the CUDA kernels ---------------------------------------------------------------------------------
 
 
