@@ -437,6 +437,7 @@ class WorkerSide:
                     LANDED_CHECK_TIMEOUT_S,
                 )
                 self._report_short_load(spec, max(bad_at, spec.start))
+                self._engine.counters.retrieved_tokens -= max(0, plan.loaded_to - max(bad_at, spec.start))
 
     def _load_blended(self, spec) -> None:
         with self._lock:
