@@ -46,7 +46,6 @@ class LayerwiseLoad:
         self._waited: set[str] = set()
         self._copies: dict[str, gpu_ops.PendingCopy] = {}
         self._host_seconds = 0.0
-        self._started = time.perf_counter()
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         device = self.planes[0].device
         if device.type == "cuda" and self._pages:
@@ -72,10 +71,6 @@ class LayerwiseLoad:
         lo, hi = layer.start * self._plane_bytes, layer.stop * self._plane_bytes
         pages = [page[lo:hi] for page in self._pages]
         gpu_ops.scatter_chunks(pages, self.planes[layer.start : layer.stop], self._blocks, self._skips)
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self._pages)
 
     def wait(self, layer_name: str) -> None:
         """Before ``layer_name``'s attention: its KV is in the blocks (on a GPU: for the work the

@@ -35,99 +35,27 @@ PAGE = CHUNK * 24 * 2 * 2 * 64 * 2  # 24 layers x K,V x 2 heads x 64 x bf16 per 
 # -- everywhere: the tier's logic with its pages in host memory ------------------------------------
 
 
-def engine_with_gpu_tier(gpu_pages: int, cpu_pages: int = 32, blocks: int = 64):
-    config = LMCacheConfig.from_dict(
-        {
-            "chunk_size": CHUNK,
-            "local_gpu": True,
-            "max_local_gpu_size": (gpu_pages * PAGE + 1) / GB,
-            "max_local_cpu_size": (cpu_pages * PAGE + 1) / GB,
-        }
-    )
-    kv = StandInKV(SHAPE, blocks)
-    engine = build_engine(config, kv.layout(), pin_memory=False, device=torch.device("cpu"))
-    return engine, kv
+@pytest.fixture
+def tiered():
+    """``tiered(gpu_pages, cpu_pages=32)``: a rank's cache engine with a GPU tier of that many
+    pages, and its stand-in KV; closed after the test."""
+    engines = []
 
+    def build(gpu_pages: int, cpu_pages: int = 32):
+        config = LMCacheConfig.from_dict(
+            {
+                "chunk_size": CHUNK,
+                "local_gpu": True,
+                "max_local_gpu_size": (gpu_pages * PAGE + 1) / GB,
+                "max_local_cpu_size": (cpu_pages * PAGE + 1) / GB,
+            }
+        )
+        kv = StandInKV(SHAPE, 64)
+        engines.append(build_engine(config, kv.layout(), pin_memory=False, device=torch.device("cpu")))
+        return engines[-1], kv
 
-def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(caplog):
-    engine, kv = engine_with_gpu_tier(gpu_pages=8)
-    try:
-        prompt = chunk_hash_array(tokens(4 * CHUNK, seed=1), CHUNK)
-        blocks = list(range(len(kv.layers[0])))
-        kv.prefill(prompt, blocks, CHUNK)
-        assert engine.store(prompt, kv.layers, blocks) == 4 * CHUNK
-        storage = engine.storage
-        assert storage.stats()["gpu"]["chunks"] == 4 and len(storage.cpu) == 4
-        for h in prompt.tolist():
-            with storage.pin(h, gpu=True) as from_gpu, storage.pin(h) as from_cpu:
-                assert from_gpu.data.data_ptr() != from_cpu.data.data_ptr()  # the GPU tier's own page
-                assert torch.equal(from_gpu.data, from_cpu.data)
-                assert from_gpu.checksum == from_cpu.checksum
-        kv.wipe()
-        with caplog.at_level("INFO", logger="lmcache_p2p.cache_engine"):
-            assert engine.retrieve(prompt, kv.layers, blocks) == 4 * CHUNK
-        assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
-        assert "(4 of 4 chunks from the GPU tier)" in caplog.text
-    finally:
-        engine.close()
-
-
-def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses():
-    engine, kv = engine_with_gpu_tier(gpu_pages=3, cpu_pages=6)
-    events = []
-    engine.storage.subscribe(lambda e: events.append((e.kind, e.location)))
-    try:
-        prompt = chunk_hash_array(tokens(5 * CHUNK, seed=2), CHUNK)
-        hashes = prompt.tolist()
-        blocks = list(range(len(kv.layers[0])))
-        kv.prefill(prompt, blocks, CHUNK)
-        storage = engine.storage
-        engine.store(prompt[:3], kv.layers, blocks)
-        engine.store(prompt, kv.layers, blocks)  # chunks 3 and 4 are new
-        gpu_stats = storage.stats()["gpu"]
-        # Three pages: the two new chunks took the least recently used ones, and nobody was told.
-        assert gpu_stats["chunks"] == 3 and gpu_stats["evictions"] == 2
-        assert all(loc == CPU for _, loc in events) and len(events) == 5
-        assert [storage.gpu.contains(storage.key(h)) for h in hashes] == [False, False, True, True, True]
-        # A chunk the CPU tier drops leaves the GPU tier too: the GPU tier is a copy, never the only one.
-        storage.remove(hashes[4])
-        assert not storage.gpu.contains(storage.key(hashes[4])) and storage.location_of(hashes[4]) is None
-        # Loads still get every held chunk, from whichever tier has it.
-        kv.wipe()
-        assert engine.retrieve(prompt[:4], kv.layers, blocks) == 4 * CHUNK
-        assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
-        storage.clear()
-        assert len(storage.gpu) == 0 and storage.stats()["gpu"]["free_pages"] == 3
-    finally:
-        engine.close()
-
-
-def test_a_pull_landed_in_the_gpu_tier_is_loadable_at_once_and_written_back_checked():
-    engine, kv = engine_with_gpu_tier(gpu_pages=8)
-    storage = engine.storage
-    try:
-        good, bad = 777, 778
-        payloads = {h: kv.chunk_payload(h, CHUNK) for h in (good, bad)}
-        landed = []
-        for h in (good, bad):  # what a holder's NIXL write leaves in reserved pages
-            gpu_page, gpu_data = storage.reserve_gpu_page()
-            cpu_page, _ = storage.reserve_page()
-            gpu_data.copy_(payloads[h])
-            landed.append((h, gpu_page, cpu_page))
-        checksums = [payload_checksum(payloads[good].numpy()), 12345]  # the second is damaged in flight
-        hashes, gpu_pages, cpu_pages = (list(x) for x in zip(*landed, strict=True))
-        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
-        assert storage.location_of(good) in (GPU, CPU)  # loadable now, before the write-back
-        assert storage.flush(10)
-        assert storage.location_of(good) == CPU
-        with storage.pin(good) as chunk:
-            assert torch.equal(chunk.data, payloads[good])
-        assert storage.location_of(bad) is None  # dropped from both tiers
-        stats = storage.stats()
-        assert stats["gpu"]["write_back_mismatches"] == 1 and stats["gpu"]["pins_held"] == 0
-        assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"] - 1
-        assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"] - 1
-    finally:
+    yield build
+    for engine in engines:
         engine.close()
 
 
@@ -141,6 +69,11 @@ def land(storage, kv, chunk_hash: int, checksum: int | None = None) -> tuple[int
     return chunk_hash, gpu_page, cpu_page, payload_checksum(payload.numpy()) if checksum is None else checksum
 
 
+def commit(storage, landed) -> None:
+    hashes, gpu_pages, cpu_pages, checksums = (list(x) for x in zip(*landed, strict=True))
+    storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
+
+
 @contextlib.contextmanager
 def write_back_held(storage):
     """The write-back runs behind the caller; this holds it until the block's ``release()``."""
@@ -152,57 +85,109 @@ def write_back_held(storage):
         gate.set()
 
 
-def commit(storage, landed) -> None:
-    hashes, gpu_pages, cpu_pages, checksums = (list(x) for x in zip(*landed, strict=True))
-    storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
-
-
-def test_a_step_that_loaded_a_landed_chunk_learns_whether_its_checksum_held():
-    engine, kv = engine_with_gpu_tier(gpu_pages=8)
+def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(tiered, caplog):
+    engine, kv = tiered(gpu_pages=8)
+    prompt = chunk_hash_array(tokens(4 * CHUNK, seed=1), CHUNK)
+    blocks = list(range(len(kv.layers[0])))
+    kv.prefill(prompt, blocks, CHUNK)
+    assert engine.store(prompt, kv.layers, blocks) == 4 * CHUNK
     storage = engine.storage
-    try:
-        prompt = chunk_hash_array(tokens(2 * CHUNK, seed=3), CHUNK).tolist()
-        blocks = list(range(len(kv.layers[0])))
-        with write_back_held(storage) as release:
-            commit(storage, [land(storage, kv, prompt[0]), land(storage, kv, prompt[1], checksum=99)])
-            with engine.pin_prefix(prompt) as prefix:
-                plan = engine.plan_load(prefix, blocks)
-                assert plan.from_gpu == 2 and [start for start, _, _ in plan.unchecked] == [0, CHUNK]
-                engine.run_load(plan, kv.layers)  # loadable before its check, as a step does
-                release()
-                assert engine.first_bad_chunk(plan, time.monotonic() + 10) == CHUNK  # the second: recomputed
-        assert storage.location_of(prompt[0]) == CPU and storage.location_of(prompt[1]) is None
-        assert storage.landing_check(prompt[0]) is None  # checked: nothing pending
-    finally:
-        engine.close()
+    assert storage.stats()["gpu"]["chunks"] == 4 and len(storage.cpu) == 4
+    for h in prompt.tolist():
+        with storage.pin(h, gpu=True) as from_gpu, storage.pin(h) as from_cpu:
+            assert from_gpu.data.data_ptr() != from_cpu.data.data_ptr()  # the GPU tier's own page
+            assert torch.equal(from_gpu.data, from_cpu.data)
+            assert from_gpu.checksum == from_cpu.checksum
+    kv.wipe()
+    with caplog.at_level("INFO", logger="lmcache_p2p.cache_engine"):
+        assert engine.retrieve(prompt, kv.layers, blocks) == 4 * CHUNK
+    assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
+    assert "(4 of 4 chunks from the GPU tier)" in caplog.text
 
 
-def test_a_chunk_cleared_while_landing_stays_cleared():
-    engine, kv = engine_with_gpu_tier(gpu_pages=8)
+def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses(tiered):
+    engine, kv = tiered(gpu_pages=3, cpu_pages=6)
+    events = []
+    engine.storage.subscribe(lambda e: events.append((e.kind, e.location)))
+    prompt = chunk_hash_array(tokens(5 * CHUNK, seed=2), CHUNK)
+    hashes = prompt.tolist()
+    blocks = list(range(len(kv.layers[0])))
+    kv.prefill(prompt, blocks, CHUNK)
     storage = engine.storage
-    try:
-        with write_back_held(storage):
-            commit(storage, [land(storage, kv, 41), land(storage, kv, 42)])
-            storage.remove(41)
-            storage.clear()
-        assert storage.flush(10)
-        assert storage.location_of(41) is None and storage.location_of(42) is None
-        stats = storage.stats()
-        assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"]
-        assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"]
-    finally:
-        engine.close()
+    engine.store(prompt[:3], kv.layers, blocks)
+    engine.store(prompt, kv.layers, blocks)  # chunks 3 and 4 are new
+    gpu_stats = storage.stats()["gpu"]
+    # Three pages: the two new chunks took the least recently used ones, and nobody was told.
+    assert gpu_stats["chunks"] == 3 and gpu_stats["evictions"] == 2
+    assert all(loc == CPU for _, loc in events) and len(events) == 5
+    assert [storage.gpu.contains(storage.key(h)) for h in hashes] == [False, False, True, True, True]
+    # A chunk the CPU tier drops leaves the GPU tier too: the GPU tier is a copy, never the only one.
+    storage.remove(hashes[4])
+    assert not storage.gpu.contains(storage.key(hashes[4])) and storage.location_of(hashes[4]) is None
+    # Loads still get every held chunk, from whichever tier has it.
+    kv.wipe()
+    assert engine.retrieve(prompt[:4], kv.layers, blocks) == 4 * CHUNK
+    assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
+    storage.clear()
+    assert len(storage.gpu) == 0 and storage.stats()["gpu"]["free_pages"] == 3
 
 
-def test_the_gpu_tier_never_holds_a_stored_chunk_the_cpu_tier_lost():
-    engine, _ = engine_with_gpu_tier(gpu_pages=4)
+def test_a_pull_landed_in_the_gpu_tier_is_loadable_at_once_and_written_back_checked(tiered):
+    engine, kv = tiered(gpu_pages=8)
     storage = engine.storage
-    try:
-        page, _ = storage.reserve_gpu_page()
-        assert not storage.commit_gpu_page(12345, page)  # the CPU tier does not hold it (evicted)
-        assert storage.stats()["gpu"]["free_pages"] == 4 and storage.location_of(12345) is None
-    finally:
-        engine.close()
+    good, bad = 777, 778
+    with write_back_held(storage):
+        commit(storage, [land(storage, kv, good), land(storage, kv, bad, checksum=12345)])  # damaged in flight
+        assert storage.location_of(good) == GPU  # loadable now, before the write-back
+    assert storage.flush(10)
+    assert storage.location_of(good) == CPU
+    with storage.pin(good) as chunk:
+        assert torch.equal(chunk.data, kv.chunk_payload(good, CHUNK))
+    assert storage.location_of(bad) is None  # dropped from both tiers
+    stats = storage.stats()
+    assert stats["gpu"]["write_back_mismatches"] == 1 and stats["gpu"]["pins_held"] == 0
+    assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"] - 1
+    assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"] - 1
+
+
+def test_a_step_that_loaded_a_landed_chunk_learns_whether_its_checksum_held(tiered):
+    engine, kv = tiered(gpu_pages=8)
+    storage = engine.storage
+    prompt = chunk_hash_array(tokens(2 * CHUNK, seed=3), CHUNK).tolist()
+    blocks = list(range(len(kv.layers[0])))
+    with write_back_held(storage) as release:
+        commit(storage, [land(storage, kv, prompt[0]), land(storage, kv, prompt[1], checksum=99)])
+        with engine.pin_prefix(prompt) as prefix:
+            plan = engine.plan_load(prefix, blocks)
+            assert plan.from_gpu == 2 and [start for start, _, _ in plan.unchecked] == [0, CHUNK]
+            engine.run_load(plan, kv.layers)  # loadable before its check, as a step does
+            release()
+            assert engine.first_bad_chunk(plan, time.monotonic() + 10) == CHUNK  # the second: recomputed
+    assert storage.location_of(prompt[0]) == CPU and storage.location_of(prompt[1]) is None
+    with storage.pin(prompt[0], gpu=True) as chunk:
+        assert chunk.location == GPU and chunk.check is None  # checked: nothing pending
+
+
+def test_a_chunk_cleared_while_landing_stays_cleared(tiered):
+    engine, kv = tiered(gpu_pages=8)
+    storage = engine.storage
+    with write_back_held(storage):
+        commit(storage, [land(storage, kv, 41), land(storage, kv, 42)])
+        storage.remove(41)
+        storage.clear()
+    assert storage.flush(10)
+    assert storage.location_of(41) is None and storage.location_of(42) is None
+    stats = storage.stats()
+    assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"]
+    assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"]
+
+
+def test_the_gpu_tier_never_holds_a_stored_chunk_the_cpu_tier_lost(tiered):
+    engine, _ = tiered(gpu_pages=4)
+    storage = engine.storage
+    page, _ = storage.reserve_gpu_page()
+    assert not storage.commit_gpu_page(12345, page)  # the CPU tier does not hold it (evicted)
+    assert storage.stats()["gpu"]["free_pages"] == 4 and storage.location_of(12345) is None
 
 
 def test_gpu_tier_settings_name_the_key():

@@ -247,20 +247,19 @@ def cmd_peer(args) -> dict:
 def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     """One measurement: engine 1's warmup (cold) and query (its own cache) rounds, then engine
     2's (from engine 1), over ``docs``; what engine 2's log says about this wave's pulls and loads."""
-    import httpx
     from protocol_client import wait_for
 
     from lmcache_p2p.demo import P2P_LINE
 
     out: dict = {"repeat": repeat}
     log_from = len(engines[1].log())
-    indexed_before = _indexed_chunks(httpx)
+    indexed_before = _indexed_chunks()
     texts = {}
     for i, engine in enumerate(engines, start=1):
         if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
             want = indexed_before + args.docs * (args.doc_tokens // 256)
             wait_for(
-                lambda want=want: _indexed_chunks(httpx) >= want,
+                lambda want=want: _indexed_chunks() >= want,
                 timeout=60,
                 what="engine 1's chunks at the controller",
             )
@@ -321,8 +320,10 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     return out
 
 
-def _indexed_chunks(httpx) -> int:
+def _indexed_chunks() -> int:
     """Engine 1's chunks in the controller's index."""
+    import httpx
+
     stats = httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()
     return stats["instances"].get("lmcache_instance_1", {}).get("LocalCPUBackend", 0)
 

@@ -112,6 +112,15 @@ class CpuTier:
         entry = self._entries.get(key)
         return entry.pins if entry else 0
 
+    def stats(self) -> dict[str, int]:
+        return {
+            "chunks": len(self._entries),
+            "capacity_chunks": self.pool.num_pages,
+            "free_pages": self.pool.free_pages,
+            "pins_held": self.pins_held,
+            "evictions": self.evictions,
+        }
+
     @property
     def used_bytes(self) -> int:
         return len(self._entries) * self.pool.page_bytes

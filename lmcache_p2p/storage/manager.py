@@ -316,13 +316,6 @@ class StorageManager:
             return False
         return admitted
 
-    def landing_check(self, chunk_hash: int) -> concurrent.futures.Future | None:
-        """The write-back of a chunk that landed in VRAM, while it runs: its result is the set
-        of hashes whose checksums failed. None once done (or for any other chunk)."""
-        with self._landing_lock:
-            entry = self._landing.get(self.key(chunk_hash))
-        return entry[1] if entry is not None else None
-
     def abandon_gpu_page(self, page: int) -> None:
         self._gpu_tier().pool.free(page)
 
@@ -332,30 +325,24 @@ class StorageManager:
         return self.gpu
 
     def commit_landed(
-        self,
-        chunk_hashes: Sequence[int],
-        gpu_pages: Sequence[int],
-        cpu_pages: Sequence[int],
-        checksums: Sequence[int],
-        location: str = CPU,
+        self, chunk_hashes: Sequence[int], gpu_pages: Sequence[int], cpu_pages: Sequence[int], checksums: Sequence[int]
     ) -> None:
-        """Chunks a peer wrote into GPU tier pages: loadable from the GPU tier now (``location``
-        CPU), and written back behind the caller into the reserved ``cpu_pages``, where their
-        checksums are checked before the CPU tier (or the disk tier, with ``location`` DISK)
-        indexes them. A chunk whose checksum differs is dropped from both and logged."""
+        """Chunks a peer wrote into GPU tier pages (the engine's prefix pulls): loadable from the
+        GPU tier now, and written back behind the caller into the reserved ``cpu_pages``, where
+        their checksums are checked before the CPU tier indexes them. A chunk whose checksum
+        differs is dropped from both and logged."""
         gpu = self._gpu_tier()
         assert self._write_back_thread is not None  # made with the GPU tier
         # Under the landing lock from admit to registration: a pin taken meanwhile waits, and so
         # gets the check with the chunk (lock order: landing, then the GPU tier's).
         with self._landing_lock:
-            # Pinned until written back (the tier may not evict them meanwhile); a chunk bound for
-            # the disk tier is not kept in VRAM: its page is read, then freed.
-            pins: list[PinnedChunk | None] = [
-                gpu.admit_pinned(self.key(chunk_hash), page, checksum) if location == CPU else None
+            # Pinned until written back: the tier may not evict them meanwhile.
+            pins = [
+                gpu.admit_pinned(self.key(chunk_hash), page, checksum)
                 for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
             ]
             token = object()
-            job = (list(chunk_hashes), list(gpu_pages), list(cpu_pages), list(checksums), location, pins, token)
+            job = (list(chunk_hashes), list(cpu_pages), list(checksums), pins, token)
             future = self._write_back_thread.submit(self._write_back, *job)
             self._write_backs = [f for f in self._write_backs if not f.done()]
             self._write_backs.append(future)
@@ -365,11 +352,9 @@ class StorageManager:
     def _write_back(
         self,
         chunk_hashes: list[int],
-        gpu_pages: list[int],
         cpu_pages: list[int],
         checksums: list[int],
-        location: str,
-        pins: list[PinnedChunk | None],
+        pins: list[PinnedChunk],
         token: object,
     ) -> set[int]:
         """Returns the hashes that are not good: checksum mismatches (dropped from both tiers),
@@ -379,11 +364,8 @@ class StorageManager:
         bad: set[int] = set()
         handled = 0  # chunks whose CPU page the tier took or that was freed: never freed again
         try:
-            sources = [
-                pin.data if pin is not None else gpu.pool.page(page) for pin, page in zip(pins, gpu_pages, strict=True)
-            ]
             targets = [cpu.pool.page(page) for page in cpu_pages]
-            _copy_pages(sources, targets)
+            _copy_pages([pin.data for pin in pins], targets)
             got = in_parallel(lambda page: payload_checksum(page.numpy()), targets)
             written = 0
             for i, (chunk_hash, page, expected, actual) in enumerate(
@@ -405,14 +387,13 @@ class StorageManager:
                 elif self._dropped_by(key, token):  # removed (clear, move) while on its way: stays so
                     self.abandon_page(page)
                 else:
-                    written += self.commit_page(chunk_hash, page, expected, location)
+                    written += self.commit_page(chunk_hash, page, expected)
                     if self._dropped_by(key, token):  # removed while it was being admitted
                         self.remove(chunk_hash)
             logger.debug(
-                "wrote back %d of %d landed chunk(s) to %s in %.1f ms",
+                "wrote back %d of %d landed chunk(s) in %.1f ms",
                 written,
                 len(chunk_hashes),
-                location,
                 (time.perf_counter() - t0) * 1e3,
             )
         except Exception:
@@ -426,11 +407,8 @@ class StorageManager:
                 gpu.remove(self.key(chunk_hash))
                 bad.add(chunk_hash)
         finally:
-            for pin, page in zip(pins, gpu_pages, strict=True):
-                if pin is not None:
-                    pin.release()
-                elif location != CPU:
-                    gpu.pool.free(page)
+            for pin in pins:
+                pin.release()
             with self._landing_lock:
                 for chunk_hash in chunk_hashes:
                     key = self.key(chunk_hash)
@@ -608,23 +586,9 @@ class StorageManager:
     def stats(self) -> dict:
         out: dict = {"chunk_size": self.chunk_size, "page_bytes": self.page_bytes}
         if self.cpu is not None:
-            out["cpu"] = {
-                "chunks": len(self.cpu),
-                "capacity_chunks": self.cpu.pool.num_pages,
-                "free_pages": self.cpu.pool.free_pages,
-                "pins_held": self.cpu.pins_held,
-                "evictions": self.cpu.evictions,
-                "rejected_puts": self.cpu.rejected_puts,
-            }
+            out["cpu"] = {**self.cpu.stats(), "rejected_puts": self.cpu.rejected_puts}
         if self.gpu is not None:
-            out["gpu"] = {
-                "chunks": len(self.gpu),
-                "capacity_chunks": self.gpu.pool.num_pages,
-                "free_pages": self.gpu.pool.free_pages,
-                "pins_held": self.gpu.pins_held,
-                "evictions": self.gpu.evictions,
-                "write_back_mismatches": self.write_back_mismatches,
-            }
+            out["gpu"] = {**self.gpu.stats(), "write_back_mismatches": self.write_back_mismatches}
         if self.disk is not None:
             out["disk"] = {
                 "chunks": len(self.disk),

@@ -76,7 +76,7 @@ def make_transport(
                 session,
                 progress_delay_us=nixl_progress_delay_us,
                 staging=staging,
-                gpu_tier=gpu_tier if staging is not None else None,
+                gpu_tier=gpu_tier,  # reached through staging only: unused without it
             )
         except BaseException:
             if staging is not None:

@@ -610,12 +610,13 @@ class P2PClient:
         return batch
 
     def _commit(self, batch: _Batch, location: str) -> list[int]:
-        """Index the verified leading pages of a batch; the rest go back to the pool."""
+        """Index the verified leading pages of a batch; the rest go back to the pool. (Batches
+        landed in the GPU tier are prefix pulls for the engine, whose ``location`` is the CPU.)"""
         good = batch.good
         held = list(batch.hashes[:good])
         if batch.gpu_pages:
             checksums = [int(c) for c in batch.checksums[:good]]
-            self.storage.commit_landed(held, batch.gpu_pages[:good], batch.pages[:good], checksums, location)
+            self.storage.commit_landed(held, batch.gpu_pages[:good], batch.pages[:good], checksums)
         else:
             for i in range(good):
                 self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)

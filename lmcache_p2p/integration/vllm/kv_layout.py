@@ -26,17 +26,7 @@ class UnsupportedKVLayout(ValueError):
 
 def block_planes(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
     """Every layer's planes, in layer order then plane order."""
-    planes: list[torch.Tensor] = []
-    for name, tensor in kv_caches.items():
-        if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
-            planes.append(tensor)
-        elif tensor.dim() >= 3 and tensor.shape[1] == num_blocks:
-            planes.extend(tensor.unbind(0))
-        else:
-            raise UnsupportedKVLayout(
-                f"KV cache of layer {name!r} has shape {tuple(tensor.shape)}; expected the block "
-                f"dimension ({num_blocks} blocks) first or second"
-            )
+    planes = [plane for name, tensor in kv_caches.items() for plane in _layer_planes(name, tensor, num_blocks)]
     if not planes:
         raise UnsupportedKVLayout("vLLM registered no KV cache tensors")
     first = planes[0]
@@ -55,10 +45,23 @@ def planes_by_layer(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> d
     out: dict[str, range] = {}
     first = 0
     for name, tensor in kv_caches.items():
-        count = 1 if tensor.shape[0] == num_blocks else int(tensor.shape[0])
+        count = len(_layer_planes(name, tensor, num_blocks))
         out[name] = range(first, first + count)
         first += count
     return out
+
+
+def _layer_planes(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torch.Tensor]:
+    """One layer's planes: the tensor itself (block dimension first), or one per leading index
+    (block dimension second: K and V apart); anything else is refused, naming the shape."""
+    if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
+        return [tensor]
+    if tensor.dim() >= 3 and tensor.shape[1] == num_blocks:
+        return list(tensor.unbind(0))
+    raise UnsupportedKVLayout(
+        f"KV cache of layer {name!r} has shape {tuple(tensor.shape)}; expected the block "
+        f"dimension ({num_blocks} blocks) first or second"
+    )
 
 
 def fingerprint(

@@ -328,12 +328,11 @@ class WorkerSide:
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
-            if self.config.use_layerwise:
-                plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
+            plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
+            if self.config.use_layerwise:  # copied during the forward pass; pins released after it
                 layerwise.append((spec, prefix, plan))
                 continue
             try:
-                plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
                 engine.run_load(plan, self.planes)
                 loaded_to = plan.loaded_to
                 if plan.unchecked:
