@@ -1,44 +1,74 @@
 #!/usr/bin/env bash
 # Issue 21's measurements: the GPU tier (local_gpu) and layer-wise loads (use_layerwise) against
 # the staged baseline, on the H200 (vLLM 0.25.1 and NIXL staged as ../shared/device/README.md
-# says). One step per call, each under the device's 10-minute limit:
+# says). Steps run in the order given; a failed step is recorded and the next one runs:
 #
-#   bash benchmarks/gpu/run_gpu_paths.sh STEP [WORKDIR]    # WORKDIR defaults to /tmp/gpu-paths
+#   bash benchmarks/gpu/run_gpu_paths.sh [-w WORKDIR] STEP...    # WORKDIR defaults to /tmp/gpu-paths
 #
-#   tests        the GPU-marked tests of the tier, layer-wise loads, staging and the kernels
+#   kernels      build (or load) csrc's kernels, timed
+#   tests        the GPU-marked tests of the tier, layer-wise loads, staging, the store and the kernels
 #   peer-base    e2e peer, both engines on GPU 0, no GPU tier (12 documents x 3 repeats)
 #   peer-tier    the same with a 16 GB GPU tier on each engine
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
 #   offload      seed 002's offload runs: connector off, on, on with use_layerwise
+#   offload-profile  run 2 with use_layerwise under torch.profiler, then again under cProfile
 #
-# Every step writes its JSON into WORKDIR ($OUT too, when set, so the device call returns it).
-set -euo pipefail
+# Each step appends "STEP rc=N seconds=S" to WORKDIR/status and writes its JSON and log into
+# WORKDIR. A GPU device call can start it in its own session and poll WORKDIR/status:
+#   setsid nohup bash benchmarks/gpu/run_gpu_paths.sh tests peer-tier ... >/tmp/paths.log 2>&1 &
+set -uo pipefail
 cd "$(dirname "$0")/../.."
-STEP=${1:?step: tests, peer-base, peer-tier, peer-base-2, peer-tier-2 or offload}
-W=${2:-/tmp/gpu-paths}
+W=/tmp/gpu-paths
+if [ "${1:-}" = "-w" ]; then W=$2; shift 2; fi
+if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy what is there to $OUT
+  end=$(( $(date +%s) + $2 ))
+  while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all done" "$W/status" 2>/dev/null; do sleep 5; done
+  cat "$W/status" 2>/dev/null
+  ( cd "$W" && cp *.json *.txt *.log status "${OUT:-/dev/null}/" 2>/dev/null
+    for d in */; do [ -f "$d/engine2.log" ] && tail -c 300000 "$d/engine2.log" > "$OUT/${d%/}_engine2.log"
+      [ -f "$d/engine1.log" ] && tail -c 200000 "$d/engine1.log" > "$OUT/${d%/}_engine1.log"; done
+    [ -d profile ] && cp profile/*.txt profile/*.json "$OUT/" 2>/dev/null ) || true
+  exit 0
+fi
+[ $# -gt 0 ] || { echo "steps: kernels tests peer-base peer-tier peer-base-2 peer-tier-2 offload offload-profile" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-$PY -c "from lmcache_p2p import kv_kernels; kv_kernels.load()"
 MODEL="$W/llama-3.1-8b-shape"
-[ -d "$MODEL" ] || $PY benchmarks/gpu/e2e.py model --out "$MODEL" > "$W/model.json"
+model() { [ -d "$MODEL" ] || $PY benchmarks/gpu/e2e.py model --out "$MODEL" > "$W/model.json"; }
 # Same documents, engines and GPU memory for the baseline and the tier: 0.3 of the card per engine
 # leaves room for two 16 GB tiers beside two engines on one H200.
-PEER=(peer --model "$MODEL" --docs 12 --repeats 3 --gpu-util 0.3 --cpu-gb 50)
-save() { cp "$W/$1" "${OUT:-$W}/" 2>/dev/null || true; }
-case "$STEP" in
-  tests)
-    $PY -m pytest -q -m gpu tests/test_gpu_tier.py tests/test_layerwise.py tests/test_gpu_staging.py \
-      tests/test_kernels.py 2>&1 | tee "$W/gpu_tests.txt"; save gpu_tests.txt ;;
-  peer-base) $PY benchmarks/gpu/e2e.py "${PEER[@]}" --workdir "$W/pb" --gpus 0,0 > "$W/peer_base.json"; save peer_base.json ;;
-  peer-tier) $PY benchmarks/gpu/e2e.py "${PEER[@]}" --workdir "$W/pt" --gpus 0,0 --gpu-tier-gb 16 > "$W/peer_tier.json"; save peer_tier.json ;;
-  peer-base-2) $PY benchmarks/gpu/e2e.py "${PEER[@]}" --workdir "$W/pb2" --gpus 0,1 > "$W/peer_base_2.json"; save peer_base_2.json ;;
-  peer-tier-2) $PY benchmarks/gpu/e2e.py "${PEER[@]}" --workdir "$W/pt2" --gpus 0,1 --gpu-tier-gb 16 > "$W/peer_tier_2.json"; save peer_tier_2.json ;;
-  offload)
-    for c in off on; do
-      $PY benchmarks/gpu/e2e.py offload --model "$MODEL" --connector $c > "$W/offload_$c.json" 2> "$W/offload_$c.log"; save "offload_$c.json"
-    done
-    $PY benchmarks/gpu/e2e.py offload --model "$MODEL" --connector on --layerwise > "$W/offload_layerwise.json" \
-      2> "$W/offload_layerwise.log"; save offload_layerwise.json ;;
-  *) echo "unknown step $STEP" >&2; exit 2 ;;
-esac
+PEER=(peer --docs 12 --repeats 3 --gpu-util 0.3 --cpu-gb 50)
+peer() {  # name, gpus, extra args
+  local name=$1 gpus=$2; shift 2
+  model && $PY benchmarks/gpu/e2e.py "${PEER[@]}" --model "$MODEL" --workdir "$W/$name" --gpus "$gpus" "$@" \
+    > "$W/$name.json" 2> "$W/$name.log"
+}
+offload() {  # name, extra args
+  local name=$1; shift
+  model && $PY benchmarks/gpu/e2e.py offload --model "$MODEL" "$@" > "$W/$name.json" 2> "$W/$name.log"
+}
+step() {
+  case "$1" in
+    kernels) $PY -c "
+import logging, time; logging.basicConfig(level=logging.INFO); t = time.perf_counter()
+from lmcache_p2p import kv_kernels; assert kv_kernels.load() is not None; print(f'kernels {time.perf_counter() - t:.1f} s')" \
+      > "$W/kernels.log" 2>&1 ;;
+    tests) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tier.py tests/test_layerwise.py \
+      tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py > "$W/gpu_tests.txt" 2>&1 ;;
+    peer-base) peer peer_base 0,0 ;;
+    peer-tier) peer peer_tier 0,0 --gpu-tier-gb 16 ;;
+    peer-base-2) peer peer_base_2 0,1 ;;
+    peer-tier-2) peer peer_tier_2 0,1 --gpu-tier-gb 16 ;;
+    offload) offload offload_off --connector off && offload offload_on --connector on \
+      && offload offload_layerwise --connector on --layerwise ;;
+    offload-profile) offload offload_profile --connector on --layerwise --profile-dir "$W/profile" ;;
+    *) echo "unknown step $1" >&2; return 2 ;;
+  esac
+}
+for s in "$@"; do
+  t0=$(date +%s); echo "$s started $(date -u +%T)" >> "$W/status"
+  step "$s"; rc=$?
+  echo "$s rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$W/status"
+done
+echo "all done" >> "$W/status"

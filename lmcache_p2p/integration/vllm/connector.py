@@ -54,6 +54,16 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
 
             self._worker = WorkerSide(vllm_config, config, kv_cache_config)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads need wait_for_layer_load between the layers, which a full CUDA graph
+        replay skips (its attention would read blocks still being copied): vLLM then captures
+        piecewise graphs, running our waits between the pieces."""
+        try:
+            return LMCacheConfig.load().use_layerwise
+        except Exception:  # a bad configuration is reported when the connector is built
+            return False
+
     @property
     def _scheduler_side(self) -> SchedulerSide:
         if self._scheduler is None:

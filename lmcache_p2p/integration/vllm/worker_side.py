@@ -136,6 +136,7 @@ class WorkerSide:
         self.engine: CacheEngine | None = None
         self.planes: list[torch.Tensor] = []
         self.layer_planes: dict[str, range] = {}  # each attention layer's planes (layer-wise loads)
+        self.layerwise = config.use_layerwise and self._layerwise_possible(vllm_config)
         self._step_load: _StepLoad | None = None  # this step's layer-wise load (use_layerwise)
         self._loads_in_flight: deque[_StepLoad] = deque()  # earlier steps', copies maybe running
         # This step's loads that used chunks landed in VRAM unchecked: checked at its end.
@@ -154,6 +155,15 @@ class WorkerSide:
         self.blender: Any = None  # blending.SegmentBlender, with enable_blending
         self._segment_pins: dict[str, tuple[float, dict[int, Any]]] = {}  # req_id -> (when, key -> pinned chunk)
         self.tp_rank, self.tp_size = self._tp_rank_and_size()
+
+    @staticmethod
+    def _layerwise_possible(vllm_config: Any) -> bool:
+        """A speculative decoder's draft layers share the KV caches but run after the step's
+        results are asked for, so they would count as never waited for and fail every load."""
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            logger.warning("use_layerwise is ignored with speculative decoding: loads go whole, before the forward pass")
+            return False
+        return True
 
     def _tp_rank_and_size(self) -> tuple[int, int]:
         size = int(self.vllm_config.parallel_config.tensor_parallel_size)
@@ -328,8 +338,14 @@ class WorkerSide:
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
-            plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
-            if self.config.use_layerwise:  # copied during the forward pass; pins released after it
+            try:
+                plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
+            except Exception:  # a bad spec fails its own load (recomputed), never the step
+                logger.exception("request %s: planning the load of [%d, %d) failed", spec.req_id, spec.start, spec.end)
+                prefix.release()
+                self._report_short_load(spec, spec.start)
+                continue
+            if self.layerwise:  # copied during the forward pass; pins released after it
                 layerwise.append((spec, prefix, plan))
                 continue
             try:
@@ -402,6 +418,9 @@ class WorkerSide:
                 )
             for spec in step.specs:
                 self._report_short_load(spec, spec.start)
+            # Recomputed whole and never counted as retrieved: their landed chunks' checks no
+            # longer decide anything here (the write-back still checks them for the CPU tier).
+            self._unchecked = [(s, p) for s, p in self._unchecked if not any(p is q for q in step.load.plans)]
         self._loads_in_flight.append(step)
         self._poll_step_loads()
 
