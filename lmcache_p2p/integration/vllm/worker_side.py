@@ -161,7 +161,7 @@ class WorkerSide:
         """A speculative decoder's draft layers share the KV caches but run after the step's
         results are asked for, so they would count as never waited for and fail every load."""
         if getattr(vllm_config, "speculative_config", None) is not None:
-            logger.warning("use_layerwise is ignored with speculative decoding: loads go whole, before the forward pass")
+            logger.warning("use_layerwise is ignored with speculative decoding: loads go whole before the forward")
             return False
         return True
 
