@@ -37,8 +37,11 @@ export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} TOKENIZERS_
 MODEL="$W/llama-3.1-8b-shape"
 model() { [ -d "$MODEL" ] || $PY benchmarks/gpu/e2e.py model --out "$MODEL" > "$W/model.json"; }
 # Same documents, engines and GPU memory for the baseline and the tier: 0.3 of the card per engine
-# leaves room for two 16 GB tiers beside two engines on one H200.
-PEER=(peer --docs 12 --repeats 3 --gpu-util 0.3 --cpu-gb 50)
+# leaves room for two 16 GB tiers beside two engines on one H200; 20 GB pinned pools each (two of
+# 40 GB were killed at start-up on the 128 GiB host).
+# On an 80 GB card (H100) two engines and two tiers need TIER_GB=6 PEER_UTIL=0.35 or so.
+PEER=(peer --docs 12 --repeats 3 --gpu-util "${PEER_UTIL:-0.3}" --cpu-gb 20)
+TIER=(--gpu-tier-gb "${TIER_GB:-16}")
 peer() {  # name, gpus, extra args
   local name=$1 gpus=$2; shift 2
   model && $PY benchmarks/gpu/e2e.py "${PEER[@]}" --model "$MODEL" --workdir "$W/$name" --gpus "$gpus" "$@" \
@@ -57,9 +60,9 @@ from lmcache_p2p import kv_kernels; assert kv_kernels.load() is not None; print(
     tests) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tier.py tests/test_layerwise.py \
       tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py > "$W/gpu_tests.txt" 2>&1 ;;
     peer-base) peer peer_base 0,0 ;;
-    peer-tier) peer peer_tier 0,0 --gpu-tier-gb 16 ;;
+    peer-tier) peer peer_tier 0,0 "${TIER[@]}" ;;
     peer-base-2) peer peer_base_2 0,1 ;;
-    peer-tier-2) peer peer_tier_2 0,1 --gpu-tier-gb 16 ;;
+    peer-tier-2) peer peer_tier_2 0,1 "${TIER[@]}" ;;
     offload) offload offload_off --connector off && offload offload_on --connector on \
       && offload offload_layerwise --connector on --layerwise ;;
     offload-profile) offload offload_profile --connector on --layerwise --profile-dir "$W/profile" ;;

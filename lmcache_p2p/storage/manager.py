@@ -566,8 +566,10 @@ class StorageManager:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until queued disk and remote writes are done (tests, shutdown)."""
-        done, _ = concurrent.futures.wait(self._write_backs, timeout)  # they queue CPU admits: first
-        written = len(done) == len(self._write_backs)
+        with self._landing_lock:  # commit_landed rebuilds the list on the event loop's thread
+            write_backs = list(self._write_backs)
+        done, _ = concurrent.futures.wait(write_backs, timeout)  # they queue CPU admits: first
+        written = len(done) == len(write_backs)
         disk = self._writer.queue.flush(timeout) if self._writer is not None else True
         remote = self.remote.flush(timeout) if self.remote is not None else True
         return written and disk and remote
@@ -650,7 +652,7 @@ def _copy_pages(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for src, dst in zip(sources, targets, strict=True):
             dst.copy_(src, non_blocking=True)
-    stream.synchronize()
+        stream.synchronize()  # inside the guard: this thread makes no call against device 0
 
 
 _write_back_streams: dict[torch.device, torch.cuda.Stream] = {}

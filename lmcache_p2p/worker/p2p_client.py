@@ -345,7 +345,15 @@ class P2PClient:
         while todo or window:
             while todo and not stopped and len(window) < self.pipeline_depth:
                 window.append(asyncio.ensure_future(self._fetch(conn, peer, todo.popleft(), into_gpu_tier)))
-            batch = await window.popleft()
+            try:
+                # Shielded: a caller that gives up (the engine's timeout) leaves the batches to
+                # finish their own requests, and their pages (CPU and GPU tier) are given back then.
+                batch = await asyncio.shield(window[0])
+            except asyncio.CancelledError:
+                for task in window:
+                    task.add_done_callback(self._abandon_finished)
+                raise
+            window.popleft()
             batches += 1
             for phase, ms in batch.phases_ms.items():
                 phases_ms[phase] += ms
@@ -624,6 +632,11 @@ class P2PClient:
         for page in batch.gpu_pages[good:]:
             self.storage.abandon_gpu_page(page)
         return held
+
+    def _abandon_finished(self, task: asyncio.Task) -> None:
+        """A batch of a pull its caller gave up on: nothing commits it, so its pages go back."""
+        if not task.cancelled() and task.exception() is None:
+            self._abandon_batch(task.result())
 
     def _abandon_batch(self, batch: _Batch) -> None:
         self._abandon(batch.pages)

@@ -204,7 +204,9 @@ class PeerServer:
         hashes = unpack_hashes(request.hashes)
         pages = unpack_pages(request.pages)
         slots = unpack_pages(request.slots)
-        from_gpu = transport.reads_gpu_tier(request.session)  # VRAM copies go out device to device
+        # VRAM copies go out device to device, through the receive slots the requester offered;
+        # a request without enough slots (none were free in time) is served from host memory.
+        from_gpu = transport.reads_gpu_tier(request.session) and len(slots) >= len(hashes)
         for h in hashes:
             chunk = self.storage.pin(int(h), gpu=from_gpu)
             if chunk is None:
