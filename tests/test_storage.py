@@ -338,3 +338,30 @@ def test_disk_only_instance(tmp_path):
 def test_unknown_location_is_named():
     with pytest.raises(ValueError, match="'RedisBackend'"):
         make_manager().clear("RedisBackend")
+
+
+def test_with_peers_a_stored_chunk_is_hashed_behind_its_store_not_when_first_served():
+    """A holder that hashed a chunk when a peer first pulled it spent most of a same-host pull
+    doing so (issue 21); with enable_p2p the hash is taken right after the store commits."""
+    from lmcache_p2p.keys import payload_checksum
+
+    values = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": (4 * PAGE + 1) / GB}
+    for p2p in (False, True):
+        peers = dict(
+            enable_p2p=True,
+            enable_controller=True,
+            controller_pull_url="localhost:8300",
+            controller_reply_url="localhost:8400",
+            lmcache_worker_ports=[8500],
+            p2p_init_ports=[8200],
+            p2p_lookup_ports=[8201],
+            transfer_channel="tcp",
+        )
+        config = LMCacheConfig.from_dict({**values, **(peers if p2p else {})})
+        m = StorageManager(config, LAYOUT, pin_memory=False)
+        page, data = m.reserve_page()
+        data.copy_(payload(7).reshape(data.shape))
+        assert m.commit_page(7, page)
+        entry = m.cpu._entries[m.key(7)]
+        m.close()  # waits for the hashing behind the store
+        assert entry.checksum == (payload_checksum(payload(7).numpy()) if p2p else None)

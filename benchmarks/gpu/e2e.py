@@ -253,15 +253,14 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
 
     out: dict = {"repeat": repeat}
     log_from = len(engines[1].log())
-    indexed_before = _indexed_chunks()
     texts = {}
     for i, engine in enumerate(engines, start=1):
-        if i == 2:  # engine 1's chunks are all indexed before engine 2 asks
-            want = indexed_before + args.docs * (args.doc_tokens // 256)
+        if i == 2:  # every full chunk of this wave's documents is at engine 1 before engine 2 asks
             wait_for(
-                lambda want=want: _indexed_chunks() >= want,
+                lambda: all(_held_by_engine1(doc) >= (args.doc_tokens // 256) * 256 for doc in docs),
                 timeout=60,
                 what="engine 1's chunks at the controller",
+                interval=0.2,  # each ask is one /lookup per document
             )
         for name in ("warmup", "query"):
             answer = engine.request(
@@ -320,12 +319,15 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     return out
 
 
-def _indexed_chunks() -> int:
-    """Engine 1's chunks in the controller's index."""
+def _held_by_engine1(tokens: list[int]) -> int:
+    """Tokens of ``tokens`` the controller's /lookup says engine 1 holds. Asked per document, not
+    counted from key-stats: a CPU pool smaller than all repeats' documents evicts older waves'
+    chunks, so a running total of indexed chunks need not grow by a whole wave."""
     import httpx
 
-    stats = httpx.get("http://localhost:9000/controller/key-stats", timeout=5).json()
-    return stats["instances"].get("lmcache_instance_1", {}).get("LocalCPUBackend", 0)
+    answer = httpx.post("http://localhost:9000/lookup", json={"tokens": tokens}, timeout=30).json()
+    # layout_info: {instance: [location, tokens held]}
+    return answer["layout_info"].get("lmcache_instance_1", [None, 0])[1]
 
 
 def yaml_config(path: Path, **overrides) -> dict:
