@@ -168,6 +168,42 @@ def test_a_step_that_loaded_a_landed_chunk_learns_whether_its_checksum_held(tier
         assert chunk.location == GPU and chunk.check is None  # checked: nothing pending
 
 
+def test_a_rank_holds_a_steps_output_for_its_landed_chunks_checks_and_fails_the_bad_ones(tiered, caplog):
+    """What vLLM sees: the step's load errors name the blocks from the first bad chunk on, the
+    retrieved count loses them, and the log says how long the step waited for the checks."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.integration.vllm.metadata import LoadSpec
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+
+    engine, kv = tiered(gpu_pages=8)
+    storage = engine.storage
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=kv.layout().block_size),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
+    )
+    side = WorkerSide(vllm_config, engine.config)
+    side.engine, side.planes = engine, kv.layers
+    prompt = chunk_hash_array(tokens(2 * CHUNK, seed=4), CHUNK)
+    blocks = list(range(len(kv.layers[0])))
+    with write_back_held(storage) as release:
+        commit(storage, [land(storage, kv, int(prompt[0])), land(storage, kv, int(prompt[1]), checksum=99)])
+        with engine.pin_prefix(prompt.tolist()) as prefix:
+            spec = LoadSpec("r", prompt, 2 * CHUNK, blocks, 0, 2 * CHUNK)
+            plan = engine.plan_load(prefix, blocks, 0, 2 * CHUNK, total_tokens=2 * CHUNK)
+            engine.run_load(plan, kv.layers)  # counted as retrieved, as a step's load is
+            side._unchecked.append((spec, plan))
+            threading.Timer(0.05, release).start()  # the write-back finishes while the step waits
+            with caplog.at_level("INFO"):
+                errors = side.take_load_errors()
+    per_chunk = CHUNK // kv.layout().block_size
+    assert errors == set(blocks[per_chunk : 2 * per_chunk])  # the second chunk's blocks: recomputed
+    assert engine.counters.retrieved_tokens == CHUNK
+    assert "for the checksum checks of 2 chunk(s) landed in VRAM (1 request(s))" in caplog.text
+    waited = float(caplog.text.split("step waited ")[1].split(" ms")[0])
+    assert waited >= 40, "the step's output waited for the write-back"
+
+
 def test_a_chunk_cleared_while_landing_stays_cleared(tiered):
     engine, kv = tiered(gpu_pages=8)
     storage = engine.storage

@@ -315,7 +315,15 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
         ]
     gpu_landed = [int(m[1]) for m in re.finditer(r"; (\d+) chunk\(s\) landed in the GPU tier", log2)]
     from_gpu_tier = [int(m[1]) for m in re.finditer(r"\((\d+) of \d+ chunks from the GPU tier\)", log2)]
-    out["engine2_gpu_tier"] = {"chunks_landed": sum(gpu_landed), "chunks_loaded": sum(from_gpu_tier)}
+    # How long steps that loaded landed chunks held their output for those chunks' checksum checks.
+    check_waits = [float(m[1]) for m in re.finditer(r"step waited ([\d.]+) ms for the checksum checks", log2)]
+    out["engine2_gpu_tier"] = {
+        "chunks_landed": sum(gpu_landed),
+        "chunks_loaded": sum(from_gpu_tier),
+        "steps_waiting_for_checks": len(check_waits),
+        "check_wait_ms_median": statistics.median(check_waits) if check_waits else None,
+        "check_wait_ms_max": max(check_waits, default=None),
+    }
     return out
 
 

@@ -443,9 +443,19 @@ class WorkerSide:
         did not finish in time, fails its request's load from there: vLLM drops the step's
         output for it and recomputes."""
         checks, self._unchecked = self._unchecked, []
-        deadline = time.monotonic() + LANDED_CHECK_TIMEOUT_S  # one wait for the whole step
-        for spec, plan in checks:
-            bad_at = self._engine.first_bad_chunk(plan, deadline)
+        if not checks:
+            return
+        t0 = time.monotonic()
+        deadline = t0 + LANDED_CHECK_TIMEOUT_S  # one wait for the whole step
+        bad = [(spec, plan, self._engine.first_bad_chunk(plan, deadline)) for spec, plan in checks]
+        # The step's output waits for these checks: what that costs is the first token's time.
+        logger.info(
+            "step waited %.1f ms for the checksum checks of %d chunk(s) landed in VRAM (%d request(s))",
+            (time.monotonic() - t0) * 1e3,
+            sum(len(plan.unchecked) for _, plan in checks),
+            len(checks),
+        )
+        for spec, plan, bad_at in bad:
             if bad_at is not None:
                 logger.error(
                     "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed its "
