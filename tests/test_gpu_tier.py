@@ -204,6 +204,21 @@ def test_a_rank_holds_a_steps_output_for_its_landed_chunks_checks_and_fails_the_
     assert waited >= 40, "the step's output waited for the write-back"
 
 
+def test_a_chunk_checked_on_the_device_as_it_landed_is_not_waited_for_again(tiered):
+    engine, kv = tiered(gpu_pages=8)
+    storage = engine.storage
+    prompt = chunk_hash_array(tokens(CHUNK, seed=8), CHUNK).tolist()
+    with write_back_held(storage):
+        hashes, gpu_pages, cpu_pages, checksums = zip(land(storage, kv, prompt[0]), strict=True)
+        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, checked_on_device=True)
+        with storage.pin(prompt[0], gpu=True) as chunk:
+            assert chunk.location == GPU and chunk.check is None  # while its write-back waits
+        with engine.pin_prefix(prompt) as prefix:
+            plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
+            assert plan.from_gpu == 1 and plan.unchecked == []
+    assert storage.flush(10) and storage.location_of(prompt[0]) == CPU  # still written back, host-checked
+
+
 def test_a_chunk_cleared_while_landing_stays_cleared(tiered):
     engine, kv = tiered(gpu_pages=8)
     storage = engine.storage
@@ -298,6 +313,8 @@ def test_a_pull_from_gpu_tier_to_gpu_tier_is_bit_exact_and_written_back(controll
     assert "16 chunk(s) landed in the GPU tier" in b.log()
     assert "(16 of 16 chunks from the GPU tier)" in b.log()
     assert a.status()["p2p_server"]["chunks_served_from_gpu_tier"] == 16
+    # Checked on B's GPU against A's device checksums as they landed: no step waits for the host.
+    assert b.status()["p2p_client"]["gpu_landed_checked_on_device"] == 16
     # Written back behind the pull: B's CPU tier has them, checked, and the controller knows.
     holders_ready(controller, b, prompt, 16 * CHUNK)
     storage = b.status()["storage"]

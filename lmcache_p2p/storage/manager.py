@@ -99,9 +99,10 @@ class StorageManager:
         self._write_back_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.write_back_mismatches = 0
         # Landed chunks whose write-back (and checksum check) has not finished: key -> (its job's
-        # token, the job's future, which answers the hashes that failed); and those removed
+        # token, the job's future, which answers the hashes that failed, or None when they were
+        # checked on the device on landing: readers need not wait); and those removed
         # meanwhile, which the write-back must not bring back into the CPU tier.
-        self._landing: dict[ChunkKey, tuple[object, concurrent.futures.Future]] = {}
+        self._landing: dict[ChunkKey, tuple[object, concurrent.futures.Future | None]] = {}
         self._dropped_while_landing: dict[ChunkKey, object] = {}  # key -> the landing job's token
         self._landing_lock = threading.Lock()
         if config.local_gpu:
@@ -339,12 +340,19 @@ class StorageManager:
         return self.gpu
 
     def commit_landed(
-        self, chunk_hashes: Sequence[int], gpu_pages: Sequence[int], cpu_pages: Sequence[int], checksums: Sequence[int]
+        self,
+        chunk_hashes: Sequence[int],
+        gpu_pages: Sequence[int],
+        cpu_pages: Sequence[int],
+        checksums: Sequence[int],
+        checked_on_device: bool = False,
     ) -> None:
         """Chunks a peer wrote into GPU tier pages (the engine's prefix pulls): loadable from the
         GPU tier now, and written back behind the caller into the reserved ``cpu_pages``, where
         their checksums are checked before the CPU tier indexes them. A chunk whose checksum
-        differs is dropped from both and logged."""
+        differs is dropped from both and logged. Readers of a chunk pinned before its write-back
+        ends get that check to wait for (``PinnedChunk.check``), unless it was
+        ``checked_on_device`` against the holder's device checksums already."""
         gpu = self._gpu_tier()
         assert self._write_back_thread is not None  # made with the GPU tier
         # Under the landing lock from admit to registration: a pin taken meanwhile waits, and so
@@ -360,8 +368,9 @@ class StorageManager:
             future = self._write_back_thread.submit(self._write_back, *job)
             self._write_backs = [f for f in self._write_backs if not f.done()]
             self._write_backs.append(future)
+            check = None if checked_on_device else future
             for chunk_hash in chunk_hashes:
-                self._landing[self.key(chunk_hash)] = (token, future)
+                self._landing[self.key(chunk_hash)] = (token, check)
 
     def _write_back(
         self,

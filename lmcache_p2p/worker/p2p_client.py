@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import zmq.asyncio
 
+from lmcache_p2p.device_checksum import device_checksums
 from lmcache_p2p.keys import in_parallel, payload_checksum
 from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
@@ -94,6 +95,7 @@ class _Batch:
     # them by the write-back (StorageManager.commit_landed), which also checks the checksums.
     gpu_pages: list[int] = field(default_factory=list)
     good: int = 0  # leading chunks landed with matching checksums
+    device_checked: bool = False  # landed in the GPU tier and checked there (device checksums)
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
     pool_full: str | None = None  # fewer pages were free than the batch had chunks: the run ends here
@@ -216,6 +218,7 @@ class P2PClient:
             "checksum_mismatches": 0,
             "pages_quarantined": 0,
             "gpu_landed_chunks": 0,
+            "gpu_landed_checked_on_device": 0,  # of those, checked on landing (the rest by their write-back)
             "transfer_ms": 0.0,
             "verify_ms": 0.0,
             # The pull policy's skips: prefix pulls not made (slower than recomputing), the chunks
@@ -524,6 +527,7 @@ class P2PClient:
             slots=pack_pages(slots),
             timeout_s=timeout,
             transfer=batch.landing.id if batch.landing is not None else 0,
+            device_check=bool(transport.gpu_landing(slots)),
         )
 
         def release_late(reply, frames) -> None:
@@ -594,9 +598,14 @@ class P2PClient:
             batch.phases_ms["land"] = (time.perf_counter() - t1) * 1e3
             batch.checksums = unpack_hashes(reply.checksums)
             if in_gpu_tier:
-                # Checked on the write-back, behind the request: a copy to host memory and a hash
-                # here would cost what landing in VRAM saves. Same host, cuda_ipc: no wire between.
+                # Checked where the bytes are, against the holder's device checksums (~1 ms a
+                # document); a holder that sent none leaves the check to the write-back, behind
+                # the request, which the step that loads them then waits for.
                 batch.good = min(served, len(batch.checksums))
+                checked = await self._check_on_device(reply, in_gpu_tier[: batch.good])
+                if checked is not None:
+                    batch.good, batch.device_checked = checked, True
+                    self.stats["gpu_landed_checked_on_device"] += checked
             else:
                 batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
@@ -617,6 +626,20 @@ class P2PClient:
             batch.error = f"{batch.error}; {batch.pool_full}" if batch.error else batch.pool_full
         return batch
 
+    async def _check_on_device(self, reply: ChunkPullReply, tier_pages: list[int]) -> int | None:
+        """How many leading landed GPU tier pages match the holder's device checksums; None when
+        the holder sent none for them (or the check could not run: the write-back checks them)."""
+        expected = unpack_hashes(reply.device_checksums)
+        gpu = self.storage.gpu
+        if not tier_pages or len(expected) < len(tier_pages) or gpu is None:
+            return None
+        try:
+            got = await asyncio.to_thread(device_checksums, [gpu.pool.page(p) for p in tier_pages])
+        except Exception:  # e.g. a CUDA error: the host check behind the request still decides
+            logger.exception("device checksums of %d landed page(s) failed; checking them on the host", len(tier_pages))
+            return None
+        return next((i for i, (a, b) in enumerate(zip(got, expected.tolist(), strict=False)) if a != b), len(got))
+
     def _commit(self, batch: _Batch, location: str) -> list[int]:
         """Index the verified leading pages of a batch; the rest go back to the pool. (Batches
         landed in the GPU tier are prefix pulls for the engine, whose ``location`` is the CPU.)"""
@@ -624,7 +647,9 @@ class P2PClient:
         held = list(batch.hashes[:good])
         if batch.gpu_pages:
             checksums = [int(c) for c in batch.checksums[:good]]
-            self.storage.commit_landed(held, batch.gpu_pages[:good], batch.pages[:good], checksums)
+            self.storage.commit_landed(
+                held, batch.gpu_pages[:good], batch.pages[:good], checksums, checked_on_device=batch.device_checked
+            )
         else:
             for i in range(good):
                 self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from lmcache_p2p.device_checksum import device_checksums
 from lmcache_p2p.keys import in_parallel
 from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
@@ -219,6 +220,11 @@ class PeerServer:
             return ChunkPullReply(ok=True, served=0), []
         # Known since store for most chunks; the rest are hashed now, on several threads.
         checksums = await asyncio.to_thread(in_parallel, lambda c: c.checksum, pins)
+        device_sums: list[int] = []
+        if request.device_check and all(c.location == GPU for c in pins):
+            # Over the bytes about to be written: the requester checks its landed pages on its
+            # GPU against these instead of holding its step for a host copy and a hash.
+            device_sums = await asyncio.to_thread(device_checksums, [c.data for c in pins])
         timeout = 0.9 * request.timeout_s
         frames: list = []
         staged = False
@@ -254,6 +260,7 @@ class PeerServer:
             ok=True,
             served=len(pins),
             checksums=pack_hashes(checksums),
+            device_checksums=pack_hashes(device_sums) if staged and device_sums else b"",
             staged=staged,
             streamed=streamed,
             holder_ms=elapsed * 1e3,
