@@ -8,12 +8,16 @@ This one runs on the device in about a millisecond a document, at both ends: the
 GPU tier copy before it writes, the requester over the landed pages.
 
 The page is read as 32-bit words ``x_i`` and summed as ``sum_i (x_i * w_i mod 2^32)`` in 64 bits
-(exact: 2^23 words in a 32 MiB page, each term under 2^31 in magnitude), with fixed odd weights ``w_i``:
-a changed word changes its term (an odd weight is invertible mod 2^32), and a word moved to
-another place meets another weight. It guards a transfer between two of our processes against
-a wrong page, a torn or missing write and stale bytes; it is not a cryptographic hash (peers
-are authenticated, issue 18). The host-side XXH3 check still runs behind the request, when the
-chunk is written back to the CPU tier.
+(exact: 2^23 words in a 32 MiB page, each term under 2^31 in magnitude), with odd weights ``w_i``
+from a fixed integer mix of ``i``: a changed word changes its term (an odd weight is invertible
+mod 2^32), and a word moved to another place meets another weight. It guards a transfer between
+two of our processes against a wrong page, a torn or missing write and stale bytes; it is not a
+cryptographic hash (peers are authenticated, issue 18). What it proves is "the holder's GPU
+copy, byte for byte": the host-side XXH3 check of the chunk still runs behind the request, when
+it is written back to the CPU tier.
+
+``VERSION`` names the function on the wire (``ChunkPull.device_check``): a holder computes it only
+for the version it was asked for, so two builds never compare different functions.
 """
 
 from __future__ import annotations
@@ -21,35 +25,68 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-WEIGHT_SEED = 0x6C6D_6361_6368_6532  # both ends must draw the same weights: never change it
+VERSION = 1
+SLICE_WORDS = 1 << 22  # 16 MiB of a page at a time: the products and their int64 sums stay small
 
 _weights: dict[tuple[torch.device, int], torch.Tensor] = {}
-_weights_lock = threading.Lock()
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+_lock = threading.Lock()
 
 
-def _weights_for(words: int, device: torch.device) -> torch.Tensor:
+def _mixed_odd_weights(words: int, device: torch.device) -> torch.Tensor:
+    """Version 1's weights: a multiplicative hash of the word index, odd, as int32 (two's
+    complement). Integer arithmetic only, so every build and device draws the same ones."""
+    h = torch.arange(words, dtype=torch.int64, device=device) * 2654435761  # < 2^55: exact
+    h = h ^ (h >> 15)
+    h = (h * 2246822519) & 0xFFFF_FFFF  # wraps in int64; the low 32 bits are exact
+    h = h | 1
+    return torch.where(h >= 2**31, h - 2**32, h).to(torch.int32)
+
+
+def weights_for(words: int, device: torch.device) -> torch.Tensor:
+    """The weights for pages of ``words`` 32-bit words on ``device``, made once (also to warm up
+    a GPU tier before its first pull)."""
     key = (device, words)
-    with _weights_lock:
+    with _lock:
         weights = _weights.get(key)
         if weights is None:
-            drawn = np.random.default_rng(WEIGHT_SEED).integers(0, 2**32, size=words, dtype=np.uint64) | 1
-            weights = torch.from_numpy(drawn.astype(np.uint32).view(np.int32)).to(device)
-            _weights[key] = weights
+            weights = _weights[key] = _mixed_odd_weights(words, device)
     return weights
 
 
 def device_checksums(pages: Sequence[torch.Tensor]) -> list[int]:
     """One checksum per page (uint8 tensors of equal length, on any one device), as uint64 ints,
-    equal for equal bytes wherever computed. Waits for the device."""
+    equal for equal bytes wherever computed. On CUDA it runs on a stream of its own (not behind
+    the engine's forward pass) and waits for it."""
     if not pages:
         return []
     nbytes = pages[0].numel()
     if nbytes % 4:
         raise ValueError(f"page of {nbytes} bytes: a device checksum reads 4-byte words")
-    weights = _weights_for(nbytes // 4, pages[0].device)
-    # int32 products wrap mod 2^32 (two's complement, on CPU and CUDA alike); the sum is exact.
-    sums = torch.stack([(page.view(torch.int32) * weights).sum(dtype=torch.int64) for page in pages])
-    return [int(s) & 0xFFFF_FFFF_FFFF_FFFF for s in sums.tolist()]
+    device = pages[0].device
+    if device.type != "cuda":
+        return _checksums(pages, weights_for(nbytes // 4, device))
+    with _lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        sums = _checksums(pages, weights_for(nbytes // 4, device))
+        stream.synchronize()
+    return sums
+
+
+def _checksums(pages: Sequence[torch.Tensor], weights: torch.Tensor) -> list[int]:
+    words = weights.numel()
+    sums = []
+    for page in pages:
+        page_words = page.view(torch.int32)
+        total = torch.zeros((), dtype=torch.int64, device=page.device)
+        for start in range(0, words, SLICE_WORDS):
+            end = min(start + SLICE_WORDS, words)
+            # int32 products wrap mod 2^32 (two's complement, on CPU and CUDA alike); sums exact.
+            total += (page_words[start:end] * weights[start:end]).sum(dtype=torch.int64)
+        sums.append(total)
+    return [int(s) & 0xFFFF_FFFF_FFFF_FFFF for s in torch.stack(sums).tolist()]

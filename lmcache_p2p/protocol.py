@@ -396,9 +396,9 @@ class ChunkPull(_Msg, tag="chunk_pull"):
     slots: bytes = b""
     timeout_s: float = 10.0  # how long the requester waits; the holder gives up sooner
     transfer: int = 0  # tcp: tag the payloads with this and write them to the data connections
-    # The slots are GPU tier pages, checked on the device on landing: send device checksums
-    # (lmcache_p2p.device_checksum) of chunks you write from your own GPU tier.
-    device_check: bool = False
+    # Non-zero: the slots are GPU tier pages, checked on the device on landing; send device
+    # checksums of this version (lmcache_p2p.device_checksum.VERSION) of the chunks you write.
+    device_check: int = 0
 
 
 class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
@@ -412,8 +412,9 @@ class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
     staged: bool = False  # the payloads are in the requester's slots, not its pages
     holder_ms: float = 0.0  # the holder's time on it: pins, checksums, copies, the write
     streamed: bool = False  # the payloads went over the data connections (ChunkPull.transfer)
-    # With ChunkPull.device_check, one uint64 per served chunk when every one was sent from the
-    # holder's GPU tier (else empty, and the requester checks them on the host, later).
+    # With ChunkPull.device_check (a version the holder has), one uint64 per served chunk when
+    # every one was sent from the holder's GPU tier, checked there (else empty, and the
+    # requester checks them on the host, later).
     device_checksums: bytes = b""
 
 

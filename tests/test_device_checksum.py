@@ -1,28 +1,35 @@
 """The device checksum of landed GPU tier pages (lmcache_p2p.device_checksum): what it must tell
-apart, and that both ends compute the same number for the same bytes."""
+apart, that both ends compute the same number for the same bytes, and the requester's check of
+landed pages against the holder's numbers."""
 
 from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lmcache_p2p import device_checksum
 from lmcache_p2p.device_checksum import device_checksums
+from lmcache_p2p.protocol import ChunkPullReply, pack_hashes
+from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.worker.p2p_client import P2PClient
 
 PAGE = 1 << 16
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the H200 device)")
 
 
-def pages(n: int, seed: int = 0) -> list[torch.Tensor]:
+def pages(n: int, seed: int = 0, size: int = PAGE) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g) for _ in range(n)]
+    return [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for _ in range(n)]
 
 
 def test_equal_bytes_give_equal_checksums_and_every_kind_of_damage_shows():
     original = pages(3)
     sums = device_checksums(original)
     assert sums == device_checksums([p.clone() for p in original]) and len(set(sums)) == 3
-    assert all(0 <= s < 2**64 for s in sums)
     damaged = [p.clone() for p in original]
     damaged[0][12345] ^= 1  # one bit
     words = damaged[1].view(torch.int32)
@@ -32,14 +39,74 @@ def test_equal_bytes_give_equal_checksums_and_every_kind_of_damage_shows():
     assert device_checksums(original[::-1]) == sums[::-1]  # pages in another order: each its own
 
 
+def test_version_1_is_the_same_number_in_every_build():
+    """Both ends of a pull must compute one function: a change to it is a new VERSION."""
+    known = torch.arange(PAGE, dtype=torch.int64).remainder(251).to(torch.uint8)
+    assert device_checksum.VERSION == 1
+    assert device_checksums([known, torch.zeros(PAGE, dtype=torch.uint8)]) == [204875164507, 0]
+    # Pages longer than a slice are summed slice by slice: the same as in one piece.
+    long = pages(1, seed=3, size=4 * device_checksum.SLICE_WORDS + 64)[0]
+    weights = device_checksum.weights_for(long.numel() // 4, long.device)
+    whole = int((long.view(torch.int32) * weights).sum(dtype=torch.int64)) & (2**64 - 1)
+    assert device_checksums([long]) == [whole]
+
+
 def test_a_page_that_is_not_whole_words_is_refused():
     with pytest.raises(ValueError, match="4-byte words"):
         device_checksums([torch.zeros(PAGE + 2, dtype=torch.uint8)])
     assert device_checksums([]) == []
 
 
+def test_the_requester_keeps_the_landed_pages_before_the_first_that_differs_from_the_holders():
+    pool = PagePool(PAGE, 6 * PAGE)
+    sent = pages(4, seed=2)
+    for page, data in zip([1, 2, 4, 5], sent, strict=True):
+        pool.page(page).copy_(data)
+    client = SimpleNamespace(storage=SimpleNamespace(gpu=SimpleNamespace(pool=pool)))
+
+    def check(reply_sums, landed=(1, 2, 4, 5)):
+        reply = ChunkPullReply(ok=True, served=4, device_checksums=pack_hashes(reply_sums))
+        return asyncio.run(P2PClient._check_on_device(client, reply, list(landed)))
+
+    holders = device_checksums(sent)
+    assert check(holders) == 4
+    pool.page(4).view(torch.int32)[100] += 1  # the third landed page was damaged on its way
+    assert check(holders) == 2
+    assert check(holders[:3]) is None  # the holder vouched for fewer than landed: the host checks
+    assert check([]) is None  # an older holder sends none
+
+
 @pytest.mark.gpu
 @gpu
-def test_the_gpu_computes_what_the_cpu_computes():
-    host = pages(4, seed=1)
-    assert device_checksums([p.cuda() for p in host]) == device_checksums(host)
+def test_the_gpu_computes_what_the_cpu_computes_on_real_tier_pages():
+    page_bytes = 32 << 20
+    host = pages(3, seed=1, size=page_bytes)
+    for index in range(torch.cuda.device_count()):
+        pool = PagePool(page_bytes, 4 * page_bytes, device=f"cuda:{index}")
+        for page, data in zip([1, 2, 3], host, strict=True):
+            pool.page(page).copy_(data)
+        assert device_checksums([pool.page(p) for p in (1, 2, 3)]) == device_checksums(host)
+
+
+def test_a_holder_vouches_only_for_checked_gpu_tier_copies_of_the_version_asked_for():
+    from lmcache_p2p.protocol import ChunkPull
+    from lmcache_p2p.storage import CPU, GPU
+    from lmcache_p2p.worker.p2p_server import PeerServer
+
+    data = pages(2, seed=4)
+    server = SimpleNamespace(me=SimpleNamespace(describe=lambda: "holder"))
+
+    def sums(version, *pins):
+        request = ChunkPull(session="s", fingerprint=0, hashes=b"", device_check=version)
+        return asyncio.run(PeerServer._device_checksums(server, request, list(pins)))
+
+    def pin(i, location=GPU, check=None):
+        return SimpleNamespace(data=data[i], location=location, check=check)
+
+    assert sums(device_checksum.VERSION, pin(0), pin(1)) == device_checksums(data)
+    assert sums(0, pin(0), pin(1)) == []  # not asked
+    assert sums(device_checksum.VERSION + 1, pin(0)) == []  # a version this build does not have
+    assert sums(device_checksum.VERSION, pin(0), pin(1, location=CPU)) == []  # one sent from host memory
+    assert sums(device_checksum.VERSION, pin(0), pin(1, check=object())) == []  # landed here, not checked yet
+    odd = SimpleNamespace(data=torch.zeros(PAGE + 2, dtype=torch.uint8), location=GPU, check=None)
+    assert sums(device_checksum.VERSION, odd) == []  # could not run: none, and the pull goes on

@@ -219,6 +219,23 @@ def test_a_chunk_checked_on_the_device_as_it_landed_is_not_waited_for_again(tier
     assert storage.flush(10) and storage.location_of(prompt[0]) == CPU  # still written back, host-checked
 
 
+def test_a_chunk_landed_twice_is_waited_for_when_the_checked_page_is_not_the_one_kept(tiered):
+    """A prefix pulled twice at once: the first landing (not checked on the device) is kept, the
+    second's page, checked on the device, is freed; readers must still wait for a check."""
+    engine, kv = tiered(gpu_pages=8)
+    storage = engine.storage
+    chunk_hash = 4242
+    with write_back_held(storage):
+        first = land(storage, kv, chunk_hash)
+        storage.commit_landed([first[0]], [first[1]], [first[2]], [first[3]])
+        second = land(storage, kv, chunk_hash)
+        storage.commit_landed([second[0]], [second[1]], [second[2]], [second[3]], checked_on_device=True)
+        with storage.pin(chunk_hash, gpu=True) as chunk:
+            assert chunk.check is not None  # the held copy is the first landing's: not checked yet
+    assert storage.flush(10) and storage.location_of(chunk_hash) == CPU
+    assert storage.stats()["gpu"]["free_pages"] == storage.stats()["gpu"]["capacity_chunks"] - 1
+
+
 def test_a_chunk_cleared_while_landing_stays_cleared(tiered):
     engine, kv = tiered(gpu_pages=8)
     storage = engine.storage

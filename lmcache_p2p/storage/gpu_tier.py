@@ -34,14 +34,15 @@ class GpuTier(CpuTier):
         super().__init__(pool)
         self._checksum_source = checksum_of
 
-    def admit_pinned(self, key: ChunkKey, page: int, checksum: int | None) -> PinnedChunk:
+    def admit_pinned(self, key: ChunkKey, page: int, checksum: int | None) -> tuple[PinnedChunk, bool]:
         """Index ``page`` under ``key`` (if the key is held already, free it and use the held
-        copy) and pin the entry, in one step: nothing can evict it in between."""
+        copy) and pin the entry, in one step: nothing can evict it in between. Also whether
+        ``page`` is the one indexed (False: the held copy was pinned)."""
         with self._lock:
-            self.admit(key, page, checksum)
+            admitted = self.admit(key, page, checksum)
             chunk = self.pin(key)
         assert chunk is not None  # admitted or held, under the lock
-        return chunk
+        return chunk, admitted
 
     def _checksum_of(self, key: ChunkKey, entry: _Entry, data: torch.Tensor) -> int:
         if entry.checksum is None:

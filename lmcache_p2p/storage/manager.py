@@ -359,18 +359,20 @@ class StorageManager:
         # gets the check with the chunk (lock order: landing, then the GPU tier's).
         with self._landing_lock:
             # Pinned until written back: the tier may not evict them meanwhile.
-            pins = [
+            admits = [
                 gpu.admit_pinned(self.key(chunk_hash), page, checksum)
                 for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
             ]
+            pins = [pin for pin, _ in admits]
             token = object()
             job = (list(chunk_hashes), list(cpu_pages), list(checksums), pins, token)
             future = self._write_back_thread.submit(self._write_back, *job)
             self._write_backs = [f for f in self._write_backs if not f.done()]
             self._write_backs.append(future)
-            check = None if checked_on_device else future
-            for chunk_hash in chunk_hashes:
-                self._landing[self.key(chunk_hash)] = (token, check)
+            for chunk_hash, (_, admitted) in zip(chunk_hashes, admits, strict=True):
+                # A page checked on the device needs no wait; a copy held already (its page was
+                # freed) is what this write-back reads and checks, so its readers wait for that.
+                self._landing[self.key(chunk_hash)] = (token, None if checked_on_device and admitted else future)
 
     def _write_back(
         self,

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq.asyncio
 
-from lmcache_p2p.device_checksum import device_checksums
+from lmcache_p2p import device_checksum
 from lmcache_p2p.keys import in_parallel, payload_checksum
 from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
@@ -196,6 +196,8 @@ class P2PClient:
         self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
         self.me = identity
         self.storage = storage
+        if storage.gpu is not None and storage.page_bytes % 4 == 0:  # its first landed pull's check
+            device_checksum.weights_for(storage.page_bytes // 4, storage.gpu.pool.buffer.device)
         self.link = link
         self.transports = transports
         self.preferred = preferred if preferred in transports else "tcp"
@@ -364,6 +366,8 @@ class P2PClient:
                 self._abandon_batch(batch)
                 continue
             result.gpu_landed += min(batch.good, len(batch.gpu_pages))
+            if batch.device_checked:
+                self.stats["gpu_landed_checked_on_device"] += min(batch.good, len(batch.gpu_pages))
             result.held += self._commit(batch, location)
             if batch.error is None:
                 continue
@@ -527,7 +531,7 @@ class P2PClient:
             slots=pack_pages(slots),
             timeout_s=timeout,
             transfer=batch.landing.id if batch.landing is not None else 0,
-            device_check=bool(transport.gpu_landing(slots)),
+            device_check=device_checksum.VERSION if transport.gpu_landing(slots) else 0,
         )
 
         def release_late(reply, frames) -> None:
@@ -605,7 +609,6 @@ class P2PClient:
                 checked = await self._check_on_device(reply, in_gpu_tier[: batch.good])
                 if checked is not None:
                     batch.good, batch.device_checked = checked, True
-                    self.stats["gpu_landed_checked_on_device"] += checked
             else:
                 batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
@@ -634,7 +637,8 @@ class P2PClient:
         if not tier_pages or len(expected) < len(tier_pages) or gpu is None:
             return None
         try:
-            got = await asyncio.to_thread(device_checksums, [gpu.pool.page(p) for p in tier_pages])
+            pages = [gpu.pool.page(p) for p in tier_pages]
+            got = await asyncio.to_thread(device_checksum.device_checksums, pages)
         except Exception:  # e.g. a CUDA error: the host check behind the request still decides
             logger.exception("device checksums of %d landed page(s) failed; checking them on the host", len(tier_pages))
             return None

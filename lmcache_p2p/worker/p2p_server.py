@@ -24,7 +24,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from lmcache_p2p.device_checksum import device_checksums
+from lmcache_p2p import device_checksum
 from lmcache_p2p.keys import in_parallel
 from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
@@ -220,11 +220,7 @@ class PeerServer:
             return ChunkPullReply(ok=True, served=0), []
         # Known since store for most chunks; the rest are hashed now, on several threads.
         checksums = await asyncio.to_thread(in_parallel, lambda c: c.checksum, pins)
-        device_sums: list[int] = []
-        if request.device_check and all(c.location == GPU for c in pins):
-            # Over the bytes about to be written: the requester checks its landed pages on its
-            # GPU against these instead of holding its step for a host copy and a hash.
-            device_sums = await asyncio.to_thread(device_checksums, [c.data for c in pins])
+        device_sums = await self._device_checksums(request, pins)
         timeout = 0.9 * request.timeout_s
         frames: list = []
         staged = False
@@ -265,6 +261,21 @@ class PeerServer:
             streamed=streamed,
             holder_ms=elapsed * 1e3,
         ), frames
+
+    async def _device_checksums(self, request: ChunkPull, pins: list[PinnedChunk]) -> list[int]:
+        """Device checksums of the chunks about to be written, for a requester that checks its
+        landed GPU tier pages with them instead of holding its step for a host copy and a hash.
+        Only over GPU tier copies whose own bytes are checked (one that landed here from a peer
+        and is still waiting for its write-back's check is not vouched for); else none."""
+        if request.device_check != device_checksum.VERSION:
+            return []
+        if not all(c.location == GPU and c.check is None for c in pins):
+            return []
+        try:
+            return await asyncio.to_thread(device_checksum.device_checksums, [c.data for c in pins])
+        except Exception:  # the requester then checks on the host, as without them
+            logger.exception("%s: device checksums of %d chunk(s) failed", self.me.describe(), len(pins))
+            return []
 
     async def _on_fetch(self, request: FetchChunks) -> FetchReply:
         """Move/copy destination: pull the listed chunks from the source into ``location``."""
