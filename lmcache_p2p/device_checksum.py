@@ -37,12 +37,13 @@ _lock = threading.Lock()
 
 def _mixed_odd_weights(words: int, device: torch.device) -> torch.Tensor:
     """Version 1's weights: a multiplicative hash of the word index, odd, as int32 (two's
-    complement). Integer arithmetic only, so every build and device draws the same ones."""
-    h = torch.arange(words, dtype=torch.int64, device=device) * 2654435761  # < 2^55: exact
+    complement). Integer arithmetic only, so every build and device draws the same ones. Made
+    on the host and copied (a pageable copy returns when done), so any stream may read them."""
+    h = torch.arange(words, dtype=torch.int64) * 2654435761  # < 2^55: exact
     h = h ^ (h >> 15)
     h = (h * 2246822519) & 0xFFFF_FFFF  # wraps in int64; the low 32 bits are exact
     h = h | 1
-    return torch.where(h >= 2**31, h - 2**32, h).to(torch.int32)
+    return torch.where(h >= 2**31, h - 2**32, h).to(torch.int32).to(device)
 
 
 def weights_for(words: int, device: torch.device) -> torch.Tensor:

@@ -353,3 +353,20 @@ def test_a_rank_times_its_prefill_steps_for_the_pull_policy_and_not_its_decode_s
         assert side.engine.status()["prefill"]["steps_measured"] == 1
     finally:
         side.close()
+
+
+def test_layer_wise_loads_ask_vllm_for_piecewise_graphs_and_step_aside_for_speculative_decoding(monkeypatch, caplog):
+    """A full CUDA graph's replay skips wait_for_layer_load (attention would read blocks still
+    being copied); a speculative decoder's draft layers would count as never waited for."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.integration.vllm.connector import LMCacheConnectorV1
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+
+    monkeypatch.setenv("LMCACHE_USE_LAYERWISE", "True")
+    assert LMCacheConnectorV1.requires_piecewise_for_cudagraph({}) is True
+    monkeypatch.setenv("LMCACHE_USE_LAYERWISE", "False")
+    assert LMCacheConnectorV1.requires_piecewise_for_cudagraph({}) is False
+    assert WorkerSide._layerwise_possible(SimpleNamespace(speculative_config=None))
+    assert not WorkerSide._layerwise_possible(SimpleNamespace(speculative_config=SimpleNamespace(method="eagle")))
+    assert "use_layerwise is ignored with speculative decoding" in caplog.text

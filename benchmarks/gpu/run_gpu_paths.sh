@@ -4,6 +4,7 @@
 # says). Steps run in the order given; a failed step is recorded and the next one runs:
 #
 #   bash benchmarks/gpu/run_gpu_paths.sh [-w WORKDIR] STEP...    # WORKDIR defaults to /tmp/gpu-paths
+#   bash benchmarks/gpu/run_gpu_paths.sh [-w WORKDIR] --poll S   # wait up to S s for "all done", copy to $OUT
 #
 #   kernels      build (or load) csrc's kernels, timed
 #   tests        the GPU-marked tests of the tier, layer-wise loads, staging, the store and the kernels
@@ -24,15 +25,16 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
   end=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt "$end" ] && ! grep -q "all done" "$W/status" 2>/dev/null; do sleep 5; done
   cat "$W/status" 2>/dev/null
-  ( cd "$W" && cp *.json *.txt *.log status "${OUT:-/dev/null}/" 2>/dev/null
-    for d in */; do [ -f "$d/engine2.log" ] && tail -c 300000 "$d/engine2.log" > "$OUT/${d%/}_engine2.log"
-      [ -f "$d/engine1.log" ] && tail -c 200000 "$d/engine1.log" > "$OUT/${d%/}_engine1.log"; done
-    [ -d profile ] && cp profile/*.txt profile/*.json "$OUT/" 2>/dev/null ) || true
+  # One archive: a device call brings back only a few files. Each step's JSON, log and status,
+  # the engines' and controller's logs, the profile's summaries (not its trace).
+  [ -n "${OUT:-}" ] && ( cd "$W" && tar czf "$OUT/results.tgz" --ignore-failed-read status \
+    $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
 [ $# -gt 0 ] || { echo "steps: kernels tests peer-base peer-tier peer-base-2 peer-tier-2 offload offload-profile" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
+: > "$W/status"  # this run's steps only (--poll waits for its "all done")
 export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 MODEL="$W/llama-3.1-8b-shape"
 model() { [ -d "$MODEL" ] || $PY benchmarks/gpu/e2e.py model --out "$MODEL" > "$W/model.json"; }
@@ -58,7 +60,8 @@ import logging, time; logging.basicConfig(level=logging.INFO); t = time.perf_cou
 from lmcache_p2p import kv_kernels; assert kv_kernels.load() is not None; print(f'kernels {time.perf_counter() - t:.1f} s')" \
       > "$W/kernels.log" 2>&1 ;;
     tests) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tier.py tests/test_layerwise.py \
-      tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py > "$W/gpu_tests.txt" 2>&1 ;;
+      tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py tests/test_device_checksum.py \
+      > "$W/gpu_tests.txt" 2>&1 ;;
     peer-base) peer peer_base 0,0 ;;
     peer-tier) peer peer_tier 0,0 "${TIER[@]}" ;;
     peer-base-2) peer peer_base_2 0,1 ;;

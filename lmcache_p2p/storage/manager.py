@@ -17,6 +17,7 @@ its checksum checked, then indexed and announced like any pulled chunk.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -297,8 +298,10 @@ class StorageManager:
         if not cpu.admit(key, page, checksum):
             return False
         self._after_cpu_admit(key)
-        if checksum is None and self._hasher is not None:
-            self._hasher.submit(self._hash_stored, key)
+        hasher = self._hasher
+        if checksum is None and hasher is not None:
+            with contextlib.suppress(RuntimeError):  # closing: hashed when first served, if ever
+                hasher.submit(self._hash_stored, key)
         return True
 
     def _hash_stored(self, key: ChunkKey) -> None:

@@ -354,7 +354,7 @@ class P2PClient:
                 # Shielded: a caller that gives up (the engine's timeout) leaves the batches to
                 # finish their own requests, and their pages (CPU and GPU tier) are given back then.
                 batch = await asyncio.shield(window[0])
-            except asyncio.CancelledError:
+            except BaseException:  # given up on (or a batch raised): nothing commits what is in flight
                 for task in window:
                     task.add_done_callback(self._abandon_finished)
                 raise

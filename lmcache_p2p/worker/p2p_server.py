@@ -265,8 +265,9 @@ class PeerServer:
     async def _device_checksums(self, request: ChunkPull, pins: list[PinnedChunk]) -> list[int]:
         """Device checksums of the chunks about to be written, for a requester that checks its
         landed GPU tier pages with them instead of holding its step for a host copy and a hash.
-        Only over GPU tier copies whose own bytes are checked (one that landed here from a peer
-        and is still waiting for its write-back's check is not vouched for); else none."""
+        Only over GPU tier copies whose own bytes are checked: stored here, or landed here and
+        checked on the device as they landed (their write-back may still run); one still
+        waiting for its write-back's check is not vouched for. Else none."""
         if request.device_check != device_checksum.VERSION:
             return []
         if not all(c.location == GPU and c.check is None for c in pins):
