@@ -4,8 +4,9 @@ A same-host pull writes chunks into the requester's GPU tier, and the step that 
 know they are the holder's bytes before vLLM keeps its output. The payload checksum (XXH3,
 ``keys.payload_checksum``) needs the bytes in host memory: a copy across PCIe and a hash that cost
 ~45 ms a 10,000-token document on the H200, which the step waited for (BENCHMARKS.md, issue 21).
-This one runs on the device in about a millisecond a document, at both ends: the holder over its
-GPU tier copy before it writes, the requester over the landed pages.
+This one runs on the device (about a millisecond a document, estimated from the bytes it reads),
+at both ends: the holder over its GPU tier copy before it writes, the requester over the landed
+pages.
 
 The page is read as 32-bit words ``x_i`` and summed as ``sum_i (x_i * w_i mod 2^32)`` in 64 bits
 (exact: 2^23 words in a 32 MiB page, each term under 2^31 in magnitude), with odd weights ``w_i``
@@ -27,11 +28,12 @@ from collections.abc import Sequence
 
 import torch
 
+from lmcache_p2p import gpu_ops
+
 VERSION = 1
 SLICE_WORDS = 1 << 22  # 16 MiB of a page at a time: the products and their int64 sums stay small
 
 _weights: dict[tuple[torch.device, int], torch.Tensor] = {}
-_streams: dict[torch.device, torch.cuda.Stream] = {}
 _lock = threading.Lock()
 
 
@@ -69,10 +71,7 @@ def device_checksums(pages: Sequence[torch.Tensor]) -> list[int]:
     device = pages[0].device
     if device.type != "cuda":
         return _checksums(pages, weights_for(nbytes // 4, device))
-    with _lock:
-        stream = _streams.get(device)
-        if stream is None:
-            stream = _streams[device] = torch.cuda.Stream(device)
+    stream = gpu_ops.side_stream("checksum", device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         sums = _checksums(pages, weights_for(nbytes // 4, device))
         stream.synchronize()

@@ -23,6 +23,7 @@ it runs on a copy stream of its own, beside the engine's next forward pass, and 
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -45,7 +46,20 @@ KV_DTYPES = (
 )
 
 _layer_tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # layer addresses on the device, per cache
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+_side_streams_lock = threading.Lock()
+
+
+def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
+    """The process's one CUDA stream for ``purpose`` on ``device`` ("store", "load",
+    "write-back", "checksum"): work queued there runs beside the engine's forward pass, and
+    each purpose keeps its own order."""
+    key = (purpose, device)
+    with _side_streams_lock:
+        stream = _side_streams.get(key)
+        if stream is None:
+            stream = _side_streams[key] = torch.cuda.Stream(device)
+    return stream
 
 
 class PendingCopy:
@@ -185,9 +199,7 @@ def gather_chunks_async(
         _run_torch(batch, to_pages=True)
         return None
     device = batch.layers[0].device
-    stream = _copy_streams.get(device)
-    if stream is None:
-        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    stream = side_stream("store", device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         keep = _launch(module, batch, to_pages=True, max_ctas=max_ctas)

@@ -21,8 +21,6 @@ import torch
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.cache_engine import LoadPlan
 
-_load_streams: dict[torch.device, torch.cuda.Stream] = {}
-
 
 class LayerwiseLoad:
     """One step's loads (``plans``) into ``planes`` (the engine's block planes), by layer:
@@ -49,9 +47,7 @@ class LayerwiseLoad:
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         device = self.planes[0].device
         if device.type == "cuda" and self._pages:
-            stream = _load_streams.get(device)
-            if stream is None:
-                stream = _load_streams[device] = torch.cuda.Stream(device)
+            stream = gpu_ops.side_stream("load", device)
             # The blocks may still be read by work queued before this step (a finished request's
             # last decode) and by store copies: the loads go after both.
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -123,6 +119,4 @@ class LayerwiseLoad:
 def drain(device: torch.device) -> None:
     """Wait until every copy queued on ``device``'s load stream is done (a load that failed to
     start part-way: its pins may go only then)."""
-    stream = _load_streams.get(device)
-    if stream is not None:
-        stream.synchronize()
+    gpu_ops.side_stream("load", device).synchronize()

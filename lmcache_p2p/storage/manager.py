@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey, LayoutFingerprint, in_parallel, payload_checksum
 from lmcache_p2p.remote.store import open_store
@@ -677,13 +678,8 @@ def _copy_pages(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
         for src, dst in zip(sources, targets, strict=True):
             dst.copy_(src)
         return
-    stream = _write_back_streams.get(device)
-    if stream is None:
-        stream = _write_back_streams[device] = torch.cuda.Stream(device)
+    stream = gpu_ops.side_stream("write-back", device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for src, dst in zip(sources, targets, strict=True):
             dst.copy_(src, non_blocking=True)
         stream.synchronize()  # inside the guard: this thread makes no call against device 0
-
-
-_write_back_streams: dict[torch.device, torch.cuda.Stream] = {}

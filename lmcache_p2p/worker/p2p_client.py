@@ -365,9 +365,10 @@ class P2PClient:
             if stopped:  # an earlier batch failed: what follows it is a miss
                 self._abandon_batch(batch)
                 continue
-            result.gpu_landed += min(batch.good, len(batch.gpu_pages))
+            landed = min(batch.good, len(batch.gpu_pages))
+            result.gpu_landed += landed
             if batch.device_checked:
-                self.stats["gpu_landed_checked_on_device"] += min(batch.good, len(batch.gpu_pages))
+                self.stats["gpu_landed_checked_on_device"] += landed
             result.held += self._commit(batch, location)
             if batch.error is None:
                 continue
@@ -603,7 +604,7 @@ class P2PClient:
             batch.checksums = unpack_hashes(reply.checksums)
             if in_gpu_tier:
                 # Checked where the bytes are, against the holder's device checksums (~1 ms a
-                # document); a holder that sent none leaves the check to the write-back, behind
+                # document, estimated); a holder that sent none leaves the check to the write-back, behind
                 # the request, which the step that loads them then waits for.
                 batch.good = min(served, len(batch.checksums))
                 checked = await self._check_on_device(reply, in_gpu_tier[: batch.good])
@@ -657,9 +658,7 @@ class P2PClient:
         else:
             for i in range(good):
                 self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)
-        self._abandon(batch.pages[good:])
-        for page in batch.gpu_pages[good:]:
-            self.storage.abandon_gpu_page(page)
+        self._abandon_batch(batch, good)
         return held
 
     def _abandon_finished(self, task: asyncio.Task) -> None:
@@ -667,9 +666,10 @@ class P2PClient:
         if not task.cancelled() and task.exception() is None:
             self._abandon_batch(task.result())
 
-    def _abandon_batch(self, batch: _Batch) -> None:
-        self._abandon(batch.pages)
-        for page in batch.gpu_pages:
+    def _abandon_batch(self, batch: _Batch, start: int = 0) -> None:
+        """Give a batch's pages (CPU and GPU tier) back from chunk ``start`` on."""
+        self._abandon(batch.pages[start:])
+        for page in batch.gpu_pages[start:]:
             self.storage.abandon_gpu_page(page)
 
     def _verify(self, pages: list[int], checksums: np.ndarray) -> int:
