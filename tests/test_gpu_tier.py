@@ -327,7 +327,7 @@ def test_a_pull_from_gpu_tier_to_gpu_tier_is_bit_exact_and_written_back(controll
     assert b.lookup(prompt) == 16 * CHUNK
     got = b.retrieve(prompt)  # wipes B's GPU KV, scatters the pulled pages back, compares
     assert got["retrieved"] == 16 * CHUNK and got["exact"], got
-    assert "16 chunk(s) landed in the GPU tier" in b.log()
+    assert "16 chunk(s) landed in the GPU tier (16 checked on the device)" in b.log()
     assert "(16 of 16 chunks from the GPU tier)" in b.log()
     assert a.status()["p2p_server"]["chunks_served_from_gpu_tier"] == 16
     # Checked on B's GPU against A's device checksums as they landed: no step waits for the host.

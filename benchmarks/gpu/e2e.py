@@ -313,12 +313,13 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
             next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
             for a, b in zip(cold, other, strict=True)
         ]
-    gpu_landed = [int(m[1]) for m in re.finditer(r"; (\d+) chunk\(s\) landed in the GPU tier", log2)]
+    landed_lines = list(re.finditer(r"; (\d+) chunk\(s\) landed in the GPU tier \((\d+) checked on the device", log2))
     from_gpu_tier = [int(m[1]) for m in re.finditer(r"\((\d+) of \d+ chunks from the GPU tier\)", log2)]
     # How long steps that loaded landed chunks held their output for those chunks' checksum checks.
     check_waits = [float(m[1]) for m in re.finditer(r"step waited ([\d.]+) ms for the checksum checks", log2)]
     out["engine2_gpu_tier"] = {
-        "chunks_landed": sum(gpu_landed),
+        "chunks_landed": sum(int(m[1]) for m in landed_lines),
+        "chunks_checked_on_device": sum(int(m[2]) for m in landed_lines),
         "chunks_loaded": sum(from_gpu_tier),
         "steps_waiting_for_checks": len(check_waits),
         "check_wait_ms_median": statistics.median(check_waits) if check_waits else None,

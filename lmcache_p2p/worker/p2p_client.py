@@ -81,6 +81,7 @@ class PullResult:
     held: list[int] = field(default_factory=list)  # hashes now held here (in order of the request)
     error: str | None = None  # why the run ended early, if it did
     gpu_landed: int = 0  # of those, chunks the holder wrote into our GPU tier
+    gpu_checked_on_device: int = 0  # of those, checked against the holder's device checksums
 
 
 # Where a pull's batches spend their time, in its log line (see _Batch.phases_ms).
@@ -368,6 +369,7 @@ class P2PClient:
             landed = min(batch.good, len(batch.gpu_pages))
             result.gpu_landed += landed
             if batch.device_checked:
+                result.gpu_checked_on_device += landed
                 self.stats["gpu_landed_checked_on_device"] += landed
             result.held += self._commit(batch, location)
             if batch.error is None:
@@ -406,7 +408,12 @@ class P2PClient:
                 self.me.rank,  # vLLM's per-process line prefixes interleave when ranks log at once
                 batches,
                 ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases_ms.items()),
-                f"; {result.gpu_landed} chunk(s) landed in the GPU tier" if result.gpu_landed else "",
+                (
+                    f"; {result.gpu_landed} chunk(s) landed in the GPU tier"
+                    f" ({result.gpu_checked_on_device} checked on the device)"
+                )
+                if result.gpu_landed
+                else "",
             )
             self.stats["gpu_landed_chunks"] += result.gpu_landed
         if result.error:
