@@ -123,9 +123,18 @@ void run(torch::Tensor layer_ptrs, torch::Tensor meta, int64_t num_chunks, int64
 
 }  // namespace
 
+namespace lmcache_p2p {
+// page_checksum.cu: the device checksum of a batch of pages (lmcache_p2p.device_checksum).
+void page_checksums(torch::Tensor page_ptrs, int64_t page_bytes, int64_t vec_bytes, int64_t ctas_per_page,
+                    torch::Tensor out);
+}  // namespace lmcache_p2p
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lmcache-p2p: gather/scatter KV chunks between a paged cache and chunk pages";
   m.def("copy_blocks", &run, "Gather (to_pages=True) or scatter a batch of chunks across all layers in one launch",
         py::arg("layer_ptrs"), py::arg("meta"), py::arg("num_chunks"), py::arg("blocks_per_chunk"),
         py::arg("block_bytes"), py::arg("vec_bytes"), py::arg("to_pages"), py::arg("max_ctas") = 0);
+  m.def("page_checksums", &lmcache_p2p::page_checksums,
+        "Device checksums (version 1) of a batch of equal-sized pages, written into out",
+        py::arg("page_ptrs"), py::arg("page_bytes"), py::arg("vec_bytes"), py::arg("ctas_per_page"), py::arg("out"));
 }

@@ -4,9 +4,8 @@ A same-host pull writes chunks into the requester's GPU tier, and the step that 
 know they are the holder's bytes before vLLM keeps its output. The payload checksum (XXH3,
 ``keys.payload_checksum``) needs the bytes in host memory: a copy across PCIe and a hash that cost
 ~45 ms a 10,000-token document on the H200, which the step waited for (BENCHMARKS.md, issue 21).
-This one runs on the device (about a millisecond a document, estimated from the bytes it reads),
-at both ends: the holder over its GPU tier copy before it writes, the requester over the landed
-pages.
+This one runs on the device, at both ends: the holder over its GPU tier copy before it writes,
+the requester over the landed pages.
 
 The page is read as 32-bit words ``x_i`` and summed as ``sum_i (x_i * w_i mod 2^32)`` in 64 bits
 (exact: 2^23 words in a 32 MiB page, each term under 2^31 in magnitude), with odd weights ``w_i``
@@ -16,6 +15,12 @@ two of our processes against a wrong page, a torn or missing write and stale byt
 cryptographic hash (peers are authenticated, issue 18). What it proves is "the holder's GPU
 copy, byte for byte": the host-side XXH3 check of the chunk still runs behind the request, when
 it is written back to the CPU tier.
+
+On CUDA a batch of pages is one launch of csrc/page_checksum.cu (``kv_kernels``), which makes
+the weights in registers and reads each page once. The torch code below is the definition, the
+path on CPUs and the fallback where the kernels are not built: a few launches per 16 MiB slice
+and a weight table to read, which on the H200 beside two engines cost 25-50 ms a 1.3 GB document
+(BENCHMARKS.md, issue 21), where the kernel should take about what HBM needs to read it.
 
 ``VERSION`` names the function on the wire (``ChunkPull.device_check``): a holder computes it only
 for the version it was asked for, so two builds never compare different functions.
@@ -28,10 +33,15 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_p2p import gpu_ops
+from lmcache_p2p import gpu_ops, kv_kernels
 
 VERSION = 1
 SLICE_WORDS = 1 << 22  # 16 MiB of a page at a time: the products and their int64 sums stay small
+# The kernel's CTAs per page: a batch of 8 pages is 256 CTAs, about two per SM on an H200; each
+# reads its share of the page at full rate, and the launch leaves no SM busy for long beside
+# the engine's forward pass.
+CTAS_PER_PAGE = 32
+_U64 = (1 << 64) - 1
 
 _weights: dict[tuple[torch.device, int], torch.Tensor] = {}
 _lock = threading.Lock()
@@ -48,9 +58,16 @@ def _mixed_odd_weights(words: int, device: torch.device) -> torch.Tensor:
     return torch.where(h >= 2**31, h - 2**32, h).to(torch.int32).to(device)
 
 
+def prepare(page_bytes: int, device: torch.device) -> None:
+    """Make ready what a first check of ``page_bytes`` pages on ``device`` needs (the kernels, or
+    the weights where they are not built), so that the first pull does not wait for it."""
+    if device.type == "cuda" and kv_kernels.load() is not None:
+        return
+    weights_for(page_bytes // 4, device)
+
+
 def weights_for(words: int, device: torch.device) -> torch.Tensor:
-    """The weights for pages of ``words`` 32-bit words on ``device``, made once (also to warm up
-    a GPU tier before its first pull)."""
+    """The weights for pages of ``words`` 32-bit words on ``device``, made once."""
     key = (device, words)
     with _lock:
         weights = _weights.get(key)
@@ -69,13 +86,33 @@ def device_checksums(pages: Sequence[torch.Tensor]) -> list[int]:
     if nbytes % 4:
         raise ValueError(f"page of {nbytes} bytes: a device checksum reads 4-byte words")
     device = pages[0].device
+    for i, page in enumerate(pages):
+        if page.dtype != torch.uint8 or page.numel() != nbytes or page.device != device or not page.is_contiguous():
+            raise ValueError(
+                f"page {i}: {page.dtype} of {page.numel()} bytes on {page.device} (contiguous:"
+                f" {page.is_contiguous()}); expected contiguous uint8 of {nbytes} bytes on {device}"
+            )
     if device.type != "cuda":
         return _checksums(pages, weights_for(nbytes // 4, device))
+    kernels = kv_kernels.load()
     stream = gpu_ops.side_stream("checksum", device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        sums = _checksums(pages, weights_for(nbytes // 4, device))
+        if kernels is not None:
+            sums = _checksums_by_kernel(kernels, pages, nbytes, device)
+        else:
+            sums = _checksums(pages, weights_for(nbytes // 4, device))
         stream.synchronize()
     return sums
+
+
+def _checksums_by_kernel(kernels, pages: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> list[int]:
+    addresses = [page.data_ptr() for page in pages]
+    # 16-byte loads where every page allows them (tier pages do: whole pages of a 16-aligned pool).
+    vec_bytes = 16 if nbytes % 16 == 0 and all(a % 16 == 0 for a in addresses) else 4
+    page_ptrs = torch.tensor(addresses, dtype=torch.int64).to(device)
+    out = torch.empty(len(pages), dtype=torch.int64, device=device)
+    kernels.page_checksums(page_ptrs, nbytes, vec_bytes, CTAS_PER_PAGE, out)
+    return [int(s) & _U64 for s in out.tolist()]
 
 
 def _checksums(pages: Sequence[torch.Tensor], weights: torch.Tensor) -> list[int]:
@@ -89,4 +126,4 @@ def _checksums(pages: Sequence[torch.Tensor], weights: torch.Tensor) -> list[int
             # int32 products wrap mod 2^32 (two's complement, on CPU and CUDA alike); sums exact.
             total += (page_words[start:end] * weights[start:end]).sum(dtype=torch.int64)
         sums.append(total)
-    return [int(s) & 0xFFFF_FFFF_FFFF_FFFF for s in torch.stack(sums).tolist()]
+    return [int(s) & _U64 for s in torch.stack(sums).tolist()]

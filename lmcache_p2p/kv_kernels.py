@@ -26,16 +26,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def _source() -> Path:
+def _csrc() -> Path:
     here = Path(__file__).resolve().parent
     # Installed: package data under lmcache_p2p/csrc. A source checkout: the repository's csrc/.
-    for candidate in (here / "csrc" / "kv_transfer.cu", here.parent / "csrc" / "kv_transfer.cu"):
-        if candidate.exists():
+    for candidate in (here / "csrc", here.parent / "csrc"):
+        if (candidate / "kv_transfer.cu").exists():
             return candidate
-    return here / "csrc" / "kv_transfer.cu"
+    return here / "csrc"
 
 
-SOURCE = _source()
+# The KV copies (and the module's bindings), then the device checksum of pages.
+SOURCES = [_csrc() / "kv_transfer.cu", _csrc() / "page_checksum.cu"]
 
 
 def _arch_flags(capability: tuple[int, int]) -> tuple[str, list[str]]:
@@ -52,7 +53,7 @@ def _arch_flags(capability: tuple[int, int]) -> tuple[str, list[str]]:
 
 def _build_dir(arch: str) -> Path:
     root = Path(os.environ.get("LMCACHE_KERNEL_CACHE", Path.home() / ".cache" / "lmcache_p2p" / "kernels"))
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
     return root / f"{digest}-torch{torch.__version__}-cuda{torch.version.cuda}-{arch}".replace("+", "_")
 
 
@@ -78,7 +79,7 @@ def load() -> ModuleType | None:
 
         module = cpp_extension.load(
             name="lmcache_p2p_kv_transfer",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             build_directory=str(build_dir),
             extra_cflags=["-O3"],
             extra_cuda_cflags=["-O3", *flags],
@@ -87,11 +88,12 @@ def load() -> ModuleType | None:
     except Exception as e:
         if mode == "cuda":
             raise
-        logger.warning("KV copies: torch indexing; building %s for %s failed: %s", SOURCE.name, arch, e)
+        names = ", ".join(source.name for source in SOURCES)
+        logger.warning("KV copies: torch indexing; building %s for %s failed: %s", names, arch, e)
         return None
     logger.info(
         "KV copies: CUDA kernels (%s, %s) ready in %.1f s from %s",
-        SOURCE.name,
+        ", ".join(source.name for source in SOURCES),
         arch,
         time.perf_counter() - t0,
         build_dir,

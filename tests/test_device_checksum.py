@@ -51,9 +51,13 @@ def test_version_1_is_the_same_number_in_every_build():
     assert device_checksums([long]) == [whole]
 
 
-def test_a_page_that_is_not_whole_words_is_refused():
+def test_a_page_that_is_not_whole_words_or_unlike_the_first_is_refused():
     with pytest.raises(ValueError, match="4-byte words"):
         device_checksums([torch.zeros(PAGE + 2, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="page 1: torch.uint8 of 65540 bytes"):
+        device_checksums([torch.zeros(PAGE, dtype=torch.uint8), torch.zeros(PAGE + 4, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="page 0: torch.int32"):
+        device_checksums([torch.zeros(PAGE // 4, dtype=torch.int32)])
     assert device_checksums([]) == []
 
 
@@ -79,13 +83,25 @@ def test_the_requester_keeps_the_landed_pages_before_the_first_that_differs_from
 @pytest.mark.gpu
 @gpu
 def test_the_gpu_computes_what_the_cpu_computes_on_real_tier_pages():
+    from lmcache_p2p import kv_kernels
+
+    assert kv_kernels.load() is not None, "the kernels must build on the GPU machine"
     page_bytes = 32 << 20
     host = pages(3, seed=1, size=page_bytes)
     for index in range(torch.cuda.device_count()):
         pool = PagePool(page_bytes, 4 * page_bytes, device=f"cuda:{index}")
         for page, data in zip([1, 2, 3], host, strict=True):
             pool.page(page).copy_(data)
-        assert device_checksums([pool.page(p) for p in (1, 2, 3)]) == device_checksums(host)
+        on_gpu = [pool.page(p) for p in (1, 2, 3)]
+        assert device_checksums(on_gpu) == device_checksums(host)  # the kernel, 16-byte loads
+        # The torch definition, run on the GPU, agrees with its kernel.
+        weights = device_checksum.weights_for(page_bytes // 4, on_gpu[0].device)
+        assert device_checksum._checksums(on_gpu, weights) == device_checksums(host)
+    # Pages at addresses that are not 16-byte aligned, of a size that is not: word loads.
+    odd = pages(9, seed=6, size=PAGE + 4)
+    flat = torch.cat([torch.zeros(4, dtype=torch.uint8)] + odd).cuda()
+    shifted = [flat[4 + i * (PAGE + 4) : 4 + (i + 1) * (PAGE + 4)] for i in range(9)]
+    assert device_checksums(shifted) == device_checksums(odd)
 
 
 def test_a_holder_vouches_only_for_checked_gpu_tier_copies_of_the_version_asked_for():

@@ -198,7 +198,7 @@ class P2PClient:
         self.me = identity
         self.storage = storage
         if storage.gpu is not None and storage.page_bytes % 4 == 0:  # its first landed pull's check
-            device_checksum.weights_for(storage.page_bytes // 4, storage.gpu.pool.buffer.device)
+            device_checksum.prepare(storage.page_bytes, storage.gpu.pool.buffer.device)
         self.link = link
         self.transports = transports
         self.preferred = preferred if preferred in transports else "tcp"
