@@ -3,6 +3,8 @@ and the two halves driven by hand."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 import uuid
 
@@ -198,7 +200,9 @@ def _step(new_reqs=(), num_scheduled=None):
     )
 
 
-def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_gets_them_again(engine_id, monkeypatch):
+def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_gets_them_again(
+    engine_id, monkeypatch, caplog
+):
     from types import SimpleNamespace
 
     from lmcache_p2p.integration.vllm import scheduler_side
@@ -248,8 +252,14 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
         new = SimpleNamespace(
             req_id="r", prompt_token_ids=prompt, block_ids=(list(range(50)),), num_computed_tokens=512
         )
-        meta = scheduler.build_connector_meta(_step([new], {"r": 288}))
+        with caplog.at_level(logging.INFO, logger="lmcache_p2p"):
+            meta = scheduler.build_connector_meta(_step([new], {"r": 288}))
         (load,), (store,) = meta.loads, meta.stores
+        # The hit's timeline, for where a time to first token goes: seen, known, load scheduled.
+        timeline = re.search(
+            r"Reqid: r, loading 512 tokens in this step, ([\d.]+) ms after .* \(hit known at ([\d.]+) ms\)", caplog.text
+        )
+        assert timeline and float(timeline[1]) >= float(timeline[2]) > 0, caplog.text
         assert load.chunk_hashes.tolist() == held["r"].tolist() and load.num_tokens == 800
         assert (load.start, load.end) == (0, 512)
         assert store.chunk_hashes.tolist() == held["r"].tolist() and store.block_ids == list(range(48))

@@ -317,6 +317,29 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     from_gpu_tier = [int(m[1]) for m in re.finditer(r"\((\d+) of \d+ chunks from the GPU tier\)", log2)]
     # How long steps that loaded landed chunks held their output for those chunks' checksum checks.
     check_waits = [float(m[1]) for m in re.finditer(r"step waited ([\d.]+) ms for the checksum checks", log2)]
+    # Each warmup hit's timeline in the scheduler: first seen -> hit known (its pull done) -> its
+    # load scheduled in a step. Requests go in ``inflight`` at a time: the first of each group
+    # does not wait for the others' pulls, so it is reported apart.
+    scheduled = [
+        (int(m[1]), float(m[2]), float(m[3]))
+        for m in re.finditer(
+            r"Reqid: e2warmup-(\d+)-\w+, loading \d+ tokens in this step, ([\d.]+) ms after the request was"
+            r" first seen \(hit known at ([\d.]+) ms\)",
+            log2,
+        )
+    ]
+    out["engine2_hit_timeline_ms"] = {
+        group: {
+            "requests": len(rows),
+            "hit_known_median": statistics.median(r[2] for r in rows) if rows else None,
+            "load_scheduled_median": statistics.median(r[1] for r in rows) if rows else None,
+            "load_scheduled_max": max((r[1] for r in rows), default=None),
+        }
+        for group, rows in (
+            ("first_of_group", [r for r in scheduled if r[0] % args.inflight == 0]),
+            ("others", [r for r in scheduled if r[0] % args.inflight]),
+        )
+    }
     out["engine2_gpu_tier"] = {
         "chunks_landed": sum(int(m[1]) for m in landed_lines),
         "chunks_checked_on_device": sum(int(m[2]) for m in landed_lines),

@@ -291,6 +291,16 @@ class SchedulerSide:
                     blend=blend,
                 )
             )
+            # Where a hit's time to first token goes: seen -> hit known (the lookup line) -> its
+            # load scheduled in a step (this line) -> the step's forward pass.
+            logger.info(
+                "Reqid: %s, loading %d tokens in this step, %.1f ms after the request was first seen"
+                " (hit known at %.1f ms)",
+                req_id,
+                state.load_tokens,
+                (time.monotonic() - state.seen_at) * 1e3,
+                state.lookup_ms,
+            )
             state.load_tokens = 0
 
     def _add_store(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed_after: int) -> None:
