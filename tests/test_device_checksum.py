@@ -110,19 +110,23 @@ def test_a_holder_vouches_only_for_checked_gpu_tier_copies_of_the_version_asked_
     from lmcache_p2p.worker.p2p_server import PeerServer
 
     data = pages(2, seed=4)
-    server = SimpleNamespace(me=SimpleNamespace(describe=lambda: "holder"))
+    server = SimpleNamespace(me=SimpleNamespace(describe=lambda: "holder"), stats={"device_checksums_kept": 0})
 
     def sums(version, *pins):
         request = ChunkPull(session="s", fingerprint=0, hashes=b"", device_check=version)
         return asyncio.run(PeerServer._device_checksums(server, request, list(pins)))
 
-    def pin(i, location=GPU, check=None):
-        return SimpleNamespace(data=data[i], location=location, check=check)
+    def pin(i, location=GPU, check=None, kept=None):
+        return SimpleNamespace(data=data[i], location=location, check=check, device_checksum=kept)
 
     assert sums(device_checksum.VERSION, pin(0), pin(1)) == device_checksums(data)
     assert sums(0, pin(0), pin(1)) == []  # not asked
     assert sums(device_checksum.VERSION + 1, pin(0)) == []  # a version this build does not have
     assert sums(device_checksum.VERSION, pin(0), pin(1, location=CPU)) == []  # one sent from host memory
     assert sums(device_checksum.VERSION, pin(0), pin(1, check=object())) == []  # landed here, not checked yet
-    odd = SimpleNamespace(data=torch.zeros(PAGE + 2, dtype=torch.uint8), location=GPU, check=None)
+    odd = SimpleNamespace(data=torch.zeros(PAGE + 2, dtype=torch.uint8), location=GPU, check=None, device_checksum=None)
     assert sums(device_checksum.VERSION, odd) == []  # could not run: none, and the pull goes on
+    # One taken behind its store is sent as kept (not recomputed); the others are computed.
+    assert server.stats["device_checksums_kept"] == 0
+    assert sums(device_checksum.VERSION, pin(0, kept=12345), pin(1)) == [12345, device_checksums(data[1:])[0]]
+    assert server.stats["device_checksums_kept"] == 1

@@ -330,6 +330,8 @@ def test_a_pull_from_gpu_tier_to_gpu_tier_is_bit_exact_and_written_back(controll
     assert "16 chunk(s) landed in the GPU tier (16 checked on the device)" in b.log()
     assert "(16 of 16 chunks from the GPU tier)" in b.log()
     assert a.status()["p2p_server"]["chunks_served_from_gpu_tier"] == 16
+    # Taken behind A's stores, not at pull time (all 16 unless a store's job was still queued).
+    assert a.status()["p2p_server"]["device_checksums_kept"] > 0
     # Checked on B's GPU against A's device checksums as they landed: no step waits for the host.
     assert b.status()["p2p_client"]["gpu_landed_checked_on_device"] == 16
     # Written back behind the pull: B's CPU tier has them, checked, and the controller knows.

@@ -367,3 +367,46 @@ def test_with_peers_a_stored_chunk_is_hashed_behind_its_store_not_when_first_ser
             m._hasher.shutdown(wait=True)  # the hashing behind the store, done
         m.close()
         assert entry.checksum == (payload_checksum(payload(7).numpy()) if p2p else None)
+
+
+def test_with_peers_a_gpu_tier_copy_gets_its_device_checksum_behind_its_store():
+    """A holder computing the device checksum of each GPU tier chunk a peer pulls put ~12 ms a
+    document on the pull (issue 21); with enable_p2p it is taken once, right after the store."""
+    from lmcache_p2p.device_checksum import device_checksums
+    from lmcache_p2p.storage import GPU
+
+    values = {
+        "chunk_size": CHUNK,
+        "local_cpu": True,
+        "max_local_cpu_size": (4 * PAGE + 1) / GB,
+        "local_gpu": True,
+        "max_local_gpu_size": (4 * PAGE + 1) / GB,
+    }
+    peers = dict(
+        enable_p2p=True,
+        enable_controller=True,
+        controller_pull_url="localhost:8300",
+        controller_reply_url="localhost:8400",
+        lmcache_worker_ports=[8500],
+        p2p_init_ports=[8200],
+        p2p_lookup_ports=[8201],
+        transfer_channel="tcp",
+    )
+    for p2p in (False, True):
+        config = LMCacheConfig.from_dict({**values, **(peers if p2p else {})})
+        # The tier's pages in host memory: its logic, as on a GPU.
+        m = StorageManager(config, LAYOUT, pin_memory=False, device=torch.device("cpu"))
+        page, data = m.reserve_page()
+        data.copy_(payload(7).reshape(data.shape))
+        assert m.commit_page(7, page)
+        gpu_page, gpu_data = m.reserve_gpu_page()
+        gpu_data.copy_(data)
+        assert m.commit_gpu_page(7, gpu_page)
+        if m._hasher is not None:
+            m._hasher.shutdown(wait=True)  # the work behind the store, done
+        with m.pin(7, gpu=True) as chunk:
+            assert chunk.location == GPU
+            assert chunk.device_checksum == (device_checksums([gpu_data])[0] if p2p else None)
+        with m.pin(7) as chunk:
+            assert chunk.device_checksum is None  # the CPU tier's copy has none
+        m.close()

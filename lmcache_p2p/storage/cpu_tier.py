@@ -26,19 +26,21 @@ T = TypeVar("T")
 
 
 class _Entry:
-    __slots__ = ("page", "pins", "checksum", "detached")
+    __slots__ = ("page", "pins", "checksum", "device_checksum", "detached")
 
     def __init__(self, page: int, checksum: int | None):
         self.page = page
         self.pins = 0
         self.checksum = checksum
+        # The GPU tier's: its page's device checksum (lmcache_p2p.device_checksum), for peers.
+        self.device_checksum: int | None = None
         self.detached = False  # removed from the index while pinned; freed on last release
 
 
 class PinnedChunk:
     """A chunk held against eviction and reuse until :meth:`release` (or the end of ``with``)."""
 
-    __slots__ = ("key", "data", "location", "check", "_checksum", "_compute_checksum", "_release")
+    __slots__ = ("key", "data", "location", "check", "device_checksum", "_checksum", "_compute_checksum", "_release")
 
     def __init__(
         self,
@@ -55,6 +57,8 @@ class PinnedChunk:
         # A GPU tier chunk a peer wrote whose checksum check was still running when pinned: the
         # write-back's future, answering the hashes that failed (StorageManager.commit_landed).
         self.check: concurrent.futures.Future | None = None
+        # A GPU tier chunk's device checksum when it was taken behind its store (else None).
+        self.device_checksum: int | None = None
         self._checksum = checksum
         self._compute_checksum = compute_checksum
         self._release = release
@@ -212,7 +216,7 @@ class CpuTier:
             entry.pins += 1
             self.pins_held += 1
         data = self.pool.page(entry.page)
-        return PinnedChunk(
+        chunk = PinnedChunk(
             key,
             data,
             entry.checksum,
@@ -220,6 +224,8 @@ class CpuTier:
             compute_checksum=lambda: self._checksum_of(key, entry, data),
             location=self.location,
         )
+        chunk.device_checksum = entry.device_checksum
+        return chunk
 
     def _checksum_of(self, key: ChunkKey, entry: _Entry, data: torch.Tensor) -> int:
         # Cached on the entry: computed at most once per stored chunk, outside the lock (the

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from lmcache_p2p.device_checksum import device_checksums
 from lmcache_p2p.keys import ChunkKey, payload_checksum
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk, _Entry
 from lmcache_p2p.storage.memory import PagePool
@@ -50,3 +51,21 @@ class GpuTier(CpuTier):
             # Not in the CPU tier (a write-back in flight, or dropped there): hash a host copy.
             entry.checksum = checksum if checksum is not None else payload_checksum(data.cpu().numpy())
         return entry.checksum
+
+    def keep_device_checksum(self, key: ChunkKey) -> bool:
+        """Compute ``key``'s device checksum and keep it on its entry, so that a peer pulling it
+        later is sent it without waiting for it (pages here are written once per entry: the
+        number stays true while the entry lives). False if the tier does not hold the chunk."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            if entry.device_checksum is not None:
+                return True
+            entry.pins += 1  # the page is not reused while it is read
+            self.pins_held += 1
+        try:
+            entry.device_checksum = device_checksums([self.pool.page(entry.page)])[0]
+        finally:
+            self._unpin(entry)
+        return True

@@ -333,7 +333,17 @@ class StorageManager:
         if admitted is None:
             gpu.pool.free(page)
             return False
+        hasher = self._hasher
+        if admitted and hasher is not None:  # with peers: the device checksum they are sent, taken now
+            with contextlib.suppress(RuntimeError):  # closing: computed when first served, if ever
+                hasher.submit(self._device_checksum_stored, key)
         return admitted
+
+    def _device_checksum_stored(self, key: ChunkKey) -> None:
+        try:
+            self._gpu_tier().keep_device_checksum(key)
+        except Exception:  # a chunk without one gets it computed when a peer pulls it
+            logger.exception("device checksum of stored chunk %s failed", key)
 
     def abandon_gpu_page(self, page: int) -> None:
         self._gpu_tier().pool.free(page)

@@ -81,6 +81,7 @@ class PeerServer:
             "pulls_served": 0,
             "chunks_served": 0,
             "chunks_served_from_gpu_tier": 0,  # sent from VRAM (local_gpu): no host copy first
+            "device_checksums_kept": 0,  # of those, sent with the device checksum taken at their store
             "bytes_served": 0,
             "pulls_refused": 0,
             "bad_frames": 0,
@@ -272,11 +273,20 @@ class PeerServer:
             return []
         if not all(c.location == GPU and c.check is None for c in pins):
             return []
-        try:
-            return await asyncio.to_thread(device_checksum.device_checksums, [c.data for c in pins])
-        except Exception:  # the requester then checks on the host, as without them
-            logger.exception("%s: device checksums of %d chunk(s) failed", self.me.describe(), len(pins))
-            return []
+        # Stored chunks' were taken behind their stores (StorageManager.commit_gpu_page); the
+        # rest (landed here from a peer, or not done yet) are computed now, in one launch.
+        sums = [c.device_checksum for c in pins]
+        missing = [i for i, value in enumerate(sums) if value is None]
+        self.stats["device_checksums_kept"] += len(pins) - len(missing)
+        if missing:
+            try:
+                computed = await asyncio.to_thread(device_checksum.device_checksums, [pins[i].data for i in missing])
+            except Exception:  # the requester then checks on the host, as without them
+                logger.exception("%s: device checksums of %d chunk(s) failed", self.me.describe(), len(missing))
+                return []
+            for i, value in zip(missing, computed, strict=True):
+                sums[i] = value
+        return [value for value in sums if value is not None]
 
     async def _on_fetch(self, request: FetchChunks) -> FetchReply:
         """Move/copy destination: pull the listed chunks from the source into ``location``."""
