@@ -170,9 +170,13 @@ class CacheEngine:
     def _commit(self, batch: list[_ReservedChunk], num_tokens: int, launched: float | None = None) -> int:
         """Index a gathered batch; ``launched`` is when an asynchronous copy of it started."""
         stored = sum(self.chunk_size for c in batch if self.storage.commit_page(c.chunk_hash, c.page))
-        for c in batch:  # after the CPU tier: the GPU tier copies what it holds
-            if c.gpu_page is not None:
-                self.storage.commit_gpu_page(c.chunk_hash, c.gpu_page)
+        # After the CPU tier: the GPU tier copies what it holds.
+        in_gpu_tier = [
+            c.chunk_hash
+            for c in batch
+            if c.gpu_page is not None and self.storage.commit_gpu_page(c.chunk_hash, c.gpu_page)
+        ]
+        self.storage.keep_device_checksums(in_gpu_tier)
         self.counters.stored_tokens += stored
         took = (
             ""

@@ -4,8 +4,8 @@ A same-host pull writes chunks into the requester's GPU tier, and the step that 
 know they are the holder's bytes before vLLM keeps its output. The payload checksum (XXH3,
 ``keys.payload_checksum``) needs the bytes in host memory: a copy across PCIe and a hash that cost
 ~45 ms a 10,000-token document on the H200, which the step waited for (BENCHMARKS.md, issue 21).
-This one runs on the device, at both ends: the holder over its GPU tier copy before it writes,
-the requester over the landed pages.
+This one runs on the device, at both ends: the holder over its GPU tier copy (taken behind the
+store, or before it writes one that landed there from a peer), the requester over the landed pages.
 
 The page is read as 32-bit words ``x_i`` and summed as ``sum_i (x_i * w_i mod 2^32)`` in 64 bits
 (exact: 2^23 words in a 32 MiB page, each term under 2^31 in magnitude), with odd weights ``w_i``
@@ -92,8 +92,15 @@ def device_checksums(pages: Sequence[torch.Tensor]) -> list[int]:
                 f"page {i}: {page.dtype} of {page.numel()} bytes on {page.device} (contiguous:"
                 f" {page.is_contiguous()}); expected contiguous uint8 of {nbytes} bytes on {device}"
             )
+    if nbytes == 0:
+        return [0] * len(pages)
     if device.type != "cuda":
         return _checksums(pages, weights_for(nbytes // 4, device))
+    # The kernel reads whole words: a view that starts inside a word would be a misaligned load,
+    # an error that ends the process's CUDA context (the engine's), not just this call.
+    unaligned = next((i for i, page in enumerate(pages) if page.data_ptr() % 4), None)
+    if unaligned is not None:
+        raise ValueError(f"page {unaligned} starts at an address that is not a multiple of 4 bytes")
     kernels = kv_kernels.load()
     stream = gpu_ops.side_stream("checksum", device)
     with torch.cuda.device(device), torch.cuda.stream(stream):

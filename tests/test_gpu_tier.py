@@ -105,6 +105,44 @@ def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(tier
     assert "(4 of 4 chunks from the GPU tier)" in caplog.text
 
 
+def test_with_peers_a_store_takes_its_gpu_copies_device_checksums_behind_it():
+    """A holder computing the device checksums of GPU tier chunks at pull time added ~12 ms to a
+    document's pull (issue 21); with peers on they are taken once, behind the store."""
+    from lmcache_p2p.cache_engine import CacheEngine
+    from lmcache_p2p.device_checksum import device_checksums
+    from lmcache_p2p.storage import StorageManager
+
+    peers = {
+        "enable_p2p": True,
+        "enable_controller": True,
+        "controller_pull_url": "localhost:8300",
+        "controller_reply_url": "localhost:8400",
+        "lmcache_worker_ports": [8500],
+        "p2p_init_ports": [8200],
+        "p2p_lookup_ports": [8201],
+        "transfer_channel": "tcp",
+    }
+    for with_peers in (False, True):
+        tier = {"chunk_size": CHUNK, "local_gpu": True, "max_local_gpu_size": (8 * PAGE + 1) / GB}
+        config = LMCacheConfig.from_dict({**tier, **(peers if with_peers else {})})
+        kv = StandInKV(SHAPE, 64)
+        # No worker (no controller to talk to): the storage and the engine that stores into it.
+        storage = StorageManager(config, kv.layout(), pin_memory=False, device=torch.device("cpu"))
+        engine = CacheEngine(config, kv.layout(), storage)
+        prompt = chunk_hash_array(tokens(4 * CHUNK, seed=2), CHUNK)
+        blocks = list(range(len(kv.layers[0])))
+        kv.prefill(prompt, blocks, CHUNK)
+        assert engine.store(prompt, kv.layers, blocks) == 4 * CHUNK
+        if storage._hasher is not None:
+            storage._hasher.shutdown(wait=True)  # the work behind the store, done
+        for h in prompt.tolist():
+            with storage.pin(h, gpu=True) as copy, storage.pin(h) as cpu_copy:
+                assert copy.location == GPU
+                assert copy.device_checksum == (device_checksums([copy.data])[0] if with_peers else None)
+                assert cpu_copy.device_checksum is None  # the CPU tier's copy has none
+        engine.close()
+
+
 def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses(tiered):
     engine, kv = tiered(gpu_pages=3, cpu_pages=6)
     events = []

@@ -318,12 +318,13 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     # How long steps that loaded landed chunks held their output for those chunks' checksum checks.
     check_waits = [float(m[1]) for m in re.finditer(r"step waited ([\d.]+) ms for the checksum checks", log2)]
     # Each warmup hit's timeline in the scheduler: first seen -> hit known (its pull done) -> its
-    # load scheduled in a step. Requests go in ``inflight`` at a time: the first of each group
-    # does not wait for the others' pulls, so it is reported apart.
+    # load scheduled in a step. Requests go in a window of ``inflight``; with equal output
+    # lengths the window refills in groups (requests 0, 4, 8, ... first), and the first of a
+    # group does not wait for the others' pulls, so it is reported apart.
     scheduled = [
         (int(m[1]), float(m[2]), float(m[3]))
         for m in re.finditer(
-            r"Reqid: e2warmup-(\d+)-\w+, loading \d+ tokens in this step, ([\d.]+) ms after the request was"
+            r"Reqid: e2warmup-(\d+)(?:-\w+)?, loading \d+ tokens in this step, ([\d.]+) ms after the request was"
             r" first seen \(hit known at ([\d.]+) ms\)",
             log2,
         )

@@ -52,20 +52,24 @@ class GpuTier(CpuTier):
             entry.checksum = checksum if checksum is not None else payload_checksum(data.cpu().numpy())
         return entry.checksum
 
-    def keep_device_checksum(self, key: ChunkKey) -> bool:
-        """Compute ``key``'s device checksum and keep it on its entry, so that a peer pulling it
-        later is sent it without waiting for it (pages here are written once per entry: the
-        number stays true while the entry lives). False if the tier does not hold the chunk."""
+    def keep_device_checksums(self, keys: list[ChunkKey]) -> int:
+        """Compute the device checksums of ``keys``' copies here (one launch) and keep each on its
+        entry, so that a peer pulling them later is sent them without waiting (a page here is
+        written once per entry: the number stays true while the entry lives). Returns how many
+        were computed; keys the tier no longer holds, or whose number is kept already, are skipped."""
+        entries = []
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return False
-            if entry.device_checksum is not None:
-                return True
-            entry.pins += 1  # the page is not reused while it is read
-            self.pins_held += 1
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.device_checksum is None:
+                    entry.pins += 1  # its page is not reused while it is read
+                    self.pins_held += 1
+                    entries.append(entry)
         try:
-            entry.device_checksum = device_checksums([self.pool.page(entry.page)])[0]
+            sums = device_checksums([self.pool.page(entry.page) for entry in entries])
+            for entry, value in zip(entries, sums, strict=True):
+                entry.device_checksum = value
         finally:
-            self._unpin(entry)
-        return True
+            for entry in entries:
+                self._unpin(entry)
+        return len(entries)

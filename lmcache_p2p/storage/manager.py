@@ -333,17 +333,24 @@ class StorageManager:
         if admitted is None:
             gpu.pool.free(page)
             return False
-        hasher = self._hasher
-        if admitted and hasher is not None:  # with peers: the device checksum they are sent, taken now
-            with contextlib.suppress(RuntimeError):  # closing: computed when first served, if ever
-                hasher.submit(self._device_checksum_stored, key)
         return admitted
 
-    def _device_checksum_stored(self, key: ChunkKey) -> None:
+    def keep_device_checksums(self, chunk_hashes: Sequence[int]) -> None:
+        """With peers: take the device checksums of a store's GPU tier copies behind it (one job,
+        one launch), which a peer pulling them from VRAM is sent (PeerServer._device_checksums);
+        a holder computing them on every pull added ~12 ms to a document's pull (issue 21)."""
+        hasher = self._hasher
+        if hasher is None or self.gpu is None or not chunk_hashes:
+            return
+        keys = [self.key(h) for h in chunk_hashes]
+        with contextlib.suppress(RuntimeError):  # closing: computed when first served, if ever
+            hasher.submit(self._keep_device_checksums, keys)
+
+    def _keep_device_checksums(self, keys: list[ChunkKey]) -> None:
         try:
-            self._gpu_tier().keep_device_checksum(key)
-        except Exception:  # a chunk without one gets it computed when a peer pulls it
-            logger.exception("device checksum of stored chunk %s failed", key)
+            self._gpu_tier().keep_device_checksums(keys)
+        except Exception:  # chunks without one get it computed when a peer pulls them
+            logger.exception("device checksums of %d stored chunk(s) failed", len(keys))
 
     def abandon_gpu_page(self, page: int) -> None:
         self._gpu_tier().pool.free(page)

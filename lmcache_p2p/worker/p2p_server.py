@@ -242,6 +242,8 @@ class PeerServer:
         self.stats["pulls_served"] += 1
         self.stats["chunks_served"] += len(pins)
         self.stats["chunks_served_from_gpu_tier"] += sum(c.location == GPU for c in pins)
+        if staged and device_sums:  # sent: those taken at their store, not computed for this pull
+            self.stats["device_checksums_kept"] += sum(c.device_checksum is not None for c in pins)
         self.stats["bytes_served"] += nbytes
         logger.debug(
             "%s: served %d chunk(s), %.1f MiB over %s%s in %.2f ms (%.2f GB/s)",
@@ -273,11 +275,10 @@ class PeerServer:
             return []
         if not all(c.location == GPU and c.check is None for c in pins):
             return []
-        # Stored chunks' were taken behind their stores (StorageManager.commit_gpu_page); the
+        # Stored chunks' were taken behind their stores (StorageManager.keep_device_checksums); the
         # rest (landed here from a peer, or not done yet) are computed now, in one launch.
         sums = [c.device_checksum for c in pins]
         missing = [i for i, value in enumerate(sums) if value is None]
-        self.stats["device_checksums_kept"] += len(pins) - len(missing)
         if missing:
             try:
                 computed = await asyncio.to_thread(device_checksum.device_checksums, [pins[i].data for i in missing])
