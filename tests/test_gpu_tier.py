@@ -18,6 +18,7 @@ from instances import InstanceProcess, instance_config, tokens
 from protocol_client import ControllerProcess, wait_for
 
 from lmcache_p2p.config import GB, ConfigError, LMCacheConfig
+from lmcache_p2p.device_checksum import device_checksums
 from lmcache_p2p.keys import chunk_hash_array, payload_checksum
 from lmcache_p2p.protocol import ChannelHello
 from lmcache_p2p.storage import CPU, GPU
@@ -109,7 +110,6 @@ def test_with_peers_a_store_takes_its_gpu_copies_device_checksums_behind_it():
     """A holder computing the device checksums of GPU tier chunks at pull time added ~12 ms to a
     document's pull (issue 21); with peers on they are taken once, behind the store."""
     from lmcache_p2p.cache_engine import CacheEngine
-    from lmcache_p2p.device_checksum import device_checksums
     from lmcache_p2p.storage import StorageManager
 
     peers = {
@@ -248,9 +248,11 @@ def test_a_chunk_checked_on_the_device_as_it_landed_is_not_waited_for_again(tier
     prompt = chunk_hash_array(tokens(CHUNK, seed=8), CHUNK).tolist()
     with write_back_held(storage):
         hashes, gpu_pages, cpu_pages, checksums = zip(land(storage, kv, prompt[0]), strict=True)
-        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, checked_on_device=True)
+        on_device = device_checksums([storage.gpu.pool.page(gpu_pages[0])])
+        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=on_device)
         with storage.pin(prompt[0], gpu=True) as chunk:
             assert chunk.location == GPU and chunk.check is None  # while its write-back waits
+            assert [chunk.device_checksum] == on_device  # kept: a peer pulling it from here is sent it
         with engine.pin_prefix(prompt) as prefix:
             plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
             assert plan.from_gpu == 1 and plan.unchecked == []
@@ -267,9 +269,10 @@ def test_a_chunk_landed_twice_is_waited_for_when_the_checked_page_is_not_the_one
         first = land(storage, kv, chunk_hash)
         storage.commit_landed([first[0]], [first[1]], [first[2]], [first[3]])
         second = land(storage, kv, chunk_hash)
-        storage.commit_landed([second[0]], [second[1]], [second[2]], [second[3]], checked_on_device=True)
+        storage.commit_landed([second[0]], [second[1]], [second[2]], [second[3]], device_checksums=[99])
         with storage.pin(chunk_hash, gpu=True) as chunk:
             assert chunk.check is not None  # the held copy is the first landing's: not checked yet
+            assert chunk.device_checksum is None  # nor is the second page's number the held copy's
     assert storage.flush(10) and storage.location_of(chunk_hash) == CPU
     assert storage.stats()["gpu"]["free_pages"] == storage.stats()["gpu"]["capacity_chunks"] - 1
 

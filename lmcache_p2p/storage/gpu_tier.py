@@ -35,12 +35,17 @@ class GpuTier(CpuTier):
         super().__init__(pool)
         self._checksum_source = checksum_of
 
-    def admit_pinned(self, key: ChunkKey, page: int, checksum: int | None) -> tuple[PinnedChunk, bool]:
+    def admit_pinned(
+        self, key: ChunkKey, page: int, checksum: int | None, device_checksum: int | None = None
+    ) -> tuple[PinnedChunk, bool]:
         """Index ``page`` under ``key`` (if the key is held already, free it and use the held
         copy) and pin the entry, in one step: nothing can evict it in between. Also whether
-        ``page`` is the one indexed (False: the held copy was pinned)."""
+        ``page`` is the one indexed (False: the held copy was pinned). ``device_checksum``: the
+        page's, known already (checked on landing), kept when ``page`` is the one indexed."""
         with self._lock:
             admitted = self.admit(key, page, checksum)
+            if admitted and device_checksum is not None:
+                self._entries[key].device_checksum = device_checksum
             chunk = self.pin(key)
         assert chunk is not None  # admitted or held, under the lock
         return chunk, admitted

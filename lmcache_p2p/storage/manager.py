@@ -366,23 +366,27 @@ class StorageManager:
         gpu_pages: Sequence[int],
         cpu_pages: Sequence[int],
         checksums: Sequence[int],
-        checked_on_device: bool = False,
+        device_checksums: Sequence[int] | None = None,
     ) -> None:
         """Chunks a peer wrote into GPU tier pages (the engine's prefix pulls): loadable from the
         GPU tier now, and written back behind the caller into the reserved ``cpu_pages``, where
         their checksums are checked before the CPU tier indexes them. A chunk whose checksum
         differs is dropped from both and logged. Readers of a chunk pinned before its write-back
-        ends get that check to wait for (``PinnedChunk.check``), unless it was
-        ``checked_on_device`` against the holder's device checksums already."""
+        ends get that check to wait for (``PinnedChunk.check``), unless the pages were checked
+        on the device against the holder's ``device_checksums`` already (one per chunk), which
+        the tier then keeps for peers that pull them from here."""
         gpu = self._gpu_tier()
         assert self._write_back_thread is not None  # made with the GPU tier
         # Under the landing lock from admit to registration: a pin taken meanwhile waits, and so
         # gets the check with the chunk (lock order: landing, then the GPU tier's).
         with self._landing_lock:
             # Pinned until written back: the tier may not evict them meanwhile.
+            on_device: Sequence[int | None] = [None] * len(gpu_pages) if device_checksums is None else device_checksums
             admits = [
-                gpu.admit_pinned(self.key(chunk_hash), page, checksum)
-                for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
+                gpu.admit_pinned(self.key(chunk_hash), page, checksum, device_checksum)
+                for chunk_hash, page, checksum, device_checksum in zip(
+                    chunk_hashes, gpu_pages, checksums, on_device, strict=True
+                )
             ]
             pins = [pin for pin, _ in admits]
             token = object()
@@ -393,7 +397,8 @@ class StorageManager:
             for chunk_hash, (_, admitted) in zip(chunk_hashes, admits, strict=True):
                 # A page checked on the device needs no wait; a copy held already (its page was
                 # freed) is what this write-back reads and checks, so its readers wait for that.
-                self._landing[self.key(chunk_hash)] = (token, None if checked_on_device and admitted else future)
+                checked = device_checksums is not None and admitted
+                self._landing[self.key(chunk_hash)] = (token, None if checked else future)
 
     def _write_back(
         self,
