@@ -149,11 +149,14 @@ def test_seed_003_move_flow(controller, spawn, channel):
     assert answer["num_tokens"] == 6 * CHUNK
     state = controller.finish(answer["event_id"])
     assert state["status"] == "done" and state["num_tokens"] == 6 * CHUNK, state
-    # B has them locally (no peer needed); A evicted them; the index follows.
+    # A sent its removals before its done, on the same socket: once done, the index never
+    # lists the source. (B's additions come on B's socket, sent before its reply to A.)
+    assert "lmcache_instance_1" not in controller.holders(prompt)
+    wait_for(lambda: controller.holders(prompt) == {"lmcache_instance_2": [CPU, 6 * CHUNK]}, what="index after move")
+    # B has them locally (no peer needed); A evicted them.
     assert b.lookup(prompt, peers=False) == 6 * CHUNK
     assert b.retrieve(prompt)["exact"]
     assert a.lookup(prompt, peers=False) == 0
-    wait_for(lambda: controller.holders(prompt) == {"lmcache_instance_2": [CPU, 6 * CHUNK]}, what="index after move")
     assert a.status()["storage"]["cpu"]["pins_held"] == 0
 
 

@@ -76,6 +76,9 @@ class PeerServer:
         # Called with (instance id, rank) of each requester that opened a session: a rank that
         # greets us is live and of our layout, which the worker uses to learn of newcomers early.
         self.on_greeted: Callable[[str, int], object] | None = None
+        # Sends the storage events waiting in the worker's batcher (ControllerLink.flush): a move's
+        # destination reports what it now holds before its reply lets the source call it done.
+        self.flush_events: Callable[[], object] | None = None
         self.stats = {
             "sessions": 0,
             "pulls_served": 0,
@@ -329,4 +332,6 @@ class PeerServer:
             len(have),
             f"; {error}" if error else "",
         )
+        if self.flush_events is not None:
+            self.flush_events()
         return FetchReply(ok=True, held=pack_hashes(held), error=error)

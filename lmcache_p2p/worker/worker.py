@@ -192,6 +192,8 @@ class Worker:
             self.link.on_peers = functools.partial(self.client.set_warm_peers, limit=config.p2p_max_warm_peers)
             if self.server is not None:
                 self.server.on_greeted = self._greeted
+        if self.server is not None:
+            self.server.flush_events = self.link.flush
         self.link.start()
         self._load_task = asyncio.get_running_loop().create_task(self.load_probe.run(), name="engine-load")
         if self.server is not None:
