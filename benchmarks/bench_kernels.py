@@ -7,9 +7,12 @@ flash layout): a 256-token chunk is 16 blocks of 64 KiB per layer, 32 MiB in all
 
 * gather GPU cache -> pinned host pages, and scatter back (the CPU tier's path);
 * gather GPU cache -> GPU pages, and scatter back (a GPU staging buffer's path);
-* the ceiling: one contiguous torch ``copy_`` of the same bytes, GPU <-> pinned host and GPU <-> GPU.
+* the ceiling: one contiguous torch ``copy_`` of the same bytes, GPU <-> pinned host and GPU <-> GPU;
+* the device checksum of a 10,000-token document (39 pages in VRAM): page_checksum.cu against
+  the torch definition in lmcache_p2p.device_checksum (``--checksum-only``: that alone).
 
     python benchmarks/bench_kernels.py [--batches 1,2,4,8,16,32] [--reps 20]   # prints one JSON object
+    python benchmarks/bench_kernels.py --checksum-only [--reps 10]
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ def llama_cache(num_blocks: int) -> tuple[list[torch.Tensor], int]:
     return kv.layers, CHUNK * kv.chunk_bytes_per_token
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``fn`` (which returns after its copy is complete), after a warm-up."""
+def timings(fn, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` runs of ``fn`` (which returns after its work is complete),
+    after a warm-up."""
     fn()
     times = []
     for _ in range(reps):
@@ -54,7 +58,37 @@ def timed(fn, reps: int) -> float:
         fn()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn``, after a warm-up."""
+    return statistics.median(timings(fn, reps))
+
+
+def device_checksum_of_a_document(reps: int) -> dict:
+    """The device checksum of one document's 39 pages of 32 MiB in VRAM: the kernel (one launch)
+    against the torch code (the definition, and the fallback), which must agree."""
+    from lmcache_p2p import device_checksum
+
+    page_bytes, pages_per_document = 32 << 20, 39
+    pages = list(torch.randint(0, 256, (pages_per_document, page_bytes), dtype=torch.uint8, device="cuda"))
+    weights = device_checksum.weights_for(page_bytes // 4, pages[0].device)
+    out: dict = {"bench": "device_checksum", "pages": pages_per_document, "page_bytes": page_bytes}
+    runs = {
+        "kernel": partial(device_checksum.device_checksums, pages),
+        "torch": partial(device_checksum._checksums, pages, weights),
+    }
+    for name, fn in runs.items():
+        ms = [t * 1e3 for t in timings(fn, reps)]
+        out[name] = {
+            "ms_median": round(statistics.median(ms), 3),
+            "ms_min": round(min(ms), 3),
+            "ms_max": round(max(ms), 3),
+            "GB/s_median": round(pages_per_document * page_bytes / 1e6 / statistics.median(ms), 1),
+        }
+    assert runs["kernel"]() == runs["torch"](), "the kernel and the torch definition disagree"
+    return out
 
 
 def main() -> None:
@@ -62,6 +96,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,32")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--num-blocks", type=int, default=4096, help="cache blocks per layer (4096 = 8 GiB)")
+    parser.add_argument("--checksum-only", action="store_true", help="only the device checksum of a document")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device")
@@ -70,6 +105,11 @@ def main() -> None:
     t0 = time.perf_counter()
     assert kv_kernels.load() is not None, "the CUDA kernels did not build"
     build_s = time.perf_counter() - t0
+    print(f"[bench_kernels] kernels built or loaded in {build_s:.1f} s", file=sys.stderr, flush=True)
+    checksum = device_checksum_of_a_document(args.reps)
+    if args.checksum_only:
+        print(json.dumps(checksum))
+        return
 
     cache, chunk_bytes = llama_cache(args.num_blocks)
     most = max(batches)
@@ -142,6 +182,7 @@ def main() -> None:
                 "chunk_bytes": chunk_bytes,
                 "kernel_build_or_load_s": round(build_s, 1),
                 "results": results,
+                "device_checksum": checksum,
             }
         )
     )

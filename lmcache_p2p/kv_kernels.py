@@ -36,7 +36,7 @@ def _csrc() -> Path:
 
 
 # The KV copies (and the module's bindings), then the device checksum of pages.
-SOURCES = [_csrc() / "kv_transfer.cu", _csrc() / "page_checksum.cu"]
+SOURCES = [_csrc() / name for name in ("kv_transfer.cu", "page_checksum.cu")]
 
 
 def _arch_flags(capability: tuple[int, int]) -> tuple[str, list[str]]:

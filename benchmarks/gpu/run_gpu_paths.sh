@@ -55,22 +55,7 @@ offload() {  # name, extra args
 }
 step() {
   case "$1" in
-    kernels) $PY -c "
-import logging, time; logging.basicConfig(level=logging.INFO); t = time.perf_counter()
-from lmcache_p2p import kv_kernels; assert kv_kernels.load() is not None; print(f'kernels {time.perf_counter() - t:.1f} s')
-# The device checksum of one document (39 pages of 32 MiB): the kernel against the torch code.
-import json, statistics, torch; from lmcache_p2p import device_checksum as dc
-pages = [p for p in torch.randint(0, 256, (39, 32 << 20), dtype=torch.uint8, device='cuda')]
-w = dc.weights_for((32 << 20) // 4, pages[0].device); out = {}
-for name, f in (('kernel', lambda: dc.device_checksums(pages)), ('torch', lambda: dc._checksums(pages, w))):
-    f(); torch.cuda.synchronize(); ms = []
-    for _ in range(10):
-        t = time.perf_counter(); f(); torch.cuda.synchronize(); ms.append((time.perf_counter() - t) * 1e3)
-    out[name] = {'ms_median': round(statistics.median(ms), 3), 'ms_min': round(min(ms), 3), 'ms_max': round(max(ms), 3),
-                 'GB/s_median': round(39 * (32 << 20) / 1e6 / statistics.median(ms), 1)}
-assert dc.device_checksums(pages) == dc._checksums(pages, w)
-print(json.dumps({'bench': 'device_checksum', 'pages': 39, 'page_bytes': 32 << 20} | out))" \
-      > "$W/kernels.log" 2>&1 ;;
+    kernels) $PY benchmarks/bench_kernels.py --checksum-only --reps 10 > "$W/kernels.log" 2>&1 ;;
     tests) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tier.py tests/test_layerwise.py \
       tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py tests/test_device_checksum.py \
       > "$W/gpu_tests.txt" 2>&1 ;;

@@ -236,10 +236,8 @@ class CommandServer:
             error = f"worker error: {e}"
         if error and not ok:
             logger.warning("%s: %s %s failed: %s", me.describe(), kind, command.event_id, error)
-        # The removals above wait in the event batcher (up to flush_interval); sent first, on the
-        # same socket, they reach the controller before the done: once a move is done, /lookup
-        # no longer lists its source.
-        self.link.flush()
+        # ControllerLink.send puts the removals above (batched events) ahead of the done: once a
+        # move is done, /lookup no longer lists its source.
         self.link.send(
             CommandDone(
                 event_id=command.event_id,

@@ -225,7 +225,12 @@ class ControllerLink:
         self.push.close(linger=100 if deregister else 0)
 
     def send(self, message) -> bool:
-        """Fire-and-forget on the pull socket; False when it could not be queued (controller away)."""
+        """Fire-and-forget on the pull socket; False when it could not be queued (controller away).
+        Any other message goes after the storage events recorded before it (they are flushed
+        first; the controller reads the socket in order): a CommandDone never overtakes the
+        removals of the command it reports."""
+        if not isinstance(message, KeyEvents):
+            self.flush()
         # On an asyncio socket a non-blocking send completes at once and reports failure (the
         # queue is full or nobody is connected) through the returned future, not by raising.
         # (pyzmq's stubs type the async send as a plain Awaitable; zmq.asyncio returns this Future.)

@@ -96,8 +96,9 @@ class _Batch:
     # them by the write-back (StorageManager.commit_landed), which also checks the checksums.
     gpu_pages: list[int] = field(default_factory=list)
     good: int = 0  # leading chunks landed with matching checksums
-    device_checked: bool = False  # landed in the GPU tier and checked there (device checksums)
-    device_checksums: list[int] = field(default_factory=list)  # the holder's, for the pages checked
+    # Landed in the GPU tier and checked there: the holder's device checksums of the pages that
+    # matched (None: not checked on the device; the write-back checks them).
+    device_checksums: list[int] | None = None
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
     pool_full: str | None = None  # fewer pages were free than the batch had chunks: the run ends here
@@ -369,7 +370,7 @@ class P2PClient:
                 continue
             landed = min(batch.good, len(batch.gpu_pages))
             result.gpu_landed += landed
-            if batch.device_checked:
+            if batch.device_checksums is not None:
                 result.gpu_checked_on_device += landed
                 self.stats["gpu_landed_checked_on_device"] += landed
             result.held += self._commit(batch, location)
@@ -617,7 +618,7 @@ class P2PClient:
                 batch.good = min(served, len(batch.checksums))
                 checked = await self._check_on_device(reply, in_gpu_tier[: batch.good])
                 if checked is not None:
-                    batch.good, batch.device_checked = checked, True
+                    batch.good = checked
                     batch.device_checksums = unpack_hashes(reply.device_checksums)[:checked].tolist()
             else:
                 batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
@@ -666,7 +667,7 @@ class P2PClient:
                 batch.gpu_pages[:good],
                 batch.pages[:good],
                 checksums,
-                device_checksums=batch.device_checksums[:good] if batch.device_checked else None,
+                device_checksums=None if batch.device_checksums is None else batch.device_checksums[:good],
             )
         else:
             for i in range(good):

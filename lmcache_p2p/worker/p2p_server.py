@@ -280,17 +280,16 @@ class PeerServer:
             return []
         # Stored chunks' were taken behind their stores (StorageManager.keep_device_checksums); the
         # rest (landed here from a peer, or not done yet) are computed now, in one launch.
-        sums = [c.device_checksum for c in pins]
-        missing = [i for i, value in enumerate(sums) if value is None]
+        missing = [c.data for c in pins if c.device_checksum is None]
+        computed: list[int] = []
         if missing:
             try:
-                computed = await asyncio.to_thread(device_checksum.device_checksums, [pins[i].data for i in missing])
+                computed = await asyncio.to_thread(device_checksum.device_checksums, missing)
             except Exception:  # the requester then checks on the host, as without them
                 logger.exception("%s: device checksums of %d chunk(s) failed", self.me.describe(), len(missing))
                 return []
-            for i, value in zip(missing, computed, strict=True):
-                sums[i] = value
-        return [value for value in sums if value is not None]
+        fresh = iter(computed)  # in the order of the pins that lacked one
+        return [c.device_checksum if c.device_checksum is not None else next(fresh) for c in pins]
 
     async def _on_fetch(self, request: FetchChunks) -> FetchReply:
         """Move/copy destination: pull the listed chunks from the source into ``location``."""
