@@ -302,6 +302,12 @@ class LMCacheConfig:
     nixl_progress_delay_us: int = _key(_to_int, 200, "pause between NIXL progress-thread rounds; 0 spins a core")
     p2p_batch_chunks: int = _key(_to_int, 8, "chunks per peer pull request")
     p2p_pipeline_depth: int = _key(_to_int, 3, "peer pull requests in flight per pull")
+    p2p_prefix_pull_turns: bool = _key(
+        _to_bool,
+        True,
+        "the engine's prefix pulls run one at a time, first asked first served (each at full bandwidth); "
+        "False: at once (for pulls bound by per-request latency, not bytes)",
+    )
     nixl_buffer_device: str = _key(
         _to_str,
         "auto",

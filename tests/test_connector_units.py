@@ -116,7 +116,7 @@ def test_the_lookup_server_survives_garbage_and_a_failing_handler(engine_id):
         server.close()
 
 
-def _scheduler(engine_id: str):
+def _scheduler(engine_id: str, **extra):
     from types import SimpleNamespace
 
     from lmcache_p2p.config import LMCacheConfig
@@ -129,7 +129,12 @@ def _scheduler(engine_id: str):
     )
     # The rank (a stand-in handler below) does the pulling; the scheduler side only asks.
     config = LMCacheConfig.from_dict(
-        {"chunk_size": 256, "enable_async_loading": True, "extra_config": {"lookup_backoff_time": 0.001}}
+        {
+            "chunk_size": 256,
+            "enable_async_loading": True,
+            "extra_config": {"lookup_backoff_time": 0.001},
+            **extra,
+        }
     )
     return SchedulerSide(vllm_config, config)
 
@@ -180,6 +185,41 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
         assert ask("b") == (None, False)
         assert ask("c") == (None, False)
         assert waits == [("b", IDLE_LOOKUP_WAIT_S), ("c", 0.001)]
+    finally:
+        scheduler.close()
+        server.close()
+
+
+def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_before_waiting(engine_id):
+    """With p2p_prefix_pull_turns off, requests arriving together at an idle engine are all
+    asked at once (their pulls overlap); the round after, the first poll waits for its pull."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S
+
+    waits: list[tuple[str, float, bool]] = []
+    pulled: set[str] = set()
+
+    def handle(request):
+        waits.append((request.req_id, request.wait_s, request.hashes is None))  # None: a poll
+        done = request.req_id in pulled
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
+
+    server = LookupServer(socket_path(engine_id, 0, 0), handle)
+    scheduler = _scheduler(engine_id, p2p_prefix_pull_turns=False)
+    try:
+        ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
+            SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
+        )
+        assert [ask(r) for r in "abc"] == [(None, False)] * 3
+        assert waits == [("a", 0.001, False), ("b", 0.001, False), ("c", 0.001, False)]
+
+        scheduler.build_connector_meta(_empty_step())  # nothing was ready: the engine is idle
+        waits.clear()
+        pulled.update("abc")  # each pull ends within the first poll's wait
+        time.sleep(0.002)  # past the backoff
+        assert [ask(r) for r in "abc"] == [(512, False)] * 3
+        assert waits == [("a", IDLE_LOOKUP_WAIT_S, True), ("b", 0.001, True), ("c", 0.001, True)]
     finally:
         scheduler.close()
         server.close()

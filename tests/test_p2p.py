@@ -115,6 +115,38 @@ def test_prefix_pulls_asked_together_take_turns_in_order(controller, spawn):
     assert b.status()["p2p_client"]["chunks_pulled"] == 72
 
 
+def test_prefix_pulls_run_at_once_without_turns(controller, spawn):
+    """With p2p_prefix_pull_turns off, requests arriving together are pulled at once: none
+    waits for another's pull to end before its own starts."""
+    a, b = (
+        spawn(
+            instance_config(
+                f"lmcache_instance_{i}",
+                controller,
+                "tcp",
+                chunk_size=CHUNK,
+                cpu_gb=0.5,
+                p2p_batch_chunks=2,
+                p2p_prefix_pull_turns=False,
+            )
+        )
+        for i in (1, 2)
+    )
+    prompts = [tokens(24 * CHUNK, seed=s) for s in (4, 5, 6)]
+    for prompt in prompts:
+        assert a.prefill(prompt) == 24 * CHUNK
+    wait_for(
+        lambda: all(controller.holders(p).get("lmcache_instance_1") == [CPU, 24 * CHUNK] for p in prompts),
+        what="A's keys",
+    )
+    done = b.request("lookup_together", prompts=[list(p) for p in prompts])["done_s"]
+    assert b.status()["p2p_client"]["chunks_pulled"] == 72
+    turns = [float(ms) for ms in re.findall(r"waited ([\d.]+) ms for the turn", b.log())]
+    assert len(turns) == 3, b.log()[-2000:]
+    # Taking turns, the last would wait for the two pulls before it (most of done[2]).
+    assert max(turns) < 0.2 * min(done) * 1e3, (turns, done)
+
+
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_partial_prefix_pulls_only_the_missing_middle(controller, spawn, channel):
     a, b = two_instances(controller, spawn, channel)

@@ -189,6 +189,7 @@ def cmd_peer(args) -> dict:
                 overrides["transfer_channel"] = args.channel
             if args.pull_policy:
                 overrides["p2p_pull_policy"] = args.pull_policy
+            overrides.update(args.set)
             config = yaml_config(REPO / "configs" / f"example{i}.yaml", **overrides)
             cmd = [sys.executable, __file__, "engine", "--model", args.model, "--gpu-util", str(args.gpu_util)]
             env = {}
@@ -217,6 +218,7 @@ def cmd_peer(args) -> dict:
             "gpu_tier_gb": args.gpu_tier_gb,
             "channel": args.channel or "as in the YAMLs",
             "pull_policy": args.pull_policy or "auto",
+            "config_set": dict(args.set),
         }
         for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
             engine.request(
@@ -329,12 +331,19 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
             log2,
         )
     ]
+    # ... and its first token, from the client's TTFT (taken from submission, a few ms before
+    # the scheduler first sees it): what the load step and the output path add.
+    ttfts_ms = [t * 1e3 for t in out["engine2_warmup"]["ttfts_s"]]
     out["engine2_hit_timeline_ms"] = {
         group: {
             "requests": len(rows),
             "hit_known_median": statistics.median(r[2] for r in rows) if rows else None,
             "load_scheduled_median": statistics.median(r[1] for r in rows) if rows else None,
             "load_scheduled_max": max((r[1] for r in rows), default=None),
+            "first_token_median": statistics.median(ttfts_ms[r[0]] for r in rows) if rows else None,
+            "first_token_after_load_scheduled_median": (
+                statistics.median(ttfts_ms[r[0]] - r[1] for r in rows) if rows else None
+            ),
         }
         for group, rows in (
             ("first_of_group", [r for r in scheduled if r[0] % args.inflight == 0]),
@@ -361,6 +370,15 @@ def _held_by_engine1(tokens: list[int]) -> int:
     answer = httpx.post("http://localhost:9000/lookup", json={"tokens": tokens}, timeout=30).json()
     # layout_info: {instance: [location, tokens held]}
     return answer["layout_info"].get("lmcache_instance_1", [None, 0])[1]
+
+
+def _config_override(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
 
 
 def yaml_config(path: Path, **overrides) -> dict:
@@ -517,6 +535,14 @@ def main() -> None:
     p.add_argument("--pull-policy", choices=["auto", "always"], help="override p2p_pull_policy (default auto)")
     p.add_argument("--gpu-tier-gb", type=float, default=0, help="local_gpu with this max_local_gpu_size (0: off)")
     p.add_argument("--repeats", type=int, default=1, help="measurements with new documents on the same engines")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=_config_override,
+        metavar="KEY=VALUE",
+        help="a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable",
+    )
     p = sub.add_parser("engine")
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-util", type=float, default=0.4)

@@ -11,6 +11,8 @@
 #   peer-base    e2e peer, both engines on GPU 0, no GPU tier (12 documents x 3 repeats)
 #   peer-tier    the same with a 16 GB GPU tier on each engine
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
+#   peer-...@K=V,K=V  a peer step with config keys set on both engines (e2e.py --set), written
+#                as e.g. peer_tier@p2p_batch_chunks=16 (several variants side by side in one run)
 #   offload      seed 002's offload runs: connector off, on, on with use_layerwise
 #   offload-profile  run 2 with use_layerwise under torch.profiler, then again under cProfile
 #
@@ -54,19 +56,30 @@ offload() {  # name, extra args
   model && $PY benchmarks/gpu/e2e.py offload --model "$MODEL" "$@" > "$W/$name.json" 2> "$W/$name.log"
 }
 step() {
-  case "$1" in
+  local sets=() kv
+  if [[ "$1" == peer*@* ]]; then  # peer-tier@K=V,K=V: the step, then its config keys
+    IFS=, read -ra kv <<< "${1#*@}"
+    for x in "${kv[@]}"; do sets+=(--set "$x"); done
+    VARIANT="@${1#*@}" run_step "${1%%@*}" "${sets[@]}"
+    return
+  fi
+  VARIANT="" run_step "$1"
+}
+run_step() {  # a step by name; peer steps pass extra e2e args on and name their output with $VARIANT
+  local s=$1; shift
+  case "$s" in
     kernels) $PY benchmarks/bench_kernels.py --checksum-only --reps 10 > "$W/kernels.log" 2>&1 ;;
     tests) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tier.py tests/test_layerwise.py \
       tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py tests/test_device_checksum.py \
       > "$W/gpu_tests.txt" 2>&1 ;;
-    peer-base) peer peer_base 0,0 ;;
-    peer-tier) peer peer_tier 0,0 "${TIER[@]}" ;;
-    peer-base-2) peer peer_base_2 0,1 ;;
-    peer-tier-2) peer peer_tier_2 0,1 "${TIER[@]}" ;;
+    peer-base) peer "peer_base$VARIANT" 0,0 "$@" ;;
+    peer-tier) peer "peer_tier$VARIANT" 0,0 "${TIER[@]}" "$@" ;;
+    peer-base-2) peer "peer_base_2$VARIANT" 0,1 "$@" ;;
+    peer-tier-2) peer "peer_tier_2$VARIANT" 0,1 "${TIER[@]}" "$@" ;;
     offload) offload offload_off --connector off && offload offload_on --connector on \
       && offload offload_layerwise --connector on --layerwise ;;
     offload-profile) offload offload_profile --connector on --layerwise --profile-dir "$W/profile" ;;
-    *) echo "unknown step $1" >&2; return 2 ;;
+    *) echo "unknown step $s" >&2; return 2 ;;
   esac
 }
 for s in "$@"; do

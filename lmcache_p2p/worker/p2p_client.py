@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +195,7 @@ class P2PClient:
         pipeline_depth: int = 3,
         policy: PullPolicy | None = None,
         security: MeshSecurity | None = None,
+        prefix_pull_turns: bool = True,
     ):
         self.ctx = ctx
         self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
@@ -210,8 +212,10 @@ class P2PClient:
         self._warm: dict[tuple[str, int], _Warm] = {}  # the controller's warm set (set_warm_peers)
         # The engine's prefix pulls take turns, first asked first served: requests that arrive
         # together then become ready one after another, each at full bandwidth, instead of all
-        # sharing it and all being ready only when the last pull ends.
-        self._prefix_turn = asyncio.Lock()
+        # sharing it and all being ready only when the last pull ends. Pulls whose time is per-
+        # request latency rather than bytes (VRAM to VRAM on one host) finish sooner all at once
+        # (p2p_prefix_pull_turns: False).
+        self._prefix_turn: AbstractAsyncContextManager = asyncio.Lock() if prefix_pull_turns else nullcontext()
         # Whether a prefix pull beats recomputing it (config p2p_pull_policy); None: always pull.
         self.policy = policy
         self.stats: dict[str, Any] = {

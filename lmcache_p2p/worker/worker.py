@@ -179,6 +179,7 @@ class Worker:
                         probe_chunks=config.p2p_batch_chunks,
                     ),
                     security=security,
+                    prefix_pull_turns=config.p2p_prefix_pull_turns,
                 )
                 self.server = PeerServer(self.ctx, me, self.storage, self.transports, self.client, security=security)
             self.commands = CommandServer(self.ctx, me, self.storage, self.link, self.client, self.status)

@@ -37,7 +37,9 @@ LOOKUP_REPLY_SLACK_S = 10.0
 # until the pull is done, at most this long. Only the first lookup of such a round waits: once
 # one request is ready the round has work, and the others' pulls go on behind it (pulls for the
 # engine run one at a time, in order), so requests arriving together are ready one after another
-# instead of all at once after every pull.
+# instead of all at once after every pull. Where the pulls run at once (p2p_prefix_pull_turns:
+# False) the wait is taken by the round's first poll instead, after every request arriving
+# together was asked: their pulls then overlap, and they are ready together for one load step.
 IDLE_LOOKUP_WAIT_S = 1.0
 
 
@@ -91,6 +93,7 @@ class SchedulerSide:
         self.fetch_missing = config.enable_p2p or config.remote_url is not None
         self.async_loading = config.enable_async_loading
         self.backoff_s = config.lookup_backoff_time
+        self.pulls_take_turns = config.p2p_prefix_pull_turns  # where an idle round's long wait goes
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
         # Our tiers' admits and evicts as vLLM KV events, when the engine publishes them.
@@ -192,7 +195,7 @@ class SchedulerSide:
             if now < state.next_poll:
                 return None
             wait_s = self.backoff_s
-            if not self._engine_busy and not self._idle_wait_taken:
+            if not self._engine_busy and not self._idle_wait_taken and (state.asked or self.pulls_take_turns):
                 wait_s, self._idle_wait_taken = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True
         else:
             wait_s = PEER_FETCH_TIMEOUT_S  # what a synchronous engine lookup waits for a peer
