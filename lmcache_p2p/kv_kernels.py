@@ -57,6 +57,25 @@ def _build_dir(arch: str) -> Path:
     return root / f"{digest}-torch{torch.__version__}-cuda{torch.version.cuda}-{arch}".replace("+", "_")
 
 
+# A build takes ~70 s on the H200 host; torch's build lock (a bare file, no owner recorded) left
+# by a build that was killed makes every later load wait on it forever.
+STALE_BUILD_LOCK_S = 600.0
+
+
+def clear_stale_build_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove ``build_dir``'s build lock when it is older than any build takes; True if removed."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_BUILD_LOCK_S:
+        return False  # another process may be building right now: wait for it
+    logger.warning("KV kernels: removing %s, left %.0f s ago by a build that never finished (killed?)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @functools.cache
 def load() -> ModuleType | None:
     mode = os.environ.get("LMCACHE_KV_KERNELS", "auto").lower()
@@ -73,6 +92,9 @@ def load() -> ModuleType | None:
     arch, flags = _arch_flags(torch.cuda.get_device_capability())
     build_dir = _build_dir(arch)
     build_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_build_lock(build_dir)
+    if not any(build_dir.glob("*.so")):
+        logger.info("KV kernels: building for %s into %s (first use here: about a minute)", arch, build_dir)
     t0 = time.perf_counter()
     try:
         from torch.utils import cpp_extension

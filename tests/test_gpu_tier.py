@@ -350,6 +350,44 @@ def on_gpu(spawn, controller, instance_id: str, gpu_pages: int = 64, **extra) ->
     return spawn(config, num_blocks=256, device="cuda", model="qwen2.5-0.5b")
 
 
+def test_a_slow_first_kernel_build_does_not_fail_the_workers_start(controller, monkeypatch):
+    """The device checksum's kernels build (nvcc, about a minute on a fresh machine) before the
+    worker starts, not within its start-up window: built inside it, every GPU engine's first
+    start on a machine failed ('worker did not start within 30s')."""
+    from lmcache_p2p import device_checksum
+    from lmcache_p2p.worker import worker as worker_module
+
+    calls = []
+    prepare = device_checksum.prepare
+
+    def slow_prepare(page_bytes, device):
+        time.sleep(2.5)  # longer than the window below
+        calls.append(page_bytes)
+        prepare(page_bytes, device)
+
+    monkeypatch.setattr(worker_module, "START_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(device_checksum, "prepare", slow_prepare)
+    config = instance_config(
+        "lmcache_instance_1",
+        controller,
+        "tcp",
+        chunk_size=CHUNK,
+        local_gpu=True,
+        max_local_gpu_size=(8 * PAGE + 1) / GB,
+    )
+    engine = build_engine(
+        LMCacheConfig.from_dict(config), StandInKV(SHAPE, 8).layout(), pin_memory=False, device=torch.device("cpu")
+    )
+    try:
+        assert calls == [PAGE]
+        wait_for(
+            lambda: "lmcache_instance_1" in controller.http.get("/controller/workers").text,
+            what="the worker registered at the controller",
+        )
+    finally:
+        engine.close()
+
+
 def holders_ready(controller, proc: InstanceProcess, prompt, tokens_held: int) -> None:
     wait_for(
         lambda: controller.holders(prompt).get(proc.config["lmcache_instance_id"]) == [CPU, tokens_held],

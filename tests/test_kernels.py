@@ -69,6 +69,23 @@ def test_bad_inputs_are_named_before_anything_moves():
     assert not page.any()  # nothing was written by any refused call
 
 
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_is_waited_for(tmp_path):
+    """A killed build leaves torch's lock file behind, which made every later engine start wait
+    on it forever (seen on the H200: a test run killed mid-build). Older than any build: removed."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not kv_kernels.clear_stale_build_lock(tmp_path)  # a build may be running now
+    assert lock.exists()
+    old = time.time() - kv_kernels.STALE_BUILD_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert kv_kernels.clear_stale_build_lock(tmp_path)
+    assert not lock.exists()
+    assert not kv_kernels.clear_stale_build_lock(tmp_path)  # nothing to clear
+
+
 def test_torch_path_matches_the_reference_and_skips_leading_blocks():
     cache = make_cache(3, 16, dtype=torch.float16, seed=1)
     ids = [[3, 9, 1, 14], [0, 7, 2, 5]]

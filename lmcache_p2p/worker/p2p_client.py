@@ -201,8 +201,6 @@ class P2PClient:
         self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
         self.me = identity
         self.storage = storage
-        if storage.gpu is not None and storage.page_bytes % 4 == 0:  # its first landed pull's check
-            device_checksum.prepare(storage.page_bytes, storage.gpu.pool.buffer.device)
         self.link = link
         self.transports = transports
         self.preferred = preferred if preferred in transports else "tcp"

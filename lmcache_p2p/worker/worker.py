@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import zmq.asyncio
 
+from lmcache_p2p import device_checksum
 from lmcache_p2p.cache_engine import CacheEngine
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint
@@ -99,6 +100,11 @@ class Worker:
         # Read here, in the engine's thread, so a bad secret file fails the engine's start-up.
         secret = config.resolved_mesh_secret()
         self.security = MeshSecurity(secret) if secret is not None else None
+        if config.enable_p2p and storage.gpu is not None and storage.page_bytes % 4 == 0:
+            # What the first pull landing in the GPU tier checks its pages with. Made here, in the
+            # engine's thread, not within the worker's start-up window: its first build on a
+            # machine (nvcc) takes a minute or more, and failed every GPU engine's start.
+            device_checksum.prepare(storage.page_bytes, storage.gpu.pool.buffer.device)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
