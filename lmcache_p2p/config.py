@@ -300,7 +300,11 @@ class LMCacheConfig:
     )
     transfer_channel: str | None = _key(_optional(_to_str), None, '"nixl" or "tcp"')
     nixl_progress_delay_us: int = _key(_to_int, 200, "pause between NIXL progress-thread rounds; 0 spins a core")
-    p2p_batch_chunks: int = _key(_to_int, 8, "chunks per peer pull request")
+    p2p_batch_chunks: int = _key(
+        _to_int,
+        8,
+        "chunks per peer pull request (at most the GPU receive slots, unless the pull lands in the GPU tier)",
+    )
     p2p_pipeline_depth: int = _key(_to_int, 3, "peer pull requests in flight per pull")
     p2p_prefix_pull_turns: bool = _key(
         _to_bool,

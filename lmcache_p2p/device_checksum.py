@@ -76,10 +76,11 @@ def weights_for(words: int, device: torch.device) -> torch.Tensor:
     return weights
 
 
-def device_checksums(pages: Sequence[torch.Tensor]) -> list[int]:
+def device_checksums(pages: Sequence[torch.Tensor], timing: dict[str, float] | None = None) -> list[int]:
     """One checksum per page (uint8 tensors of equal length, on any one device), as uint64 ints,
     equal for equal bytes wherever computed. On CUDA it runs on a stream of its own (not behind
-    the engine's forward pass) and waits for it."""
+    the engine's forward pass) and waits for it; ``timing["gpu_ms"]`` is then set to the time the
+    stream spent on it (the kernel, sharing the GPU with whatever else runs)."""
     if not pages:
         return []
     nbytes = pages[0].numel()
@@ -95,7 +96,7 @@ def device_checksums(pages: Sequence[torch.Tensor]) -> list[int]:
     if nbytes == 0:
         return [0] * len(pages)
     if device.type != "cuda":
-        return _checksums(pages, weights_for(nbytes // 4, device))
+        return _as_uint64(_checksums(pages, weights_for(nbytes // 4, device)))
     # The kernel reads whole words: a view that starts inside a word would be a misaligned load,
     # an error that ends the process's CUDA context (the engine's), not just this call.
     unaligned = next((i for i, page in enumerate(pages) if page.data_ptr() % 4), None)
@@ -104,25 +105,34 @@ def device_checksums(pages: Sequence[torch.Tensor]) -> list[int]:
     kernels = kv_kernels.load()
     stream = gpu_ops.side_stream("checksum", device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         if kernels is not None:
             sums = _checksums_by_kernel(kernels, pages, nbytes, device)
         else:
             sums = _checksums(pages, weights_for(nbytes // 4, device))
+        end.record(stream)
         stream.synchronize()
-    return sums
+    if timing is not None:
+        timing["gpu_ms"] = start.elapsed_time(end)
+    return _as_uint64(sums)
 
 
-def _checksums_by_kernel(kernels, pages: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> list[int]:
+def _as_uint64(sums: torch.Tensor) -> list[int]:
+    return [int(s) & _U64 for s in sums.tolist()]
+
+
+def _checksums_by_kernel(kernels, pages: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
     addresses = [page.data_ptr() for page in pages]
     # 16-byte loads where every page allows them (tier pages do: whole pages of a 16-aligned pool).
     vec_bytes = 16 if nbytes % 16 == 0 and all(a % 16 == 0 for a in addresses) else 4
     page_ptrs = torch.tensor(addresses, dtype=torch.int64).to(device)
     out = torch.empty(len(pages), dtype=torch.int64, device=device)
     kernels.page_checksums(page_ptrs, nbytes, vec_bytes, CTAS_PER_PAGE, out)
-    return [int(s) & _U64 for s in out.tolist()]
+    return out  # int64 sums, still being computed on the current stream
 
 
-def _checksums(pages: Sequence[torch.Tensor], weights: torch.Tensor) -> list[int]:
+def _checksums(pages: Sequence[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
     words = weights.numel()
     sums = []
     for page in pages:
@@ -133,4 +143,4 @@ def _checksums(pages: Sequence[torch.Tensor], weights: torch.Tensor) -> list[int
             # int32 products wrap mod 2^32 (two's complement, on CPU and CUDA alike); sums exact.
             total += (page_words[start:end] * weights[start:end]).sum(dtype=torch.int64)
         sums.append(total)
-    return [int(s) & _U64 for s in torch.stack(sums).tolist()]
+    return torch.stack(sums)  # int64, wrapped sums

@@ -411,6 +411,7 @@ class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
     error: str | None = None
     staged: bool = False  # the payloads are in the requester's slots, not its pages
     holder_ms: float = 0.0  # the holder's time on it: pins, checksums, copies, the write
+    holder_write_ms: float = 0.0  # of holder_ms, the transfer itself (the NIXL write, the tcp send)
     streamed: bool = False  # the payloads went over the data connections (ChunkPull.transfer)
     # With ChunkPull.device_check (a version the holder has), one uint64 per served chunk when
     # every one was sent from the holder's GPU tier, checked there (else empty, and the

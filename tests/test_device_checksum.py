@@ -70,7 +70,7 @@ def test_the_requester_keeps_the_landed_pages_before_the_first_that_differs_from
 
     def check(reply_sums, landed=(1, 2, 4, 5)):
         reply = ChunkPullReply(ok=True, served=4, device_checksums=pack_hashes(reply_sums))
-        return asyncio.run(P2PClient._check_on_device(client, reply, list(landed)))
+        return asyncio.run(P2PClient._check_on_device(client, reply, list(landed), {}))
 
     holders = device_checksums(sent)
     assert check(holders) == 4
@@ -96,7 +96,7 @@ def test_the_gpu_computes_what_the_cpu_computes_on_real_tier_pages():
         assert device_checksums(on_gpu) == device_checksums(host)  # the kernel, 16-byte loads
         # The torch definition, run on the GPU, agrees with its kernel.
         weights = device_checksum.weights_for(page_bytes // 4, on_gpu[0].device)
-        assert device_checksum._checksums(on_gpu, weights) == device_checksums(host)
+        assert device_checksum._as_uint64(device_checksum._checksums(on_gpu, weights)) == device_checksums(host)
     # Pages at addresses that are not 16-byte aligned, of a size that is not: word loads.
     odd = pages(9, seed=6, size=PAGE + 4)
     flat = torch.cat([torch.zeros(4, dtype=torch.uint8)] + odd).cuda()

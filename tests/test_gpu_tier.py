@@ -422,6 +422,22 @@ def test_a_pull_from_gpu_tier_to_gpu_tier_is_bit_exact_and_written_back(controll
 
 @pytest.mark.gpu
 @gpu
+def test_a_pull_into_the_gpu_tier_may_carry_more_chunks_than_receive_slots_in_one_request(controller, spawn):
+    """Tier pages are the destination, not receive slots (16): with p2p_batch_chunks 40 a
+    40-chunk prefix is one request, landed and checked on the device, bit-exact."""
+    a, b = (on_gpu(spawn, controller, f"lmcache_instance_{i}", gpu_pages=128, p2p_batch_chunks=40) for i in (1, 2))
+    prompt = tokens(40 * CHUNK, seed=8)
+    assert a.prefill(prompt) == 40 * CHUNK
+    holders_ready(controller, a, prompt, 40 * CHUNK)
+    assert b.lookup(prompt) == 40 * CHUNK
+    assert "[1 batches, ms summed:" in b.log(), b.log()[-2000:]
+    assert "40 chunk(s) landed in the GPU tier (40 checked on the device)" in b.log()
+    got = b.retrieve(prompt)
+    assert got["retrieved"] == 40 * CHUNK and got["exact"], got
+
+
+@pytest.mark.gpu
+@gpu
 def test_a_holder_whose_gpu_tier_evicted_serves_from_host_memory(controller, spawn):
     a = on_gpu(spawn, controller, "lmcache_instance_1", gpu_pages=4)
     b = on_gpu(spawn, controller, "lmcache_instance_2")

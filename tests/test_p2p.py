@@ -80,11 +80,12 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     assert "Retrieved 256 out of total 256 tokens. size: 0.0336 gb, cost " in b.log()
     # ... and where the pull's time went, the holder's part as the holder measured it
     phases = re.search(
-        r"\[1 batches, ms summed: slots [\d.]+, holder ([\d.]+), queue\+wire [\d.]+, "
-        r"land [\d.]+, verify [\d.]+\]",
+        r"\[1 batches, ms summed: slots [\d.]+, holder ([\d.]+) \(its write ([\d.]+)\), queue\+wire [\d.]+, "
+        r"land [\d.]+, verify [\d.]+ \(on the GPU 0.0\)\]",
         b.log(),
     )
     assert phases and float(phases[1]) > 0, b.log()[-2000:]
+    assert float(phases[2]) <= float(phases[1]), phases[0]  # the write is part of the holder's time
     # The pulled chunks are B's now too: the controller hears B's admits.
     wait_for(lambda: controller.holders(prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
 

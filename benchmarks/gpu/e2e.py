@@ -51,8 +51,9 @@ LOAD_LINE = re.compile(
 
 # Where a pull's batches spent their time (after the pull's line; summed over its batches).
 PULL_PHASES = re.compile(
-    r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+), "
-    r"queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), verify (?P<verify>[\d.]+)\]"
+    r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+) "
+    r"\(its write (?P<holder_write>[\d.]+)\), queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), "
+    r"verify (?P<verify>[\d.]+) \(on the GPU (?P<verify_on_gpu>[\d.]+)\)\]"
 )
 
 

@@ -122,9 +122,9 @@ class Transport:
         """After a holder (``peer``: its host and p2p_lookup port) accepted our hello: open what
         its reply offers beside the request socket. Never raises: without it, pulls still work."""
 
-    @property
-    def max_batch(self) -> int | None:
-        """The most chunks one request may carry on this channel (None: no limit of its own)."""
+    def max_batch(self, into_gpu_tier: bool = False) -> int | None:
+        """The most chunks one request may carry on this channel (None: no limit of its own);
+        ``into_gpu_tier``: for a pull that may land in our GPU tier (the engine's prefix pulls)."""
         return None
 
     async def prepare(self, pages: Sequence[int], staged: bool, timeout: float, gpu_tier: bool = False) -> list[int]:

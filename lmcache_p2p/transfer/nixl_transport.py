@@ -232,9 +232,14 @@ class NixlTransport(Transport):
                 hello.gpu_tier_pages = self.gpu_tier.pool.num_pages
         return hello
 
-    @property
-    def max_batch(self) -> int | None:
-        return self.staging.receiving.capacity if self.staging is not None else None
+    def max_batch(self, into_gpu_tier: bool = False) -> int | None:
+        if self.staging is None:
+            return None
+        if into_gpu_tier and self.gpu_tier is not None:
+            # Landing in GPU tier pages needs no receive slot: a request may carry up to what
+            # _reserve_tier_pages grants (half the tier), so a document can be one request.
+            return max(self.staging.receiving.capacity, self.gpu_tier.pool.num_pages // 2)
+        return self.staging.receiving.capacity
 
     async def prepare(self, pages: Sequence[int], staged: bool, timeout: float, gpu_tier: bool = False) -> list[int]:
         self.pool.make_resident(pages)  # the holder may write the pages after all
@@ -243,6 +248,8 @@ class NixlTransport(Transport):
         tier_pages = self._reserve_tier_pages(len(pages)) if gpu_tier else []
         if tier_pages:
             return [self.staging.receiving.capacity + p for p in tier_pages]
+        if len(pages) > self.staging.receiving.capacity:
+            return []  # sized for the GPU tier, which had no room: the holder writes our pages
         return await self.staging.receiving.take(len(pages), timeout, whole=True)
 
     def _reserve_tier_pages(self, count: int) -> list[int]:

@@ -85,8 +85,23 @@ class PullResult:
     gpu_checked_on_device: int = 0  # of those, checked against the holder's device checksums
 
 
-# Where a pull's batches spend their time, in its log line (see _Batch.phases_ms).
-PHASES = ("slots", "holder", "queue+wire", "land", "verify")
+# Where a pull's batches spend their time, in its log line (see _Batch.phases_ms); the second of
+# each pair is part of the first: the holder's write of the bytes, and the GPU's own time in a
+# device check (the rest of it is the thread hop, the launch and the wait for the result).
+PHASES = ("slots", "holder", "holder write", "queue+wire", "land", "verify", "verify on the GPU")
+PART_OF = {"holder write": "its write", "verify on the GPU": "on the GPU"}
+
+
+def describe_phases(phases_ms: dict) -> str:
+    """``slots 0.1, holder 15.4 (its write 9.0), queue+wire 18.0, land 0.0, verify 26.4 (on the
+    GPU 2.1)``: the summed milliseconds of a pull's batches, as its log line gives them."""
+    parts: list[str] = []
+    for phase, ms in phases_ms.items():
+        if phase in PART_OF:
+            parts[-1] += f" ({PART_OF[phase]} {ms:.1f})"
+        else:
+            parts.append(f"{phase} {ms:.1f}")
+    return ", ".join(parts)
 
 
 @dataclass
@@ -344,7 +359,8 @@ class P2PClient:
         try:
             conn = await self._connect(peer)
             channel = conn.agreed + (" via GPU staging" if conn.staged else "")
-            batch_chunks = min(self.batch_chunks, self.transports[conn.agreed].max_batch or self.batch_chunks)
+            limit = self.transports[conn.agreed].max_batch(into_gpu_tier and conn.staged)
+            batch_chunks = min(self.batch_chunks, limit or self.batch_chunks)
             todo.extend(_split([int(h) for h in hashes], batch_chunks))
         except (RequestFailed, TransferError) as e:
             result.error = str(e)
@@ -411,7 +427,7 @@ class P2PClient:
                 channel,
                 self.me.rank,  # vLLM's per-process line prefixes interleave when ranks log at once
                 batches,
-                ", ".join(f"{phase} {ms:.1f}" for phase, ms in phases_ms.items()),
+                describe_phases(phases_ms),
                 (
                     f"; {result.gpu_landed} chunk(s) landed in the GPU tier"
                     f" ({result.gpu_checked_on_device} checked on the device)"
@@ -593,6 +609,7 @@ class P2PClient:
         served = min(reply.served, len(hashes))
         t1 = time.perf_counter()
         batch.phases_ms["holder"] = reply.holder_ms
+        batch.phases_ms["holder write"] = reply.holder_write_ms
         batch.phases_ms["queue+wire"] = max(0.0, (t1 - t0) * 1e3 - reply.holder_ms)
         # The holder wrote into GPU tier pages we reserved: the bytes stay there, and the batch
         # owns the served pages from here (committed or freed with it).
@@ -618,7 +635,7 @@ class P2PClient:
                 # document on an idle H200); a holder that sent none leaves the check to the
                 # write-back, behind the request, which the step that loads them then waits for.
                 batch.good = min(served, len(batch.checksums))
-                checked = await self._check_on_device(reply, in_gpu_tier[: batch.good])
+                checked = await self._check_on_device(reply, in_gpu_tier[: batch.good], batch.phases_ms)
                 if checked is not None:
                     batch.good = checked
                     batch.device_checksums = unpack_hashes(reply.device_checksums)[:checked].tolist()
@@ -642,16 +659,19 @@ class P2PClient:
             batch.error = f"{batch.error}; {batch.pool_full}" if batch.error else batch.pool_full
         return batch
 
-    async def _check_on_device(self, reply: ChunkPullReply, tier_pages: list[int]) -> int | None:
+    async def _check_on_device(self, reply: ChunkPullReply, tier_pages: list[int], phases_ms: dict) -> int | None:
         """How many leading landed GPU tier pages match the holder's device checksums; None when
-        the holder sent none for them (or the check could not run: the write-back checks them)."""
+        the holder sent none for them (or the check could not run: the write-back checks them).
+        The GPU's own time on it goes into ``phases_ms``."""
         expected = unpack_hashes(reply.device_checksums)
         gpu = self.storage.gpu
         if not tier_pages or len(expected) < len(tier_pages) or gpu is None:
             return None
         try:
             pages = [gpu.pool.page(p) for p in tier_pages]
-            got = await asyncio.to_thread(device_checksum.device_checksums, pages)
+            timing: dict[str, float] = {}
+            got = await asyncio.to_thread(device_checksum.device_checksums, pages, timing)
+            phases_ms["verify on the GPU"] = timing.get("gpu_ms", 0.0)
         except Exception:  # e.g. a CUDA error: the host check behind the request still decides
             logger.exception("device checksums of %d landed page(s) failed; checking them on the host", len(tier_pages))
             return None

@@ -229,6 +229,7 @@ class PeerServer:
         frames: list = []
         staged = False
         queued: float | None = None
+        t_write = time.perf_counter()
         try:
             if request.transfer:  # tcp: over the data streams the requester opened, if it has any
                 queued = await transport.send_streamed(request.session, pins, request.transfer, timeout)
@@ -239,6 +240,7 @@ class PeerServer:
             logger.warning("%s: sending %d chunk(s) failed: %s", self.me.describe(), len(pins), e)
             return ChunkPullReply(ok=False, error=str(e)), []
         streamed = queued is not None
+        write_ms = (time.perf_counter() - t_write - (queued or 0.0)) * 1e3
         nbytes = len(pins) * self.storage.page_bytes
         # Waiting behind the session's earlier requests for its streams is queueing, not our work.
         elapsed = time.perf_counter() - t0 - (queued or 0.0)
@@ -266,6 +268,7 @@ class PeerServer:
             staged=staged,
             streamed=streamed,
             holder_ms=elapsed * 1e3,
+            holder_write_ms=write_ms,
         ), frames
 
     async def _device_checksums(self, request: ChunkPull, pins: list[PinnedChunk]) -> list[int]:
