@@ -190,18 +190,22 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
         server.close()
 
 
-def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_before_waiting(engine_id):
+def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_then_waits_for_them_together(engine_id):
     """With p2p_prefix_pull_turns off, requests arriving together at an idle engine are all
-    asked at once (their pulls overlap); the round after, the first poll waits for its pull."""
+    asked at once (their pulls overlap); the round after, the first poll waits for its pull, and
+    the others may wait as long again (their pulls started with it), so all join one step."""
     from types import SimpleNamespace
 
     from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S
 
     waits: list[tuple[str, float, bool]] = []
     pulled: set[str] = set()
+    first_pull_s = 0.2  # "a"'s pull ends this long into its poll's wait
 
     def handle(request):
         waits.append((request.req_id, request.wait_s, request.hashes is None))  # None: a poll
+        if request.req_id == "a" and request.hashes is None and "a" in pulled:
+            time.sleep(first_pull_s)
         done = request.req_id in pulled
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
 
@@ -214,12 +218,22 @@ def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_before_waiti
         assert [ask(r) for r in "abc"] == [(None, False)] * 3
         assert waits == [("a", 0.001, False), ("b", 0.001, False), ("c", 0.001, False)]
 
+        # A round whose first poll finds nothing grants the others no wait.
         scheduler.build_connector_meta(_empty_step())  # nothing was ready: the engine is idle
         waits.clear()
-        pulled.update("abc")  # each pull ends within the first poll's wait
         time.sleep(0.002)  # past the backoff
-        assert [ask(r) for r in "abc"] == [(512, False)] * 3
+        assert [ask(r) for r in "abc"] == [(None, False)] * 3
         assert waits == [("a", IDLE_LOOKUP_WAIT_S, True), ("b", 0.001, True), ("c", 0.001, True)]
+
+        scheduler.build_connector_meta(_empty_step())
+        waits.clear()
+        pulled.update("abc")
+        time.sleep(0.002)
+        assert [ask(r) for r in "abc"] == [(512, False)] * 3
+        (a, a_wait, _), (b, b_wait, _), (c, c_wait, _) = waits
+        assert a_wait == IDLE_LOOKUP_WAIT_S
+        # The others share one deadline, as long again as "a"'s poll took (~first_pull_s).
+        assert 0.5 * first_pull_s < b_wait <= first_pull_s + 0.05 and c_wait <= b_wait, waits
     finally:
         scheduler.close()
         server.close()

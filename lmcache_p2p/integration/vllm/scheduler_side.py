@@ -39,7 +39,10 @@ LOOKUP_REPLY_SLACK_S = 10.0
 # engine run one at a time, in order), so requests arriving together are ready one after another
 # instead of all at once after every pull. Where the pulls run at once (p2p_prefix_pull_turns:
 # False) the wait is taken by the round's first poll instead, after every request arriving
-# together was asked: their pulls then overlap, and they are ready together for one load step.
+# together was asked: their pulls then overlap. The round's other polls may then wait as long
+# again as the first one did: pulls that started together end close together, and a request
+# whose pull ends just after the first's would otherwise miss the load step and wait for it to
+# end (on the H200 its hit was known ~30 ms after the first's, a step later).
 IDLE_LOOKUP_WAIT_S = 1.0
 
 
@@ -107,6 +110,8 @@ class SchedulerSide:
         if config.enable_blending:
             self.blend = BlendPlanner(vllm_config, config, self.block_size)
         self._idle_wait_taken = False  # a lookup of this scheduling round already waited long
+        # Pulls at once: until when the round's other polls may wait for theirs (None: no wait).
+        self._round_grace_until: float | None = None
         logger.info(
             "lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
             "remote tier %s, async loading %s (backoff %.3f s)",
@@ -191,12 +196,15 @@ class SchedulerSide:
     def _ask(self, req_id: str, state: _Request) -> int | None:
         """Ask the ranks; ``state.hit`` once they all answered, None while it is not known."""
         now = time.monotonic()
+        long_wait = False  # this poll takes the idle round's long wait
         if self.async_loading:
             if now < state.next_poll:
                 return None
             wait_s = self.backoff_s
             if not self._engine_busy and not self._idle_wait_taken and (state.asked or self.pulls_take_turns):
-                wait_s, self._idle_wait_taken = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True
+                wait_s, self._idle_wait_taken, long_wait = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True, True
+            elif self._round_grace_until is not None and state.asked:
+                wait_s = max(self.backoff_s, self._round_grace_until - now)
         else:
             wait_s = PEER_FETCH_TIMEOUT_S  # what a synchronous engine lookup waits for a peer
         hit = self.client.lookup(
@@ -209,6 +217,9 @@ class SchedulerSide:
             poll=state.asked,
         )
         state.asked = True
+        if long_wait and hit is not None and not self.pulls_take_turns:
+            after = time.monotonic()
+            self._round_grace_until = after + (after - now)  # as long again as this poll waited
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
             return None
@@ -232,6 +243,7 @@ class SchedulerSide:
         meta.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
         self._engine_busy = meta.step_tokens > 0
         self._idle_wait_taken = False  # build_connector_meta ends a scheduling round
+        self._round_grace_until = None
         for new in scheduler_output.scheduled_new_reqs:
             new_state = self._request(new.req_id, new.prompt_token_ids)
             new_state.block_ids = list(new.block_ids[0]) if new.block_ids else []
