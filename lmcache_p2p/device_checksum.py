@@ -80,7 +80,8 @@ def device_checksums(pages: Sequence[torch.Tensor], timing: dict[str, float] | N
     """One checksum per page (uint8 tensors of equal length, on any one device), as uint64 ints,
     equal for equal bytes wherever computed. On CUDA it runs on a stream of its own (not behind
     the engine's forward pass) and waits for it; ``timing["gpu_ms"]`` is then set to the time the
-    stream spent on it (the kernel, sharing the GPU with whatever else runs)."""
+    checksum stream spent on the launch (sharing the GPU with whatever else runs, and the stream
+    with other threads' checksums queued meanwhile)."""
     if not pages:
         return []
     nbytes = pages[0].numel()
@@ -104,14 +105,14 @@ def device_checksums(pages: Sequence[torch.Tensor], timing: dict[str, float] | N
         raise ValueError(f"page {unaligned} starts at an address that is not a multiple of 4 bytes")
     kernels = kv_kernels.load()
     stream = gpu_ops.side_stream("checksum", device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
         if kernels is not None:
-            sums = _checksums_by_kernel(kernels, pages, nbytes, device)
+            sums = _checksums_by_kernel(kernels, pages, nbytes, device, (start, end))
         else:
+            start.record(stream)
             sums = _checksums(pages, weights_for(nbytes // 4, device))
-        end.record(stream)
+            end.record(stream)
         stream.synchronize()
     if timing is not None:
         timing["gpu_ms"] = start.elapsed_time(end)
@@ -122,13 +123,20 @@ def _as_uint64(sums: torch.Tensor) -> list[int]:
     return [int(s) & _U64 for s in sums.tolist()]
 
 
-def _checksums_by_kernel(kernels, pages: Sequence[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
+def _checksums_by_kernel(
+    kernels, pages: Sequence[torch.Tensor], nbytes: int, device: torch.device, around: tuple
+) -> torch.Tensor:
+    """One launch on the current stream; ``around``'s two CUDA events are recorded on either
+    side of it (after its inputs are in place)."""
     addresses = [page.data_ptr() for page in pages]
     # 16-byte loads where every page allows them (tier pages do: whole pages of a 16-aligned pool).
     vec_bytes = 16 if nbytes % 16 == 0 and all(a % 16 == 0 for a in addresses) else 4
     page_ptrs = torch.tensor(addresses, dtype=torch.int64).to(device)
     out = torch.empty(len(pages), dtype=torch.int64, device=device)
+    start, end = around
+    start.record()
     kernels.page_checksums(page_ptrs, nbytes, vec_bytes, CTAS_PER_PAGE, out)
+    end.record()
     return out  # int64 sums, still being computed on the current stream
 
 

@@ -62,11 +62,13 @@ def _build_dir(arch: str) -> Path:
 STALE_BUILD_LOCK_S = 600.0
 
 
-def clear_stale_build_lock(build_dir: Path, now: float | None = None) -> bool:
-    """Remove ``build_dir``'s build lock when it is older than any build takes; True if removed."""
+def clear_stale_build_lock(build_dir: Path) -> bool:
+    """Remove ``build_dir``'s build lock when it is older than any build takes; True if removed.
+    (Another process could replace a stale lock between the look and the removal; after ten
+    minutes of a dead lock that window is microseconds, and its cost one build run twice.)"""
     lock = build_dir / "lock"
     try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
+        age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return False
     if age <= STALE_BUILD_LOCK_S:

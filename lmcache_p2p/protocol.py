@@ -411,7 +411,10 @@ class ChunkPullReply(_Msg, tag="chunk_pull_reply"):
     error: str | None = None
     staged: bool = False  # the payloads are in the requester's slots, not its pages
     holder_ms: float = 0.0  # the holder's time on it: pins, checksums, copies, the write
-    holder_write_ms: float = 0.0  # of holder_ms, the transfer itself (the NIXL write, the tcp send)
+    # Of holder_ms, the send: a NIXL write (from host memory: with the copies into send slots and
+    # any wait for them), or handing tcp payloads to the data streams; ~0 for payloads that ride
+    # the reply, which go after it (the requester's queue+wire then holds them).
+    holder_write_ms: float = 0.0
     streamed: bool = False  # the payloads went over the data connections (ChunkPull.transfer)
     # With ChunkPull.device_check (a version the holder has), one uint64 per served chunk when
     # every one was sent from the holder's GPU tier, checked there (else empty, and the

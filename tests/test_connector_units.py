@@ -196,16 +196,16 @@ def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_then_waits_f
     the others may wait as long again (their pulls started with it), so all join one step."""
     from types import SimpleNamespace
 
-    from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S
+    from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S, ROUND_GRACE_MAX_S
 
     waits: list[tuple[str, float, bool]] = []
     pulled: set[str] = set()
-    first_pull_s = 0.2  # "a"'s pull ends this long into its poll's wait
+    first_pull = {"s": 0.06}  # "a"'s pull ends this long into its poll's wait
 
     def handle(request):
         waits.append((request.req_id, request.wait_s, request.hashes is None))  # None: a poll
         if request.req_id == "a" and request.hashes is None and "a" in pulled:
-            time.sleep(first_pull_s)
+            time.sleep(first_pull["s"])
         done = request.req_id in pulled
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
 
@@ -230,10 +230,22 @@ def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_then_waits_f
         pulled.update("abc")
         time.sleep(0.002)
         assert [ask(r) for r in "abc"] == [(512, False)] * 3
-        (a, a_wait, _), (b, b_wait, _), (c, c_wait, _) = waits
+        (_, a_wait, _), (_, b_wait, _), (_, c_wait, _) = waits
         assert a_wait == IDLE_LOOKUP_WAIT_S
-        # The others share one deadline, as long again as "a"'s poll took (~first_pull_s).
-        assert 0.5 * first_pull_s < b_wait <= first_pull_s + 0.05 and c_wait <= b_wait, waits
+        # The others share one deadline, as long again as "a"'s poll took.
+        assert 0.5 * first_pull["s"] < b_wait <= ROUND_GRACE_MAX_S and c_wait <= b_wait, waits
+
+        # A first pull that took long grants the others no more than ROUND_GRACE_MAX_S.
+        pulled.clear()
+        first_pull["s"] = 3 * ROUND_GRACE_MAX_S
+        scheduler._requests.clear()  # new requests with the same ids, asked afresh
+        assert [ask(r) for r in "abc"] == [(None, False)] * 3
+        scheduler.build_connector_meta(_empty_step())
+        waits.clear()
+        pulled.update("abc")
+        time.sleep(0.002)
+        assert [ask(r) for r in "abc"] == [(512, False)] * 3
+        assert 0.5 * ROUND_GRACE_MAX_S < waits[1][1] <= ROUND_GRACE_MAX_S, waits
     finally:
         scheduler.close()
         server.close()

@@ -85,22 +85,29 @@ class PullResult:
     gpu_checked_on_device: int = 0  # of those, checked against the holder's device checksums
 
 
-# Where a pull's batches spend their time, in its log line (see _Batch.phases_ms); the second of
-# each pair is part of the first: the holder's write of the bytes, and the GPU's own time in a
-# device check (the rest of it is the thread hop, the launch and the wait for the result).
-PHASES = ("slots", "holder", "holder write", "queue+wire", "land", "verify", "verify on the GPU")
-PART_OF = {"holder write": "its write", "verify on the GPU": "on the GPU"}
+# Where a pull's batches spend their time, in its log line (see _Batch.phases_ms): each phase
+# with the part of it measured apart, if any, and how the line names that part. The holder's
+# send of the bytes; in a device check, the checksum stream's time (the rest is the thread hop,
+# the launch and the wait for the result).
+PHASE_PARTS = {
+    "slots": None,
+    "holder": ("holder write", "its write"),
+    "queue+wire": None,
+    "land": None,
+    "verify": ("verify on the GPU", "on the GPU"),
+}
+PHASES = tuple(name for phase, part in PHASE_PARTS.items() for name in (phase, *(part[:1] if part else ())))
 
 
 def describe_phases(phases_ms: dict) -> str:
     """``slots 0.1, holder 15.4 (its write 9.0), queue+wire 18.0, land 0.0, verify 26.4 (on the
     GPU 2.1)``: the summed milliseconds of a pull's batches, as its log line gives them."""
-    parts: list[str] = []
-    for phase, ms in phases_ms.items():
-        if phase in PART_OF:
-            parts[-1] += f" ({PART_OF[phase]} {ms:.1f})"
-        else:
-            parts.append(f"{phase} {ms:.1f}")
+    parts = []
+    for phase, part in PHASE_PARTS.items():
+        text = f"{phase} {phases_ms[phase]:.1f}"
+        if part is not None:
+            text += f" ({part[1]} {phases_ms[part[0]]:.1f})"
+        parts.append(text)
     return ", ".join(parts)
 
 
@@ -229,6 +236,10 @@ class P2PClient:
         # request latency rather than bytes (VRAM to VRAM on one host) finish sooner all at once
         # (p2p_prefix_pull_turns: False).
         self._prefix_turn: AbstractAsyncContextManager = asyncio.Lock() if prefix_pull_turns else nullcontext()
+        # Prefix pulls running now, and started so far: only a pull that ran alone measures the
+        # link for the pull policy (one sharing it would make the link look slower than it is).
+        self._prefix_pulls_running = 0
+        self._prefix_pulls_started = 0
         # Whether a prefix pull beats recomputing it (config p2p_pull_policy); None: always pull.
         self.policy = policy
         self.stats: dict[str, Any] = {
@@ -269,7 +280,8 @@ class P2PClient:
         asked_ms = (time.perf_counter() - t0) * 1e3
         # Longest prefix first; among equals the peer we have the fewest requests in flight to.
         holders.sort(key=lambda h: (-h[0], self._busy((h[1].host, h[1].lookup_port))))
-        async with self._prefix_turn:  # decided here, with the estimates the pulls before it left
+        # Decided in its turn (taking turns), with the estimates the pulls before it left.
+        async with self._prefix_turn:
             # The time before the decision: the controller's answer, then the turn (pulls ahead).
             peer, chunks = self._decide(holders, asked_ms, (time.perf_counter() - t0) * 1e3 - asked_ms)
             if not chunks:
@@ -283,10 +295,17 @@ class P2PClient:
                     self._report(peer, "?", chunks, PullResult(error=str(e)), 0.0, 0, dict.fromkeys(PHASES, 0.0))
                     return 0
             channel = self._channel_of(peer)
+            self._prefix_pulls_running += 1
+            self._prefix_pulls_started += 1
+            started_alone, mine = self._prefix_pulls_running == 1, self._prefix_pulls_started
             t0 = time.perf_counter()
-            result = await self.pull(peer, hashes[:chunks], CPU, into_gpu_tier=True)
+            try:
+                result = await self.pull(peer, hashes[:chunks], CPU, into_gpu_tier=True)
+            finally:
+                self._prefix_pulls_running -= 1
             elapsed = time.perf_counter() - t0
-        if self.policy is not None and result.error is None and result.held and channel is not None:
+            alone = started_alone and self._prefix_pulls_started == mine  # none began meanwhile
+        if self.policy is not None and alone and result.error is None and result.held and channel is not None:
             # Only clean pulls measure the link: a failure's time says how long a timeout is.
             self.policy.observe_pull(peer.describe(), channel, len(result.held) * self.storage.page_bytes, elapsed)
             self.stats["pull_policy"] = self.policy.snapshot()

@@ -42,8 +42,11 @@ LOOKUP_REPLY_SLACK_S = 10.0
 # together was asked: their pulls then overlap. The round's other polls may then wait as long
 # again as the first one did: pulls that started together end close together, and a request
 # whose pull ends just after the first's would otherwise miss the load step and wait for it to
-# end (on the H200 its hit was known ~30 ms after the first's, a step later).
+# end (on the H200 its hit was known ~30 ms after the first's, a step later). At most
+# ROUND_GRACE_MAX_S: the first request is ready, and a pull far slower than its own (another
+# holder, a longer prefix) must not hold its step back.
 IDLE_LOOKUP_WAIT_S = 1.0
+ROUND_GRACE_MAX_S = 0.1
 
 
 @dataclass
@@ -217,9 +220,9 @@ class SchedulerSide:
             poll=state.asked,
         )
         state.asked = True
-        if long_wait and hit is not None and not self.pulls_take_turns:
+        if long_wait and hit and not self.pulls_take_turns:  # a hit: its pull ended within the wait
             after = time.monotonic()
-            self._round_grace_until = after + (after - now)  # as long again as this poll waited
+            self._round_grace_until = after + min(after - now, ROUND_GRACE_MAX_S)
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
             return None
