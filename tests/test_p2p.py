@@ -148,6 +148,9 @@ def test_prefix_pulls_run_at_once_without_turns(controller, spawn):
     assert max(turns) < 0.2 * min(done) * 1e3, (turns, done)
     # ... and the first would end after about a third of the time; sharing the link, together.
     assert min(done) > 0.6 * max(done), done
+    # Pulls that shared the link say nothing about its rate alone: the pull policy learned none.
+    links = b.status()["p2p_client"]["pull_policy"]["links"]
+    assert sum(link["pulls_measured"] for link in links.values()) == 0, links
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
