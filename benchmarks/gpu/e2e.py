@@ -101,7 +101,7 @@ def cmd_engine(args) -> None:
         else {"gpu_memory_utilization": args.gpu_util, "max_model_len": 16384}
     )
     engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=args.model, enforce_eager=True, kv_transfer_config=CONNECTOR, **extra)
+        AsyncEngineArgs(model=args.model, enforce_eager=not args.graphs, kv_transfer_config=CONNECTOR, **extra)
     )
     loop = asyncio.new_event_loop()
 
@@ -193,6 +193,8 @@ def cmd_peer(args) -> dict:
             overrides.update(args.set)
             config = yaml_config(REPO / "configs" / f"example{i}.yaml", **overrides)
             cmd = [sys.executable, __file__, "engine", "--model", args.model, "--gpu-util", str(args.gpu_util)]
+            if args.graphs:
+                cmd.append("--graphs")
             env = {}
             if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
                 from lmcache_p2p.demo import CPU_ENGINE_ENV
@@ -220,6 +222,7 @@ def cmd_peer(args) -> dict:
             "channel": args.channel or "as in the YAMLs",
             "pull_policy": args.pull_policy or "auto",
             "config_set": dict(args.set),
+            "cuda_graphs": args.graphs,
         }
         for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
             engine.request(
@@ -544,7 +547,13 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable",
     )
+    p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="engines with vLLM's CUDA graphs (its default; without this flag: enforce_eager, as the earlier runs)",
+    )
     p = sub.add_parser("engine")
+    p.add_argument("--graphs", action="store_true")
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-util", type=float, default=0.4)
     p.add_argument("--cpu-smoke", action="store_true")

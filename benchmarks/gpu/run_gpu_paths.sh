@@ -12,7 +12,8 @@
 #   peer-tier    the same with a 16 GB GPU tier on each engine
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
 #   peer-...@K=V,K=V  a peer step with config keys set on both engines (e2e.py --set), written
-#                as e.g. peer_tier@p2p_batch_chunks=16 (several variants side by side in one run)
+#                as e.g. peer_tier@p2p_batch_chunks=16 (several variants side by side in one run);
+#                an item starting with -- is passed to e2e.py as it is (peer-tier@--graphs)
 #   offload      seed 002's offload runs: connector off, on, on with use_layerwise
 #   offload-profile  run 2 with use_layerwise under torch.profiler, then again under cProfile
 #
@@ -59,7 +60,7 @@ step() {
   local sets=() kv
   if [[ "$1" == peer*@* ]]; then  # peer-tier@K=V,K=V: the step, then its config keys
     IFS=, read -ra kv <<< "${1#*@}"
-    for x in "${kv[@]}"; do sets+=(--set "$x"); done
+    for x in "${kv[@]}"; do if [[ "$x" == --* ]]; then sets+=("$x"); else sets+=(--set "$x"); fi; done
     VARIANT="@${1#*@}" run_step "${1%%@*}" "${sets[@]}"
     return
   fi
