@@ -28,8 +28,9 @@ for the version it was asked for, so two builds never compare different function
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -105,18 +106,30 @@ def device_checksums(pages: Sequence[torch.Tensor], timing: dict[str, float] | N
         raise ValueError(f"page {unaligned} starts at an address that is not a multiple of 4 bytes")
     kernels = kv_kernels.load()
     stream = gpu_ops.side_stream("checksum", device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Timed only when asked: two CUDA events around the launch.
+    around = (
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timing is not None else None
+    )
     with torch.cuda.device(device), torch.cuda.stream(stream):
         if kernels is not None:
-            sums = _checksums_by_kernel(kernels, pages, nbytes, device, (start, end))
+            sums = _checksums_by_kernel(kernels, pages, nbytes, device, around)
         else:
-            start.record(stream)
-            sums = _checksums(pages, weights_for(nbytes // 4, device))
-            end.record(stream)
+            with _between(around):
+                sums = _checksums(pages, weights_for(nbytes // 4, device))
         stream.synchronize()
-    if timing is not None:
-        timing["gpu_ms"] = start.elapsed_time(end)
+    if timing is not None and around is not None:
+        timing["gpu_ms"] = around[0].elapsed_time(around[1])
     return _as_uint64(sums)
+
+
+@contextlib.contextmanager
+def _between(around: tuple | None) -> Iterator[None]:
+    """Record ``around``'s two CUDA events on the current stream before and after the block."""
+    if around is not None:
+        around[0].record()
+    yield
+    if around is not None:
+        around[1].record()
 
 
 def _as_uint64(sums: torch.Tensor) -> list[int]:
@@ -124,19 +137,17 @@ def _as_uint64(sums: torch.Tensor) -> list[int]:
 
 
 def _checksums_by_kernel(
-    kernels, pages: Sequence[torch.Tensor], nbytes: int, device: torch.device, around: tuple
+    kernels, pages: Sequence[torch.Tensor], nbytes: int, device: torch.device, around: tuple | None = None
 ) -> torch.Tensor:
-    """One launch on the current stream; ``around``'s two CUDA events are recorded on either
-    side of it (after its inputs are in place)."""
+    """One launch on the current stream; ``around``'s two CUDA events, if given, are recorded on
+    either side of it (after its inputs are in place)."""
     addresses = [page.data_ptr() for page in pages]
     # 16-byte loads where every page allows them (tier pages do: whole pages of a 16-aligned pool).
     vec_bytes = 16 if nbytes % 16 == 0 and all(a % 16 == 0 for a in addresses) else 4
     page_ptrs = torch.tensor(addresses, dtype=torch.int64).to(device)
     out = torch.empty(len(pages), dtype=torch.int64, device=device)
-    start, end = around
-    start.record()
-    kernels.page_checksums(page_ptrs, nbytes, vec_bytes, CTAS_PER_PAGE, out)
-    end.record()
+    with _between(around):
+        kernels.page_checksums(page_ptrs, nbytes, vec_bytes, CTAS_PER_PAGE, out)
     return out  # int64 sums, still being computed on the current stream
 
 

@@ -90,27 +90,33 @@ def test_peer_pull_is_bit_exact_and_logged(controller, spawn, channel):
     wait_for(lambda: controller.holders(prompt).get("lmcache_instance_2") == [CPU, 8 * CHUNK], what="B's admits")
 
 
-def test_prefix_pulls_asked_together_take_turns_in_order(controller, spawn):
-    """Requests arriving together are pulled one after another, first asked first, each at the
-    full rate: the first is ready after about a third of the time, not when all three are."""
-    # Batches of 2 chunks, 3 in flight: each pull is 12 batches, longer than its window, so pulls
-    # sharing the link would interleave theirs.
+def _three_prefix_pulls_asked_together(controller, spawn, seeds, **extra):
+    """A holds three 24-chunk prompts; B asks for all three at once, as vLLM's scheduler does with
+    requests that arrive together. B, and when each of its pulls ended (s from the ask).
+    Batches of 2 chunks, 3 in flight: each pull is 12 batches, longer than its window, so pulls
+    sharing the link interleave theirs."""
     a, b = (
         spawn(
             instance_config(
-                f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK, cpu_gb=0.5, p2p_batch_chunks=2
+                f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK, cpu_gb=0.5, p2p_batch_chunks=2, **extra
             )
         )
         for i in (1, 2)
     )
-    prompts = [tokens(24 * CHUNK, seed=s) for s in (1, 2, 3)]  # 3 x 96 MiB
+    prompts = [tokens(24 * CHUNK, seed=s) for s in seeds]  # 3 x 96 MiB
     for prompt in prompts:
         assert a.prefill(prompt) == 24 * CHUNK
     wait_for(
         lambda: all(controller.holders(p).get("lmcache_instance_1") == [CPU, 24 * CHUNK] for p in prompts),
         what="A's keys",
     )
-    done = b.request("lookup_together", prompts=[list(p) for p in prompts])["done_s"]
+    return b, b.request("lookup_together", prompts=[list(p) for p in prompts])["done_s"]
+
+
+def test_prefix_pulls_asked_together_take_turns_in_order(controller, spawn):
+    """Requests arriving together are pulled one after another, first asked first, each at the
+    full rate: the first is ready after about a third of the time, not when all three are."""
+    b, done = _three_prefix_pulls_asked_together(controller, spawn, seeds=(1, 2, 3))
     assert done[0] < done[1] < done[2], done
     assert done[0] < 0.6 * done[2], done  # sharing the link, all three would end together
     assert b.status()["p2p_client"]["chunks_pulled"] == 72
@@ -119,28 +125,7 @@ def test_prefix_pulls_asked_together_take_turns_in_order(controller, spawn):
 def test_prefix_pulls_run_at_once_without_turns(controller, spawn):
     """With p2p_prefix_pull_turns off, requests arriving together are pulled at once: none
     waits for another's pull to end before its own starts."""
-    a, b = (
-        spawn(
-            instance_config(
-                f"lmcache_instance_{i}",
-                controller,
-                "tcp",
-                chunk_size=CHUNK,
-                cpu_gb=0.5,
-                p2p_batch_chunks=2,
-                p2p_prefix_pull_turns=False,
-            )
-        )
-        for i in (1, 2)
-    )
-    prompts = [tokens(24 * CHUNK, seed=s) for s in (4, 5, 6)]
-    for prompt in prompts:
-        assert a.prefill(prompt) == 24 * CHUNK
-    wait_for(
-        lambda: all(controller.holders(p).get("lmcache_instance_1") == [CPU, 24 * CHUNK] for p in prompts),
-        what="A's keys",
-    )
-    done = b.request("lookup_together", prompts=[list(p) for p in prompts])["done_s"]
+    b, done = _three_prefix_pulls_asked_together(controller, spawn, seeds=(4, 5, 6), p2p_prefix_pull_turns=False)
     assert b.status()["p2p_client"]["chunks_pulled"] == 72
     turns = [float(ms) for ms in re.findall(r"waited ([\d.]+) ms for the turn", b.log())]
     assert len(turns) == 3, b.log()[-2000:]

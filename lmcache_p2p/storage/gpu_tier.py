@@ -62,19 +62,21 @@ class GpuTier(CpuTier):
         entry, so that a peer pulling them later is sent them without waiting (a page here is
         written once per entry: the number stays true while the entry lives). Returns how many
         were computed; keys the tier no longer holds, or whose number is kept already, are skipped."""
-        entries = []
+        # Each with its pin (the page is not reused while read; a use for LRU: they were just stored).
+        todo: list[tuple[_Entry, PinnedChunk]] = []
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is not None and entry.device_checksum is None:
-                    entry.pins += 1  # its page is not reused while it is read
-                    self.pins_held += 1
-                    entries.append(entry)
+                if entry is None or entry.device_checksum is not None:
+                    continue
+                chunk = self.pin(key)
+                assert chunk is not None  # under the lock, pin finds the entry just found
+                todo.append((entry, chunk))
         try:
-            sums = device_checksums([self.pool.page(entry.page) for entry in entries])
-            for entry, value in zip(entries, sums, strict=True):
+            sums = device_checksums([chunk.data for _, chunk in todo])
+            for (entry, _), value in zip(todo, sums, strict=True):
                 entry.device_checksum = value
         finally:
-            for entry in entries:
-                self._unpin(entry)
-        return len(entries)
+            for _, chunk in todo:
+                chunk.release()
+        return len(todo)
