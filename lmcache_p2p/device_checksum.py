@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -80,9 +81,11 @@ def weights_for(words: int, device: torch.device) -> torch.Tensor:
 def device_checksums(pages: Sequence[torch.Tensor], timing: dict[str, float] | None = None) -> list[int]:
     """One checksum per page (uint8 tensors of equal length, on any one device), as uint64 ints,
     equal for equal bytes wherever computed. On CUDA it runs on a stream of its own (not behind
-    the engine's forward pass) and waits for it; ``timing["gpu_ms"]`` is then set to the time the
-    checksum stream spent on the launch (sharing the GPU with whatever else runs, and the stream
-    with other threads' checksums queued meanwhile)."""
+    the engine's forward pass), reads its result back on that stream, and waits for it; with
+    ``timing`` it sets ``gpu_ms``, the time the checksum stream spent on the launch (sharing the
+    GPU with whatever else runs, and the stream with other threads' checksums queued meanwhile),
+    and ``wait_ms``, the host's time blocked on the stream (the GPU's part and any wait to get
+    onto it)."""
     if not pages:
         return []
     nbytes = pages[0].numel()
@@ -116,10 +119,16 @@ def device_checksums(pages: Sequence[torch.Tensor], timing: dict[str, float] | N
         else:
             with _between(around):
                 sums = _checksums(pages, weights_for(nbytes // 4, device))
+        # Read back on this stream too: a copy on the thread's default stream would be ordered
+        # after whatever the engine queued there.
+        host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        t0 = time.perf_counter()
         stream.synchronize()
     if timing is not None and around is not None:
+        timing["wait_ms"] = (time.perf_counter() - t0) * 1e3
         timing["gpu_ms"] = around[0].elapsed_time(around[1])
-    return _as_uint64(sums)
+    return _as_uint64(host)
 
 
 @contextlib.contextmanager

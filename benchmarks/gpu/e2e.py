@@ -53,7 +53,8 @@ LOAD_LINE = re.compile(
 PULL_PHASES = re.compile(
     r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+) "
     r"\(its write (?P<holder_write>[\d.]+)\), queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), "
-    r"verify (?P<verify>[\d.]+) \(on the GPU (?P<verify_on_gpu>[\d.]+)\)\]"
+    r"verify (?P<verify>[\d.]+) \(on the GPU (?P<verify_on_gpu>[\d.]+)"
+    r"(?:, waiting (?P<verify_wait>[\d.]+), thread hops (?P<verify_hops>[\d.]+))?\)\]"
 )
 
 
@@ -296,7 +297,8 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
         "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
         "channels": sorted({p["channel"] for p in pulls}),
     }
-    phases = [{k: float(v) for k, v in m.groupdict().items()} for m in PULL_PHASES.finditer(log2)]
+    # (lines of versions before the verify's waiting and hops were logged lack those two)
+    phases = [{k: float(v) for k, v in m.groupdict().items() if v is not None} for m in PULL_PHASES.finditer(log2)]
     out["engine2_pull_phases_median_ms"] = (
         {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else None
     )

@@ -71,6 +71,11 @@ class PinnedChunk:
             self._checksum = self._compute_checksum() if self._compute_checksum else payload_checksum(self.data.numpy())
         return self._checksum
 
+    @property
+    def checksum_known(self) -> bool:
+        """Whether :attr:`checksum` is at hand (no hashing to do)."""
+        return self._checksum is not None
+
     def release(self) -> None:
         release, self._release = self._release, None
         if release is not None:

@@ -85,30 +85,32 @@ class PullResult:
     gpu_checked_on_device: int = 0  # of those, checked against the holder's device checksums
 
 
-# Where a pull's batches spend their time, in its log line (see _Batch.phases_ms): each phase
-# with the part of it measured apart, if any, and how the line names that part. The holder's
-# send of the bytes; in a device check, the checksum stream's time (the rest is the thread hop,
-# the launch and the wait for the result).
-PHASE_PARTS = {
-    "slots": None,
-    "holder": ("holder write", "its write"),
-    "queue+wire": None,
-    "land": None,
-    "verify": ("verify on the GPU", "on the GPU"),
+# Where a pull's batches spend their time (see _Batch.phases_ms): each phase with the parts of
+# it measured apart, and how the log line names them. The holder's send of the bytes; in a device
+# check, the checksum stream's time on the GPU, the host's time blocked on that stream (the GPU's
+# part and any wait to get onto it), and the hops to the thread that runs it and back (the rest
+# is the launch and the comparison).
+PHASE_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "slots": (),
+    "holder": (("holder write", "its write"),),
+    "queue+wire": (),
+    "land": (),
+    "verify": (("verify on the GPU", "on the GPU"), ("verify wait", "waiting"), ("verify hops", "thread hops")),
 }
-PHASES = tuple(name for phase, part in PHASE_PARTS.items() for name in (phase, *(part[:1] if part else ())))
+PHASES = tuple(name for phase, parts in PHASE_PARTS.items() for name in (phase, *(key for key, _ in parts)))
 
 
 def describe_phases(phases_ms: dict) -> str:
     """``slots 0.1, holder 15.4 (its write 9.0), queue+wire 18.0, land 0.0, verify 26.4 (on the
-    GPU 2.1)``: the summed milliseconds of a pull's batches, as its log line gives them."""
-    parts = []
-    for phase, part in PHASE_PARTS.items():
+    GPU 2.1, waiting 3.0, thread hops 1.2)``: the summed milliseconds of a pull's batches, as its
+    log line gives them."""
+    out = []
+    for phase, parts in PHASE_PARTS.items():
         text = f"{phase} {phases_ms[phase]:.1f}"
-        if part is not None:
-            text += f" ({part[1]} {phases_ms[part[0]]:.1f})"
-        parts.append(text)
-    return ", ".join(parts)
+        if parts:
+            text += " (" + ", ".join(f"{label} {phases_ms[key]:.1f}" for key, label in parts) + ")"
+        out.append(text)
+    return ", ".join(out)
 
 
 @dataclass
@@ -137,6 +139,13 @@ class _Batch:
     # tcp with data streams: the payloads land in ``pages`` from our own reader threads; until it
     # is closed and idle, the pages may still be written.
     landing: Landing | None = None
+
+
+def _timed(fn, *args):
+    """``fn(*args)`` and the milliseconds it ran (on the thread that called it)."""
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, (time.perf_counter() - t0) * 1e3
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:
@@ -689,8 +698,11 @@ class P2PClient:
         try:
             pages = [gpu.pool.page(p) for p in tier_pages]
             timing: dict[str, float] = {}
-            got = await asyncio.to_thread(device_checksum.device_checksums, pages, timing)
+            t0 = time.perf_counter()
+            got, ran_ms = await asyncio.to_thread(_timed, device_checksum.device_checksums, pages, timing)
+            phases_ms["verify hops"] = (time.perf_counter() - t0) * 1e3 - ran_ms
             phases_ms["verify on the GPU"] = timing.get("gpu_ms", 0.0)
+            phases_ms["verify wait"] = timing.get("wait_ms", 0.0)
         except Exception:  # e.g. a CUDA error: the host check behind the request still decides
             logger.exception("device checksums of %d landed page(s) failed; checking them on the host", len(tier_pages))
             return None
