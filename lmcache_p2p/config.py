@@ -267,6 +267,12 @@ class LMCacheConfig:
         False,
         "load hits layer by layer during the forward pass (on a GPU, layer i+1's copy beside layer i's compute)",
     )
+    async_kv_loads: bool = _key(
+        _to_bool,
+        False,
+        "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the "
+        "request waits outside them until its copy is done, then computes in the next step",
+    )
     # Remote tier (issue 20): a store shared by every instance, below CPU and disk
     remote_url: str | None = _key(
         _optional(_to_remote_url),

@@ -84,6 +84,12 @@ class LayerwiseLoad:
         self._copy(layer)
         self._host_seconds += time.perf_counter() - t0
 
+    @property
+    def on_device(self) -> bool:
+        """The copies are queued on the GPU (``done`` says when they end); otherwise each layer is
+        copied by the host at its ``wait``."""
+        return self._events is not None
+
     def not_waited(self) -> list[str]:
         """Layers whose attention ran without waiting for their load (none, when vLLM called
         ``wait_for_layer_load`` for every layer): their blocks were not complete when read."""

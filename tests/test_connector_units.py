@@ -266,6 +266,61 @@ def _step(new_reqs=(), num_scheduled=None):
     )
 
 
+def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is_retried_once(engine_id, caplog):
+    """async_kv_loads: the hit is granted asynchronously, its load goes out in the next metadata
+    with the blocks vLLM allocated for it, an abort while it copies keeps the blocks until the
+    ranks report it done, and vLLM's re-ask after a failed load looks it up afresh once, then
+    recomputes."""
+    from types import SimpleNamespace
+
+    asks: list[bool] = []  # whether each lookup the rank got carried the hashes (a fresh ask)
+
+    def handle(request):
+        asks.append(request.hashes is not None)
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512, pending=False)
+
+    server = LookupServer(socket_path(engine_id, 0, 0), handle)
+    scheduler = _scheduler(engine_id, async_kv_loads=True)
+    request = SimpleNamespace(request_id="a", prompt_token_ids=list(range(600)))
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 132)),))
+    try:
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
+        scheduler.update_state_after_alloc(request, blocks, 512)
+        (load,) = scheduler.build_connector_meta(_empty_step()).loads
+        assert (load.beside_steps, load.start, load.end) == (True, 0, 512)
+        assert load.block_ids == list(range(100, 132))
+        assert scheduler.build_connector_meta(_empty_step()).loads == []  # sent once
+
+        # vLLM's re-ask after the load failed from its first block: a fresh lookup, once.
+        scheduler.update_connector_output(SimpleNamespace(finished_recving={"a"}))
+        with caplog.at_level(logging.WARNING):
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
+            assert asks == [True, True]
+            scheduler.update_state_after_alloc(request, blocks, 512)
+            scheduler.build_connector_meta(_empty_step())
+            scheduler.update_connector_output(SimpleNamespace(finished_recving={"a"}))
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert "its load beside the steps failed: looking it up again" in caplog.text
+        assert "its load beside the steps failed 2 times: recomputing" in caplog.text
+
+        # An abort while a load copies into its blocks: vLLM keeps them until it is reported done.
+        b = SimpleNamespace(request_id="b", prompt_token_ids=list(range(600)))
+        assert scheduler.get_num_new_matched_tokens(b, 0) == (512, True)
+        scheduler.update_state_after_alloc(b, blocks, 512)
+        scheduler.build_connector_meta(_empty_step())
+        assert scheduler.request_finished(b, []) == (True, None)
+        # Reported done before the abort: nothing to wait for.
+        c = SimpleNamespace(request_id="c", prompt_token_ids=list(range(600)))
+        assert scheduler.get_num_new_matched_tokens(c, 0) == (512, True)
+        scheduler.update_state_after_alloc(c, blocks, 512)
+        scheduler.build_connector_meta(_empty_step())
+        scheduler.update_connector_output(SimpleNamespace(finished_recving={"c"}))
+        assert scheduler.request_finished(c, []) == (False, None)
+    finally:
+        scheduler.close()
+        server.close()
+
+
 def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_gets_them_again(
     engine_id, monkeypatch, caplog
 ):

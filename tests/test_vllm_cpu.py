@@ -64,6 +64,31 @@ def test_a_hit_that_fails_to_load_is_recomputed_not_an_error(engine, prompt):
     assert counters(eng)["retrieved_tokens"] == 2 * CHUNK
 
 
+def test_a_hit_loaded_beside_the_steps_gives_the_cold_output_and_a_failed_one_is_retried(engine, prompt):
+    """async_kv_loads: vLLM holds the request out of its steps while its KV is copied, then
+    computes from the loaded blocks (corrupting them changes the output: they were used)."""
+    eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25, "async_kv_loads": True})
+    cold = eng.generate(prompt)
+    assert eng.generate(prompt) == cold
+    assert counters(eng)["retrieved_tokens"] == 2 * CHUNK
+    log = eng.log()
+    assert f"LMCache hit tokens: {2 * CHUNK}, need to load: {2 * CHUNK} (lookup" in log
+    assert ", beside the steps" in log and f"loading {2 * CHUNK} tokens beside the steps" in log
+    assert f"Retrieved {2 * CHUNK} out of total {PROMPT_TOKENS} tokens" in log
+
+    # A load that fails from its first block: vLLM frees the blocks and asks again; the ranks
+    # are asked afresh, and the chunks (still held) load the second time.
+    eng.request("fail_next_load")
+    assert eng.generate(prompt) == cold
+    log = eng.log()
+    assert "beside the steps failed" in log and "will be recomputed" in log
+    assert "its load beside the steps failed: looking it up again" in log
+    assert counters(eng)["retrieved_tokens"] == 4 * CHUNK  # the failed load counted nothing
+
+    assert eng.request("corrupt")["chunks"] == 2
+    assert eng.generate(prompt) != cold, "the output ignored the KV loaded beside the steps"
+
+
 def test_a_prompt_whose_every_chunk_is_cached_still_computes_its_last_token(engine, prompt):
     eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25})
     exact = prompt[: 2 * CHUNK]

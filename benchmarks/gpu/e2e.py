@@ -437,6 +437,8 @@ def cmd_offload(args) -> dict:
         )
         if args.layerwise:
             os.environ["LMCACHE_USE_LAYERWISE"] = "True"
+        if args.async_loads:
+            os.environ["LMCACHE_ASYNC_KV_LOADS"] = "True"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -463,6 +465,7 @@ def cmd_offload(args) -> dict:
         "gpu_gb": args.gpu_gb,
         "store_ctas": LMCacheConfig.load().store_ctas if args.connector == "on" else None,
         "use_layerwise": args.layerwise,
+        "async_kv_loads": args.async_loads,
     }
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
@@ -566,6 +569,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=10_000)
     p.add_argument("--gpu-gb", type=float, default=24, help="GPU memory for the engine (the seed's 24 GB)")
     p.add_argument("--layerwise", action="store_true", help="use_layerwise: loads overlap the forward pass")
+    p.add_argument(
+        "--async-loads", action="store_true", help="async_kv_loads: loads run beside the steps (vLLM's async loads)"
+    )
     p.add_argument("--cpu-gb", type=float, default=30)
     p.add_argument(
         "--profile-dir",

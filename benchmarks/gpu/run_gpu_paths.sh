@@ -15,6 +15,8 @@
 #                as e.g. peer_tier@p2p_batch_chunks=16 (several variants side by side in one run);
 #                an item starting with -- is passed to e2e.py as it is (peer-tier@--graphs)
 #   offload      seed 002's offload runs: connector off, on, on with use_layerwise
+#   offload-async    seed 002's offload runs with the connector on, then on with async_kv_loads
+#                (side by side, alternating twice)
 #   offload-profile  run 2 with use_layerwise under torch.profiler, then again under cProfile
 #
 # Each step appends "STEP rc=N seconds=S" to WORKDIR/status and writes its JSON and log into
@@ -34,7 +36,7 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
     $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
-[ $# -gt 0 ] || { echo "steps: kernels tests peer-base peer-tier peer-base-2 peer-tier-2 offload offload-profile (peer-...@K=V,K=V: with config keys; values without commas)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "steps: kernels tests peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 : > "$W/status"  # this run's steps only (--poll waits for its "all done")
@@ -72,6 +74,7 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
     kernels) $PY benchmarks/bench_kernels.py --checksum-only --reps 10 > "$W/kernels.log" 2>&1 ;;
     tests) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_tier.py tests/test_layerwise.py \
       tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py tests/test_device_checksum.py \
+      tests/test_gpu_async_loads.py \
       > "$W/gpu_tests.txt" 2>&1 ;;
     peer-base) peer "peer_base$VARIANT" 0,0 "$@" ;;
     peer-tier) peer "peer_tier$VARIANT" 0,0 "${TIER[@]}" "$@" ;;
@@ -79,6 +82,7 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
     peer-tier-2) peer "peer_tier_2$VARIANT" 0,1 "${TIER[@]}" "$@" ;;
     offload) offload offload_off --connector off && offload offload_on --connector on \
       && offload offload_layerwise --connector on --layerwise ;;
+    offload-async) for i in 1 2; do offload "offload_on_$i" --connector on && offload "offload_async_$i" --connector on --async-loads || return; done ;;
     offload-profile) offload offload_profile --connector on --layerwise --profile-dir "$W/profile" ;;
     *) echo "unknown step $s" >&2; return 2 ;;
   esac

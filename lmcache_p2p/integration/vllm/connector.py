@@ -127,11 +127,11 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
             self._worker_side.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set) -> tuple[set | None, set | None]:
-        """Requests whose store copies are done (blocks vLLM may free now); loads finish in
-        start_load_kv, so nothing is ever still receiving."""
+        """Requests whose store copies are done (blocks vLLM may free now), and those whose load
+        beside the steps is done (async_kv_loads; other loads finish in start_load_kv)."""
         if self._worker is None or self._worker.engine is None:
             return None, None
-        return self._worker.finished_stores(finished_req_ids) or None, None
+        return self._worker.finished_stores(finished_req_ids) or None, self._worker.finished_loads() or None
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         if self._worker is None or self._worker.storage_events is None:

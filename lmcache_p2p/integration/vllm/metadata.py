@@ -42,6 +42,8 @@ class LoadSpec:
     start: int
     end: int
     blend: BlendSpec | None = None
+    # async_kv_loads: copied beside the steps; the request computes once get_finished reports it.
+    beside_steps: bool = False
 
 
 @dataclass

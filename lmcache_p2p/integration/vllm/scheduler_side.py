@@ -70,6 +70,11 @@ class _Request:
     segments: list[BlendSegment] | None = None
     last_start: int = 0
     segments_stored: bool = False
+    # async_kv_loads: vLLM's own prefix-cache tokens when the hit was granted (the load starts
+    # there), and whether a load beside the steps is in flight (its blocks must outlive it).
+    local_tokens: int = 0
+    loading_beside_steps: bool = False
+    loads_beside_steps: int = 0  # of those, reported done (vLLM asks again only after a failed one)
 
 
 class SchedulerSide:
@@ -100,6 +105,8 @@ class SchedulerSide:
         self.async_loading = config.enable_async_loading
         self.backoff_s = config.lookup_backoff_time
         self.pulls_take_turns = config.p2p_prefix_pull_turns  # where an idle round's long wait goes
+        self.loads_beside_steps = config.async_kv_loads
+        self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
         # Our tiers' admits and evicts as vLLM KV events, when the engine publishes them.
@@ -137,6 +144,8 @@ class SchedulerSide:
             state.remembered = True
         if not self.loads:
             return 0, False
+        if state.loads_beside_steps and state.hit is not None and not self._retry_beside_steps(req_id, state):
+            return 0, False
         hit: int | None
         if state.segments is not None:
             hit = state.hit if state.hit is not None else self._ask_segments(req_id, state)
@@ -149,17 +158,39 @@ class SchedulerSide:
         # vLLM must compute at least the prompt's last token to sample from it.
         usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
+        # Blended loads stay in the step: they compute as they load.
+        beside = self.loads_beside_steps and need > 0 and state.segments is None
+        state.local_tokens = num_computed_tokens
         if need != state.logged_need:
             state.logged_need = need
             logger.info(
-                "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d (lookup %.1f ms)",
+                "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d (lookup %.1f ms)%s",
                 req_id,
                 state.num_tokens,
                 hit,
                 need,
                 state.lookup_ms,
+                ", beside the steps" if beside else "",
             )
-        return need, False
+        return need, beside
+
+    def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
+        """vLLM asks again about a request whose load beside the steps is done only when that load
+        failed from its first block (it freed the blocks and retries). The ranks are asked afresh
+        once (what failed may be gone now); a second failure is recomputed."""
+        if state.loads_beside_steps > 1:
+            if state.logged_need != 0:
+                state.logged_need = 0
+                logger.warning(
+                    "Reqid: %s, its load beside the steps failed %d times: recomputing its %d tokens",
+                    req_id,
+                    state.loads_beside_steps,
+                    state.num_tokens,
+                )
+            return False
+        logger.warning("Reqid: %s, its load beside the steps failed: looking it up again", req_id)
+        state.hit, state.asked, state.logged_need = None, False, None
+        return True
 
     def _request(self, req_id: str, prompt_token_ids: Any) -> _Request:
         """The request's state; made (and its prompt hashed, the one time) when first seen."""
@@ -237,6 +268,11 @@ class SchedulerSide:
         state.load_tokens = num_external_tokens
         if num_external_tokens == 0 and state.hit:
             self._released.append(request.request_id)  # nothing to load: the ranks may unpin
+        elif num_external_tokens and self.loads_beside_steps and state.segments is None:
+            # Granted asynchronously: no step schedules the request until its load is done, so its
+            # load goes into the next metadata with the blocks allocated for it here.
+            state.block_ids = list(blocks.get_block_ids()[0])
+            self._beside_steps.append(request.request_id)
 
     # -- per step --------------------------------------------------------------------------------
 
@@ -247,6 +283,12 @@ class SchedulerSide:
         self._engine_busy = meta.step_tokens > 0
         self._idle_wait_taken = False  # build_connector_meta ends a scheduling round
         self._round_grace_until = None
+        for req_id in self._beside_steps:
+            state = self._requests.get(req_id)
+            if state is not None and state.load_tokens:
+                self._add_load(meta, req_id, state, state.local_tokens + state.load_tokens, beside_steps=True)
+                state.loading_beside_steps = True
+        self._beside_steps = []
         for new in scheduler_output.scheduled_new_reqs:
             new_state = self._request(new.req_id, new.prompt_token_ids)
             new_state.block_ids = list(new.block_ids[0]) if new.block_ids else []
@@ -276,6 +318,7 @@ class SchedulerSide:
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.hit, state.logged_need, state.load_tokens = None, None, 0
                 state.asked = False  # the ranks dropped its lookup when they loaded or released it
+                state.loads_beside_steps = 0
         # A preempted request's blocks are freed at once, so copies of them still in flight must
         # finish before this step writes anything. A vLLM that does not say which requests were
         # preempted gets the fence on every step with stores in flight.
@@ -292,7 +335,9 @@ class SchedulerSide:
         # Without the flags (a vLLM that has neither), no request counts as resumed.
         return {req_id for req_id, flag in zip(cached.req_ids, flags, strict=False) if flag}
 
-    def _add_load(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int) -> None:
+    def _add_load(
+        self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int, beside_steps: bool = False
+    ) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.
         if state.load_tokens:
             blend = None
@@ -307,15 +352,16 @@ class SchedulerSide:
                     start=computed - state.load_tokens,
                     end=computed,
                     blend=blend,
+                    beside_steps=beside_steps,
                 )
             )
             # Where a hit's time to first token goes: seen -> hit known (the lookup line) -> its
             # load scheduled in a step (this line) -> the step's forward pass.
             logger.info(
-                "Reqid: %s, loading %d tokens in this step, %.1f ms after the request was first seen"
-                " (hit known at %.1f ms)",
+                "Reqid: %s, loading %d tokens %s, %.1f ms after the request was first seen (hit known at %.1f ms)",
                 req_id,
                 state.load_tokens,
+                "beside the steps" if beside_steps else "in this step",
                 (time.monotonic() - state.seen_at) * 1e3,
                 state.lookup_ms,
             )
@@ -350,11 +396,18 @@ class SchedulerSide:
         if state is None:
             return False, None
         self._released.append(request.request_id)
-        return state.stored, None
+        # A load beside the steps still copying into its blocks (an abort): they are freed once
+        # the ranks report it done (get_finished's receiving side).
+        return state.stored or state.loading_beside_steps, None
 
     # -- KV events -------------------------------------------------------------------------------
 
     def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            state = self._requests.get(req_id)
+            if state is not None and state.loading_beside_steps:
+                state.loading_beside_steps = False
+                state.loads_beside_steps += 1
         carrier = getattr(connector_output, "kv_cache_events", None)
         if self.kv_events is not None and isinstance(carrier, ChunkStorageEvents):
             self.kv_events.take_rank_events(carrier)

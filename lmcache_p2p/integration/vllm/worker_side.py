@@ -15,6 +15,11 @@ With ``use_layerwise`` a step's loads go layer by layer instead (lmcache_p2p.lay
 and pinned in ``start_load_kv``, each layer's copy waited for in ``wait_for_layer_load``, and the
 pins released once the copies are done (on a GPU, after the forward pass that overlapped them).
 
+With ``async_kv_loads`` a granted hit is loaded beside the steps instead: vLLM holds the request
+out of its steps (WAITING_FOR_REMOTE_KVS) while every layer's copy runs on the load stream, and
+``get_finished`` reports it once the copy is done (on CPU the copy runs in ``start_load_kv`` and is
+reported at that step's end); the request then computes in the next step.
+
 It also times the forward passes that prefill (:class:`_StepClock`): the engine's prefill rate,
 which the rank's pull policy weighs a peer pull against.
 """
@@ -70,6 +75,22 @@ class _StepLoad:
     specs: list[LoadSpec]
     prefixes: list[PinnedPrefix]
     failed: bool = False
+
+
+@dataclass
+class _LoadBesideSteps:
+    """A request's load beside the steps (async_kv_loads): its pins, and on a GPU its copy
+    queued on the load stream (None: it ran in start_load_kv)."""
+
+    spec: LoadSpec
+    prefix: PinnedPrefix
+    plan: LoadPlan
+    copy: LayerwiseLoad | None
+
+
+# A load beside the steps copies every plane in one launch: the layer-wise machinery with one
+# "layer" spanning them all.
+_ALL_PLANES = "all planes"
 
 
 @dataclass
@@ -144,6 +165,9 @@ class WorkerSide:
         # Requests whose load this step fell short or failed: vLLM recomputes from there, so their
         # blocks past it hold no KV worth storing this step.
         self._failed_loads: set[str] = set()
+        # async_kv_loads: loads beside the steps still copying, and requests to report as received.
+        self._beside_steps: dict[str, _LoadBesideSteps] = {}
+        self._received: set[str] = set()
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
@@ -344,6 +368,11 @@ class WorkerSide:
                 logger.exception("request %s: planning the load of [%d, %d) failed", spec.req_id, spec.start, spec.end)
                 prefix.release()
                 self._report_short_load(spec, spec.start)
+                if spec.beside_steps:
+                    self._received.add(spec.req_id)
+                continue
+            if spec.beside_steps:  # its request waits outside the steps until get_finished reports it
+                self._start_beside_steps(spec, prefix, plan)
                 continue
             if self.layerwise:  # copied during the forward pass; pins released after it
                 layerwise.append((spec, prefix, plan))
@@ -364,6 +393,64 @@ class WorkerSide:
             self._start_layerwise(layerwise)
         if self._clock is not None:
             self._clock.start(meta)  # the forward pass starts now
+
+    # -- loads beside the steps (async_kv_loads) --------------------------------------------------
+
+    def _start_beside_steps(self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan) -> None:
+        """Queue a request's whole load on the load stream (GPU), or run it now (CPU, or pages the
+        kernels cannot reach); either way it is reported received by :meth:`finished_loads`."""
+        cuda = bool(self.planes) and self.planes[0].is_cuda
+        copy: LayerwiseLoad | None = None
+        try:
+            if cuda:
+                copy = LayerwiseLoad(
+                    [plan], self.planes, {_ALL_PLANES: range(len(self.planes))}, fence=self._engine.order_stores_before
+                )
+                if not copy.on_device:
+                    copy = None
+            if copy is None:
+                self._engine.run_load(plan, self.planes)
+        except Exception:
+            logger.exception(
+                "request %s: loading tokens [%d, %d) beside the steps failed", spec.req_id, spec.start, spec.end
+            )
+            if cuda:  # copies queued before it failed read the pins
+                layerwise.drain(self.planes[0].device)
+            prefix.release()
+            self._report_short_load(spec, spec.start)
+            self._received.add(spec.req_id)
+            return
+        self._beside_steps[spec.req_id] = _LoadBesideSteps(spec, prefix, plan, copy)
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose load beside the steps is done (or failed: its blocks were reported for
+        recomputing): vLLM may schedule them now, or free the blocks of one it aborted."""
+        done, self._received = self._received, set()
+        for req_id, load in list(self._beside_steps.items()):
+            if load.copy is not None and not load.copy.done():
+                continue
+            del self._beside_steps[req_id]
+            spec, plan = load.spec, load.plan
+            if load.copy is not None:
+                self._engine.loaded(plan, load.copy.seconds, "beside the steps")
+            load.prefix.release()
+            loaded_to = plan.loaded_to
+            if plan.unchecked:  # chunks a peer wrote into the GPU tier, checked by their write-back
+                bad_at = self._engine.first_bad_chunk(plan, time.monotonic() + LANDED_CHECK_TIMEOUT_S)
+                if bad_at is not None:
+                    logger.error(
+                        "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed"
+                        " its checksum check (or was not checked within %.0f s); it is recomputed",
+                        req_id,
+                        bad_at,
+                        LANDED_CHECK_TIMEOUT_S,
+                    )
+                    self._engine.counters.retrieved_tokens -= max(0, loaded_to - max(bad_at, spec.start))
+                    loaded_to = min(loaded_to, max(bad_at, spec.start))
+            if loaded_to < spec.end:
+                self._report_short_load(spec, loaded_to)
+            done.add(req_id)
+        return done
 
     # -- layer-wise loads ------------------------------------------------------------------------
 
@@ -571,6 +658,11 @@ class WorkerSide:
         if self.engine is not None:
             self._end_layerwise()
             self._poll_step_loads(wait=True)
+            for load in self._beside_steps.values():  # their pins go once their copies are done
+                if load.copy is not None:
+                    load.copy.synchronize()
+                load.prefix.release()
+            self._beside_steps.clear()
         self._clock = None
         if self.engine is not None:
             with _live_lock:
