@@ -291,17 +291,21 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
         assert load.block_ids == list(range(100, 132))
         assert scheduler.build_connector_meta(_empty_step()).loads == []  # sent once
 
-        # vLLM's re-ask after the load failed from its first block: a fresh lookup, once.
+        # vLLM's re-ask after the load failed from its first block: a fresh lookup, once; asked
+        # again before it is granted (no blocks free that step), it is the same retry.
         scheduler.update_connector_output(SimpleNamespace(finished_recving={"a"}))
         with caplog.at_level(logging.WARNING):
             assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
             assert asks == [True, True]
+            assert caplog.text.count("looking it up again") == 1
             scheduler.update_state_after_alloc(request, blocks, 512)
             scheduler.build_connector_meta(_empty_step())
             scheduler.update_connector_output(SimpleNamespace(finished_recving={"a"}))
             assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # and stays so
         assert "its load beside the steps failed: looking it up again" in caplog.text
-        assert "its load beside the steps failed 2 times: recomputing" in caplog.text
+        assert caplog.text.count("its load beside the steps failed 2 times: recomputing") == 1
 
         # An abort while a load copies into its blocks: vLLM keeps them until it is reported done.
         b = SimpleNamespace(request_id="b", prompt_token_ids=list(range(600)))
@@ -309,6 +313,30 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
         scheduler.update_state_after_alloc(b, blocks, 512)
         scheduler.build_connector_meta(_empty_step())
         assert scheduler.request_finished(b, []) == (True, None)
+        # A request that stored, was preempted and is reloaded beside the steps: its earlier
+        # stores read the blocks freed at the preemption, so they are forgotten (the ranks forget
+        # them too) and its blocks wait for nothing once the reload is done: one report each.
+        d = SimpleNamespace(request_id="d", prompt_token_ids=list(range(800)))
+        assert scheduler.get_num_new_matched_tokens(d, 0) == (512, True)
+        scheduler.update_state_after_alloc(d, blocks, 512)
+        scheduler.build_connector_meta(_empty_step())
+        scheduler.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        scheduler.update_state_after_alloc(d, blocks, 0)
+        computed = SimpleNamespace(
+            req_id="d", prompt_token_ids=d.prompt_token_ids, block_ids=(list(range(100, 150)),), num_computed_tokens=512
+        )
+        (store,) = scheduler.build_connector_meta(_step([computed], {"d": 288})).stores  # the third chunk
+        assert len(store.chunk_hashes) == 3
+        preempted = _empty_step()
+        preempted.preempted_req_ids = {"d"}
+        scheduler.build_connector_meta(preempted)
+        assert scheduler.get_num_new_matched_tokens(d, 0) == (512, True)
+        scheduler.update_state_after_alloc(d, blocks, 512)
+        (reload,) = scheduler.build_connector_meta(_empty_step()).loads
+        assert reload.beside_steps and reload.block_ids == list(range(100, 132))
+        scheduler.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        assert scheduler.request_finished(d, []) == (False, None)
+
         # Reported done before the abort: nothing to wait for.
         c = SimpleNamespace(request_id="c", prompt_token_ids=list(range(600)))
         assert scheduler.get_num_new_matched_tokens(c, 0) == (512, True)

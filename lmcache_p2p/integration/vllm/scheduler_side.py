@@ -73,8 +73,11 @@ class _Request:
     # async_kv_loads: vLLM's own prefix-cache tokens when the hit was granted (the load starts
     # there), and whether a load beside the steps is in flight (its blocks must outlive it).
     local_tokens: int = 0
+    granted_beside_steps: bool = False  # the last grant was asynchronous (load_kv_async)
     loading_beside_steps: bool = False
     loads_beside_steps: int = 0  # of those, reported done (vLLM asks again only after a failed one)
+    retried_after: int = 0  # loads_beside_steps when the last failed one was looked up again
+    recompute: bool = False  # its loads beside the steps failed twice: no more grants
 
 
 class SchedulerSide:
@@ -144,7 +147,9 @@ class SchedulerSide:
             state.remembered = True
         if not self.loads:
             return 0, False
-        if state.loads_beside_steps and state.hit is not None and not self._retry_beside_steps(req_id, state):
+        if state.recompute:
+            return 0, False
+        if state.loads_beside_steps > state.retried_after and not self._retry_beside_steps(req_id, state):
             return 0, False
         hit: int | None
         if state.segments is not None:
@@ -160,7 +165,7 @@ class SchedulerSide:
         need = max(0, usable - num_computed_tokens)
         # Blended loads stay in the step: they compute as they load.
         beside = self.loads_beside_steps and need > 0 and state.segments is None
-        state.local_tokens = num_computed_tokens
+        state.local_tokens, state.granted_beside_steps = num_computed_tokens, beside
         if need != state.logged_need:
             state.logged_need = need
             logger.info(
@@ -177,16 +182,16 @@ class SchedulerSide:
     def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
         """vLLM asks again about a request whose load beside the steps is done only when that load
         failed from its first block (it freed the blocks and retries). The ranks are asked afresh
-        once (what failed may be gone now); a second failure is recomputed."""
+        once (what failed may be gone now); after a second failure it is recomputed."""
+        state.retried_after = state.loads_beside_steps
         if state.loads_beside_steps > 1:
-            if state.logged_need != 0:
-                state.logged_need = 0
-                logger.warning(
-                    "Reqid: %s, its load beside the steps failed %d times: recomputing its %d tokens",
-                    req_id,
-                    state.loads_beside_steps,
-                    state.num_tokens,
-                )
+            state.recompute = True
+            logger.warning(
+                "Reqid: %s, its load beside the steps failed %d times: recomputing its %d tokens",
+                req_id,
+                state.loads_beside_steps,
+                state.num_tokens,
+            )
             return False
         logger.warning("Reqid: %s, its load beside the steps failed: looking it up again", req_id)
         state.hit, state.asked, state.logged_need = None, False, None
@@ -268,7 +273,7 @@ class SchedulerSide:
         state.load_tokens = num_external_tokens
         if num_external_tokens == 0 and state.hit:
             self._released.append(request.request_id)  # nothing to load: the ranks may unpin
-        elif num_external_tokens and self.loads_beside_steps and state.segments is None:
+        elif num_external_tokens and state.granted_beside_steps:
             # Granted asynchronously: no step schedules the request until its load is done, so its
             # load goes into the next metadata with the blocks allocated for it here.
             state.block_ids = list(blocks.get_block_ids()[0])
@@ -288,6 +293,9 @@ class SchedulerSide:
             if state is not None and state.load_tokens:
                 self._add_load(meta, req_id, state, state.local_tokens + state.load_tokens, beside_steps=True)
                 state.loading_beside_steps = True
+                # Stores handed out before a preemption read blocks freed then; the ranks forget
+                # them too, so that an abort during this load is reported (and freed) once.
+                state.stored = False
         self._beside_steps = []
         for new in scheduler_output.scheduled_new_reqs:
             new_state = self._request(new.req_id, new.prompt_token_ids)
@@ -318,7 +326,7 @@ class SchedulerSide:
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.hit, state.logged_need, state.load_tokens = None, None, 0
                 state.asked = False  # the ranks dropped its lookup when they loaded or released it
-                state.loads_beside_steps = 0
+                state.loads_beside_steps, state.retried_after, state.recompute = 0, 0, False
         # A preempted request's blocks are freed at once, so copies of them still in flight must
         # finish before this step writes anything. A vLLM that does not say which requests were
         # preempted gets the fence on every step with stores in flight.

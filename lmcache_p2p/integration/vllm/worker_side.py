@@ -358,6 +358,11 @@ class WorkerSide:
             if spec.blend is not None:
                 self._load_blended(spec)
                 continue
+            if spec.beside_steps:
+                # Stores from before a preemption read blocks freed then, and the scheduler side
+                # forgot them: only this load's end is reported for the request's blocks.
+                self._saving.discard(spec.req_id)
+                self._finishing.discard(spec.req_id)
             state = self._take_lookup(spec.req_id)
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
