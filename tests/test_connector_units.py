@@ -349,6 +349,43 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
         server.close()
 
 
+def test_chunks_recomputed_after_a_failed_load_are_stored_again(engine_id, caplog):
+    """A load that failed from block 16 (token 256): vLLM recomputes from there, and the ranks
+    stored none of the failing step's chunks for the request, so the step after the recompute
+    hands out the store again (not cut off as held by the old hit)."""
+    from types import SimpleNamespace
+
+    def handle(request):
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512, pending=False)
+
+    server = LookupServer(socket_path(engine_id, 0, 0), handle)
+    scheduler = _scheduler(engine_id)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(800)))
+    blocks = list(range(200, 250))
+    try:
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (512, False)
+        scheduler.update_state_after_alloc(request, None, 512)
+        new = SimpleNamespace(
+            req_id="r", prompt_token_ids=request.prompt_token_ids, block_ids=(blocks,), num_computed_tokens=512
+        )
+        meta = scheduler.build_connector_meta(_step([new], {"r": 288}))
+        assert len(meta.loads) == 1 and len(meta.stores[0].chunk_hashes) == 3
+        with caplog.at_level(logging.INFO, logger="lmcache_p2p"):
+            scheduler.update_connector_output(SimpleNamespace(invalid_block_ids={blocks[16], blocks[20]}))
+        assert (
+            "Reqid: r, its load failed from token 256: the chunks from there are stored once recomputed" in caplog.text
+        )
+        recompute = _step(num_scheduled={"r": 544})
+        recompute.scheduled_cached_reqs = SimpleNamespace(
+            req_ids=["r"], new_block_ids=[None], num_computed_tokens=[256], resumed_req_ids=set()
+        )
+        (store,) = scheduler.build_connector_meta(recompute).stores
+        assert len(store.chunk_hashes) == 3 and store.block_ids == blocks[:48]
+    finally:
+        scheduler.close()
+        server.close()
+
+
 def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_gets_them_again(
     engine_id, monkeypatch, caplog
 ):

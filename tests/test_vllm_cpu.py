@@ -59,6 +59,8 @@ def test_a_hit_that_fails_to_load_is_recomputed_not_an_error(engine, prompt):
     assert eng.generate(prompt) == cold
     log = eng.log()
     assert "injected load failure" in log and "will be recomputed" in log
+    # The recomputed chunks are stored again (not taken for held by the failed hit).
+    assert "its load failed from token 0: the chunks from there are stored once recomputed" in log
     assert "kv_load_failure_policy is 'recompute'" in log
     assert eng.generate(prompt) == cold  # and the next hit loads as before
     assert counters(eng)["retrieved_tokens"] == 2 * CHUNK

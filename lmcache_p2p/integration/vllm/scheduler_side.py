@@ -411,6 +411,9 @@ class SchedulerSide:
     # -- KV events -------------------------------------------------------------------------------
 
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._forget_failed_loads(set(invalid))
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             state = self._requests.get(req_id)
             if state is not None and state.loading_beside_steps:
@@ -419,6 +422,27 @@ class SchedulerSide:
         carrier = getattr(connector_output, "kv_cache_events", None)
         if self.kv_events is not None and isinstance(carrier, ChunkStorageEvents):
             self.kv_events.take_rank_events(carrier)
+
+    def _forget_failed_loads(self, invalid: set[int]) -> None:
+        """Blocks a rank could not load: vLLM recomputes the request from the first of them, and
+        the ranks stored none of that step's chunks for it (wait_for_save skips a request whose
+        load failed). Its hit and stored marks go back to that chunk, so that what is recomputed
+        is stored, and not taken for held by the next store's cut."""
+        for req_id, state in self._requests.items():
+            first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
+            if first is None:
+                continue
+            token = first * self.block_size // self.chunk_size * self.chunk_size
+            if (state.hit or 0) <= token and state.saved_upto <= token:
+                continue
+            logger.info(
+                "Reqid: %s, its load failed from token %d: the chunks from there are stored once recomputed",
+                req_id,
+                token,
+            )
+            if state.hit is not None:
+                state.hit = min(state.hit, token)
+            state.saved_upto = min(state.saved_upto, token)
 
     def take_events(self) -> Iterable[Any]:
         return self.kv_events.take_events() if self.kv_events is not None else ()
