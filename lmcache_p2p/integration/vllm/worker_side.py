@@ -439,21 +439,13 @@ class WorkerSide:
             if load.copy is not None:
                 self._engine.loaded(plan, load.copy.seconds, "beside the steps")
             load.prefix.release()
-            loaded_to = plan.loaded_to
+            bad_at = None
             if plan.unchecked:  # chunks a peer wrote into the GPU tier, checked by their write-back
                 bad_at = self._engine.first_bad_chunk(plan, time.monotonic() + LANDED_CHECK_TIMEOUT_S)
-                if bad_at is not None:
-                    logger.error(
-                        "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed"
-                        " its checksum check (or was not checked within %.0f s); it is recomputed",
-                        req_id,
-                        bad_at,
-                        LANDED_CHECK_TIMEOUT_S,
-                    )
-                    self._engine.counters.retrieved_tokens -= max(0, loaded_to - max(bad_at, spec.start))
-                    loaded_to = min(loaded_to, max(bad_at, spec.start))
-            if loaded_to < spec.end:
-                self._report_short_load(spec, loaded_to)
+            if bad_at is not None:
+                self._landed_chunk_failed(spec, plan, bad_at)
+            elif plan.loaded_to < spec.end:
+                self._report_short_load(spec, plan.loaded_to)
             done.add(req_id)
         return done
 
@@ -550,15 +542,21 @@ class WorkerSide:
         )
         for spec, plan, bad_at in bad:
             if bad_at is not None:
-                logger.error(
-                    "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed its "
-                    "checksum check (or was not checked within %.0f s); it is recomputed",
-                    spec.req_id,
-                    bad_at,
-                    LANDED_CHECK_TIMEOUT_S,
-                )
-                self._report_short_load(spec, max(bad_at, spec.start))
-                self._engine.counters.retrieved_tokens -= max(0, plan.loaded_to - max(bad_at, spec.start))
+                self._landed_chunk_failed(spec, plan, bad_at)
+
+    def _landed_chunk_failed(self, spec: LoadSpec, plan: LoadPlan, bad_at: int) -> None:
+        """A load used a chunk a peer wrote into the GPU tier whose check failed (or did not end in
+        time) at token ``bad_at``: the load counts up to there, and vLLM recomputes the rest."""
+        logger.error(
+            "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed its "
+            "checksum check (or was not checked within %.0f s); it is recomputed",
+            spec.req_id,
+            bad_at,
+            LANDED_CHECK_TIMEOUT_S,
+        )
+        good_to = max(bad_at, spec.start)
+        self._report_short_load(spec, min(good_to, plan.loaded_to))
+        self._engine.counters.retrieved_tokens -= max(0, plan.loaded_to - good_to)
 
     def _load_blended(self, spec) -> None:
         with self._lock:
