@@ -140,17 +140,7 @@ def _scheduler(engine_id: str, **extra):
 
 
 def _empty_step():
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        num_scheduled_tokens={},
-        total_num_scheduled_tokens=0,
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()
-        ),
-        preempted_req_ids=set(),
-    )
+    return _step()  # a round that scheduled nothing
 
 
 def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every_pull(engine_id):
@@ -283,10 +273,15 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
     scheduler = _scheduler(engine_id, async_kv_loads=True)
     request = SimpleNamespace(request_id="a", prompt_token_ids=list(range(600)))
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 132)),))
+
+    def granted(req) -> list:
+        """Asked, granted asynchronously and allocated: the next metadata's loads."""
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (512, True)
+        scheduler.update_state_after_alloc(req, blocks, 512)
+        return scheduler.build_connector_meta(_empty_step()).loads
+
     try:
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
-        scheduler.update_state_after_alloc(request, blocks, 512)
-        (load,) = scheduler.build_connector_meta(_empty_step()).loads
+        (load,) = granted(request)
         assert (load.beside_steps, load.start, load.end) == (True, 0, 512)
         assert load.block_ids == list(range(100, 132))
         assert scheduler.build_connector_meta(_empty_step()).loads == []  # sent once
@@ -309,17 +304,13 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
 
         # An abort while a load copies into its blocks: vLLM keeps them until it is reported done.
         b = SimpleNamespace(request_id="b", prompt_token_ids=list(range(600)))
-        assert scheduler.get_num_new_matched_tokens(b, 0) == (512, True)
-        scheduler.update_state_after_alloc(b, blocks, 512)
-        scheduler.build_connector_meta(_empty_step())
+        granted(b)
         assert scheduler.request_finished(b, []) == (True, None)
         # A request that stored, was preempted and is reloaded beside the steps: its earlier
         # stores read the blocks freed at the preemption, so they are forgotten (the ranks forget
         # them too) and its blocks wait for nothing once the reload is done: one report each.
         d = SimpleNamespace(request_id="d", prompt_token_ids=list(range(800)))
-        assert scheduler.get_num_new_matched_tokens(d, 0) == (512, True)
-        scheduler.update_state_after_alloc(d, blocks, 512)
-        scheduler.build_connector_meta(_empty_step())
+        granted(d)
         scheduler.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         scheduler.update_state_after_alloc(d, blocks, 0)
         computed = SimpleNamespace(
@@ -330,18 +321,14 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
         preempted = _empty_step()
         preempted.preempted_req_ids = {"d"}
         scheduler.build_connector_meta(preempted)
-        assert scheduler.get_num_new_matched_tokens(d, 0) == (512, True)
-        scheduler.update_state_after_alloc(d, blocks, 512)
-        (reload,) = scheduler.build_connector_meta(_empty_step()).loads
+        (reload,) = granted(d)
         assert reload.beside_steps and reload.block_ids == list(range(100, 132))
         scheduler.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         assert scheduler.request_finished(d, []) == (False, None)
 
         # Reported done before the abort: nothing to wait for.
         c = SimpleNamespace(request_id="c", prompt_token_ids=list(range(600)))
-        assert scheduler.get_num_new_matched_tokens(c, 0) == (512, True)
-        scheduler.update_state_after_alloc(c, blocks, 512)
-        scheduler.build_connector_meta(_empty_step())
+        granted(c)
         scheduler.update_connector_output(SimpleNamespace(finished_recving={"c"}))
         assert scheduler.request_finished(c, []) == (False, None)
     finally:

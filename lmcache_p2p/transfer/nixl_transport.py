@@ -237,8 +237,8 @@ class NixlTransport(Transport):
             return None
         if into_gpu_tier and self.gpu_tier is not None:
             # Landing in GPU tier pages needs no receive slot: a request may carry up to what
-            # _reserve_tier_pages grants (half the tier), so a document can be one request.
-            return max(self.staging.receiving.capacity, self.gpu_tier.pool.num_pages // 2)
+            # _reserve_tier_pages grants, so a document can be one request.
+            return max(self.staging.receiving.capacity, self._tier_batch_pages())
         return self.staging.receiving.capacity
 
     async def prepare(self, pages: Sequence[int], staged: bool, timeout: float, gpu_tier: bool = False) -> list[int]:
@@ -252,11 +252,15 @@ class NixlTransport(Transport):
             return []  # sized for the GPU tier, which had no room: the holder writes our pages
         return await self.staging.receiving.take(len(pages), timeout, whole=True)
 
+    def _tier_batch_pages(self) -> int:
+        """The most GPU tier pages one batch may land in: half the tier, never all of it."""
+        return self.gpu_tier.pool.num_pages // 2 if self.gpu_tier is not None else 0
+
     def _reserve_tier_pages(self, count: int) -> list[int]:
         """``count`` GPU tier pages for a pull to land in (evicting the tier's least recently
         used chunks), or none at all: a batch lands in one place."""
         tier = self.gpu_tier
-        if tier is None or count > tier.pool.num_pages // 2:  # never let one batch empty the tier
+        if tier is None or count > self._tier_batch_pages():
             return []
         taken: list[int] = []
         for _ in range(count):

@@ -76,8 +76,9 @@ class _Request:
     granted_beside_steps: bool = False  # the last grant was asynchronous (load_kv_async)
     loading_beside_steps: bool = False
     loads_beside_steps: int = 0  # of those, reported done (vLLM asks again only after a failed one)
-    retried_after: int = 0  # loads_beside_steps when the last failed one was looked up again
-    recompute: bool = False  # its loads beside the steps failed twice: no more grants
+    # loads_beside_steps when the last failed one was looked up again; past 1, two failed: no
+    # more grants, it is recomputed.
+    retried_after: int = 0
 
 
 class SchedulerSide:
@@ -147,7 +148,7 @@ class SchedulerSide:
             state.remembered = True
         if not self.loads:
             return 0, False
-        if state.recompute:
+        if state.retried_after > 1:
             return 0, False
         if state.loads_beside_steps > state.retried_after and not self._retry_beside_steps(req_id, state):
             return 0, False
@@ -185,7 +186,6 @@ class SchedulerSide:
         once (what failed may be gone now); after a second failure it is recomputed."""
         state.retried_after = state.loads_beside_steps
         if state.loads_beside_steps > 1:
-            state.recompute = True
             logger.warning(
                 "Reqid: %s, its load beside the steps failed %d times: recomputing its %d tokens",
                 req_id,
@@ -326,7 +326,7 @@ class SchedulerSide:
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.hit, state.logged_need, state.load_tokens = None, None, 0
                 state.asked = False  # the ranks dropped its lookup when they loaded or released it
-                state.loads_beside_steps, state.retried_after, state.recompute = 0, 0, False
+                state.loads_beside_steps, state.retried_after = 0, 0
         # A preempted request's blocks are freed at once, so copies of them still in flight must
         # finish before this step writes anything. A vLLM that does not say which requests were
         # preempted gets the fence on every step with stores in flight.
