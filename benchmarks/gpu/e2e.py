@@ -332,7 +332,8 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     scheduled = [
         (int(m[1]), float(m[2]), float(m[3]))
         for m in re.finditer(
-            r"Reqid: e2warmup-(\d+)(?:-\w+)?, loading \d+ tokens in this step, ([\d.]+) ms after the request was"
+            r"Reqid: e2warmup-(\d+)(?:-\w+)?, loading \d+ tokens (?:in this step|beside the steps), ([\d.]+) ms after"
+            r" the request was"
             r" first seen \(hit known at ([\d.]+) ms\)",
             log2,
         )
