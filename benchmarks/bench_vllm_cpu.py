@@ -1,7 +1,7 @@
 """Real vLLM on CPU with the connector: time to first token of a long prompt, cold vs. CPU-tier hit
 vs. peer hit, and what the connector costs on a miss. Prints one JSON object.
 
-    .venv/bin/python benchmarks/bench_vllm_cpu.py [--prompt-tokens 3000] [--prompts 6]
+    .venv/bin/python benchmarks/bench_vllm_cpu.py [--prompt-tokens 3000] [--prompts 6] [--set KEY=VALUE]...
 
 Engines are the offline driver (``lmcache_p2p.testing.offline_driver``: vLLM's ``LLM``
 in one process, TTFT from vLLM's own request metrics) on the tiny local Llama, one OpenMP thread
@@ -111,7 +111,15 @@ def main() -> None:
     parser.add_argument(
         "--gap-s", type=float, default=2.0, help="first_request: seconds between A's answer and B's request"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key for both connector engines (repeatable), e.g. switch_interval_ms=0.5",
+    )
     args = parser.parse_args()
+    settings = dict(item.split("=", 1) for item in args.set)
 
     from lmcache_p2p.testing.tiny_model import build, sample_prompts
 
@@ -139,6 +147,7 @@ def main() -> None:
             cpu_gb=args.pool_pages * page_mib / 1024,
             enable_async_loading=True,
             extra_config={"lookup_backoff_time": 0.001},
+            **settings,
         )
         first = []
         for run in range(args.first_runs):
@@ -169,6 +178,7 @@ def main() -> None:
                 "chunk_tokens": CHUNK,
                 "tokens_loadable": min(held, args.prompt_tokens - 1),
                 "pool_pages": args.pool_pages,
+                "config_set": settings,
                 "ttft": {
                     "off": summary(off),
                     "cold_fresh_pool": summary(cold_fresh, base),

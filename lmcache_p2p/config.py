@@ -273,6 +273,12 @@ class LMCacheConfig:
         "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the "
         "request waits outside them until its copy is done, then computes in the next step",
     )
+    switch_interval_ms: float | None = _key(
+        _optional(_to_float),
+        None,
+        "Python's thread switch interval in the engine's processes (unset: Python's 5 ms): how long a thread "
+        "of ours (pulls, checks, lookups) may wait for the GIL while vLLM's step runs Python",
+    )
     # Remote tier (issue 20): a store shared by every instance, below CPU and disk
     remote_url: str | None = _key(
         _optional(_to_remote_url),
@@ -455,6 +461,8 @@ class LMCacheConfig:
                 self.remote_serde,
                 self.remote_serde,
             )
+        if self.switch_interval_ms is not None and not 0.01 <= self.switch_interval_ms <= 100:
+            raise self._err("switch_interval_ms", "expected milliseconds from 0.01 to 100 (Python's default is 5)")
         if not 0 < self.remote_timeout_s <= 3600:  # also refuses nan and inf
             raise self._err("remote_timeout_s", "expected seconds, more than 0 and at most 3600")
         if self.remote_write_queue_chunks < 1:

@@ -272,6 +272,8 @@ def test_port_lists_must_cover_every_tp_rank():
         ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size"),
         ({"LMCACHE_STORE_CTAS": "-2"}, "store_ctas"),
         ({"LMCACHE_STORE_CTAS": "many"}, "store_ctas"),
+        ({"LMCACHE_SWITCH_INTERVAL_MS": "0"}, "switch_interval_ms"),
+        ({"LMCACHE_SWITCH_INTERVAL_MS": "nan"}, "switch_interval_ms"),
     ],
 )
 def test_each_bad_value_is_a_config_error_naming_the_key(env, key):

@@ -138,7 +138,8 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
             extra_config={"lookup_backoff_time": 0.001},
         )
         a = engine(instance_config("lmcache_instance_1", controller, **seed_004), name="a")
-        b = engine(instance_config("lmcache_instance_2", controller, **seed_004), name="b")
+        # B's pulls run beside its steps on threads that wait for the GIL at most 0.5 ms each time.
+        b = engine(instance_config("lmcache_instance_2", controller, switch_interval_ms=0.5, **seed_004), name="b")
         cold = a.generate(prompt)
         a.request("flush")
         wait_for(lambda: controller.holders(prompt), timeout=10, what="the controller to index engine A's chunks")
@@ -148,6 +149,7 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         assert b_counts["retrieved_tokens"] == 2 * CHUNK and b_counts["stored_tokens"] == 0
         assert b.status()["p2p_client"]["chunks_pulled"] == 2
         assert f"over {channel}" in b.log()
+        assert "Python's thread switch interval: 5.00 ms -> 0.50 ms (switch_interval_ms)" in b.log()
     finally:
         controller.stop()
 
