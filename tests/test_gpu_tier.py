@@ -242,26 +242,59 @@ def test_a_rank_holds_a_steps_output_for_its_landed_chunks_checks_and_fails_the_
     assert waited >= 40, "the step's output waited for the write-back"
 
 
-def test_a_chunk_checked_on_the_device_as_it_landed_is_not_waited_for_again(tiered):
+def test_a_chunk_landed_with_the_holders_device_checksum_is_checked_on_the_device_not_by_its_write_back(tiered):
+    """The pull commits its landed pages at once; their readers wait for the device check, which
+    runs behind the commit, not for the write-back to the CPU tier (held here throughout)."""
     engine, kv = tiered(gpu_pages=8)
     storage = engine.storage
     prompt = chunk_hash_array(tokens(CHUNK, seed=8), CHUNK).tolist()
     with write_back_held(storage):
         hashes, gpu_pages, cpu_pages, checksums = zip(land(storage, kv, prompt[0]), strict=True)
-        on_device = device_checksums([storage.gpu.pool.page(gpu_pages[0])])
+        on_device = device_checksums([storage.gpu.pool.page(gpu_pages[0])])  # what the holder sends
         storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=on_device)
         with storage.pin(prompt[0], gpu=True) as chunk:
-            assert chunk.location == GPU and chunk.check is None  # while its write-back waits
+            assert chunk.location == GPU and chunk.check is not None
+            assert chunk.check.result(10) == set()  # answered while the write-back still waits
             assert [chunk.device_checksum] == on_device  # kept: a peer pulling it from here is sent it
         with engine.pin_prefix(prompt) as prefix:
             plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
-            assert plan.from_gpu == 1 and plan.unchecked == []
+            assert plan.from_gpu == 1 and len(plan.unchecked) == 1
+            assert engine.first_bad_chunk(plan, time.monotonic() + 10) is None
     assert storage.flush(10) and storage.location_of(prompt[0]) == CPU  # still written back, host-checked
+    with storage.pin(prompt[0], gpu=True) as chunk:
+        assert chunk.location == GPU and chunk.check is None  # checked: nothing pending
+    assert storage.stats()["gpu"]["device_check_mismatches"] == 0
+
+
+def test_a_landed_chunk_whose_device_checksum_differs_fails_its_loads_and_is_dropped(tiered, caplog):
+    """Right bytes, wrong number from the holder (its host checksum holds): the device check
+    decides, so the load that used it is recomputed and neither tier keeps it."""
+    engine, kv = tiered(gpu_pages=8)
+    storage = engine.storage
+    prompt = chunk_hash_array(tokens(2 * CHUNK, seed=9), CHUNK).tolist()
+    with write_back_held(storage):
+        landed = [land(storage, kv, prompt[0]), land(storage, kv, prompt[1])]
+        hashes, gpu_pages, cpu_pages, checksums = (list(x) for x in zip(*landed, strict=True))
+        good_sum = device_checksums([storage.gpu.pool.page(gpu_pages[0])])[0]
+        with caplog.at_level("INFO"):
+            storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=[good_sum, 99])
+            with engine.pin_prefix(prompt) as prefix:
+                plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
+                assert engine.first_bad_chunk(plan, time.monotonic() + 10) == CHUNK  # the second: recomputed
+    assert storage.flush(10)
+    assert storage.location_of(prompt[0]) == CPU and storage.location_of(prompt[1]) is None
+    stats = storage.stats()
+    assert stats["gpu"]["device_check_mismatches"] == 1 and stats["gpu"]["write_back_mismatches"] == 0
+    assert stats["cpu"]["free_pages"] == stats["cpu"]["capacity_chunks"] - 1
+    assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"] - 1 and stats["gpu"]["pins_held"] == 0
+    assert f"chunk {prompt[1]:016x} landed in VRAM with device checksum" in caplog.text
+    assert "checked 2 landed chunk(s) on the device in" in caplog.text and "1 differ" in caplog.text
 
 
 def test_a_chunk_landed_twice_is_waited_for_when_the_checked_page_is_not_the_one_kept(tiered):
     """A prefix pulled twice at once: the first landing (not checked on the device) is kept, the
-    second's page, checked on the device, is freed; readers must still wait for a check."""
+    second's page, which the device check would have read, is freed; readers wait for the first's
+    write-back."""
     engine, kv = tiered(gpu_pages=8)
     storage = engine.storage
     chunk_hash = 4242
@@ -274,7 +307,9 @@ def test_a_chunk_landed_twice_is_waited_for_when_the_checked_page_is_not_the_one
             assert chunk.check is not None  # the held copy is the first landing's: not checked yet
             assert chunk.device_checksum is None  # nor is the second page's number the held copy's
     assert storage.flush(10) and storage.location_of(chunk_hash) == CPU
-    assert storage.stats()["gpu"]["free_pages"] == storage.stats()["gpu"]["capacity_chunks"] - 1
+    stats = storage.stats()["gpu"]
+    assert stats["free_pages"] == stats["capacity_chunks"] - 1
+    assert stats["device_check_mismatches"] == 0  # the freed page and its wrong number: never compared
 
 
 def test_a_chunk_cleared_while_landing_stays_cleared(tiered):
@@ -411,12 +446,14 @@ def test_a_pull_from_gpu_tier_to_gpu_tier_is_bit_exact_and_written_back(controll
     assert a.status()["p2p_server"]["chunks_served_from_gpu_tier"] == 16
     # Taken behind A's stores, not at pull time (all 16 unless a store's job was still queued).
     assert a.status()["p2p_server"]["device_checksums_kept"] > 0
-    # Checked on B's GPU against A's device checksums as they landed: no step waits for the host.
+    # Checked on B's GPU against A's device checksums behind the pull: no step waits for the host.
     assert b.status()["p2p_client"]["gpu_landed_checked_on_device"] == 16
+    assert "checked 16 landed chunk(s) on the device in" in b.log() and "): 0 differ" in b.log()
     # Written back behind the pull: B's CPU tier has them, checked, and the controller knows.
     holders_ready(controller, b, prompt, 16 * CHUNK)
     storage = b.status()["storage"]
     assert storage["gpu"]["write_back_mismatches"] == 0 and storage["gpu"]["pins_held"] == 0
+    assert storage["gpu"]["device_check_mismatches"] == 0
     assert storage["cpu"]["chunks"] == 16
 
 

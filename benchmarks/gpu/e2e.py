@@ -53,8 +53,14 @@ LOAD_LINE = re.compile(
 PULL_PHASES = re.compile(
     r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+) "
     r"\(its write (?P<holder_write>[\d.]+)\), queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), "
-    r"verify (?P<verify>[\d.]+) \(on the GPU (?P<verify_on_gpu>[\d.]+)"
-    r"(?:, waiting (?P<verify_wait>[\d.]+), thread hops (?P<verify_hops>[\d.]+))?\)\]"
+    r"verify (?P<verify>[\d.]+)(?: \(on the GPU (?P<verify_on_gpu>[\d.]+)"
+    r"(?:, waiting (?P<verify_wait>[\d.]+), thread hops (?P<verify_hops>[\d.]+))?\))?\]"
+)
+# (lines of versions that checked landed pages on the device inside the pull carry its parts;
+# later versions check them behind the pull, on a line of their own:)
+DEVICE_CHECK = re.compile(
+    r"checked (\d+) landed chunk\(s\) on the device in ([\d.]+) ms "
+    r"\(on the GPU ([\d.]+), waiting ([\d.]+)\): (\d+) differ"
 )
 
 
@@ -356,6 +362,15 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
             ("first_of_group", [r for r in scheduled if r[0] % args.inflight == 0]),
             ("others", [r for r in scheduled if r[0] % args.inflight]),
         )
+    }
+    checks = [(int(m[1]), float(m[2]), float(m[3]), float(m[4]), int(m[5])) for m in DEVICE_CHECK.finditer(log2)]
+    out["engine2_device_checks"] = {
+        "count": len(checks),
+        "chunks": sum(c[0] for c in checks),
+        "differ": sum(c[4] for c in checks),
+        "median_ms": statistics.median(c[1] for c in checks) if checks else None,
+        "median_gpu_ms": statistics.median(c[2] for c in checks) if checks else None,
+        "median_wait_ms": statistics.median(c[3] for c in checks) if checks else None,
     }
     out["engine2_gpu_tier"] = {
         "chunks_landed": sum(int(m[1]) for m in landed_lines),

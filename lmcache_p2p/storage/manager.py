@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lmcache_p2p import gpu_ops
+from lmcache_p2p import device_checksum, gpu_ops
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey, LayoutFingerprint, in_parallel, payload_checksum
 from lmcache_p2p.remote.store import open_store
@@ -99,10 +99,14 @@ class StorageManager:
         self.gpu: GpuTier | None = None
         self._write_backs: list[concurrent.futures.Future] = []  # pulls landed in VRAM, on their way to the CPU tier
         self._write_back_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        # Landed pages checked on the device against the holder's device checksums, one launch a
+        # pull, behind the pull (so its requester learns of the hit without waiting for it).
+        self._device_check_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.write_back_mismatches = 0
-        # Landed chunks whose write-back (and checksum check) has not finished: key -> (its job's
-        # token, the job's future, which answers the hashes that failed, or None when they were
-        # checked on the device on landing: readers need not wait); and those removed
+        self.device_check_mismatches = 0
+        # Landed chunks whose write-back has not finished: key -> (its job's token, the future
+        # readers wait for, which answers the hashes that failed: the device check's when the
+        # chunk's page is checked on the device, else the write-back's own); and those removed
         # meanwhile, which the write-back must not bring back into the CPU tier.
         self._landing: dict[ChunkKey, tuple[object, concurrent.futures.Future | None]] = {}
         self._dropped_while_landing: dict[ChunkKey, object] = {}  # key -> the landing job's token
@@ -169,6 +173,7 @@ class StorageManager:
             return
         self.gpu = GpuTier(pool, checksum_of=self._cpu_checksum)
         self._write_back_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-gpu-writeback")
+        self._device_check_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-device-check")
 
     def _cpu_checksum(self, key: ChunkKey) -> int | None:
         chunk = self.cpu.pin(key) if self.cpu is not None else None
@@ -372,33 +377,77 @@ class StorageManager:
         GPU tier now, and written back behind the caller into the reserved ``cpu_pages``, where
         their checksums are checked before the CPU tier indexes them. A chunk whose checksum
         differs is dropped from both and logged. Readers of a chunk pinned before its write-back
-        ends get that check to wait for (``PinnedChunk.check``), unless the pages were checked
-        on the device against the holder's ``device_checksums`` already (one per chunk), which
-        the tier then keeps for peers that pull them from here."""
+        ends get a check to wait for (``PinnedChunk.check``): with the holder's
+        ``device_checksums`` (one per chunk) the pages are checked on the device behind the
+        caller, in one launch that ends long before the write-back, and readers wait for that
+        (the tier keeps those numbers for peers that pull the chunks from here once checked);
+        else for the write-back's host check."""
         gpu = self._gpu_tier()
-        assert self._write_back_thread is not None  # made with the GPU tier
+        assert self._write_back_thread is not None and self._device_check_thread is not None  # made with the tier
         # Under the landing lock from admit to registration: a pin taken meanwhile waits, and so
         # gets the check with the chunk (lock order: landing, then the GPU tier's).
         with self._landing_lock:
             # Pinned until written back: the tier may not evict them meanwhile.
             on_device: Sequence[int | None] = [None] * len(gpu_pages) if device_checksums is None else device_checksums
             admits = [
-                gpu.admit_pinned(self.key(chunk_hash), page, checksum, device_checksum)
-                for chunk_hash, page, checksum, device_checksum in zip(
+                gpu.admit_pinned(self.key(chunk_hash), page, checksum, holders_device_checksum)
+                for chunk_hash, page, checksum, holders_device_checksum in zip(
                     chunk_hashes, gpu_pages, checksums, on_device, strict=True
                 )
             ]
             pins = [pin for pin, _ in admits]
+            # Only pages the tier took are checked on the device: a copy held already (its page
+            # was freed) is what the write-back reads and checks, so its readers wait for that.
+            on_device_at = [i for i, (_, admitted) in enumerate(admits) if admitted] if device_checksums else []
+            device_check = None
+            if on_device_at:
+                device_check = self._device_check_thread.submit(
+                    self._check_on_device,
+                    [chunk_hashes[i] for i in on_device_at],
+                    [pins[i].data for i in on_device_at],
+                    [on_device[i] for i in on_device_at],
+                )
             token = object()
-            job = (list(chunk_hashes), list(cpu_pages), list(checksums), pins, token)
+            job = (list(chunk_hashes), list(cpu_pages), list(checksums), pins, token, device_check)
             future = self._write_back_thread.submit(self._write_back, *job)
             self._write_backs = [f for f in self._write_backs if not f.done()]
             self._write_backs.append(future)
-            for chunk_hash, (_, admitted) in zip(chunk_hashes, admits, strict=True):
-                # A page checked on the device needs no wait; a copy held already (its page was
-                # freed) is what this write-back reads and checks, so its readers wait for that.
-                checked = device_checksums is not None and admitted
-                self._landing[self.key(chunk_hash)] = (token, None if checked else future)
+            checked = {chunk_hashes[i] for i in on_device_at}
+            for chunk_hash in chunk_hashes:
+                self._landing[self.key(chunk_hash)] = (token, device_check if chunk_hash in checked else future)
+
+    def _check_on_device(
+        self, chunk_hashes: list[int], pages: list[torch.Tensor], expected: list[int | None]
+    ) -> set[int]:
+        """The hashes of landed pages whose device checksum differs from the holder's (their loads
+        are recomputed; the write-back drops them). Raises if the check could not run: its
+        readers then recompute, and the write-back's host check alone decides what is kept."""
+        t0 = time.perf_counter()
+        timing: dict[str, float] = {}
+        try:
+            got = device_checksum.device_checksums(pages, timing)
+        except Exception:
+            logger.exception("device check of %d landed chunk(s) failed; their loads are recomputed", len(pages))
+            raise
+        bad = {h for h, actual, wanted in zip(chunk_hashes, got, expected, strict=True) if actual != wanted}
+        for chunk_hash, actual, wanted in zip(chunk_hashes, got, expected, strict=True):
+            if actual != wanted:
+                logger.error(
+                    "chunk %016x landed in VRAM with device checksum %016x, the holder's is %016x: dropped",
+                    chunk_hash,
+                    actual,
+                    wanted,
+                )
+        self.device_check_mismatches += len(bad)
+        logger.info(
+            "checked %d landed chunk(s) on the device in %.1f ms (on the GPU %.1f, waiting %.1f): %d differ",
+            len(pages),
+            (time.perf_counter() - t0) * 1e3,
+            timing.get("gpu_ms", 0.0),
+            timing.get("wait_ms", 0.0),
+            len(bad),
+        )
+        return bad
 
     def _write_back(
         self,
@@ -407,12 +456,19 @@ class StorageManager:
         checksums: list[int],
         pins: list[PinnedChunk],
         token: object,
+        device_check: concurrent.futures.Future | None = None,
     ) -> set[int]:
-        """Returns the hashes that are not good: checksum mismatches (dropped from both tiers),
-        and every chunk not handled when something failed (dropped from the GPU tier too)."""
+        """Returns the hashes that are not good: checksum mismatches, on the device or here
+        (dropped from both tiers), and every chunk not handled when something failed (dropped
+        from the GPU tier too). Ends after the device check, if one runs: until then its readers
+        wait for that check, and after it none does."""
         gpu, cpu = self._gpu_tier(), self._page_owner()
         t0 = time.perf_counter()
         bad: set[int] = set()
+        failed_on_device: set[int] = set()
+        if device_check is not None:
+            with contextlib.suppress(Exception):  # could not run (logged): the host check decides
+                failed_on_device = device_check.result()
         handled = 0  # chunks whose CPU page the tier took or that was freed: never freed again
         try:
             targets = [cpu.pool.page(page) for page in cpu_pages]
@@ -424,17 +480,18 @@ class StorageManager:
             ):
                 handled = i + 1  # from here the page is the tier's or freed, whatever follows raises
                 key = self.key(chunk_hash)
-                if actual != expected:  # checked first: a load may have used it, removed or not
+                if actual != expected or chunk_hash in failed_on_device:  # checked first: a load may have used it
                     bad.add(chunk_hash)
-                    self.write_back_mismatches += 1
                     self.abandon_page(page)
                     gpu.remove(key)
-                    logger.error(
-                        "chunk %016x landed in VRAM with checksum %016x, the holder's is %016x: dropped",
-                        chunk_hash,
-                        actual,
-                        expected,
-                    )
+                    if actual != expected:
+                        self.write_back_mismatches += 1
+                        logger.error(
+                            "chunk %016x landed in VRAM with checksum %016x, the holder's is %016x: dropped",
+                            chunk_hash,
+                            actual,
+                            expected,
+                        )
                 elif self._dropped_by(key, token):  # removed (clear, move) while on its way: stays so
                     self.abandon_page(page)
                 else:
@@ -630,8 +687,11 @@ class StorageManager:
             self._hasher.shutdown(wait=True, cancel_futures=True)
             self._hasher = None
         if self._write_back_thread is not None:
-            self._write_back_thread.shutdown(wait=True)
+            self._write_back_thread.shutdown(wait=True)  # its jobs wait for their device checks
             self._write_back_thread = None
+        if self._device_check_thread is not None:
+            self._device_check_thread.shutdown(wait=True)
+            self._device_check_thread = None
         if self._writer is not None:
             self._writer.queue.close(timeout=60.0)
             self._writer = None
@@ -644,7 +704,11 @@ class StorageManager:
         if self.cpu is not None:
             out["cpu"] = {**self.cpu.stats(), "rejected_puts": self.cpu.rejected_puts}
         if self.gpu is not None:
-            out["gpu"] = {**self.gpu.stats(), "write_back_mismatches": self.write_back_mismatches}
+            out["gpu"] = {
+                **self.gpu.stats(),
+                "write_back_mismatches": self.write_back_mismatches,
+                "device_check_mismatches": self.device_check_mismatches,
+            }
         if self.disk is not None:
             out["disk"] = {
                 "chunks": len(self.disk),

@@ -86,24 +86,22 @@ class PullResult:
 
 
 # Where a pull's batches spend their time (see _Batch.phases_ms): each phase with the parts of
-# it measured apart, and how the log line names them. The holder's send of the bytes; in a device
-# check, the checksum stream's time on the GPU, the host's time blocked on that stream (the GPU's
-# part and any wait to get onto it), and the hops to the thread that runs it and back (the rest
-# is the launch and the comparison).
+# it measured apart, and how the log line names them (the holder's send of the bytes). Pages
+# landed in the GPU tier are checked on the device behind the pull (StorageManager.commit_landed,
+# its own log line): their verify is only the reading of the holder's numbers.
 PHASE_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "slots": (),
     "holder": (("holder write", "its write"),),
     "queue+wire": (),
     "land": (),
-    "verify": (("verify on the GPU", "on the GPU"), ("verify wait", "waiting"), ("verify hops", "thread hops")),
+    "verify": (),
 }
 PHASES = tuple(name for phase, parts in PHASE_PARTS.items() for name in (phase, *(key for key, _ in parts)))
 
 
 def describe_phases(phases_ms: dict) -> str:
-    """``slots 0.1, holder 15.4 (its write 9.0), queue+wire 18.0, land 0.0, verify 26.4 (on the
-    GPU 2.1, waiting 3.0, thread hops 1.2)``: the summed milliseconds of a pull's batches, as its
-    log line gives them."""
+    """``slots 0.1, holder 15.4 (its write 9.0), queue+wire 18.0, land 0.0, verify 26.4``: the
+    summed milliseconds of a pull's batches, as its log line gives them."""
     out = []
     for phase, parts in PHASE_PARTS.items():
         text = f"{phase} {phases_ms[phase]:.1f}"
@@ -120,9 +118,10 @@ class _Batch:
     # GPU tier pages the holder wrote the served chunks into (local_gpu): ``pages`` then receive
     # them by the write-back (StorageManager.commit_landed), which also checks the checksums.
     gpu_pages: list[int] = field(default_factory=list)
-    good: int = 0  # leading chunks landed with matching checksums
-    # Landed in the GPU tier and checked there: the holder's device checksums of the pages that
-    # matched (None: not checked on the device; the write-back checks them).
+    good: int = 0  # leading chunks landed (with matching checksums, where checked before commit)
+    # Landed in the GPU tier: the holder's device checksums of the served pages, which they are
+    # checked against on the device behind the pull (None: the holder sent none; the
+    # write-back checks them).
     device_checksums: list[int] | None = None
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
@@ -139,13 +138,6 @@ class _Batch:
     # tcp with data streams: the payloads land in ``pages`` from our own reader threads; until it
     # is closed and idle, the pages may still be written.
     landing: Landing | None = None
-
-
-def _timed(fn, *args):
-    """``fn(*args)`` and the milliseconds it ran (on the thread that called it)."""
-    t0 = time.perf_counter()
-    result = fn(*args)
-    return result, (time.perf_counter() - t0) * 1e3
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:
@@ -260,7 +252,7 @@ class P2PClient:
             "checksum_mismatches": 0,
             "pages_quarantined": 0,
             "gpu_landed_chunks": 0,
-            "gpu_landed_checked_on_device": 0,  # of those, checked on landing (the rest by their write-back)
+            "gpu_landed_checked_on_device": 0,  # of those, checked on the device (the rest by their write-back)
             "transfer_ms": 0.0,
             "verify_ms": 0.0,
             # The pull policy's skips: prefix pulls not made (slower than recomputing), the chunks
@@ -659,14 +651,15 @@ class P2PClient:
             batch.phases_ms["land"] = (time.perf_counter() - t1) * 1e3
             batch.checksums = unpack_hashes(reply.checksums)
             if in_gpu_tier:
-                # Checked where the bytes are, against the holder's device checksums (0.73 ms a
-                # document on an idle H200); a holder that sent none leaves the check to the
-                # write-back, behind the request, which the step that loads them then waits for.
+                # Checked where the bytes are, against the holder's device checksums, behind the
+                # pull (StorageManager.commit_landed: one launch, 0.6 ms a document on the H200,
+                # plus its host calls): the hit is known without it, and the step that loads them
+                # waits for it at its end, failing the loads of any that differ (vLLM recomputes
+                # them). A holder that sent none leaves the check to the write-back.
                 batch.good = min(served, len(batch.checksums))
-                checked = await self._check_on_device(reply, in_gpu_tier[: batch.good], batch.phases_ms)
-                if checked is not None:
-                    batch.good = checked
-                    batch.device_checksums = unpack_hashes(reply.device_checksums)[:checked].tolist()
+                expected = unpack_hashes(reply.device_checksums)
+                if batch.good and len(expected) >= batch.good:
+                    batch.device_checksums = expected[: batch.good].tolist()
             else:
                 batch.good = await asyncio.to_thread(self._verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
@@ -686,27 +679,6 @@ class P2PClient:
             batch.skippable = False
             batch.error = f"{batch.error}; {batch.pool_full}" if batch.error else batch.pool_full
         return batch
-
-    async def _check_on_device(self, reply: ChunkPullReply, tier_pages: list[int], phases_ms: dict) -> int | None:
-        """How many leading landed GPU tier pages match the holder's device checksums; None when
-        the holder sent none for them (or the check could not run: the write-back checks them).
-        The GPU's own time on it goes into ``phases_ms``."""
-        expected = unpack_hashes(reply.device_checksums)
-        gpu = self.storage.gpu
-        if not tier_pages or len(expected) < len(tier_pages) or gpu is None:
-            return None
-        try:
-            pages = [gpu.pool.page(p) for p in tier_pages]
-            timing: dict[str, float] = {}
-            t0 = time.perf_counter()
-            got, ran_ms = await asyncio.to_thread(_timed, device_checksum.device_checksums, pages, timing)
-            phases_ms["verify hops"] = (time.perf_counter() - t0) * 1e3 - ran_ms
-            phases_ms["verify on the GPU"] = timing.get("gpu_ms", 0.0)
-            phases_ms["verify wait"] = timing.get("wait_ms", 0.0)
-        except Exception:  # e.g. a CUDA error: the host check behind the request still decides
-            logger.exception("device checksums of %d landed page(s) failed; checking them on the host", len(tier_pages))
-            return None
-        return next((i for i, (a, b) in enumerate(zip(got, expected.tolist(), strict=False)) if a != b), len(got))
 
     def _commit(self, batch: _Batch, location: str) -> list[int]:
         """Index the verified leading pages of a batch; the rest go back to the pool. (Batches

@@ -279,8 +279,8 @@ class PeerServer:
         """Device checksums of the chunks about to be written, for a requester that checks its
         landed GPU tier pages with them instead of holding its step for a host copy and a hash.
         Only over GPU tier copies whose own bytes are checked: stored here, or landed here and
-        checked on the device as they landed (their write-back may still run); one still
-        waiting for its write-back's check is not vouched for. Else none."""
+        written back, checked; one whose check still runs (on the device or in its write-back)
+        is not vouched for. Else none."""
         if request.device_check != device_checksum.VERSION:
             return []
         if not all(c.location == GPU and c.check is None for c in pins):

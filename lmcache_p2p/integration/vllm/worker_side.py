@@ -522,11 +522,11 @@ class WorkerSide:
                 prefix.release()
 
     def _check_landed(self) -> None:
-        """At the end of a step: chunks it loaded that a peer wrote into the GPU tier, unless they
-        were checked on the device as they landed, are checked by their write-back (behind the
-        forward pass). One whose checksum failed, or whose check
-        did not finish in time, fails its request's load from there: vLLM drops the step's
-        output for it and recomputes."""
+        """At the end of a step: chunks it loaded that a peer wrote into the GPU tier and whose
+        check was still running when they were pinned (on the device behind the pull, ~1 ms, or
+        by their write-back to the CPU tier when the holder sent no device checksums) are waited
+        for. One whose checksum failed, or whose check did not finish in time, fails its
+        request's load from there: vLLM drops the step's output for it and recomputes."""
         checks, self._unchecked = self._unchecked, []
         if not checks:
             return
