@@ -325,9 +325,10 @@ class CacheEngine:
         self.loaded(plan, time.perf_counter() - t0)
 
     def first_bad_chunk(self, plan: LoadPlan, deadline: float) -> int | None:
-        """Where the first chunk of a load that landed in VRAM unchecked starts, if its
-        write-back found its checksum wrong or did not finish by ``deadline`` (time.monotonic);
-        None when every such chunk is good (or there were none)."""
+        """Where the first chunk of a load that landed in VRAM unchecked starts, if its check (on
+        the device, or its write-back's) found its checksum wrong, could not run, or did not
+        finish by ``deadline`` (time.monotonic); None when every such chunk is good (or there
+        were none)."""
         for start, chunk_hash, check in plan.unchecked:
             try:
                 bad = check.result(max(0.0, deadline - time.monotonic()))
@@ -424,8 +425,8 @@ class LoadPlan:
     skips: list[int] = field(default_factory=list)
     nbytes: int = 0
     from_gpu: int = 0  # chunks whose page is the GPU tier's (copied device to device)
-    # Of those, chunks a peer wrote there whose write-back is still checking them: (first token,
-    # hash, the write-back's future). The engine's output from them stands only once it says good.
+    # Of those, chunks a peer wrote there whose check still ran when pinned: (first token, hash,
+    # the check's future). The engine's output from them stands only once it says good.
     unchecked: list[tuple[int, int, concurrent.futures.Future]] = field(default_factory=list)
 
 

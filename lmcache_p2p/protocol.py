@@ -396,7 +396,7 @@ class ChunkPull(_Msg, tag="chunk_pull"):
     slots: bytes = b""
     timeout_s: float = 10.0  # how long the requester waits; the holder gives up sooner
     transfer: int = 0  # tcp: tag the payloads with this and write them to the data connections
-    # Non-zero: the slots are GPU tier pages, checked on the device on landing; send device
+    # Non-zero: the slots are GPU tier pages, checked on the device after landing; send device
     # checksums of this version (lmcache_p2p.device_checksum.VERSION) of the chunks you write.
     device_check: int = 0
 

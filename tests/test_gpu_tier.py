@@ -8,6 +8,7 @@ logic everywhere, with its pages in host memory (StorageManager's ``device`` set
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import threading
 import time
@@ -253,9 +254,10 @@ def test_a_chunk_landed_with_the_holders_device_checksum_is_checked_on_the_devic
         on_device = device_checksums([storage.gpu.pool.page(gpu_pages[0])])  # what the holder sends
         storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=on_device)
         with storage.pin(prompt[0], gpu=True) as chunk:
-            assert chunk.location == GPU and chunk.check is not None
+            assert chunk.location == GPU and chunk.check is not None and chunk.device_checksum is None
             assert chunk.check.result(10) == set()  # answered while the write-back still waits
-            assert [chunk.device_checksum] == on_device  # kept: a peer pulling it from here is sent it
+        with storage.pin(prompt[0], gpu=True) as chunk:
+            assert [chunk.device_checksum] == on_device  # matched, so kept: a peer pulling it is sent it
         with engine.pin_prefix(prompt) as prefix:
             plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
             assert plan.from_gpu == 1 and len(plan.unchecked) == 1
@@ -289,6 +291,31 @@ def test_a_landed_chunk_whose_device_checksum_differs_fails_its_loads_and_is_dro
     assert stats["gpu"]["free_pages"] == stats["gpu"]["capacity_chunks"] - 1 and stats["gpu"]["pins_held"] == 0
     assert f"chunk {prompt[1]:016x} landed in VRAM with device checksum" in caplog.text
     assert "checked 2 landed chunk(s) on the device in" in caplog.text and "1 differ" in caplog.text
+
+
+def test_a_device_check_that_cannot_run_fails_the_loads_and_leaves_the_host_check_to_decide(tiered, monkeypatch):
+    """A CUDA error, say: the step that loaded the chunk recomputes it, the write-back's host
+    check keeps it (its bytes are right), and no unchecked number is kept for a peer."""
+    from lmcache_p2p import device_checksum
+
+    engine, kv = tiered(gpu_pages=8)
+    storage = engine.storage
+    prompt = chunk_hash_array(tokens(CHUNK, seed=10), CHUNK).tolist()
+    hashes, gpu_pages, cpu_pages, checksums = zip(land(storage, kv, prompt[0]), strict=True)
+    holders = device_checksums([storage.gpu.pool.page(gpu_pages[0])])
+
+    def broken(pages, timing=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(device_checksum, "device_checksums", broken)
+    with write_back_held(storage):
+        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=holders)
+        with engine.pin_prefix(prompt) as prefix:
+            plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
+            assert engine.first_bad_chunk(plan, time.monotonic() + 10) == 0  # recomputed
+    assert storage.flush(10) and storage.location_of(prompt[0]) == CPU  # host-checked, kept
+    with storage.pin(prompt[0], gpu=True) as chunk:
+        assert chunk.location == GPU and chunk.check is None and chunk.device_checksum is None
 
 
 def test_a_chunk_landed_twice_is_waited_for_when_the_checked_page_is_not_the_one_kept(tiered):
@@ -448,7 +475,9 @@ def test_a_pull_from_gpu_tier_to_gpu_tier_is_bit_exact_and_written_back(controll
     assert a.status()["p2p_server"]["device_checksums_kept"] > 0
     # Checked on B's GPU against A's device checksums behind the pull: no step waits for the host.
     assert b.status()["p2p_client"]["gpu_landed_checked_on_device"] == 16
-    assert "checked 16 landed chunk(s) on the device in" in b.log() and "): 0 differ" in b.log()
+    # (one check a batch of the pull, p2p_batch_chunks 8 here)
+    checks = re.findall(r"checked (\d+) landed chunk\(s\) on the device in [\d.]+ ms .*: (\d+) differ", b.log())
+    assert sum(int(n) for n, _ in checks) == 16 and all(d == "0" for _, d in checks), checks
     # Written back behind the pull: B's CPU tier has them, checked, and the controller knows.
     holders_ready(controller, b, prompt, 16 * CHUNK)
     storage = b.status()["storage"]

@@ -35,20 +35,24 @@ class GpuTier(CpuTier):
         super().__init__(pool)
         self._checksum_source = checksum_of
 
-    def admit_pinned(
-        self, key: ChunkKey, page: int, checksum: int | None, device_checksum: int | None = None
-    ) -> tuple[PinnedChunk, bool]:
+    def admit_pinned(self, key: ChunkKey, page: int, checksum: int | None) -> tuple[PinnedChunk, bool]:
         """Index ``page`` under ``key`` (if the key is held already, free it and use the held
         copy) and pin the entry, in one step: nothing can evict it in between. Also whether
-        ``page`` is the one indexed (False: the held copy was pinned). ``device_checksum``: the
-        page's, known already (checked on landing), kept when ``page`` is the one indexed."""
+        ``page`` is the one indexed (False: the held copy was pinned)."""
         with self._lock:
             admitted = self.admit(key, page, checksum)
-            if admitted and device_checksum is not None:
-                self._entries[key].device_checksum = device_checksum
             chunk = self.pin(key)
         assert chunk is not None  # admitted or held, under the lock
         return chunk, admitted
+
+    def keep_checked_device_checksum(self, key: ChunkKey, page: int, device_checksum: int) -> None:
+        """Keep ``page``'s device checksum, computed here and equal to the holder's, on ``key``'s
+        entry if that is still ``page`` (a chunk that landed from a peer: a peer pulling it from
+        here is then sent it). Only a checked number is kept: a holder vouches for nothing else."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.page == page:
+                entry.device_checksum = device_checksum
 
     def _checksum_of(self, key: ChunkKey, entry: _Entry, data: torch.Tensor) -> int:
         if entry.checksum is None:

@@ -100,7 +100,7 @@ class StorageManager:
         self._write_backs: list[concurrent.futures.Future] = []  # pulls landed in VRAM, on their way to the CPU tier
         self._write_back_thread: concurrent.futures.ThreadPoolExecutor | None = None
         # Landed pages checked on the device against the holder's device checksums, one launch a
-        # pull, behind the pull (so its requester learns of the hit without waiting for it).
+        # committed batch, behind the pull (so its requester learns of the hit without waiting).
         self._device_check_thread: concurrent.futures.ThreadPoolExecutor | None = None
         self.write_back_mismatches = 0
         self.device_check_mismatches = 0
@@ -380,32 +380,30 @@ class StorageManager:
         ends get a check to wait for (``PinnedChunk.check``): with the holder's
         ``device_checksums`` (one per chunk) the pages are checked on the device behind the
         caller, in one launch that ends long before the write-back, and readers wait for that
-        (the tier keeps those numbers for peers that pull the chunks from here once checked);
-        else for the write-back's host check."""
+        (the tier keeps each number that matched, for peers that pull the chunk from here); else
+        for the write-back's host check."""
         gpu = self._gpu_tier()
         assert self._write_back_thread is not None and self._device_check_thread is not None  # made with the tier
         # Under the landing lock from admit to registration: a pin taken meanwhile waits, and so
         # gets the check with the chunk (lock order: landing, then the GPU tier's).
         with self._landing_lock:
             # Pinned until written back: the tier may not evict them meanwhile.
-            on_device: Sequence[int | None] = [None] * len(gpu_pages) if device_checksums is None else device_checksums
             admits = [
-                gpu.admit_pinned(self.key(chunk_hash), page, checksum, holders_device_checksum)
-                for chunk_hash, page, checksum, holders_device_checksum in zip(
-                    chunk_hashes, gpu_pages, checksums, on_device, strict=True
-                )
+                gpu.admit_pinned(self.key(chunk_hash), page, checksum)
+                for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
             ]
             pins = [pin for pin, _ in admits]
             # Only pages the tier took are checked on the device: a copy held already (its page
             # was freed) is what the write-back reads and checks, so its readers wait for that.
             on_device_at = [i for i, (_, admitted) in enumerate(admits) if admitted] if device_checksums else []
             device_check = None
-            if on_device_at:
+            if device_checksums and on_device_at:
                 device_check = self._device_check_thread.submit(
                     self._check_on_device,
                     [chunk_hashes[i] for i in on_device_at],
+                    [gpu_pages[i] for i in on_device_at],
                     [pins[i].data for i in on_device_at],
-                    [on_device[i] for i in on_device_at],
+                    [device_checksums[i] for i in on_device_at],
                 )
             token = object()
             job = (list(chunk_hashes), list(cpu_pages), list(checksums), pins, token, device_check)
@@ -417,31 +415,36 @@ class StorageManager:
                 self._landing[self.key(chunk_hash)] = (token, device_check if chunk_hash in checked else future)
 
     def _check_on_device(
-        self, chunk_hashes: list[int], pages: list[torch.Tensor], expected: list[int | None]
+        self, chunk_hashes: list[int], pages: list[int], data: list[torch.Tensor], expected: list[int]
     ) -> set[int]:
-        """The hashes of landed pages whose device checksum differs from the holder's (their loads
-        are recomputed; the write-back drops them). Raises if the check could not run: its
-        readers then recompute, and the write-back's host check alone decides what is kept."""
+        """The hashes of landed GPU tier ``pages`` whose device checksum differs from the holder's
+        (their loads are recomputed; the write-back drops them); the tier keeps the others'.
+        Raises if the check could not run: its readers then recompute, the write-back's host
+        check alone decides what is kept, and no number is kept for a peer."""
+        gpu = self._gpu_tier()
         t0 = time.perf_counter()
         timing: dict[str, float] = {}
         try:
-            got = device_checksum.device_checksums(pages, timing)
+            got = device_checksum.device_checksums(data, timing)
         except Exception:
-            logger.exception("device check of %d landed chunk(s) failed; their loads are recomputed", len(pages))
+            logger.exception("device check of %d landed chunk(s) failed; their loads are recomputed", len(data))
             raise
-        bad = {h for h, actual, wanted in zip(chunk_hashes, got, expected, strict=True) if actual != wanted}
-        for chunk_hash, actual, wanted in zip(chunk_hashes, got, expected, strict=True):
-            if actual != wanted:
-                logger.error(
-                    "chunk %016x landed in VRAM with device checksum %016x, the holder's is %016x: dropped",
-                    chunk_hash,
-                    actual,
-                    wanted,
-                )
+        bad: set[int] = set()
+        for chunk_hash, page, actual, wanted in zip(chunk_hashes, pages, got, expected, strict=True):
+            if actual == wanted:
+                gpu.keep_checked_device_checksum(self.key(chunk_hash), page, actual)
+                continue
+            bad.add(chunk_hash)
+            logger.error(
+                "chunk %016x landed in VRAM with device checksum %016x, the holder's is %016x: dropped",
+                chunk_hash,
+                actual,
+                wanted,
+            )
         self.device_check_mismatches += len(bad)
         logger.info(
             "checked %d landed chunk(s) on the device in %.1f ms (on the GPU %.1f, waiting %.1f): %d differ",
-            len(pages),
+            len(data),
             (time.perf_counter() - t0) * 1e3,
             timing.get("gpu_ms", 0.0),
             timing.get("wait_ms", 0.0),

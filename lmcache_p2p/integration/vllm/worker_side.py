@@ -440,7 +440,7 @@ class WorkerSide:
                 self._engine.loaded(plan, load.copy.seconds, "beside the steps")
             load.prefix.release()
             bad_at = None
-            if plan.unchecked:  # chunks a peer wrote into the GPU tier, checked by their write-back
+            if plan.unchecked:  # chunks a peer wrote into the GPU tier, their check running when pinned
                 bad_at = self._engine.first_bad_chunk(plan, time.monotonic() + LANDED_CHECK_TIMEOUT_S)
             if bad_at is not None:
                 self._landed_chunk_failed(spec, plan, bad_at)
