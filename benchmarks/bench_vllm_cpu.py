@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from instances import InstanceProcess, instance_config  # noqa: E402
+from instances import InstanceProcess, config_override, instance_config  # noqa: E402
 from protocol_client import ControllerProcess  # noqa: E402
 
 from lmcache_p2p.demo import CPU_ENGINE_ENV  # noqa: E402
@@ -115,11 +115,12 @@ def main() -> None:
         "--set",
         action="append",
         default=[],
+        type=config_override,
         metavar="KEY=VALUE",
-        help="a config key for both connector engines (repeatable), e.g. switch_interval_ms=0.5",
+        help="a config key for both connector engines, VALUE read as YAML (repeatable), e.g. switch_interval_ms=0.5",
     )
     args = parser.parse_args()
-    settings = dict(item.split("=", 1) for item in args.set)
+    settings = dict(args.set)
 
     from lmcache_p2p.testing.tiny_model import build, sample_prompts
 
@@ -147,8 +148,8 @@ def main() -> None:
             cpu_gb=args.pool_pages * page_mib / 1024,
             enable_async_loading=True,
             extra_config={"lookup_backoff_time": 0.001},
-            **settings,
         )
+        seed_004.update(settings)  # (a key set here wins over the seed's)
         first = []
         for run in range(args.first_runs):
             first.append(first_request(model, controller, seed_004, tmp, run, demo_prompt, args.gap_s))

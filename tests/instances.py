@@ -17,6 +17,17 @@ import yaml
 from lmcache_p2p.testing.ports import free_ports
 
 
+def config_override(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` from a benchmark's ``--set`` (argparse ``type=``): the key and its value read
+    as YAML, as a config file would give it."""
+    import argparse
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, yaml.safe_load(value)
+
+
 def instance_config(
     instance_id: str, controller, channel: str = "tcp", tp: int = 1, chunk_size: int = 32, cpu_gb: float = 0.25, **extra
 ) -> dict:

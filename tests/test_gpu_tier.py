@@ -77,14 +77,18 @@ def commit(storage, landed) -> None:
 
 
 @contextlib.contextmanager
-def write_back_held(storage):
-    """The write-back runs behind the caller; this holds it until the block's ``release()``."""
+def held(executor):
+    """``executor``'s one thread (a job behind the caller) held until the block's ``release()``."""
     gate = threading.Event()
-    storage._write_back_thread.submit(gate.wait, 10)
+    executor.submit(gate.wait, 10)
     try:
         yield gate.set
     finally:
         gate.set()
+
+
+def write_back_held(storage):
+    return held(storage._write_back_thread)
 
 
 def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(tiered, caplog):
@@ -245,23 +249,26 @@ def test_a_rank_holds_a_steps_output_for_its_landed_chunks_checks_and_fails_the_
 
 def test_a_chunk_landed_with_the_holders_device_checksum_is_checked_on_the_device_not_by_its_write_back(tiered):
     """The pull commits its landed pages at once; their readers wait for the device check, which
-    runs behind the commit, not for the write-back to the CPU tier (held here throughout)."""
+    runs behind the commit, not for the write-back to the CPU tier (held here throughout); once
+    it matched, readers have nothing to wait for and a peer is sent the number."""
     engine, kv = tiered(gpu_pages=8)
     storage = engine.storage
     prompt = chunk_hash_array(tokens(CHUNK, seed=8), CHUNK).tolist()
     with write_back_held(storage):
         hashes, gpu_pages, cpu_pages, checksums = zip(land(storage, kv, prompt[0]), strict=True)
         on_device = device_checksums([storage.gpu.pool.page(gpu_pages[0])])  # what the holder sends
-        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=on_device)
+        with held(storage._device_check_thread) as release_check:
+            storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=on_device)
+            with engine.pin_prefix(prompt) as prefix:
+                plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
+                assert plan.from_gpu == 1 and len(plan.unchecked) == 1
+                (_, _, check) = plan.unchecked[0]
+                assert not check.done() and prefix.chunks[0].device_checksum is None  # not vouched for yet
+                release_check()
+                assert engine.first_bad_chunk(plan, time.monotonic() + 10) is None  # while the write-back waits
         with storage.pin(prompt[0], gpu=True) as chunk:
-            assert chunk.location == GPU and chunk.check is not None and chunk.device_checksum is None
-            assert chunk.check.result(10) == set()  # answered while the write-back still waits
-        with storage.pin(prompt[0], gpu=True) as chunk:
-            assert [chunk.device_checksum] == on_device  # matched, so kept: a peer pulling it is sent it
-        with engine.pin_prefix(prompt) as prefix:
-            plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
-            assert plan.from_gpu == 1 and len(plan.unchecked) == 1
-            assert engine.first_bad_chunk(plan, time.monotonic() + 10) is None
+            assert chunk.location == GPU and chunk.check is None  # matched: nothing to wait for
+            assert [chunk.device_checksum] == on_device  # kept: a peer pulling it is sent it
     assert storage.flush(10) and storage.location_of(prompt[0]) == CPU  # still written back, host-checked
     with storage.pin(prompt[0], gpu=True) as chunk:
         assert chunk.location == GPU and chunk.check is None  # checked: nothing pending
@@ -312,6 +319,9 @@ def test_a_device_check_that_cannot_run_fails_the_loads_and_leaves_the_host_chec
         storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=holders)
         with engine.pin_prefix(prompt) as prefix:
             plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
+            (_, _, check) = plan.unchecked[0]
+            with pytest.raises(RuntimeError, match="CUDA error"):  # the device check's, not the write-back's
+                check.result(10)
             assert engine.first_bad_chunk(plan, time.monotonic() + 10) == 0  # recomputed
     assert storage.flush(10) and storage.location_of(prompt[0]) == CPU  # host-checked, kept
     with storage.pin(prompt[0], gpu=True) as chunk:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # InstanceProcess: a JSON-lines child with its log and config file
+from instances import config_override  # noqa: E402
+
 CONNECTOR = {
     "kv_connector": "LMCacheConnectorV1",
     "kv_connector_module_path": "lmcache_p2p.integration.vllm",
@@ -53,11 +55,9 @@ LOAD_LINE = re.compile(
 PULL_PHASES = re.compile(
     r"\[(?P<batches>\d+) batches, ms summed: slots (?P<slots>[\d.]+), holder (?P<holder>[\d.]+) "
     r"\(its write (?P<holder_write>[\d.]+)\), queue\+wire (?P<queue_wire>[\d.]+), land (?P<land>[\d.]+), "
-    r"verify (?P<verify>[\d.]+)(?: \(on the GPU (?P<verify_on_gpu>[\d.]+)"
-    r"(?:, waiting (?P<verify_wait>[\d.]+), thread hops (?P<verify_hops>[\d.]+))?\))?\]"
+    r"verify (?P<verify>[\d.]+)\]"
 )
-# (lines of versions that checked landed pages on the device inside the pull carry its parts;
-# later versions check them behind the pull, on a line of their own:)
+# Landed GPU tier pages checked on the device behind the pull, a line for each of its requests.
 DEVICE_CHECK = re.compile(
     r"checked (\d+) landed chunk\(s\) on the device in ([\d.]+) ms "
     r"\(on the GPU ([\d.]+), waiting ([\d.]+)\): (\d+) differ"
@@ -303,8 +303,7 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
         "median_ms": statistics.median(p["ms"] for p in pulls) if pulls else None,
         "channels": sorted({p["channel"] for p in pulls}),
     }
-    # (lines of versions before the verify's waiting and hops were logged lack those two)
-    phases = [{k: float(v) for k, v in m.groupdict().items() if v is not None} for m in PULL_PHASES.finditer(log2)]
+    phases = [{k: float(v) for k, v in m.groupdict().items()} for m in PULL_PHASES.finditer(log2)]
     out["engine2_pull_phases_median_ms"] = (
         {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else None
     )
@@ -392,15 +391,6 @@ def _held_by_engine1(tokens: list[int]) -> int:
     answer = httpx.post("http://localhost:9000/lookup", json={"tokens": tokens}, timeout=30).json()
     # layout_info: {instance: [location, tokens held]}
     return answer["layout_info"].get("lmcache_instance_1", [None, 0])[1]
-
-
-def _config_override(text: str) -> tuple[str, object]:
-    import yaml
-
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, yaml.safe_load(value)
 
 
 def yaml_config(path: Path, **overrides) -> dict:
@@ -564,7 +554,7 @@ def main() -> None:
         "--set",
         action="append",
         default=[],
-        type=_config_override,
+        type=config_override,
         metavar="KEY=VALUE",
         help="a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable",
     )

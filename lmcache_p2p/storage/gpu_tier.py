@@ -45,14 +45,15 @@ class GpuTier(CpuTier):
         assert chunk is not None  # admitted or held, under the lock
         return chunk, admitted
 
-    def keep_checked_device_checksum(self, key: ChunkKey, page: int, device_checksum: int) -> None:
-        """Keep ``page``'s device checksum, computed here and equal to the holder's, on ``key``'s
-        entry if that is still ``page`` (a chunk that landed from a peer: a peer pulling it from
-        here is then sent it). Only a checked number is kept: a holder vouches for nothing else."""
+    def keep_checked_device_checksums(self, keys: list[ChunkKey], pages: list[int], sums: list[int]) -> None:
+        """Keep each page's device checksum, computed here and equal to the holder's, on its key's
+        entry if that is still the page (chunks that landed from a peer: a peer pulling them from
+        here is then sent them). Only a checked number is kept: a holder vouches for nothing else."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry.page == page:
-                entry.device_checksum = device_checksum
+            for key, page, value in zip(keys, pages, sums, strict=True):
+                entry = self._entries.get(key)
+                if entry is not None and entry.page == page:
+                    entry.device_checksum = value
 
     def _checksum_of(self, key: ChunkKey, entry: _Entry, data: torch.Tensor) -> int:
         if entry.checksum is None:

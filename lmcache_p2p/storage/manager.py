@@ -105,9 +105,10 @@ class StorageManager:
         self.write_back_mismatches = 0
         self.device_check_mismatches = 0
         # Landed chunks whose write-back has not finished: key -> (its job's token, the future
-        # readers wait for, which answers the hashes that failed: the device check's when the
-        # chunk's page is checked on the device, else the write-back's own); and those removed
-        # meanwhile, which the write-back must not bring back into the CPU tier.
+        # readers wait for, which answers the hashes that failed: the device check's while it
+        # runs when the chunk's page is checked on the device, None once it matched, else the
+        # write-back's own); and those removed meanwhile, which the write-back must not bring
+        # back into the CPU tier.
         self._landing: dict[ChunkKey, tuple[object, concurrent.futures.Future | None]] = {}
         self._dropped_while_landing: dict[ChunkKey, object] = {}  # key -> the landing job's token
         self._landing_lock = threading.Lock()
@@ -396,29 +397,32 @@ class StorageManager:
             # Only pages the tier took are checked on the device: a copy held already (its page
             # was freed) is what the write-back reads and checks, so its readers wait for that.
             on_device_at = [i for i, (_, admitted) in enumerate(admits) if admitted] if device_checksums else []
+            token = object()
             device_check = None
-            if device_checksums and on_device_at:
+            if device_checksums and on_device_at:  # (both: the type checker's narrowing)
                 device_check = self._device_check_thread.submit(
                     self._check_on_device,
+                    token,
                     [chunk_hashes[i] for i in on_device_at],
                     [gpu_pages[i] for i in on_device_at],
                     [pins[i].data for i in on_device_at],
                     [device_checksums[i] for i in on_device_at],
                 )
-            token = object()
             job = (list(chunk_hashes), list(cpu_pages), list(checksums), pins, token, device_check)
             future = self._write_back_thread.submit(self._write_back, *job)
             self._write_backs = [f for f in self._write_backs if not f.done()]
             self._write_backs.append(future)
-            checked = {chunk_hashes[i] for i in on_device_at}
-            for chunk_hash in chunk_hashes:
-                self._landing[self.key(chunk_hash)] = (token, device_check if chunk_hash in checked else future)
+            checked = set(on_device_at)
+            for i, chunk_hash in enumerate(chunk_hashes):
+                self._landing[self.key(chunk_hash)] = (token, device_check if i in checked else future)
 
     def _check_on_device(
-        self, chunk_hashes: list[int], pages: list[int], data: list[torch.Tensor], expected: list[int]
+        self, token: object, chunk_hashes: list[int], pages: list[int], data: list[torch.Tensor], expected: list[int]
     ) -> set[int]:
-        """The hashes of landed GPU tier ``pages`` whose device checksum differs from the holder's
-        (their loads are recomputed; the write-back drops them); the tier keeps the others'.
+        """The hashes of landed GPU tier ``pages`` (of the landing job ``token``) whose device
+        checksum differs from the holder's (their loads are recomputed; the write-back drops
+        them). The others are good from here: the tier keeps their numbers, and readers pinning
+        them from now on have no check to wait for (and a peer pulling them is vouched for).
         Raises if the check could not run: its readers then recompute, the write-back's host
         check alone decides what is kept, and no number is kept for a peer."""
         gpu = self._gpu_tier()
@@ -430,9 +434,10 @@ class StorageManager:
             logger.exception("device check of %d landed chunk(s) failed; their loads are recomputed", len(data))
             raise
         bad: set[int] = set()
-        for chunk_hash, page, actual, wanted in zip(chunk_hashes, pages, got, expected, strict=True):
+        good: list[int] = []  # indexes
+        for i, (chunk_hash, actual, wanted) in enumerate(zip(chunk_hashes, got, expected, strict=True)):
             if actual == wanted:
-                gpu.keep_checked_device_checksum(self.key(chunk_hash), page, actual)
+                good.append(i)
                 continue
             bad.add(chunk_hash)
             logger.error(
@@ -441,6 +446,13 @@ class StorageManager:
                 actual,
                 wanted,
             )
+        keys = [self.key(chunk_hashes[i]) for i in good]
+        gpu.keep_checked_device_checksums(keys, [pages[i] for i in good], [got[i] for i in good])
+        with self._landing_lock:  # after the numbers: a pin without a check has its number
+            for key in keys:
+                entry = self._landing.get(key)
+                if entry is not None and entry[0] is token:
+                    self._landing[key] = (token, None)
         self.device_check_mismatches += len(bad)
         logger.info(
             "checked %d landed chunk(s) on the device in %.1f ms (on the GPU %.1f, waiting %.1f): %d differ",
@@ -459,12 +471,12 @@ class StorageManager:
         checksums: list[int],
         pins: list[PinnedChunk],
         token: object,
-        device_check: concurrent.futures.Future | None = None,
+        device_check: concurrent.futures.Future | None,
     ) -> set[int]:
         """Returns the hashes that are not good: checksum mismatches, on the device or here
         (dropped from both tiers), and every chunk not handled when something failed (dropped
-        from the GPU tier too). Ends after the device check, if one runs: until then its readers
-        wait for that check, and after it none does."""
+        from the GPU tier too). Ends after the device check, if one runs: until then a reader may
+        have pinned a chunk of this job with that check to wait for, and its page must stay."""
         gpu, cpu = self._gpu_tier(), self._page_owner()
         t0 = time.perf_counter()
         bad: set[int] = set()

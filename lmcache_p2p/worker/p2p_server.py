@@ -279,14 +279,15 @@ class PeerServer:
         """Device checksums of the chunks about to be written, for a requester that checks its
         landed GPU tier pages with them instead of holding its step for a host copy and a hash.
         Only over GPU tier copies whose own bytes are checked: stored here, or landed here and
-        written back, checked; one whose check still runs (on the device or in its write-back)
-        is not vouched for. Else none."""
+        checked (on the device, or by its write-back); one whose check still runs is not vouched
+        for. Else none."""
         if request.device_check != device_checksum.VERSION:
             return []
         if not all(c.location == GPU and c.check is None for c in pins):
             return []
-        # Stored chunks' were taken behind their stores (StorageManager.keep_device_checksums); the
-        # rest (landed here from a peer, or not done yet) are computed now, in one launch.
+        # Stored chunks' were taken behind their stores (StorageManager.keep_device_checksums) and
+        # landed ones' kept when they matched on the device; the rest (checked on the host, or a
+        # store's job not done yet) are computed now, in one launch.
         missing = [c.data for c in pins if c.device_checksum is None]
         computed: list[int] = []
         if missing:

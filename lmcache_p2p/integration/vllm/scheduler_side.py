@@ -73,7 +73,6 @@ class _Request:
     # async_kv_loads: vLLM's own prefix-cache tokens when the hit was granted (the load starts
     # there), and whether a load beside the steps is in flight (its blocks must outlive it).
     local_tokens: int = 0
-    granted_beside_steps: bool = False  # the last grant was asynchronous (load_kv_async)
     loading_beside_steps: bool = False
     loads_beside_steps: int = 0  # of those, reported done (vLLM asks again only after a failed one)
     # loads_beside_steps when the last failed one was looked up again; past 1, two failed: no
@@ -164,9 +163,8 @@ class SchedulerSide:
         # vLLM must compute at least the prompt's last token to sample from it.
         usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
-        # Blended loads stay in the step: they compute as they load.
-        beside = self.loads_beside_steps and need > 0 and state.segments is None
-        state.local_tokens, state.granted_beside_steps = num_computed_tokens, beside
+        beside = need > 0 and self._loads_beside_steps_for(state)
+        state.local_tokens = num_computed_tokens
         if need != state.logged_need:
             state.logged_need = need
             logger.info(
@@ -179,6 +177,11 @@ class SchedulerSide:
                 ", beside the steps" if beside else "",
             )
         return need, beside
+
+    def _loads_beside_steps_for(self, state: _Request) -> bool:
+        """Whether a load of this request is granted beside the steps (load_kv_async). Blended
+        loads stay in the step: they compute as they load."""
+        return self.loads_beside_steps and state.segments is None
 
     def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
         """vLLM asks again about a request whose load beside the steps is done only when that load
@@ -273,7 +276,7 @@ class SchedulerSide:
         state.load_tokens = num_external_tokens
         if num_external_tokens == 0 and state.hit:
             self._released.append(request.request_id)  # nothing to load: the ranks may unpin
-        elif num_external_tokens and state.granted_beside_steps:
+        elif num_external_tokens and self._loads_beside_steps_for(state):
             # Granted asynchronously: no step schedules the request until its load is done, so its
             # load goes into the next metadata with the blocks allocated for it here.
             state.block_ids = list(blocks.get_block_ids()[0])

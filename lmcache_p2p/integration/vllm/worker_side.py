@@ -79,13 +79,13 @@ class _StepLoad:
 
 @dataclass
 class _LoadBesideSteps:
-    """A request's load beside the steps (async_kv_loads): its pins, and on a GPU its copy
-    queued on the load stream (None: it ran in start_load_kv)."""
+    """A request's load beside the steps (async_kv_loads) queued on the load stream, and its pins.
+    (One copied by the host runs in start_load_kv, as a load in the step does.)"""
 
     spec: LoadSpec
     prefix: PinnedPrefix
     plan: LoadPlan
-    copy: LayerwiseLoad | None
+    copy: LayerwiseLoad
 
 
 # A load beside the steps copies every plane in one launch: the layer-wise machinery with one
@@ -376,10 +376,10 @@ class WorkerSide:
                 if spec.beside_steps:
                     self._received.add(spec.req_id)
                 continue
-            if spec.beside_steps:  # its request waits outside the steps until get_finished reports it
-                self._start_beside_steps(spec, prefix, plan)
+            # Its request waits outside the steps until get_finished reports it.
+            if spec.beside_steps and self._queue_beside_steps(spec, prefix, plan):
                 continue
-            if self.layerwise:  # copied during the forward pass; pins released after it
+            if self.layerwise and not spec.beside_steps:  # copied during the forward pass; pins released after it
                 layerwise.append((spec, prefix, plan))
                 continue
             try:
@@ -388,12 +388,20 @@ class WorkerSide:
                 if plan.unchecked:
                     self._unchecked.append((spec, plan))
             except Exception:
-                logger.exception("request %s: loading tokens [%d, %d) failed", spec.req_id, spec.start, spec.end)
+                logger.exception(
+                    "request %s: loading tokens [%d, %d)%s failed",
+                    spec.req_id,
+                    spec.start,
+                    spec.end,
+                    " beside the steps" if spec.beside_steps else "",
+                )
                 loaded_to = spec.start
             finally:
                 prefix.release()
             if loaded_to < spec.end:
                 self._report_short_load(spec, loaded_to)
+            if spec.beside_steps:  # loaded here, in full or failed: reported with this step
+                self._received.add(spec.req_id)
         if layerwise:
             self._start_layerwise(layerwise)
         if self._clock is not None:
@@ -401,43 +409,40 @@ class WorkerSide:
 
     # -- loads beside the steps (async_kv_loads) --------------------------------------------------
 
-    def _start_beside_steps(self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan) -> None:
-        """Queue a request's whole load on the load stream (GPU), or run it now (CPU, or pages the
-        kernels cannot reach); either way it is reported received by :meth:`finished_loads`."""
-        cuda = bool(self.planes) and self.planes[0].is_cuda
-        copy: LayerwiseLoad | None = None
+    def _queue_beside_steps(self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan) -> bool:
+        """Queue a request's whole load on the load stream, to be reported received by
+        :meth:`finished_loads` once done; False where the copy must run on the host (CPU, or pages
+        the kernels cannot reach), as a load in the step does."""
+        if not (self.planes and self.planes[0].is_cuda):
+            return False
         try:
-            if cuda:
-                copy = LayerwiseLoad(
-                    [plan], self.planes, {_ALL_PLANES: range(len(self.planes))}, fence=self._engine.order_stores_before
-                )
-                if not copy.on_device:
-                    copy = None
-            if copy is None:
-                self._engine.run_load(plan, self.planes)
+            copy = LayerwiseLoad(
+                [plan], self.planes, {_ALL_PLANES: range(len(self.planes))}, fence=self._engine.order_stores_before
+            )
         except Exception:
             logger.exception(
                 "request %s: loading tokens [%d, %d) beside the steps failed", spec.req_id, spec.start, spec.end
             )
-            if cuda:  # copies queued before it failed read the pins
-                layerwise.drain(self.planes[0].device)
+            layerwise.drain(self.planes[0].device)  # copies queued before it failed read the pins
             prefix.release()
             self._report_short_load(spec, spec.start)
             self._received.add(spec.req_id)
-            return
+            return True
+        if not copy.on_device:
+            return False
         self._beside_steps[spec.req_id] = _LoadBesideSteps(spec, prefix, plan, copy)
+        return True
 
     def finished_loads(self) -> set[str]:
         """Requests whose load beside the steps is done (or failed: its blocks were reported for
         recomputing): vLLM may schedule them now, or free the blocks of one it aborted."""
         done, self._received = self._received, set()
         for req_id, load in list(self._beside_steps.items()):
-            if load.copy is not None and not load.copy.done():
+            if not load.copy.done():
                 continue
             del self._beside_steps[req_id]
             spec, plan = load.spec, load.plan
-            if load.copy is not None:
-                self._engine.loaded(plan, load.copy.seconds, "beside the steps")
+            self._engine.loaded(plan, load.copy.seconds, "beside the steps")
             load.prefix.release()
             bad_at = None
             if plan.unchecked:  # chunks a peer wrote into the GPU tier, their check running when pinned
@@ -662,8 +667,7 @@ class WorkerSide:
             self._end_layerwise()
             self._poll_step_loads(wait=True)
             for load in self._beside_steps.values():  # their pins go once their copies are done
-                if load.copy is not None:
-                    load.copy.synchronize()
+                load.copy.synchronize()
                 load.prefix.release()
             self._beside_steps.clear()
         self._clock = None
