@@ -553,3 +553,23 @@ def test_layer_wise_loads_ask_vllm_for_piecewise_graphs_and_step_aside_for_specu
     assert WorkerSide._layerwise_possible(SimpleNamespace(speculative_config=None))
     assert not WorkerSide._layerwise_possible(SimpleNamespace(speculative_config=SimpleNamespace(method="eagle")))
     assert "use_layerwise is ignored with speculative decoding" in caplog.text
+
+
+def test_the_thread_switch_interval_is_shortened_on_a_gpu_engine_unless_set_and_kept_on_cpu(caplog):
+    import sys
+
+    from lmcache_p2p.integration.vllm.connector import set_switch_interval
+
+    python_default = sys.getswitchinterval()
+    try:
+        with caplog.at_level(logging.INFO, logger="lmcache_p2p.integration.vllm.connector"):
+            set_switch_interval(None, "cpu")  # a CPU engine: Python's own interval, nothing logged
+            assert sys.getswitchinterval() == python_default and not caplog.records
+            set_switch_interval(None, "cuda")
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+            assert "5.00 ms -> 0.50 ms (switch_interval_ms unset, a GPU engine)" in caplog.text
+            set_switch_interval(5.0, "cuda")  # the key set: it wins on a GPU too
+            assert sys.getswitchinterval() == pytest.approx(0.005)
+            assert "0.50 ms -> 5.00 ms (switch_interval_ms)" in caplog.text
+    finally:
+        sys.setswitchinterval(python_default)

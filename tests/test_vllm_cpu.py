@@ -150,6 +150,7 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         assert b.status()["p2p_client"]["chunks_pulled"] == 2
         assert f"over {channel}" in b.log()
         assert "Python's thread switch interval: 5.00 ms -> 0.50 ms (switch_interval_ms)" in b.log()
+        assert "thread switch interval" not in a.log()  # unset on a CPU engine: Python's own
     finally:
         controller.stop()
 

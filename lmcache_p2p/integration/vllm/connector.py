@@ -33,15 +33,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def set_switch_interval(ms: float) -> None:
-    """Set this process's Python thread switch interval (``switch_interval_ms``). Our worker's
-    threads share the GIL with vLLM's step loop; each time one of them gives it up (every torch or
-    socket call does) it asks for it back and, while the loop runs Python, gets it only when the
-    interval ends: at Python's 5 ms, a pull's few dozen such calls wait milliseconds each."""
+# switch_interval_ms unset on a GPU engine. On the H200 it took a peer hit from 0.193-0.214x of a
+# cold prefill to 0.165-0.182x (one GPU, medians of two runs, BENCHMARKS.md); in vLLM CPU engines
+# it cost ~1 ms a hit, so there Python's own interval stays.
+GPU_SWITCH_INTERVAL_MS = 0.5
+
+
+def set_switch_interval(ms: float | None, device_type: str) -> None:
+    """Set this process's Python thread switch interval (``switch_interval_ms``; unset, 0.5 ms on
+    a GPU engine). Our worker's threads share the GIL with vLLM's step loop; each time one of them
+    gives it up (every torch or socket call does) it asks for it back and, while the loop runs
+    Python, gets it only when the interval ends: at Python's 5 ms, a pull's few dozen such calls
+    wait milliseconds each. On a CPU engine the loop spends its time in torch's kernels with the
+    GIL free, and a shorter interval only adds switches."""
+    why = "switch_interval_ms"
+    if ms is None:
+        if device_type != "cuda":
+            return
+        ms, why = GPU_SWITCH_INTERVAL_MS, "switch_interval_ms unset, a GPU engine"
     before = sys.getswitchinterval() * 1e3
     sys.setswitchinterval(ms / 1e3)
     if abs(before - ms) > 1e-9:
-        logger.info("Python's thread switch interval: %.2f ms -> %.2f ms (switch_interval_ms)", before, ms)
+        logger.info("Python's thread switch interval: %.2f ms -> %.2f ms (%s)", before, ms, why)
 
 
 class LMCacheConnectorV1(KVConnectorBase_V1):
@@ -55,8 +68,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # vLLM builds a connector only from a kv_transfer_config
         config = config.for_engine(str(transfer.engine_id))
-        if config.switch_interval_ms is not None:
-            set_switch_interval(config.switch_interval_ms)
+        set_switch_interval(config.switch_interval_ms, str(vllm_config.device_config.device_type))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
