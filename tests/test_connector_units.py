@@ -560,11 +560,12 @@ def test_the_thread_switch_interval_is_shortened_on_a_gpu_engine_unless_set_and_
 
     from lmcache_p2p.integration.vllm.connector import set_switch_interval
 
-    python_default = sys.getswitchinterval()
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default, whatever ran before in this process
     try:
         with caplog.at_level(logging.INFO, logger="lmcache_p2p.integration.vllm.connector"):
             set_switch_interval(None, "cpu")  # a CPU engine: Python's own interval, nothing logged
-            assert sys.getswitchinterval() == python_default and not caplog.records
+            assert sys.getswitchinterval() == 0.005 and not caplog.records
             set_switch_interval(None, "cuda")
             assert sys.getswitchinterval() == pytest.approx(0.0005)
             assert "5.00 ms -> 0.50 ms (switch_interval_ms unset, a GPU engine)" in caplog.text
@@ -572,4 +573,4 @@ def test_the_thread_switch_interval_is_shortened_on_a_gpu_engine_unless_set_and_
             assert sys.getswitchinterval() == pytest.approx(0.005)
             assert "0.50 ms -> 5.00 ms (switch_interval_ms)" in caplog.text
     finally:
-        sys.setswitchinterval(python_default)
+        sys.setswitchinterval(before)
