@@ -18,6 +18,8 @@
 #   offload-async    seed 002's offload runs with the connector on, then on with async_kv_loads
 #                (side by side, alternating twice)
 #   offload-profile  run 2 with use_layerwise under torch.profiler, then again under cProfile
+#   offload@A,B  seed 002's offload, connector on, run 2 three times, with e2e.py arguments A B
+#                as they are (offload@--graphs,--async-loads; offload@--connector,off,--graphs)
 #
 # Each step appends "STEP rc=N seconds=S" to WORKDIR/status and writes its JSON and log into
 # WORKDIR. A GPU device call can start it in its own session and poll WORKDIR/status:
@@ -36,7 +38,7 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
     $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
-[ $# -gt 0 ] || { echo "steps: kernels tests peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "steps: kernels tests peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 : > "$W/status"  # this run's steps only (--poll waits for its "all done")
@@ -64,6 +66,11 @@ step() {
     IFS=, read -ra kv <<< "${1#*@}"
     for x in "${kv[@]}"; do if [[ "$x" == --* ]]; then sets+=("$x"); else sets+=(--set "$x"); fi; done
     VARIANT="@${1#*@}" run_step "${1%%@*}" "${sets[@]}"
+    return
+  fi
+  if [[ "$1" == offload@* ]]; then  # offload@A,B: e2e.py offload's own arguments
+    IFS=, read -ra kv <<< "${1#*@}"
+    offload "$1" --connector on --run2-repeats 3 "${kv[@]}"
     return
   fi
   VARIANT="" run_step "$1"
