@@ -273,6 +273,13 @@ class LMCacheConfig:
         "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the "
         "request waits outside them until its copy is done, then computes in the next step",
     )
+    load_staging_mb: float = _key(
+        _to_float,
+        256.0,
+        "GPU memory (MiB) for a ring of chunk pages that loads beside the steps (async_kv_loads) come through "
+        "from host memory: the GPU's copy engine moves them, leaving the SMs to the forward pass; 0: the copy "
+        "kernel reads host memory directly, on every SM",
+    )
     switch_interval_ms: float | None = _key(
         _optional(_to_float),
         None,
@@ -487,6 +494,8 @@ class LMCacheConfig:
             raise self._err("lmcache_worker_heartbeat_time", "expected seconds > 0")
         if self.transfer_channel is not None and self.transfer_channel not in TRANSFER_CHANNELS:
             raise self._err("transfer_channel", f"expected one of {', '.join(TRANSFER_CHANNELS)}")
+        if self.load_staging_mb < 0:
+            raise self._err("load_staging_mb", "expected MiB >= 0 (0: loads read host memory directly)")
         if self.store_ctas < 0:
             raise self._err("store_ctas", "expected a whole number >= 0 (0: one CTA per block)")
         for key in ("p2p_batch_chunks", "p2p_pipeline_depth"):

@@ -245,6 +245,56 @@ def scatter_layers_async(
     return copies
 
 
+def scatter_staged_async(
+    pages: Sequence[torch.Tensor],
+    layers: Sequence[torch.Tensor],
+    block_ids: Sequence[Sequence[int]],
+    first_blocks: Sequence[int] | None,
+    stream: torch.cuda.Stream,
+    staging: torch.Tensor,
+) -> PendingCopy | None:
+    """A whole load (every layer) from pages in pinned host memory, through ``staging``: a ring
+    of chunk pages in GPU memory, ``[slots, >= page bytes]`` uint8. The GPU's copy engine brings
+    each page across PCIe into a slot, with no SM time, so a forward pass beside it runs at full
+    speed (the kernel reading host memory directly takes a CTA per block: every SM, for as long
+    as PCIe takes); the kernel then scatters a ring's worth at a time device to device, in well
+    under a millisecond. Everything runs on ``stream``, whose order keeps a slot from being
+    refilled before the scatter reading it is done, so one ring serves one stream. Pages already
+    in GPU memory are scattered from where they are. None where the kernels cannot do the batch."""
+    batch = _Batch(layers, block_ids, pages, first_blocks)
+    if not pages:
+        return None
+    module = _kernels_for(batch)
+    if module is None:
+        return None
+    device = batch.layers[0].device
+    page_bytes = batch.pages[0].numel()
+    if staging.dtype != torch.uint8 or staging.dim() != 2 or staging.device != device:
+        raise ValueError(
+            f"staging is {staging.dtype} {tuple(staging.shape)} on {staging.device}: expected 2-D uint8 on {device}"
+        )
+    if staging.shape[0] < 1 or staging.shape[1] < page_bytes:
+        raise ValueError(f"staging holds {staging.shape[0]} slots of {staging.shape[1]} bytes; a page is {page_bytes}")
+    _layer_table(batch.layers)  # built (and its stream synchronised) here, not behind the queued copies
+    slots = staging.shape[0]
+    keep: list[tuple] = []
+    with torch.cuda.stream(stream):
+        for lo in range(0, len(pages), slots):
+            staged = []
+            for j, page in enumerate(batch.pages[lo : lo + slots]):
+                if page.device == device:
+                    staged.append(page)
+                else:
+                    slot = staging[j, :page_bytes]
+                    slot.copy_(page, non_blocking=True)
+                    staged.append(slot)
+            part = _Batch(batch.layers, batch.block_ids[lo : lo + slots], staged, batch.first_blocks[lo : lo + slots])
+            keep.append(_launch(module, part, to_pages=False))
+        event = torch.cuda.Event()
+        event.record(stream)
+    return PendingCopy(event, (staging, *keep))
+
+
 def _layer_meta_rows(batch: _Batch, groups: Sequence[range]) -> np.ndarray:
     """The kernel's metadata for each group of layers: the row :func:`_launch` builds for the
     whole batch (block ids | page addresses | first blocks), with each page address moved to the

@@ -25,7 +25,9 @@ from lmcache_p2p.cache_engine import LoadPlan
 class LayerwiseLoad:
     """One step's loads (``plans``) into ``planes`` (the engine's block planes), by layer:
     ``layer_planes`` maps each attention layer's name to its planes. ``fence`` orders the load
-    stream after other work that may still read the blocks (stores in flight)."""
+    stream after other work that may still read the blocks (stores in flight). ``staging`` (a
+    ring of chunk pages in GPU memory, gpu_ops.scatter_staged_async) takes a load of every plane
+    at once from host memory through the GPU's copy engine instead of the kernel's SMs."""
 
     def __init__(
         self,
@@ -33,6 +35,7 @@ class LayerwiseLoad:
         planes: Sequence[torch.Tensor],
         layer_planes: Mapping[str, range],
         fence: Callable[[torch.cuda.Stream], None] | None = None,
+        staging: torch.Tensor | None = None,
     ):
         self.plans = list(plans)
         self.planes = list(planes)
@@ -45,6 +48,7 @@ class LayerwiseLoad:
         self._copies: dict[str, gpu_ops.PendingCopy] = {}
         self._host_seconds = 0.0
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.staged = False  # host pages came through ``staging`` by the copy engine
         device = self.planes[0].device
         if device.type == "cuda" and self._pages:
             stream = gpu_ops.side_stream("load", device)
@@ -56,7 +60,18 @@ class LayerwiseLoad:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
             groups = list(self.layer_planes.values())
-            copies = gpu_ops.scatter_layers_async(self._pages, self.planes, groups, self._blocks, self._skips, stream)
+            copies: list[gpu_ops.PendingCopy] | None
+            whole = groups == [range(len(self.planes))]
+            if staging is not None and whole and any(not page.is_cuda for page in self._pages):
+                copy = gpu_ops.scatter_staged_async(
+                    self._pages, self.planes, self._blocks, self._skips, stream, staging
+                )
+                copies = None if copy is None else [copy]
+                self.staged = copy is not None
+            else:
+                copies = gpu_ops.scatter_layers_async(
+                    self._pages, self.planes, groups, self._blocks, self._skips, stream
+                )
             if copies is not None:  # else (pages the kernels cannot reach) each layer is copied at its wait
                 self._copies = dict(zip(self.layer_planes, copies, strict=True))
                 end.record(stream)

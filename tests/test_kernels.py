@@ -236,3 +236,47 @@ def test_a_capped_async_gather_walks_every_unit(ctas):
     gpu_ops.gather_chunks_async(cache, ids, pages, max_ctas=ctas).wait()
     for chunk_ids, page in zip(ids, pages, strict=True):
         assert torch.equal(page, reference_page(cache, chunk_ids))
+
+
+@gpu
+@pytest.mark.parametrize("slots", [1, 2, 8])
+def test_a_load_staged_through_a_ring_smaller_than_it_lands_every_page_exactly(slots):
+    """Loads beside the steps come from host memory through a ring of GPU pages (the copy
+    engine's H2D, then the kernel device to device): with fewer slots than pages each slot is
+    refilled after the scatter that read it, pages already on the GPU go straight from there, and
+    the leading blocks the engine computed are left alone."""
+    rng = random.Random(12)
+    src = make_cache(4, 64, block_shape=(2, 16, 8, 128), device="cuda", seed=12)
+    ids = [rng.sample(range(64), 4) for _ in range(5)]
+    pages = [torch.empty(page_bytes(src, 4), dtype=torch.uint8).pin_memory() for _ in ids]
+    gpu_ops.gather_chunks(src, ids, pages)
+    pages[3] = pages[3].to("cuda")  # a GPU-tier page among host ones
+    dst = make_cache(4, 64, block_shape=(2, 16, 8, 128), device="cuda", seed=13)
+    expected = [layer.clone() for layer in dst]
+    flat = rng.sample(range(64), 20)
+    targets = [flat[i : i + 4] for i in range(0, 20, 4)]
+    skips = [2, 0, 0, 1, 0]
+    for layer_src, layer_exp in zip(src, expected, strict=True):
+        for chunk_ids, t_ids, skip in zip(ids, targets, skips, strict=True):
+            layer_exp[t_ids[skip:]] = layer_src[chunk_ids[skip:]]
+    staging = torch.full((slots, page_bytes(src, 4) + 64), 0xCD, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    copy = gpu_ops.scatter_staged_async(pages, dst, targets, skips, stream, staging)
+    copy.wait()
+    for got, want in zip(dst, expected, strict=True):
+        assert torch.equal(as_bytes(got), as_bytes(want))
+
+
+@gpu
+def test_a_staging_ring_that_cannot_hold_a_page_is_refused_before_anything_moves():
+    cache = make_cache(2, 16, device="cuda", seed=14)
+    page = torch.zeros(page_bytes(cache, 2), dtype=torch.uint8).pin_memory()
+    before = [layer.clone() for layer in cache]
+    small = torch.empty((4, page.numel() - 1), dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match=r"staging holds 4 slots of \d+ bytes; a page is \d+"):
+        gpu_ops.scatter_staged_async([page], cache, [[0, 1]], None, torch.cuda.Stream(), small)
+    on_host = torch.empty((4, page.numel()), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"staging is torch.uint8 \(4, \d+\) on cpu"):
+        gpu_ops.scatter_staged_async([page], cache, [[0, 1]], None, torch.cuda.Stream(), on_host)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(cache, before, strict=True))

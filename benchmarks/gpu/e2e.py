@@ -445,6 +445,8 @@ def cmd_offload(args) -> dict:
             os.environ["LMCACHE_USE_LAYERWISE"] = "True"
         if args.async_loads:
             os.environ["LMCACHE_ASYNC_KV_LOADS"] = "True"
+        for key, value in args.set:
+            os.environ[f"LMCACHE_{key.upper()}"] = str(value)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -473,6 +475,7 @@ def cmd_offload(args) -> dict:
         "use_layerwise": args.layerwise,
         "async_kv_loads": args.async_loads,
         "cuda_graphs": args.graphs,
+        "set": dict(args.set),
     }
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)
@@ -606,6 +609,14 @@ def main() -> None:
         help="vLLM's CUDA graphs, as the seed has them (without this flag: enforce_eager, as earlier runs)",
     )
     p.add_argument("--run2-repeats", type=int, default=1, help="run 2 this many times (each from the CPU tier)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=config_override,
+        metavar="KEY=VALUE",
+        help="a config key with the connector on (as LMCACHE_KEY), e.g. load_staging_mb=0; repeatable",
+    )
     p.add_argument(
         "--profile-dir",
         help="profile run 2 with torch.profiler (engine in this process): its top operators by host "

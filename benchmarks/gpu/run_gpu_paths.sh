@@ -8,6 +8,7 @@
 #
 #   kernels      build (or load) csrc's kernels, timed; the device checksum of a document, kernel vs torch
 #   tests        the GPU-marked tests of the tier, layer-wise loads, staging, the store and the kernels
+#   tests-loads  of those, the kernels', layer-wise loads' and loads beside the steps' only
 #   peer-base    e2e peer, both engines on GPU 0, no GPU tier (12 documents x 3 repeats)
 #   peer-tier    the same with a 16 GB GPU tier on each engine
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
@@ -38,7 +39,7 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
     $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
-[ $# -gt 0 ] || { echo "steps: kernels tests peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 : > "$W/status"  # this run's steps only (--poll waits for its "all done")
@@ -83,6 +84,8 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
       tests/test_gpu_staging.py tests/test_gpu_store.py tests/test_kernels.py tests/test_device_checksum.py \
       tests/test_gpu_async_loads.py \
       > "$W/gpu_tests.txt" 2>&1 ;;
+    tests-loads) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_gpu_async_loads.py \
+      tests/test_layerwise.py > "$W/gpu_tests_loads.txt" 2>&1 ;;
     peer-base) peer "peer_base$VARIANT" 0,0 "$@" ;;
     peer-tier) peer "peer_tier$VARIANT" 0,0 "${TIER[@]}" "$@" ;;
     peer-base-2) peer "peer_base_2$VARIANT" 0,1 "$@" ;;

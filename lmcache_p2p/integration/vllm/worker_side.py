@@ -168,6 +168,7 @@ class WorkerSide:
         # async_kv_loads: loads beside the steps still copying, and requests to report as received.
         self._beside_steps: dict[str, _LoadBesideSteps] = {}
         self._received: set[str] = set()
+        self._load_staging: torch.Tensor | None = None  # their ring of chunk pages on the GPU (load_staging_mb)
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
@@ -223,6 +224,8 @@ class WorkerSide:
             device=first.device if first.is_cuda else None,
         )
         self._clock = _StepClock(self.engine, first.device if first.is_cuda else None)
+        if self.config.async_kv_loads and first.is_cuda:
+            self._load_staging = self._make_load_staging(first.device, self.engine.storage.page_bytes)
         if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
             self.storage_events = StorageEventBuffer(self.tp_rank)
             self.engine.storage.subscribe(self.storage_events)
@@ -248,6 +251,40 @@ class WorkerSide:
             self.config.chunk_size,
             self.engine.storage.page_bytes / 2**20,
         )
+
+    def _make_load_staging(self, device: torch.device, page_bytes: int) -> torch.Tensor | None:
+        """The ring of chunk pages that loads beside the steps come through from host memory, in
+        GPU memory beside vLLM's (load_staging_mb); None (the kernel reads host memory) where it
+        is off, smaller than a page or cannot be had."""
+        budget = int(self.config.load_staging_mb * 2**20)
+        slots = budget // page_bytes
+        if budget and not slots:
+            logger.warning(
+                "load_staging_mb %.0f is less than one chunk page (%.1f MiB): loads beside the steps read host "
+                "memory with the copy kernel, on every SM",
+                self.config.load_staging_mb,
+                page_bytes / 2**20,
+            )
+        if not slots:
+            return None
+        try:
+            staging = torch.empty((slots, page_bytes), dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            logger.warning(
+                "no room on %s for load staging (%d chunk pages, %.0f MiB): loads beside the steps read host "
+                "memory with the copy kernel, on every SM",
+                device,
+                slots,
+                slots * page_bytes / 2**20,
+            )
+            return None
+        logger.info(
+            "loads beside the steps come from host memory through %d chunk pages (%.0f MiB) on %s, by the copy engine",
+            slots,
+            slots * page_bytes / 2**20,
+            device,
+        )
+        return staging
 
     # -- lookups (lookup thread) -----------------------------------------------------------------
 
@@ -417,7 +454,11 @@ class WorkerSide:
             return False
         try:
             copy = LayerwiseLoad(
-                [plan], self.planes, {_ALL_PLANES: range(len(self.planes))}, fence=self._engine.order_stores_before
+                [plan],
+                self.planes,
+                {_ALL_PLANES: range(len(self.planes))},
+                fence=self._engine.order_stores_before,
+                staging=self._load_staging,
             )
         except Exception:
             logger.exception(
@@ -442,7 +483,8 @@ class WorkerSide:
                 continue
             del self._beside_steps[req_id]
             spec, plan = load.spec, load.plan
-            self._engine.loaded(plan, load.copy.seconds, "beside the steps")
+            how = "beside the steps, through the copy engine" if load.copy.staged else "beside the steps"
+            self._engine.loaded(plan, load.copy.seconds, how)
             load.prefix.release()
             bad_at = None
             if plan.unchecked:  # chunks a peer wrote into the GPU tier, their check running when pinned
@@ -670,6 +712,7 @@ class WorkerSide:
                 load.copy.synchronize()
                 load.prefix.release()
             self._beside_steps.clear()
+        self._load_staging = None  # no copy reads it any more
         self._clock = None
         if self.engine is not None:
             with _live_lock:
