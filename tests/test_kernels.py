@@ -125,12 +125,14 @@ def test_layer_wise_metadata_is_the_whole_batch_row_at_each_layers_page_offset()
 # -- the CUDA kernels ---------------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
 @gpu
 def test_kernels_build_and_are_chosen():
     assert kv_kernels.load() is not None
     assert gpu_ops.backend(make_cache(1, 2, device="cuda")) == "cuda-kernel"
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("pages_on", ["cuda", "pinned"])
@@ -149,6 +151,7 @@ def test_gather_matches_reference(dtype, pages_on):
         assert torch.equal(as_bytes(page), reference_page(cache, chunk_ids))
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scatter_partial_batches_match_reference(dtype):
@@ -170,6 +173,7 @@ def test_scatter_partial_batches_match_reference(dtype):
         assert torch.equal(as_bytes(got), as_bytes(want))
 
 
+@pytest.mark.gpu
 @gpu
 def test_round_trip_gpu_to_host_to_other_blocks_is_bit_exact():
     """Llama-3.1-8B's block shape: engine A's blocks -> pinned pages -> engine B's blocks."""
@@ -187,6 +191,7 @@ def test_round_trip_gpu_to_host_to_other_blocks_is_bit_exact():
             assert torch.equal(as_bytes(la[ca]), as_bytes(lb[cb]))
 
 
+@pytest.mark.gpu
 @gpu
 def test_narrow_and_unaligned_copies():
     """Blocks whose size is not a multiple of 16 bytes, and pages at an 8-byte offset, still copy
@@ -202,6 +207,7 @@ def test_narrow_and_unaligned_copies():
         assert not buffer[:8].any()
 
 
+@pytest.mark.gpu
 @gpu
 def test_pageable_host_pages_fall_back_and_stay_correct():
     cache = make_cache(2, 16, device="cuda", seed=10)
@@ -214,6 +220,7 @@ def test_pageable_host_pages_fall_back_and_stay_correct():
         assert torch.equal(as_bytes(dst[[0, 1]]), as_bytes(src[[4, 2]]))
 
 
+@pytest.mark.gpu
 @gpu
 def test_bad_block_ids_on_gpu_are_refused_before_launch():
     cache = make_cache(2, 16, device="cuda")
@@ -225,6 +232,7 @@ def test_bad_block_ids_on_gpu_are_refused_before_launch():
     assert not page.any()
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("ctas", [1, 3, 16, 0])
 def test_a_capped_async_gather_walks_every_unit(ctas):
@@ -238,6 +246,7 @@ def test_a_capped_async_gather_walks_every_unit(ctas):
         assert torch.equal(page, reference_page(cache, chunk_ids))
 
 
+@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("slots", [1, 2, 8])
 def test_a_load_staged_through_a_ring_smaller_than_it_lands_every_page_exactly(slots):
@@ -267,6 +276,7 @@ def test_a_load_staged_through_a_ring_smaller_than_it_lands_every_page_exactly(s
         assert torch.equal(as_bytes(got), as_bytes(want))
 
 
+@pytest.mark.gpu
 @gpu
 def test_a_staging_ring_that_cannot_hold_a_page_is_refused_before_anything_moves():
     cache = make_cache(2, 16, device="cuda", seed=14)
