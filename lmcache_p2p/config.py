@@ -494,8 +494,8 @@ class LMCacheConfig:
             raise self._err("lmcache_worker_heartbeat_time", "expected seconds > 0")
         if self.transfer_channel is not None and self.transfer_channel not in TRANSFER_CHANNELS:
             raise self._err("transfer_channel", f"expected one of {', '.join(TRANSFER_CHANNELS)}")
-        if self.load_staging_mb < 0:
-            raise self._err("load_staging_mb", "expected MiB >= 0 (0: loads read host memory directly)")
+        if not 0 <= self.load_staging_mb <= 65536:  # also refuses nan
+            raise self._err("load_staging_mb", "expected MiB from 0 to 65536 (0: loads read host memory directly)")
         if self.store_ctas < 0:
             raise self._err("store_ctas", "expected a whole number >= 0 (0: one CTA per block)")
         for key in ("p2p_batch_chunks", "p2p_pipeline_depth"):

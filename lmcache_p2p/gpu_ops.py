@@ -15,9 +15,10 @@ shape). A batch of chunks moves in one call:
 
 Inputs are checked before anything is launched, and errors name the argument, chunk and value.
 Calls return when the copy is complete: a page is only indexed, or released to be reused, once
-its bytes are final. The one exception is :func:`gather_chunks_async`, the engine's store path:
-it runs on a copy stream of its own, beside the engine's next forward pass, and hands back a
-:class:`PendingCopy` to poll.
+its bytes are final. The exceptions run on a stream of their own, beside the engine's forward
+pass, and hand back a :class:`PendingCopy` to poll: :func:`gather_chunks_async` (the engine's
+store path), :func:`scatter_layers_async` (layer-wise loads and loads beside the steps) and
+:func:`scatter_staged_async` (loads beside the steps from host memory, by the copy engine).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
 
 
 class PendingCopy:
-    """A gather still running on the copy stream. It holds the launch's inputs until done."""
+    """A copy still running on a side stream. It holds the launch's inputs until done."""
 
     def __init__(self, event: torch.cuda.Event, keep: tuple):
         self.event = event
@@ -275,21 +276,27 @@ def scatter_staged_async(
         )
     if staging.shape[0] < 1 or staging.shape[1] < page_bytes:
         raise ValueError(f"staging holds {staging.shape[0]} slots of {staging.shape[1]} bytes; a page is {page_bytes}")
+    if staging.stride(1) != 1 or staging.stride(0) < staging.shape[1]:
+        raise ValueError(f"staging's slots are not contiguous rows (strides {staging.stride()})")
     _layer_table(batch.layers)  # built (and its stream synchronised) here, not behind the queued copies
+    # Chunks the engine computed whole write nothing: they neither cross PCIe nor take a slot.
+    todo = [c for c, first in enumerate(batch.first_blocks) if first < batch.blocks_per_chunk]
     slots = staging.shape[0]
     keep: list[tuple] = []
     with torch.cuda.stream(stream):
-        for lo in range(0, len(pages), slots):
+        for lo in range(0, len(todo), slots):
+            chunks = todo[lo : lo + slots]
             staged = []
-            for j, page in enumerate(batch.pages[lo : lo + slots]):
+            for j, c in enumerate(chunks):
+                page = batch.pages[c]
                 if page.device == device:
                     staged.append(page)
                 else:
                     slot = staging[j, :page_bytes]
                     slot.copy_(page, non_blocking=True)
                     staged.append(slot)
-            part = _Batch(batch.layers, batch.block_ids[lo : lo + slots], staged, batch.first_blocks[lo : lo + slots])
-            keep.append(_launch(module, part, to_pages=False))
+            ids, firsts = [batch.block_ids[c] for c in chunks], [batch.first_blocks[c] for c in chunks]
+            keep.append(_launch(module, _Batch(batch.layers, ids, staged, firsts), to_pages=False))
         event = torch.cuda.Event()
         event.record(stream)
     return PendingCopy(event, (staging, *keep))

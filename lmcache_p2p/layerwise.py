@@ -62,7 +62,8 @@ class LayerwiseLoad:
             groups = list(self.layer_planes.values())
             copies: list[gpu_ops.PendingCopy] | None
             whole = groups == [range(len(self.planes))]
-            if staging is not None and whole and any(not page.is_cuda for page in self._pages):
+            on_host = any(not page.is_cuda for page in self._pages)
+            if staging is not None and whole and on_host and staging.shape[1] >= self._pages[0].numel():
                 copy = gpu_ops.scatter_staged_async(
                     self._pages, self.planes, self._blocks, self._skips, stream, staging
                 )

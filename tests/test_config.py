@@ -272,6 +272,8 @@ def test_port_lists_must_cover_every_tp_rank():
         ({"LMCACHE_MAX_LOCAL_CPU_SIZE": "-1"}, "max_local_cpu_size"),
         ({"LMCACHE_STORE_CTAS": "-2"}, "store_ctas"),
         ({"LMCACHE_LOAD_STAGING_MB": "-1"}, "load_staging_mb"),
+        ({"LMCACHE_LOAD_STAGING_MB": "nan"}, "load_staging_mb"),
+        ({"LMCACHE_LOAD_STAGING_MB": "inf"}, "load_staging_mb"),
         ({"LMCACHE_STORE_CTAS": "many"}, "store_ctas"),
         ({"LMCACHE_SWITCH_INTERVAL_MS": "0"}, "switch_interval_ms"),
         ({"LMCACHE_SWITCH_INTERVAL_MS": "nan"}, "switch_interval_ms"),

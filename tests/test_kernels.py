@@ -253,7 +253,7 @@ def test_a_load_staged_through_a_ring_smaller_than_it_lands_every_page_exactly(s
     """Loads beside the steps come from host memory through a ring of GPU pages (the copy
     engine's H2D, then the kernel device to device): with fewer slots than pages each slot is
     refilled after the scatter that read it, pages already on the GPU go straight from there, and
-    the leading blocks the engine computed are left alone."""
+    the blocks the engine computed (a chunk's leading ones, or a whole chunk) are left alone."""
     rng = random.Random(12)
     src = make_cache(4, 64, block_shape=(2, 16, 8, 128), device="cuda", seed=12)
     ids = [rng.sample(range(64), 4) for _ in range(5)]
@@ -264,12 +264,13 @@ def test_a_load_staged_through_a_ring_smaller_than_it_lands_every_page_exactly(s
     expected = [layer.clone() for layer in dst]
     flat = rng.sample(range(64), 20)
     targets = [flat[i : i + 4] for i in range(0, 20, 4)]
-    skips = [2, 0, 0, 1, 0]
+    skips = [2, 0, 4, 1, 0]  # the third chunk computed whole: not copied at all
     for layer_src, layer_exp in zip(src, expected, strict=True):
         for chunk_ids, t_ids, skip in zip(ids, targets, skips, strict=True):
             layer_exp[t_ids[skip:]] = layer_src[chunk_ids[skip:]]
     staging = torch.full((slots, page_bytes(src, 4) + 64), 0xCD, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # dst and the pages were written on the default stream
     copy = gpu_ops.scatter_staged_async(pages, dst, targets, skips, stream, staging)
     copy.wait()
     for got, want in zip(dst, expected, strict=True):
@@ -285,6 +286,9 @@ def test_a_staging_ring_that_cannot_hold_a_page_is_refused_before_anything_moves
     small = torch.empty((4, page.numel() - 1), dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match=r"staging holds 4 slots of \d+ bytes; a page is \d+"):
         gpu_ops.scatter_staged_async([page], cache, [[0, 1]], None, torch.cuda.Stream(), small)
+    strided = torch.empty((4, 2 * page.numel()), dtype=torch.uint8, device="cuda")[:, ::2]
+    with pytest.raises(ValueError, match=r"staging's slots are not contiguous rows \(strides \(\d+, 2\)\)"):
+        gpu_ops.scatter_staged_async([page], cache, [[0, 1]], None, torch.cuda.Stream(), strided)
     on_host = torch.empty((4, page.numel()), dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"staging is torch.uint8 \(4, \d+\) on cpu"):
         gpu_ops.scatter_staged_async([page], cache, [[0, 1]], None, torch.cuda.Stream(), on_host)

@@ -446,7 +446,8 @@ def cmd_offload(args) -> dict:
         if args.async_loads:
             os.environ["LMCACHE_ASYNC_KV_LOADS"] = "True"
         for key, value in args.set:
-            os.environ[f"LMCACHE_{key.upper()}"] = str(value)
+            if value is not None:
+                os.environ[f"LMCACHE_{key.upper()}"] = str(value)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -475,7 +476,7 @@ def cmd_offload(args) -> dict:
         "use_layerwise": args.layerwise,
         "async_kv_loads": args.async_loads,
         "cuda_graphs": args.graphs,
-        "set": dict(args.set),
+        "set": dict(args.set) if args.connector == "on" else {},
     }
     cache = llm.llm_engine.vllm_config.cache_config
     out["gpu_kv_blocks"] = getattr(cache, "num_gpu_blocks", None)

@@ -66,15 +66,15 @@ step() {
   if [[ "$1" == peer*@* ]]; then  # peer-tier@K=V,K=V: the step, then its config keys
     IFS=, read -ra kv <<< "${1#*@}"
     for x in "${kv[@]}"; do if [[ "$x" == --* ]]; then sets+=("$x"); else sets+=(--set "$x"); fi; done
-    VARIANT="@${1#*@}" run_step "${1%%@*}" "${sets[@]}"
+    VARIANT="@${1#*@}$AGAIN" run_step "${1%%@*}" "${sets[@]}"
     return
   fi
   if [[ "$1" == offload@* ]]; then  # offload@A,B: e2e.py offload's own arguments
     IFS=, read -ra kv <<< "${1#*@}"
-    offload "$1" --connector on --run2-repeats 3 "${kv[@]}"
+    offload "$1$AGAIN" --connector on --run2-repeats 3 "${kv[@]}"
     return
   fi
-  VARIANT="" run_step "$1"
+  VARIANT="$AGAIN" run_step "$1"
 }
 run_step() {  # a step by name; peer steps pass extra e2e args on and name their output with $VARIANT
   local s=$1; shift
@@ -97,9 +97,11 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
     *) echo "unknown step $s" >&2; return 2 ;;
   esac
 }
+declare -A RUNS  # a peer or offload@ step given again writes its results as NAME#2, NAME#3, ...
 for s in "$@"; do
-  t0=$(date +%s); echo "$s started $(date -u +%T)" >> "$W/status"
+  RUNS[$s]=$(( ${RUNS[$s]:-0} + 1 )); AGAIN=""; [ "${RUNS[$s]}" -gt 1 ] && AGAIN="#${RUNS[$s]}"
+  t0=$(date +%s); echo "$s$AGAIN started $(date -u +%T)" >> "$W/status"
   step "$s"; rc=$?
-  echo "$s rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$W/status"
+  echo "$s$AGAIN rc=$rc seconds=$(( $(date +%s) - t0 ))" >> "$W/status"
 done
 echo "all done" >> "$W/status"
