@@ -43,6 +43,10 @@ def fleet(tmp_path_factory, tiny_model):
         ports_per_rank=True,
         engine_extra={
             "transfer_channel": "tcp",
+            # Which chunks each rank is offered and pulls, not whether a pull beats recomputing:
+            # under "auto" a rank whose first pull measured its link slow (start-up, two busy
+            # cores) recomputed instead, once in make test (test_pull_policy*.py test that choice).
+            "p2p_pull_policy": "always",
             "enable_async_loading": True,
             "extra_config": {"lookup_backoff_time": 0.001},
         },
