@@ -63,7 +63,7 @@ class LayerwiseLoad:
             copies: list[gpu_ops.PendingCopy] | None
             whole = groups == [range(len(self.planes))]
             on_host = any(not page.is_cuda for page in self._pages)
-            if staging is not None and whole and on_host and staging.shape[1] >= self._pages[0].numel():
+            if staging is not None and whole and on_host:
                 copy = gpu_ops.scatter_staged_async(
                     self._pages, self.planes, self._blocks, self._skips, stream, staging
                 )

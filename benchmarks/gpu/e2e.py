@@ -249,8 +249,7 @@ def cmd_peer(args) -> dict:
         if args.repeats > 1:
             out["repeats"] = waves
             for key in ("ttft_ratio", "round_ratio"):
-                values = [w[key] for w in waves]
-                out[f"{key}_spread"] = {"min": min(values), "median": statistics.median(values), "max": max(values)}
+                out[f"{key}_spread"] = spread([w[key] for w in waves])
         return out
     finally:
         for proc in reversed(procs):
@@ -504,13 +503,15 @@ def cmd_offload(args) -> dict:
         out["run2_again_python_profile"] = _python_profile(llm, reused, params, Path(args.profile_dir))
     out["speedup_run1_over_run2"] = round(out["run1_s"] / out["run2_s"], 2)
     if args.run2_repeats > 1:
-        ratios = [out["run1_s"] / out[name + "_s"] for name, _ in runs if name.startswith("run2")]
-        out["speedup_spread"] = {
-            "min": round(min(ratios), 2),
-            "median": round(statistics.median(ratios), 2),
-            "max": round(max(ratios), 2),
-        }
+        out["speedup_spread"] = spread(
+            [round(out["run1_s"] / out[name + "_s"], 2) for name, _ in runs if name.startswith("run2")]
+        )
     return out
+
+
+def spread(values: list[float]) -> dict:
+    """Repeats reported as min, median and max, not the best one."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
 def _log_time() -> str:
@@ -555,6 +556,19 @@ def cmd_report(args) -> dict:
     return out
 
 
+def add_set_argument(parser: argparse.ArgumentParser, text: str) -> None:
+    """--set KEY=VALUE, repeatable: config keys for the engines the command starts."""
+    parser.add_argument("--set", action="append", default=[], type=config_override, metavar="KEY=VALUE", help=text)
+
+
+def add_graphs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="vLLM's CUDA graphs (its default, which the seeds keep; without it: enforce_eager, as earlier runs)",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -575,21 +589,10 @@ def main() -> None:
     p.add_argument("--pull-policy", choices=["auto", "always"], help="override p2p_pull_policy (default auto)")
     p.add_argument("--gpu-tier-gb", type=float, default=0, help="local_gpu with this max_local_gpu_size (0: off)")
     p.add_argument("--repeats", type=int, default=1, help="measurements with new documents on the same engines")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        type=config_override,
-        metavar="KEY=VALUE",
-        help="a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable",
-    )
-    p.add_argument(
-        "--graphs",
-        action="store_true",
-        help="engines with vLLM's CUDA graphs (its default; without this flag: enforce_eager, as the earlier runs)",
-    )
+    add_set_argument(p, "a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable")
+    add_graphs_argument(p)
     p = sub.add_parser("engine")
-    p.add_argument("--graphs", action="store_true")
+    add_graphs_argument(p)
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-util", type=float, default=0.4)
     p.add_argument("--cpu-smoke", action="store_true")
@@ -604,20 +607,9 @@ def main() -> None:
         "--async-loads", action="store_true", help="async_kv_loads: loads run beside the steps (vLLM's async loads)"
     )
     p.add_argument("--cpu-gb", type=float, default=30)
-    p.add_argument(
-        "--graphs",
-        action="store_true",
-        help="vLLM's CUDA graphs, as the seed has them (without this flag: enforce_eager, as earlier runs)",
-    )
+    add_graphs_argument(p)
     p.add_argument("--run2-repeats", type=int, default=1, help="run 2 this many times (each from the CPU tier)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        type=config_override,
-        metavar="KEY=VALUE",
-        help="a config key with the connector on (as LMCACHE_KEY), e.g. load_staging_mb=0; repeatable",
-    )
+    add_set_argument(p, "a config key with the connector on (as LMCACHE_KEY), e.g. load_staging_mb=0; repeatable")
     p.add_argument(
         "--profile-dir",
         help="profile run 2 with torch.profiler (engine in this process): its top operators by host "
