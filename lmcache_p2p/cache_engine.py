@@ -464,7 +464,15 @@ class PinnedPrefix:
 
     def __init__(self, chunks: list, chunk_size: int):
         self.chunks = chunks
+        self.chunk_size = chunk_size
         self.num_tokens = len(chunks) * chunk_size
+
+    def host_until(self) -> int:
+        """Where the last chunk held in host memory (not on a GPU) ends, in tokens; 0: none is."""
+        for index in range(len(self.chunks) - 1, -1, -1):
+            if not self.chunks[index].data.is_cuda:
+                return (index + 1) * self.chunk_size
+        return 0
 
     def release(self) -> None:
         chunks, self.chunks = self.chunks, []

@@ -41,6 +41,7 @@ GB = 1024**3
 TRANSFER_CHANNELS = ("nixl", "tcp")
 NIXL_BUFFER_DEVICES = ("auto", "cuda", "cpu")
 PULL_POLICIES = ("auto", "always")
+AUTO = "auto"
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,16 @@ def _to_bool(raw: Any) -> bool:
         if s in ("false", "0", "no", "off"):
             return False
     raise _Invalid("expected a boolean: True/true/1 or False/false/0")
+
+
+def _to_bool_or_auto(raw: Any) -> bool | str:
+    """``auto`` (the system decides, case by case), or a boolean as :func:`_to_bool` reads it."""
+    if isinstance(raw, str) and raw.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return _to_bool(raw)
+    except _Invalid:
+        raise _Invalid('expected "auto" or a boolean: True/true/1 or False/false/0') from None
 
 
 def _to_int(raw: Any) -> int:
@@ -267,11 +278,13 @@ class LMCacheConfig:
         False,
         "load hits layer by layer during the forward pass (on a GPU, layer i+1's copy beside layer i's compute)",
     )
-    async_kv_loads: bool = _key(
-        _to_bool,
-        False,
+    async_kv_loads: bool | str = _key(
+        _to_bool_or_auto,
+        AUTO,
         "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the "
-        "request waits outside them until its copy is done, then computes in the next step",
+        'request waits outside them until its copy is done, then computes in the next step; "auto": '
+        "where part of the load comes across PCIe from host memory (a GPU engine's CPU pool, disk, a "
+        "pull landed on the host), in the step where it is all in GPU memory or the engine runs on CPU",
     )
     load_staging_mb: float = _key(
         _to_float,

@@ -15,7 +15,7 @@ import zmq
 
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.integration.vllm.kv_layout import UnsupportedKVLayout, block_planes, fingerprint
-from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, LookupReply, LookupServer, socket_path
+from lmcache_p2p.integration.vllm.lookup_channel import Hit, LookupClient, LookupReply, LookupServer, socket_path
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.protocol import unpack_hashes
 
@@ -71,7 +71,7 @@ def test_the_scheduler_gets_the_smallest_answer_of_all_ranks_once_none_is_pendin
     try:
         hashes = chunk_hash_array(np.arange(600, dtype=np.int32), 256)
         assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0) is None
-        assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0, poll=True) == 256
+        assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0, poll=True) == Hit(256)
     finally:
         client.close()
         for server in servers:
@@ -86,9 +86,9 @@ def test_a_rank_that_does_not_answer_is_a_miss_and_its_late_answer_is_ignored(en
     server = LookupServer(socket_path(engine_id, 0, 0), slow)
     client = LookupClient([socket_path(engine_id, 0, 0)])
     try:
-        assert client.lookup("slow", HASHES, 300, False, 0.0, 0.2) == 0
+        assert client.lookup("slow", HASHES, 300, False, 0.0, 0.2) == Hit(0)
         # the late answer to "slow" must not be taken for this one's
-        assert client.lookup("next", HASHES, 300, False, 0.0, 2.0) == 256
+        assert client.lookup("next", HASHES, 300, False, 0.0, 2.0) == Hit(256)
     finally:
         client.close()
         server.close()
@@ -108,15 +108,15 @@ def test_the_lookup_server_survives_garbage_and_a_failing_handler(engine_id):
     try:
         raw.send(b"\x00not msgpack")
         raw.send_multipart([b"a", b"b"])
-        assert client.lookup("boom", HASHES, 300, False, 0.0, 2.0) == 0  # a miss, logged
-        assert client.lookup("fine", HASHES, 300, False, 0.0, 2.0) == 256
+        assert client.lookup("boom", HASHES, 300, False, 0.0, 2.0) == Hit(0)  # a miss, logged
+        assert client.lookup("fine", HASHES, 300, False, 0.0, 2.0) == Hit(256)
     finally:
         raw.close(0)
         client.close()
         server.close()
 
 
-def _scheduler(engine_id: str, **extra):
+def _scheduler(engine_id: str, tp_size: int = 1, **extra):
     from types import SimpleNamespace
 
     from lmcache_p2p.config import LMCacheConfig
@@ -125,7 +125,7 @@ def _scheduler(engine_id: str, **extra):
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=16),
         kv_transfer_config=SimpleNamespace(engine_id=engine_id, is_kv_consumer=True, is_kv_producer=True),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1, data_parallel_rank=0),
     )
     # The rank (a stand-in handler below) does the pulling; the scheduler side only asks.
     config = LMCacheConfig.from_dict(
@@ -334,6 +334,42 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
     finally:
         scheduler.close()
         server.close()
+
+
+def test_under_auto_only_a_load_crossing_pcie_is_granted_beside_the_steps(engine_id, caplog):
+    """async_kv_loads "auto" (the default): a hit whose part to load some rank holds in host
+    memory goes beside the steps, one all in GPU memory (or already in vLLM's prefix cache up
+    to where the host part ends) loads in the step; with two ranks the furthest host part counts."""
+    from types import SimpleNamespace
+
+    host_until = {"gpu": (0, 0), "host": (0, 256), "cached": (256, 256)}  # per request: rank 0's, rank 1's
+
+    def rank(r):
+        def handle(request):
+            reply_until = host_until[request.req_id.split("-")[0]][r]
+            return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512, host_until=reply_until)
+
+        return LookupServer(socket_path(engine_id, 0, r), handle)
+
+    servers = [rank(0), rank(1)]
+    scheduler = _scheduler(engine_id, tp_size=2)
+    try:
+        with caplog.at_level(logging.INFO):
+            asked = {}
+            for name, computed in (("gpu-1", 0), ("host-1", 0), ("cached-1", 256)):
+                request = SimpleNamespace(request_id=name, prompt_token_ids=list(range(600)))
+                while (answer := scheduler.get_num_new_matched_tokens(request, computed))[0] is None:
+                    pass
+                asked[name] = answer
+        assert asked == {"gpu-1": (512, False), "host-1": (512, True), "cached-1": (256, False)}
+        assert "need to load: 512 (lookup" in caplog.text
+        assert re.search(
+            r"need to load: 512 \(lookup [\d.]+ ms\), beside the steps \(host memory up to token 256\)", caplog.text
+        )
+    finally:
+        scheduler.close()
+        for server in servers:
+            server.close()
 
 
 def test_chunks_recomputed_after_a_failed_load_are_stored_again(engine_id, caplog):

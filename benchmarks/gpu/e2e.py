@@ -473,7 +473,7 @@ def cmd_offload(args) -> dict:
         "gpu_gb": args.gpu_gb,
         "store_ctas": LMCacheConfig.load().store_ctas if args.connector == "on" else None,
         "use_layerwise": args.layerwise,
-        "async_kv_loads": args.async_loads,
+        "async_kv_loads": LMCacheConfig.load().async_kv_loads if args.connector == "on" else None,
         "cuda_graphs": args.graphs,
         "set": dict(args.set) if args.connector == "on" else {},
     }
@@ -604,7 +604,9 @@ def main() -> None:
     p.add_argument("--gpu-gb", type=float, default=24, help="GPU memory for the engine (the seed's 24 GB)")
     p.add_argument("--layerwise", action="store_true", help="use_layerwise: loads overlap the forward pass")
     p.add_argument(
-        "--async-loads", action="store_true", help="async_kv_loads: loads run beside the steps (vLLM's async loads)"
+        "--async-loads",
+        action="store_true",
+        help="async_kv_loads True: every load runs beside the steps (default auto: those from host memory)",
     )
     p.add_argument("--cpu-gb", type=float, default=30)
     add_graphs_argument(p)

@@ -3,7 +3,9 @@
 vLLM asks "how many tokens of this prompt can you load" in the scheduler (EngineCore) process,
 but the KV pages, the tiers and the peer client live in each TP rank's worker process. The
 scheduler side sends a :class:`LookupRequest` to every rank over a local ZMQ ``ipc://`` socket
-and takes the smallest answer (every rank must be able to load the prefix).
+and takes the smallest answer (every rank must be able to load the prefix). A GPU rank also says
+where the part of its hit held in host memory ends, so that the scheduler can load a hit that
+crosses PCIe beside the steps (``async_kv_loads: auto``).
 
 A rank answers at once from its local tiers, or, when the prefix continues on a peer, after the
 pull: within ``wait_s`` it answers the hit, past it it answers ``pending`` and keeps pulling, so a
@@ -24,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -56,6 +59,18 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     unknown: bool = False  # a poll for a lookup this rank does not have: ask again with the hashes
     error: str = ""
     segments_held: list[bool] | None = None  # a segment lookup's answer, one per segment
+    # Where the hit's last chunk held in host memory ends (tokens; 0: none): loading up to there
+    # crosses PCIe. Only a rank whose KV cache is on a GPU counts it (a CPU engine's loads cross none).
+    host_until: int = 0
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The ranks' answer to a lookup: the tokens every rank can load, and where the part of
+    them any rank holds in host memory ends (0: all in GPU memory, or a CPU engine)."""
+
+    tokens: int
+    host_until: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -152,11 +167,11 @@ class LookupClient:
         wait_s: float,
         timeout_s: float,
         poll: bool = False,
-    ) -> int | None:
-        """Tokens every rank can load of the prompt ``chunk_hashes`` (uint64) names, or None
+    ) -> Hit | None:
+        """What every rank can load of the prompt ``chunk_hashes`` (uint64) names, or None
         while a rank is still pulling from a peer. With ``poll`` the ranks were sent the hashes
         already and are asked by request id alone. A rank that does not answer within
-        ``timeout_s`` makes it a miss (0)."""
+        ``timeout_s`` makes it a miss."""
         self._seq += 1
         seq = self._seq
 
@@ -191,7 +206,7 @@ class LookupClient:
                     missing,
                     timeout_s,
                 )
-                return 0
+                return Hit(0)
             for sock, _ in self._poller.poll(left_ms):
                 reply = self._decode(sock.recv())
                 if reply is None or reply.seq != seq:  # older seqs: answers we gave up on
@@ -207,8 +222,9 @@ class LookupClient:
                 logger.warning(
                     "lookup of request %s: rank %d failed (%s); treating it as a miss", req_id, rank, answer.error
                 )
-                return 0
-        return min(a.hit_tokens for a in answers.values())
+                return Hit(0)
+        tokens = min(a.hit_tokens for a in answers.values())
+        return Hit(tokens, min(tokens, max(a.host_until for a in answers.values())))
 
     def lookup_segments(
         self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float

@@ -55,6 +55,7 @@ class _Request:
     num_tokens: int  # the prompt's length
     asked: bool = False  # the ranks were sent the hashes: later asks are polls by request id
     hit: int | None = None  # tokens the ranks can load; None until they all answered
+    host_until: int = 0  # where the part of the hit some rank holds in host memory ends (0: none)
     next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
     logged_need: int | None = None
     load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
@@ -73,6 +74,7 @@ class _Request:
     # async_kv_loads: vLLM's own prefix-cache tokens when the hit was granted (the load starts
     # there), and whether a load beside the steps is in flight (its blocks must outlive it).
     local_tokens: int = 0
+    beside_steps: bool = False  # the last answer to vLLM granted the load beside the steps
     loading_beside_steps: bool = False
     loads_beside_steps: int = 0  # of those, reported done (vLLM asks again only after a failed one)
     # loads_beside_steps when the last failed one was looked up again; past 1, two failed: no
@@ -108,7 +110,7 @@ class SchedulerSide:
         self.async_loading = config.enable_async_loading
         self.backoff_s = config.lookup_backoff_time
         self.pulls_take_turns = config.p2p_prefix_pull_turns  # where an idle round's long wait goes
-        self.loads_beside_steps = config.async_kv_loads
+        self.loads_beside_steps = config.async_kv_loads  # True, False or "auto": where it crosses PCIe
         self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
@@ -163,10 +165,16 @@ class SchedulerSide:
         # vLLM must compute at least the prompt's last token to sample from it.
         usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
-        beside = need > 0 and self._loads_beside_steps_for(state)
-        state.local_tokens = num_computed_tokens
+        beside = need > 0 and self._loads_beside_steps_for(state, num_computed_tokens)
+        state.local_tokens, state.beside_steps = num_computed_tokens, beside
         if need != state.logged_need:
             state.logged_need = need
+            how = ""
+            if beside:
+                host = min(state.host_until, usable)
+                how = ", beside the steps" + (
+                    f" (host memory up to token {host})" if host > num_computed_tokens else ""
+                )
             logger.info(
                 "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d (lookup %.1f ms)%s",
                 req_id,
@@ -174,14 +182,19 @@ class SchedulerSide:
                 hit,
                 need,
                 state.lookup_ms,
-                ", beside the steps" if beside else "",
+                how,
             )
         return need, beside
 
-    def _loads_beside_steps_for(self, state: _Request) -> bool:
-        """Whether a load of this request is granted beside the steps (load_kv_async). Blended
-        loads stay in the step: they compute as they load."""
-        return self.loads_beside_steps and state.segments is None
+    def _loads_beside_steps_for(self, state: _Request, start: int) -> bool:
+        """Whether a load of this request from token ``start`` is granted beside the steps
+        (load_kv_async). Under "auto" only a load crossing PCIe is: a copy from host memory
+        (~26 ms a 10,000-token document on the H200) then overlaps other requests' steps, while a
+        load from GPU memory (~1 ms) costs less than the step it would add. Blended loads stay in
+        the step: they compute as they load."""
+        if state.segments is not None or self.loads_beside_steps is False:
+            return False
+        return self.loads_beside_steps is True or min(state.host_until, state.hit or 0) > start
 
     def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
         """vLLM asks again about a request whose load beside the steps is done only when that load
@@ -259,15 +272,17 @@ class SchedulerSide:
             poll=state.asked,
         )
         state.asked = True
-        if long_wait and hit and not self.pulls_take_turns:  # a hit: its pull ended within the wait
+        if (
+            long_wait and hit is not None and hit.tokens and not self.pulls_take_turns
+        ):  # a hit: its pull ended within the wait
             after = time.monotonic()
             self._round_grace_until = after + min(after - now, ROUND_GRACE_MAX_S)
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
             return None
-        state.hit = hit
+        state.hit, state.host_until = hit.tokens, hit.host_until
         state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
-        return hit
+        return hit.tokens
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -276,7 +291,7 @@ class SchedulerSide:
         state.load_tokens = num_external_tokens
         if num_external_tokens == 0 and state.hit:
             self._released.append(request.request_id)  # nothing to load: the ranks may unpin
-        elif num_external_tokens and self._loads_beside_steps_for(state):
+        elif num_external_tokens and state.beside_steps:
             # Granted asynchronously: no step schedules the request until its load is done, so its
             # load goes into the next metadata with the blocks allocated for it here.
             state.block_ids = list(blocks.get_block_ids()[0])

@@ -224,7 +224,7 @@ class WorkerSide:
             device=first.device if first.is_cuda else None,
         )
         self._clock = _StepClock(self.engine, first.device if first.is_cuda else None)
-        if self.config.async_kv_loads and first.is_cuda:
+        if self.config.async_kv_loads is not False and first.is_cuda:  # True, or "auto": from host memory
             self._load_staging = self._make_load_staging(first.device, self.engine.storage.page_bytes)
         if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
             self.storage_events = StorageEventBuffer(self.tp_rank)
@@ -314,7 +314,12 @@ class WorkerSide:
                     logger.exception("peer pull for request %s failed; using the local hit", request.req_id)
             state.prefix = self._engine.pin_prefix(state.chunk_hashes)
             self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
-        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens)
+        # A GPU rank says how far loading the hit crosses PCIe (async_kv_loads "auto" loads that
+        # beside the steps); a CPU rank's loads cross no link.
+        host_until = state.prefix.host_until() if self.planes[0].is_cuda else 0
+        return LookupReply(
+            seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens, host_until=host_until
+        )
 
     def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
         """Which segments this rank holds whole in its local tiers, after pulling what they lack
