@@ -336,18 +336,27 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
         server.close()
 
 
-def test_under_auto_only_a_load_crossing_pcie_is_granted_beside_the_steps(engine_id, caplog):
-    """async_kv_loads "auto" (the default): a hit whose part to load some rank holds in host
-    memory goes beside the steps, one all in GPU memory (or already in vLLM's prefix cache up
-    to where the host part ends) loads in the step; with two ranks the furthest host part counts."""
+def test_under_auto_only_a_load_crossing_pcie_from_what_the_ranks_held_goes_beside_the_steps(engine_id, caplog):
+    """async_kv_loads "auto" (the default): a hit whose part to load some rank held in host
+    memory goes beside the steps; one all in GPU memory, already in vLLM's prefix cache up to
+    where the host part ends, or fetched for this lookup (a pull: the next one shares PCIe)
+    loads in the step. With two ranks the furthest host part counts, and either rank's fetch."""
     from types import SimpleNamespace
 
-    host_until = {"gpu": (0, 0), "host": (0, 256), "cached": (256, 256)}  # per request: rank 0's, rank 1's
+    # per request: (rank 0's host_until, rank 1's), and whether rank 1 fetched part of the hit
+    replies = {
+        "gpu": ((0, 0), False),
+        "host": ((0, 256), False),
+        "cached": ((256, 256), False),
+        "pulled": ((0, 512), True),
+    }
 
     def rank(r):
         def handle(request):
-            reply_until = host_until[request.req_id.split("-")[0]][r]
-            return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512, host_until=reply_until)
+            until, fetched = replies[request.req_id]
+            return LookupReply(
+                seq=request.seq, req_id=request.req_id, hit_tokens=512, host_until=until[r], fetched=fetched and r == 1
+            )
 
         return LookupServer(socket_path(engine_id, 0, r), handle)
 
@@ -356,15 +365,19 @@ def test_under_auto_only_a_load_crossing_pcie_is_granted_beside_the_steps(engine
     try:
         with caplog.at_level(logging.INFO):
             asked = {}
-            for name, computed in (("gpu-1", 0), ("host-1", 0), ("cached-1", 256)):
+            for name, computed in (("gpu", 0), ("host", 0), ("cached", 256), ("pulled", 0)):
                 request = SimpleNamespace(request_id=name, prompt_token_ids=list(range(600)))
                 while (answer := scheduler.get_num_new_matched_tokens(request, computed))[0] is None:
                     pass
                 asked[name] = answer
-        assert asked == {"gpu-1": (512, False), "host-1": (512, True), "cached-1": (256, False)}
-        assert "need to load: 512 (lookup" in caplog.text
+        assert asked == {"gpu": (512, False), "host": (512, True), "cached": (256, False), "pulled": (512, False)}
         assert re.search(
             r"need to load: 512 \(lookup [\d.]+ ms\), beside the steps \(host memory up to token 256\)", caplog.text
+        )
+        assert re.search(
+            r"need to load: 512 \(lookup [\d.]+ ms\), in the step \(host memory up to token 512, fetched for this"
+            r" lookup: the next pull shares PCIe\)",
+            caplog.text,
         )
     finally:
         scheduler.close()
@@ -478,7 +491,8 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
         server.close()
 
 
-def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_unknown(engine_id):
+def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_unknown(engine_id, monkeypatch):
+    import concurrent.futures
     from types import SimpleNamespace
 
     from lmcache_p2p.config import LMCacheConfig
@@ -508,6 +522,20 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
         assert again.hit_tokens == 64 and not again.unknown
         counters = side.engine.counters
         assert (counters.lookups, counters.lookup_tokens, counters.hit_tokens) == (1, 100, 64)
+        assert not again.fetched
+
+        # A lookup whose hit grew by a fetch (here the third chunk stored while "pulling") says
+        # so: async_kv_loads "auto" loads such a hit in the step. A CPU rank counts no host part.
+        def pulling(chunk_hashes):
+            side.engine.store(hashes[:3], side.planes, list(range(8)))
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(3)
+            return 64, done
+
+        monkeypatch.setattr(side.engine, "lookup_async", pulling)
+        request = LookupRequest(seq=2, req_id="p", fetch_missing=True, wait_s=1.0, hashes=pack_hashes(hashes))
+        pulled = side._on_lookup(request)
+        assert (pulled.hit_tokens, pulled.fetched, pulled.host_until) == (96, True, 0)
     finally:
         side.close()
 

@@ -4,8 +4,8 @@ vLLM asks "how many tokens of this prompt can you load" in the scheduler (Engine
 but the KV pages, the tiers and the peer client live in each TP rank's worker process. The
 scheduler side sends a :class:`LookupRequest` to every rank over a local ZMQ ``ipc://`` socket
 and takes the smallest answer (every rank must be able to load the prefix). A GPU rank also says
-where the part of its hit held in host memory ends, so that the scheduler can load a hit that
-crosses PCIe beside the steps (``async_kv_loads: auto``).
+where the part of its hit held in host memory ends, and whether it fetched part of the hit (a
+peer pull, the remote store), for ``async_kv_loads: auto`` to decide where the load runs.
 
 A rank answers at once from its local tiers, or, when the prefix continues on a peer, after the
 pull: within ``wait_s`` it answers the hit, past it it answers ``pending`` and keeps pulling, so a
@@ -62,15 +62,18 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     # Where the hit's last chunk held in host memory ends (tokens; 0: none): loading up to there
     # crosses PCIe. Only a rank whose KV cache is on a GPU counts it (a CPU engine's loads cross none).
     host_until: int = 0
+    fetched: bool = False  # part of the hit was fetched for this lookup (a peer pull, the remote store)
 
 
 @dataclass(frozen=True)
 class Hit:
-    """The ranks' answer to a lookup: the tokens every rank can load, and where the part of
-    them any rank holds in host memory ends (0: all in GPU memory, or a CPU engine)."""
+    """The ranks' answer to a lookup: the tokens every rank can load, where the part of them
+    any rank holds in host memory ends (0: all in GPU memory, or a CPU engine), and whether any
+    rank fetched part of them for this lookup."""
 
     tokens: int
     host_until: int = 0
+    fetched: bool = False
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -224,7 +227,8 @@ class LookupClient:
                 )
                 return Hit(0)
         tokens = min(a.hit_tokens for a in answers.values())
-        return Hit(tokens, min(tokens, max(a.host_until for a in answers.values())))
+        host_until = min(tokens, max(a.host_until for a in answers.values()))
+        return Hit(tokens, host_until, any(a.fetched for a in answers.values()))
 
     def lookup_segments(
         self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.config import AUTO, ConfigError, LMCacheConfig
 from lmcache_p2p.integration.vllm.blending import BlendPlanner
 from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents, kv_events_enabled
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path
@@ -56,6 +56,7 @@ class _Request:
     asked: bool = False  # the ranks were sent the hashes: later asks are polls by request id
     hit: int | None = None  # tokens the ranks can load; None until they all answered
     host_until: int = 0  # where the part of the hit some rank holds in host memory ends (0: none)
+    fetched: bool = False  # some rank fetched part of the hit for this lookup (a pull, the remote store)
     next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
     logged_need: int | None = None
     load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
@@ -169,12 +170,14 @@ class SchedulerSide:
         state.local_tokens, state.beside_steps = num_computed_tokens, beside
         if need != state.logged_need:
             state.logged_need = need
-            how = ""
+            how, host = "", min(state.host_until, usable)
             if beside:
-                host = min(state.host_until, usable)
                 how = ", beside the steps" + (
                     f" (host memory up to token {host})" if host > num_computed_tokens else ""
                 )
+            elif need and self.loads_beside_steps == AUTO and host > num_computed_tokens:
+                how = f", in the step (host memory up to token {host}, fetched for this lookup: "
+                how += "the next pull shares PCIe)"
             logger.info(
                 "Reqid: %s, Total tokens %d, LMCache hit tokens: %d, need to load: %d (lookup %.1f ms)%s",
                 req_id,
@@ -188,13 +191,17 @@ class SchedulerSide:
 
     def _loads_beside_steps_for(self, state: _Request, start: int) -> bool:
         """Whether a load of this request from token ``start`` is granted beside the steps
-        (load_kv_async). Under "auto" only a load crossing PCIe is: a copy from host memory
-        (~26 ms a 10,000-token document on the H200) then overlaps other requests' steps, while a
-        load from GPU memory (~1 ms) costs less than the step it would add. Blended loads stay in
-        the step: they compute as they load."""
+        (load_kv_async). Under "auto" only a load crossing PCIe from what the ranks held before
+        the lookup is: a copy from host memory (~26 ms a 10,000-token document on the H200) then
+        overlaps other requests' steps, while a load from GPU memory (~1 ms) costs less than the
+        step it would add, and a hit just pulled shares PCIe with the next request's pull (on the
+        H200 such loads beside the steps ran at 26-31 GB/s against 48 in the step; see
+        docs/architecture.md). Blended loads stay in the step: they compute as they load."""
         if state.segments is not None or self.loads_beside_steps is False:
             return False
-        return self.loads_beside_steps is True or min(state.host_until, state.hit or 0) > start
+        if self.loads_beside_steps is True:
+            return True
+        return not state.fetched and min(state.host_until, state.hit or 0) > start
 
     def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
         """vLLM asks again about a request whose load beside the steps is done only when that load
@@ -280,7 +287,7 @@ class SchedulerSide:
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
             return None
-        state.hit, state.host_until = hit.tokens, hit.host_until
+        state.hit, state.host_until, state.fetched = hit.tokens, hit.host_until, hit.fetched
         state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
         return hit.tokens
 

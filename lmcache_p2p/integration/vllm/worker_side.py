@@ -99,6 +99,7 @@ class _Lookup:
     num_tokens: int  # the prompt's length
     future: concurrent.futures.Future | None
     started: float
+    local_tokens: int = 0  # the hit in the local tiers when first asked, before any fetch
     prefix: PinnedPrefix | None = None
 
 
@@ -298,10 +299,10 @@ class WorkerSide:
             if request.hashes is None:  # a poll, but this rank lost the lookup (restart, expiry)
                 return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
             chunk_hashes = unpack_hashes(request.hashes)
-            future = None
+            future, local_tokens = None, 0
             if request.fetch_missing:
-                _, future = self._engine.lookup_async(chunk_hashes)
-            state = _Lookup(chunk_hashes, request.num_tokens, future, time.monotonic())
+                local_tokens, future = self._engine.lookup_async(chunk_hashes)
+            state = _Lookup(chunk_hashes, request.num_tokens, future, time.monotonic(), local_tokens)
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
@@ -314,11 +315,16 @@ class WorkerSide:
                     logger.exception("peer pull for request %s failed; using the local hit", request.req_id)
             state.prefix = self._engine.pin_prefix(state.chunk_hashes)
             self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
-        # A GPU rank says how far loading the hit crosses PCIe (async_kv_loads "auto" loads that
-        # beside the steps); a CPU rank's loads cross no link.
+        # A GPU rank says how far loading the hit crosses PCIe and whether it fetched part of it
+        # (async_kv_loads "auto" decides on both); a CPU rank's loads cross no link.
         host_until = state.prefix.host_until() if self.planes[0].is_cuda else 0
+        fetched = state.future is not None and state.prefix.num_tokens > state.local_tokens
         return LookupReply(
-            seq=request.seq, req_id=request.req_id, hit_tokens=state.prefix.num_tokens, host_until=host_until
+            seq=request.seq,
+            req_id=request.req_id,
+            hit_tokens=state.prefix.num_tokens,
+            host_until=host_until,
+            fetched=fetched,
         )
 
     def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
