@@ -283,8 +283,8 @@ class LMCacheConfig:
         AUTO,
         "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the "
         'request waits outside them until its copy is done, then computes in the next step; "auto": '
-        "where part of the load comes across PCIe from host memory (a GPU engine's CPU pool, disk, a "
-        "pull landed on the host), in the step where it is all in GPU memory or the engine runs on CPU",
+        "where the load crosses PCIe from what a GPU engine held in host memory before the lookup (its "
+        "CPU pool, disk); in the step where it is all in GPU memory, was just pulled, or on a CPU engine",
     )
     load_staging_mb: float = _key(
         _to_float,

@@ -279,9 +279,8 @@ class SchedulerSide:
             poll=state.asked,
         )
         state.asked = True
-        if (
-            long_wait and hit is not None and hit.tokens and not self.pulls_take_turns
-        ):  # a hit: its pull ended within the wait
+        # A hit after the idle round's long wait: its pull ended within the wait.
+        if long_wait and hit is not None and hit.tokens and not self.pulls_take_turns:
             after = time.monotonic()
             self._round_grace_until = after + min(after - now, ROUND_GRACE_MAX_S)
         if hit is None:
