@@ -465,15 +465,16 @@ def cmd_offload(args) -> dict:
     llm.generate([{"prompt_token_ids": p} for p in documents(args.model, 2, 512, first_seed=300)], params)  # warm-up
     from lmcache_p2p.config import LMCacheConfig
 
+    config = LMCacheConfig.load() if args.connector == "on" else None  # what the engine read from LMCACHE_*
     out = {
         "step": "offload",
         "connector": args.connector,
         "prompts": args.prompts,
         "tokens": args.tokens,
         "gpu_gb": args.gpu_gb,
-        "store_ctas": LMCacheConfig.load().store_ctas if args.connector == "on" else None,
+        "store_ctas": config.store_ctas if config else None,
         "use_layerwise": args.layerwise,
-        "async_kv_loads": LMCacheConfig.load().async_kv_loads if args.connector == "on" else None,
+        "async_kv_loads": config.async_kv_loads if config else None,
         "cuda_graphs": args.graphs,
         "set": dict(args.set) if args.connector == "on" else {},
     }

@@ -14,7 +14,8 @@
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
 #   peer-...@K=V,K=V  a peer step with config keys set on both engines (e2e.py --set), written
 #                as e.g. peer_tier@p2p_batch_chunks=16 (several variants side by side in one run);
-#                an item starting with -- is passed to e2e.py as it is (peer-tier@--graphs)
+#                an item starting with -- is passed to e2e.py as it is (peer-tier@--graphs), so an
+#                option with a value is one item: peer-base@--graphs,--repeats=2
 #   offload      seed 002's offload runs: connector off, on, on with use_layerwise
 #   offload-async    seed 002's offload runs with the connector on, then on with async_kv_loads
 #                (side by side, alternating twice)

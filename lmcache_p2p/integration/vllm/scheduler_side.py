@@ -166,16 +166,16 @@ class SchedulerSide:
         # vLLM must compute at least the prompt's last token to sample from it.
         usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
-        beside = need > 0 and self._loads_beside_steps_for(state, num_computed_tokens)
+        host = min(state.host_until, usable)  # loading [num_computed_tokens, usable) crosses PCIe up to here
+        from_host = host > num_computed_tokens
+        beside = need > 0 and self._loads_beside_steps_for(state, from_host)
         state.local_tokens, state.beside_steps = num_computed_tokens, beside
         if need != state.logged_need:
             state.logged_need = need
-            how, host = "", min(state.host_until, usable)
+            how = ""
             if beside:
-                how = ", beside the steps" + (
-                    f" (host memory up to token {host})" if host > num_computed_tokens else ""
-                )
-            elif need and self.loads_beside_steps == AUTO and host > num_computed_tokens:
+                how = ", beside the steps" + (f" (host memory up to token {host})" if from_host else "")
+            elif need and from_host and self.loads_beside_steps == AUTO:  # auto kept it: fetched
                 how = f", in the step (host memory up to token {host}, fetched for this lookup: "
                 how += "the next pull shares PCIe)"
             logger.info(
@@ -189,10 +189,10 @@ class SchedulerSide:
             )
         return need, beside
 
-    def _loads_beside_steps_for(self, state: _Request, start: int) -> bool:
-        """Whether a load of this request from token ``start`` is granted beside the steps
-        (load_kv_async). Under "auto" only a load crossing PCIe from what the ranks held before
-        the lookup is: a copy from host memory (~26 ms a 10,000-token document on the H200) then
+    def _loads_beside_steps_for(self, state: _Request, from_host: bool) -> bool:
+        """Whether a load of this request (``from_host``: part of it crosses PCIe) is granted
+        beside the steps (load_kv_async). Under "auto" only a load crossing PCIe from what the
+        ranks held before the lookup is: a copy from host memory (~26 ms a 10,000-token document on the H200) then
         overlaps other requests' steps, while a load from GPU memory (~1 ms) costs less than the
         step it would add, and a hit just pulled shares PCIe with the next request's pull (on the
         H200 such loads beside the steps ran at 26-31 GB/s against 48 in the step; see
@@ -201,7 +201,7 @@ class SchedulerSide:
             return False
         if self.loads_beside_steps is True:
             return True
-        return not state.fetched and min(state.host_until, state.hit or 0) > start
+        return from_host and not state.fetched
 
     def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
         """vLLM asks again about a request whose load beside the steps is done only when that load
