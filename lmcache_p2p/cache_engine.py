@@ -37,9 +37,12 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
 from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S, EngineCounters, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
-from lmcache_p2p.storage.manager import GPU, StorageManager
+from lmcache_p2p.storage.manager import CPU, DISK, GPU, StorageManager
+from lmcache_p2p.vocab import SOURCE_DEVICE, SOURCE_DISK, SOURCE_HOST
 
 logger = logging.getLogger(__name__)
+
+_SOURCE_OF_LOCATION = {GPU: SOURCE_DEVICE, CPU: SOURCE_HOST, DISK: SOURCE_DISK}
 
 
 class CacheEngine:
@@ -222,14 +225,17 @@ class CacheEngine:
         prompt's prefix (a blended prompt's segments)."""
         hashes = hash_list(chunk_hashes)
         hit = self.storage.lookup_prefix(hashes).num_chunks
-        return self._fetch_missing(hashes, hit) if hit < len(hashes) else hit
+        return self._fetch_missing(hashes, hit)[0] if hit < len(hashes) else hit
 
-    def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[int, concurrent.futures.Future | None]:
-        """The local hit now, and a future for fetching the rest (None when there is nothing to
-        fetch from); for schedulers that must not wait (``enable_async_loading``). The caller
-        counts the lookup (:meth:`count_lookup`) once its hit is final."""
+    def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[list[str], concurrent.futures.Future | None]:
+        """The local hit now, as the source of each leading chunk held here (``vocab``'s hit
+        sources), and a future for fetching the rest (None when there is nothing to fetch from);
+        for schedulers that must not wait (``enable_async_loading``). The future gives how many
+        chunks after the local hit came from peers; any held beyond those came from the remote
+        store. The caller counts the lookup (:meth:`count_lookup`) once its hit is final."""
         hashes = hash_list(chunk_hashes)
-        hit = self.storage.lookup_prefix(hashes).num_chunks
+        sources = self.local_sources(hashes)
+        hit = len(sources)
         future = None
         if hit < len(hashes):
             if self.storage.remote is None:
@@ -239,19 +245,32 @@ class CacheEngine:
                 if self._fetcher is None:
                     # Several: one slow peer pull or store must not queue every other request's fetch.
                     self._fetcher = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-fetch")
-                future = self._fetcher.submit(self._fetch_missing, hashes, hit)
-        return hit * self.chunk_size, future
+                future = self._fetcher.submit(lambda: self._fetch_missing(hashes, hit)[1] - hit)
+        return sources, future
 
-    def _fetch_missing(self, hashes: list[int], hit: int) -> int:
+    def local_sources(self, chunk_hashes: ChunkHashes) -> list[str]:
+        """Each leading chunk held in the local tiers, as the hit source a load reads it from
+        (the GPU tier, the CPU pool, the disk tier); the first chunk held nowhere ends the list."""
+        sources = []
+        for chunk_hash in hash_list(chunk_hashes):
+            location = self.storage.load_location(chunk_hash)
+            if location is None:
+                break
+            sources.append(_SOURCE_OF_LOCATION[location])
+        return sources
+
+    def _fetch_missing(self, hashes: list[int], hit: int) -> tuple[int, int]:
         """Peers first, then the remote store, for the chunks after the local ``hit``; returns
-        the leading chunks held locally afterwards. Peers come first because the controller's
-        index is exact and a peer's pages cross one link (NIXL, or tcp) with no server between;
-        the remote store serves what no live peer holds (the holder restarted or left)."""
+        the leading chunks held locally afterwards, and of those the ones held after the peers'
+        turn. Peers come first because the controller's index is exact and a peer's pages cross
+        one link (NIXL, or tcp) with no server between; the remote store serves what no live peer
+        holds (the holder restarted or left)."""
         if self.peers is not None and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S):
             hit = self.storage.lookup_prefix(hashes).num_chunks
+        after_peers = hit
         if self.storage.remote is not None and hit < len(hashes) and self.storage.fetch_remote_prefix(hashes[hit:]):
             hit = self.storage.lookup_prefix(hashes).num_chunks
-        return hit
+        return hit, after_peers
 
     # -- retrieve --------------------------------------------------------------------------------
 

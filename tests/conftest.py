@@ -43,10 +43,12 @@ def engine(tmp_path, tiny_model):
     """Start real vLLM CPU engines (the offline driver) with a config dict; stopped after the test."""
     started: list[InstanceProcess] = []
 
-    def start(config: dict, name: str = "engine", connector: bool = True) -> InstanceProcess:
-        proc = InstanceProcess(
-            config, tmp_path, name=name, command=offline_driver.command(tiny_model, connector=connector), env=ENGINE_ENV
-        ).start(timeout=240)
+    def start(
+        config: dict, name: str = "engine", connector: bool = True, args: tuple = (), env: dict | None = None
+    ) -> InstanceProcess:
+        command = offline_driver.command(tiny_model, *args, connector=connector)
+        env = {**ENGINE_ENV, **(env or {})}
+        proc = InstanceProcess(config, tmp_path, name=name, command=command, env=env).start(timeout=240)
         started.append(proc)
         return proc
 

@@ -15,7 +15,14 @@ import zmq
 
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.integration.vllm.kv_layout import UnsupportedKVLayout, block_planes, fingerprint
-from lmcache_p2p.integration.vllm.lookup_channel import Hit, LookupClient, LookupReply, LookupServer, socket_path
+from lmcache_p2p.integration.vllm.lookup_channel import (
+    Hit,
+    LookupClient,
+    LookupReply,
+    LookupServer,
+    socket_path,
+    unpack_sources,
+)
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.protocol import unpack_hashes
 
@@ -67,7 +74,7 @@ def test_the_scheduler_gets_the_smallest_answer_of_all_ranks_once_none_is_pendin
         return LookupServer(socket_path(engine_id, 0, r), handle)
 
     servers = [rank(0, 512), rank(1, 256)]
-    client = LookupClient([socket_path(engine_id, 0, r) for r in range(2)])
+    client = LookupClient([socket_path(engine_id, 0, r) for r in range(2)], 256)
     try:
         hashes = chunk_hash_array(np.arange(600, dtype=np.int32), 256)
         assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0) is None
@@ -84,7 +91,7 @@ def test_a_rank_that_does_not_answer_is_a_miss_and_its_late_answer_is_ignored(en
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=256)
 
     server = LookupServer(socket_path(engine_id, 0, 0), slow)
-    client = LookupClient([socket_path(engine_id, 0, 0)])
+    client = LookupClient([socket_path(engine_id, 0, 0)], 256)
     try:
         assert client.lookup("slow", HASHES, 300, False, 0.0, 0.2) == Hit(0)
         # the late answer to "slow" must not be taken for this one's
@@ -102,7 +109,7 @@ def test_the_lookup_server_survives_garbage_and_a_failing_handler(engine_id):
 
     path = socket_path(engine_id, 0, 0)
     server = LookupServer(path, handle)
-    client = LookupClient([path])
+    client = LookupClient([path], 256)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.connect(f"ipc://{path}")
     try:
@@ -524,18 +531,22 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
         assert (counters.lookups, counters.lookup_tokens, counters.hit_tokens) == (1, 100, 64)
         assert not again.fetched
 
-        # A lookup whose hit grew by a fetch (here the third chunk stored while "pulling") says
-        # so: async_kv_loads "auto" loads such a hit in the step. A CPU rank counts no host part.
+        assert unpack_sources(again.chunk_sources) == ("host", "host")  # both in the CPU pool
+
+        # A lookup whose hit grew by a fetch (here the third chunk stored while "pulling" it from
+        # a peer) says so: async_kv_loads "auto" loads such a hit in the step, and vLLM counts the
+        # chunk as a peer's. A CPU rank counts no host part.
         def pulling(chunk_hashes):
             side.engine.store(hashes[:3], side.planes, list(range(8)))
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(3)
-            return 64, done
+            done.set_result(1)  # one chunk came from a peer
+            return ["host", "host"], done
 
         monkeypatch.setattr(side.engine, "lookup_async", pulling)
         request = LookupRequest(seq=2, req_id="p", fetch_missing=True, wait_s=1.0, hashes=pack_hashes(hashes))
         pulled = side._on_lookup(request)
         assert (pulled.hit_tokens, pulled.fetched, pulled.host_until) == (96, True, 0)
+        assert unpack_sources(pulled.chunk_sources) == ("host", "host", "p2p")
     finally:
         side.close()
 

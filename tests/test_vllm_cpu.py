@@ -15,6 +15,7 @@ from conftest import ENGINE_ENV
 from instances import InstanceProcess, instance_config
 from protocol_client import ControllerProcess, wait_for
 
+from lmcache_p2p.integration.vllm import compat
 from lmcache_p2p.testing import offline_driver
 from lmcache_p2p.testing.ports import free_ports
 
@@ -85,6 +86,9 @@ def test_a_hit_loaded_beside_the_steps_gives_the_cold_output_and_a_failed_one_is
     log = eng.log()
     assert "beside the steps failed" in log and "will be recomputed" in log
     assert "its load beside the steps failed: looking it up again" in log
+    # vLLM >= 0.32 is told of a failed receive; older releases get the failed blocks.
+    failed_receive = "reported to vLLM as a failed receive" in log
+    assert failed_receive == compat.installed_release().release >= (0, 32)
     assert counters(eng)["retrieved_tokens"] == 4 * CHUNK  # the failed load counted nothing
 
     assert eng.request("corrupt")["chunks"] == 2

@@ -220,6 +220,13 @@ class StorageManager:
             return DISK
         return None
 
+    def load_location(self, chunk_hash: int) -> str | None:
+        """Where a load (``pin(gpu=True)``) reads the chunk from: the GPU tier's copy first, then
+        the CPU tier, then the disk tier; None when nowhere here."""
+        if self.gpu is not None and self.gpu.contains(self.key(chunk_hash)):
+            return GPU
+        return self.location_of(chunk_hash)
+
     def held_hashes(self, location: str) -> np.ndarray:
         """Every chunk hash of this layout held at ``location`` (a re-sync's full key set)."""
         tier = self._tier(location)

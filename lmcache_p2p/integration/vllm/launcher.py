@@ -8,8 +8,10 @@ its settings as usual from ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*``, so the seed'
 
     LMCACHE_CONFIG_FILE=cache_config.yaml lmcache_vllm serve MODEL --port 8000
 
-runs as written. A ``--kv-transfer-config`` given by the user is kept as it is (a warning says
-so when it does not name our connector).
+runs as written. A ``--kv-transfer-config`` given by the user is kept (a warning says so when it
+does not name our connector), but for the keys vLLM 0.32 removed from it (``kv_buffer_size``,
+``kv_rank``, ``kv_parallel_size``, ``kv_ip``: LMCache's TP examples still carry them, and vLLM
+0.32 and later refuse a config with them): on such a vLLM each is dropped with a WARNING naming it.
 
 :func:`vllm_server_command` is what the demo and the end-to-end tests start engines with.
 """
@@ -22,6 +24,8 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from lmcache_p2p.integration.vllm import compat
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +65,54 @@ def _option_name(arg: str) -> str:
     return "--" + arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
+def _drop_removed_keys(args: list[str]) -> list[str]:
+    """``args`` without the transfer-config keys vLLM 0.32 removed, each dropped with a WARNING:
+    from a JSON ``--kv-transfer-config`` value, and as dotted options
+    (``--kv-transfer-config.kv_rank 1``)."""
+    out: list[str] = []
+    dropped: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name = _option_name(arg)
+        if name == "--kv-transfer-config":
+            sub = arg.split("=", 1)[0].partition(".")[2].replace("-", "_")
+            has_value = "=" in arg
+            value = arg.split("=", 1)[1] if has_value else (args[i + 1] if i + 1 < len(args) else None)
+            step = 1 if has_value or value is None else 2
+            if sub in compat.REMOVED_TRANSFER_KEYS:  # a dotted key of its own
+                dropped.append(sub)
+                i += step
+                continue
+            if not sub and value is not None:
+                try:
+                    transfer = json.loads(value)
+                except json.JSONDecodeError:
+                    transfer = None  # vLLM names what is wrong with it
+                if isinstance(transfer, dict):
+                    removed = compat.drop_removed_transfer_keys(transfer)
+                    if removed:
+                        dropped += removed
+                        value = json.dumps(transfer)
+                        out += [f"{arg.split('=', 1)[0]}={value}"] if has_value else [arg, value]
+                        i += step
+                        continue
+        out.append(arg)
+        i += 1
+    for key in dropped:
+        logger.warning(
+            "--kv-transfer-config: dropped %s, which this vLLM no longer accepts (removed in 0.32; "
+            "lmcache-p2p never used it); delete it from your command",
+            key,
+        )
+    return out
+
+
 def serve_command(model: str, args: list[str]) -> list[str]:
     """The command ``lmcache_vllm serve MODEL ARGS`` runs."""
     extra = list(args)
+    if compat.refuses_removed_transfer_keys(compat.installed_release()):
+        extra = _drop_removed_keys(extra)
     given = {_option_name(a) for a in extra}
     if "--kv-transfer-config" in given:
         if "LMCacheConnectorV1" not in " ".join(extra):

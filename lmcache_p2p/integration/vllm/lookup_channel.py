@@ -33,6 +33,7 @@ import numpy as np
 import zmq
 
 from lmcache_p2p.protocol import pack_hashes
+from lmcache_p2p.vocab import HIT_SOURCES, SOURCE_REMOTE
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +64,53 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     # crosses PCIe. Only a rank whose KV cache is on a GPU counts it (a CPU engine's loads cross none).
     host_until: int = 0
     fetched: bool = False  # part of the hit was fetched for this lookup (a peer pull, the remote store)
+    # Each chunk of the hit's source (pack_sources): the tier it is loaded from, or p2p / the
+    # remote store where this lookup fetched it; vLLM counts hits by source.
+    chunk_sources: bytes = b""
+
+
+def pack_sources(sources: list[str]) -> bytes:
+    """Hit sources (``vocab.HIT_SOURCES`` names), one byte a chunk."""
+    return bytes(HIT_SOURCES.index(source) for source in sources)
+
+
+def unpack_sources(packed: bytes) -> tuple[str, ...]:
+    return tuple(HIT_SOURCES[i] if i < len(HIT_SOURCES) else SOURCE_REMOTE for i in packed)
+
+
+def merge_sources(per_rank: list[tuple[str, ...]], chunks: int) -> tuple[str, ...]:
+    """The hit's sources over the ranks: for each chunk the one farthest from the GPU (the ranks
+    load their shares of a chunk at once; the slowest one's tier is the chunk's)."""
+    if not any(per_rank):
+        return ()  # no rank said (a hit of nothing)
+    merged = []
+    for index in range(chunks):
+        known = [sources[index] for sources in per_rank if index < len(sources)]
+        merged.append(max(known, key=HIT_SOURCES.index) if known else SOURCE_REMOTE)
+    return tuple(merged)
 
 
 @dataclass(frozen=True)
 class Hit:
     """The ranks' answer to a lookup: the tokens every rank can load, where the part of them
-    any rank holds in host memory ends (0: all in GPU memory, or a CPU engine), and whether any
-    rank fetched part of them for this lookup."""
+    any rank holds in host memory ends (0: all in GPU memory, or a CPU engine), whether any
+    rank fetched part of them for this lookup, and each chunk's hit source."""
 
     tokens: int
     host_until: int = 0
     fetched: bool = False
+    sources: tuple[str, ...] = ()
+
+
+def tokens_by_source(sources: tuple[str, ...], start: int, end: int, chunk_size: int) -> dict[str, int]:
+    """How many of the tokens ``[start, end)`` came from each source, ``sources`` naming one a
+    chunk from token 0."""
+    counts: dict[str, int] = {}
+    for index, source in enumerate(sources):
+        overlap = min(end, (index + 1) * chunk_size) - max(start, index * chunk_size)
+        if overlap > 0:
+            counts[source] = counts.get(source, 0) + overlap
+    return counts
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -148,7 +185,8 @@ class LookupServer:
 class LookupClient:
     """Asks every TP rank of this engine; used by the scheduler-side connector."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], chunk_size: int):
+        self.chunk_size = chunk_size  # a reply's chunk_sources name one source per chunk of the hit
         self._ctx: zmq.Context = zmq.Context.instance()
         self._socks: list[zmq.Socket] = []
         for path in paths:
@@ -228,7 +266,9 @@ class LookupClient:
                 return Hit(0)
         tokens = min(a.hit_tokens for a in answers.values())
         host_until = min(tokens, max(a.host_until for a in answers.values()))
-        return Hit(tokens, host_until, any(a.fetched for a in answers.values()))
+        chunks = -(-tokens // self.chunk_size)
+        sources = merge_sources([unpack_sources(a.chunk_sources) for a in answers.values()], chunks)
+        return Hit(tokens, host_until, any(a.fetched for a in answers.values()), sources)
 
     def lookup_segments(
         self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float

@@ -78,3 +78,6 @@ class P2PConnectorMetadata(KVConnectorMetadata):
     # tokens it computes, and how many of those are prompt tokens (the rest are decodes).
     step_tokens: int = 0
     prefill_tokens: int = 0
+    # vLLM >= 0.32 runs start_load_kv after the forward pass when this step loads nothing in
+    # it: what must precede the forward then happens in handle_preemptions.
+    load_after_forward: bool = False

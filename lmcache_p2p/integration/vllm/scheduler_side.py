@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 
 from lmcache_p2p.config import AUTO, ConfigError, LMCacheConfig
+from lmcache_p2p.integration.vllm import compat
 from lmcache_p2p.integration.vllm.blending import BlendPlanner
 from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents, kv_events_enabled
-from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path
+from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path, tokens_by_source
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PConnectorMetadata, StoreSpec
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S
+from lmcache_p2p.vocab import SOURCE_REMOTE
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class _Request:
     hit: int | None = None  # tokens the ranks can load; None until they all answered
     host_until: int = 0  # where the part of the hit some rank holds in host memory ends (0: none)
     fetched: bool = False  # some rank fetched part of the hit for this lookup (a pull, the remote store)
+    sources: tuple[str, ...] = ()  # each chunk of the hit's source (vocab.HIT_SOURCES)
     next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
     logged_need: int | None = None
     load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
@@ -105,7 +108,7 @@ class SchedulerSide:
                 value=parallel.pipeline_parallel_size,
             )
         paths = [engine_socket_path(vllm_config, r) for r in range(parallel.tensor_parallel_size)]
-        self.client = LookupClient(paths)
+        self.client = LookupClient(paths, self.chunk_size)
         # Beyond the local tiers: peers (enable_p2p) and the remote store (remote_url).
         self.fetch_missing = config.enable_p2p or config.remote_url is not None
         self.async_loading = config.enable_async_loading
@@ -115,6 +118,9 @@ class SchedulerSide:
         self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
+        # Finished requests whose blocks wait for our store copies (request_finished said so),
+        # until the ranks report them sent: vLLM waits for these frees instead of preempting.
+        self._frees_pending: set[str] = set()
         # Our tiers' admits and evicts as vLLM KV events, when the engine publishes them.
         self.kv_events = (
             BlockEventMapper(self.chunk_size, self.block_size, parallel.tensor_parallel_size)
@@ -148,8 +154,8 @@ class SchedulerSide:
         if self.kv_events is not None and not state.remembered:
             self.kv_events.remember(state.chunk_hashes.tolist(), request)
             state.remembered = True
-        if not self.loads:
-            return 0, False
+        if not self.loads or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # (vLLM >= 0.32 also drops our answer for such a request)
         if state.retried_after > 1:
             return 0, False
         if state.loads_beside_steps > state.retried_after and not self._retry_beside_steps(req_id, state):
@@ -286,9 +292,22 @@ class SchedulerSide:
         if hit is None:
             state.next_poll = time.monotonic() + self.backoff_s
             return None
-        state.hit, state.host_until, state.fetched = hit.tokens, hit.host_until, hit.fetched
+        state.hit, state.host_until, state.fetched, state.sources = hit.tokens, hit.host_until, hit.fetched, hit.sources
         state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
         return hit.tokens
+
+    def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """The ``num_external_tokens`` granted for the request, split by where they came from
+        (``vocab.HIT_SOURCES``; vLLM >= 0.32 counts them as vllm:prompt_tokens_cached_by_source).
+        A blended load is not split by tier: it counts as the unspecified source."""
+        state = self._requests.get(req_id)
+        if not num_external_tokens or state is None:
+            return {}
+        start = state.local_tokens
+        counts = tokens_by_source(state.sources, start, start + num_external_tokens, self.chunk_size)
+        if state.segments is not None or sum(counts.values()) != num_external_tokens:
+            return {SOURCE_REMOTE: num_external_tokens}
+        return counts
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
@@ -309,6 +328,7 @@ class SchedulerSide:
         meta = P2PConnectorMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         meta.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
+        meta.load_after_forward = compat.loads_after_forward(scheduler_output)
         self._engine_busy = meta.step_tokens > 0
         self._idle_wait_taken = False  # build_connector_meta ends a scheduling round
         self._round_grace_until = None
@@ -329,7 +349,7 @@ class SchedulerSide:
             meta.prefill_tokens += _prompt_part(new_state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
 
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = self._resumed(cached)
+        resumed = set(cached.resumed_req_ids)
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
             if state is None:
@@ -344,28 +364,18 @@ class SchedulerSide:
             self._add_store(meta, req_id, state, computed + scheduled.get(req_id, 0))
             meta.prefill_tokens += _prompt_part(state, computed, scheduled.get(req_id, 0))
 
-        preempted = getattr(scheduler_output, "preempted_req_ids", None)
-        for req_id in preempted or ():
+        preempted = scheduler_output.preempted_req_ids or set()
+        for req_id in preempted:
             state = self._requests.get(req_id)
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.hit, state.logged_need, state.load_tokens = None, None, 0
                 state.asked = False  # the ranks dropped its lookup when they loaded or released it
                 state.loads_beside_steps, state.retried_after = 0, 0
         # A preempted request's blocks are freed at once, so copies of them still in flight must
-        # finish before this step writes anything. A vLLM that does not say which requests were
-        # preempted gets the fence on every step with stores in flight.
-        meta.fence_stores = bool(preempted) or not hasattr(scheduler_output, "preempted_req_ids")
+        # finish before this step writes anything.
+        meta.fence_stores = bool(preempted)
         meta.released, self._released = self._released, []
         return meta
-
-    @staticmethod
-    def _resumed(cached: Any) -> set:
-        ids = getattr(cached, "resumed_req_ids", None)  # vLLM >= 0.26
-        if ids is not None:
-            return set(ids)
-        flags = getattr(cached, "resumed_from_preemption", None) or []  # vLLM 0.25
-        # Without the flags (a vLLM that has neither), no request counts as resumed.
-        return {req_id for req_id, flag in zip(cached.req_ids, flags, strict=False) if flag}
 
     def _add_load(
         self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int, beside_steps: bool = False
@@ -430,7 +440,15 @@ class SchedulerSide:
         self._released.append(request.request_id)
         # A load beside the steps still copying into its blocks (an abort): they are freed once
         # the ranks report it done (get_finished's receiving side).
-        return state.stored or state.loading_beside_steps, None
+        delay_free = state.stored or state.loading_beside_steps
+        if state.stored:
+            self._frees_pending.add(request.request_id)
+        return delay_free, None
+
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests' blocks wait for our store copies (usually within a step): vLLM >=
+        0.32 waits for them rather than preempting a running request to find room."""
+        return bool(self._frees_pending)
 
     # -- KV events -------------------------------------------------------------------------------
 
@@ -438,6 +456,9 @@ class SchedulerSide:
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             self._forget_failed_loads(set(invalid))
+        for req_id in getattr(connector_output, "failed_recving", None) or ():  # vLLM >= 0.32
+            self._forget_failed_load(req_id)
+        self._frees_pending.difference_update(getattr(connector_output, "finished_sending", None) or ())
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             state = self._requests.get(req_id)
             if state is not None and state.loading_beside_steps:
@@ -454,19 +475,27 @@ class SchedulerSide:
         is stored, and not taken for held by the next store's cut."""
         for req_id, state in self._requests.items():
             first = next((i for i, block in enumerate(state.block_ids) if block in invalid), None)
-            if first is None:
-                continue
-            token = first * self.block_size // self.chunk_size * self.chunk_size
-            if (state.hit or 0) <= token and state.saved_upto <= token:
-                continue
-            logger.info(
-                "Reqid: %s, its load failed from token %d: the chunks from there are stored once recomputed",
-                req_id,
-                token,
-            )
-            if state.hit is not None:
-                state.hit = min(state.hit, token)
-            state.saved_upto = min(state.saved_upto, token)
+            if first is not None:
+                self._forget_failed_load(req_id, first * self.block_size)
+
+    def _forget_failed_load(self, req_id: str, from_token: int | None = None) -> None:
+        """The request's load failed from ``from_token`` (None: from where it started, a failed
+        receive): its hit and stored marks go back to the chunk holding that token."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        start = state.local_tokens if from_token is None else from_token
+        token = start // self.chunk_size * self.chunk_size
+        if (state.hit or 0) <= token and state.saved_upto <= token:
+            return
+        logger.info(
+            "Reqid: %s, its load failed from token %d: the chunks from there are stored once recomputed",
+            req_id,
+            token,
+        )
+        if state.hit is not None:
+            state.hit = min(state.hit, token)
+        state.saved_upto = min(state.saved_upto, token)
 
     def take_events(self) -> Iterable[Any]:
         return self.kv_events.take_events() if self.kv_events is not None else ()

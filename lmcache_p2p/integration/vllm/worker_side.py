@@ -42,10 +42,17 @@ from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
-from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, LookupServer, engine_socket_path
+from lmcache_p2p.integration.vllm.lookup_channel import (
+    LookupReply,
+    LookupRequest,
+    LookupServer,
+    engine_socket_path,
+    pack_sources,
+)
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.layerwise import LayerwiseLoad
 from lmcache_p2p.protocol import unpack_hashes
+from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
 from lmcache_p2p.worker import build_engine
 
 logger = logging.getLogger(__name__)
@@ -97,9 +104,11 @@ _ALL_PLANES = "all planes"
 class _Lookup:
     chunk_hashes: np.ndarray  # the prompt's, uint64: later polls name the request only
     num_tokens: int  # the prompt's length
+    # Each leading chunk held in the local tiers when first asked, before any fetch, as its hit
+    # source (vocab); and the fetch of the rest (its result: the chunks that came from peers).
+    local_sources: list[str]
     future: concurrent.futures.Future | None
     started: float
-    local_tokens: int = 0  # the hit in the local tiers when first asked, before any fetch
     prefix: PinnedPrefix | None = None
 
 
@@ -169,6 +178,8 @@ class WorkerSide:
         # async_kv_loads: loads beside the steps still copying, and requests to report as received.
         self._beside_steps: dict[str, _LoadBesideSteps] = {}
         self._received: set[str] = set()
+        # Of those, the ones that failed (in part or whole), with the blocks they left unloaded.
+        self._failed_receives: dict[str, list[int]] = {}
         self._load_staging: torch.Tensor | None = None  # their ring of chunk pages on the GPU (load_staging_mb)
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
@@ -299,10 +310,11 @@ class WorkerSide:
             if request.hashes is None:  # a poll, but this rank lost the lookup (restart, expiry)
                 return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
             chunk_hashes = unpack_hashes(request.hashes)
-            future, local_tokens = None, 0
             if request.fetch_missing:
-                local_tokens, future = self._engine.lookup_async(chunk_hashes)
-            state = _Lookup(chunk_hashes, request.num_tokens, future, time.monotonic(), local_tokens)
+                local_sources, future = self._engine.lookup_async(chunk_hashes)
+            else:
+                local_sources, future = self._engine.local_sources(chunk_hashes), None
+            state = _Lookup(chunk_hashes, request.num_tokens, local_sources, future, time.monotonic())
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
@@ -318,14 +330,36 @@ class WorkerSide:
         # A GPU rank says how far loading the hit crosses PCIe and whether it fetched part of it
         # (async_kv_loads "auto" decides on both); a CPU rank's loads cross no link.
         host_until = state.prefix.host_until() if self.planes[0].is_cuda else 0
-        fetched = state.future is not None and state.prefix.num_tokens > state.local_tokens
+        sources = self._hit_sources(state)
         return LookupReply(
             seq=request.seq,
             req_id=request.req_id,
             hit_tokens=state.prefix.num_tokens,
             host_until=host_until,
-            fetched=fetched,
+            fetched=any(source in (SOURCE_P2P, SOURCE_REMOTE) for source in sources),
+            chunk_sources=pack_sources(sources),
         )
+
+    def _hit_sources(self, state: _Lookup) -> list[str]:
+        """Where each chunk of the pinned hit came from: the tier it was in when first asked; a
+        chunk fetched after those from a peer (the fetch's result says how many) or else the
+        remote store; one that arrived otherwise (another request stored it) by where it is now."""
+        assert state.prefix is not None
+        held = len(state.prefix.chunks)
+        sources = state.local_sources[:held]
+        from_peers = 0
+        if state.future is not None and state.future.done() and not state.future.cancelled():
+            if state.future.exception() is None:
+                from_peers = int(state.future.result() or 0)
+            elif self._engine.storage.remote is None:  # a failed pull may still have landed some
+                from_peers = held
+        for index in range(len(sources), held):
+            if state.future is None:
+                location = self._engine.local_sources(state.chunk_hashes[index : index + 1])
+                sources.append(location[0] if location else SOURCE_HOST)
+            else:
+                sources.append(SOURCE_P2P if index - len(state.local_sources) < from_peers else SOURCE_REMOTE)
+        return sources
 
     def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
         """Which segments this rank holds whole in its local tiers, after pulling what they lack
@@ -387,6 +421,16 @@ class WorkerSide:
 
     # -- per step (model runner thread) ----------------------------------------------------------
 
+    def before_forward(self, meta: P2PConnectorMetadata) -> None:
+        """Before the step's forward pass, in every vLLM release: after a preemption the forward
+        may write blocks our store copies still read, so it is ordered after them; and where
+        start_load_kv comes only after the forward (vLLM >= 0.32, no load in the step), the
+        forward's clock starts here."""
+        if meta.fence_stores and self.engine is not None and self.planes and self.planes[0].is_cuda:
+            self.engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
+        if meta.load_after_forward and self._clock is not None:
+            self._clock.start(meta)
+
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
         engine = self._engine
         engine.poll_stores()
@@ -394,8 +438,6 @@ class WorkerSide:
             self._end_layerwise()
         self._failed_loads.clear()
         self._poll_step_loads()
-        if meta.fence_stores and self.planes and self.planes[0].is_cuda:
-            engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
         for req_id in meta.released:
             state = self._take_lookup(req_id)
             if state is not None:
@@ -452,7 +494,7 @@ class WorkerSide:
                 self._received.add(spec.req_id)
         if layerwise:
             self._start_layerwise(layerwise)
-        if self._clock is not None:
+        if self._clock is not None and not meta.load_after_forward:
             self._clock.start(meta)  # the forward pass starts now
 
     # -- loads beside the steps (async_kv_loads) --------------------------------------------------
@@ -485,9 +527,12 @@ class WorkerSide:
         self._beside_steps[spec.req_id] = _LoadBesideSteps(spec, prefix, plan, copy)
         return True
 
-    def finished_loads(self) -> set[str]:
-        """Requests whose load beside the steps is done (or failed: its blocks were reported for
-        recomputing): vLLM may schedule them now, or free the blocks of one it aborted."""
+    def finished_loads(self, report_failed_blocks: bool) -> tuple[set[str], set[str]]:
+        """Requests whose load beside the steps is done, and those whose load failed (in part or
+        whole): vLLM may schedule them now, or free the blocks of one it aborted. A failed one's
+        unloaded blocks go to ``take_load_errors`` with ``report_failed_blocks`` (vLLM < 0.32,
+        which recomputes from the first); without, vLLM is told of a failed receive (frees its
+        blocks and asks about the request afresh)."""
         done, self._received = self._received, set()
         for req_id, load in list(self._beside_steps.items()):
             if not load.copy.done():
@@ -505,7 +550,12 @@ class WorkerSide:
             elif plan.loaded_to < spec.end:
                 self._report_short_load(spec, plan.loaded_to)
             done.add(req_id)
-        return done
+        failed = {req_id for req_id in done if req_id in self._failed_receives}
+        for req_id in failed:
+            blocks = self._failed_receives.pop(req_id)
+            if report_failed_blocks:
+                self._load_errors.update(blocks)
+        return done - failed, failed
 
     # -- layer-wise loads ------------------------------------------------------------------------
 
@@ -644,7 +694,10 @@ class WorkerSide:
         block_size = self._engine.layout.block_size
         first, last = loaded_to // block_size, -(-spec.end // block_size)
         failed = spec.block_ids[first:last]
-        self._load_errors.update(failed)
+        if spec.beside_steps:  # reported with its receive (finished_loads)
+            self._failed_receives[spec.req_id] = failed
+        else:
+            self._load_errors.update(failed)
         self._failed_loads.add(spec.req_id)
         logger.warning(
             "request %s: loaded tokens [%d, %d) of the promised [%d, %d); %d block(s) will be recomputed",
