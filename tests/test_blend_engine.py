@@ -45,6 +45,7 @@ def prompts(tiny_model) -> tuple[list[int], list[int]]:
     return tuple(tokenizer.encode(text, add_special_tokens=False) for text in (one, other))  # type: ignore[return-value]
 
 
+@pytest.mark.engine
 def test_segments_stored_once_are_blended_in_another_order_and_a_full_blend_equals_a_prefill(engine, prompts):
     one, other = prompts
     eng = engine({**BASE, "enable_blending": True, "blend_recompute_ratios": [1.0]}, name="blend")
@@ -62,6 +63,7 @@ def test_segments_stored_once_are_blended_in_another_order_and_a_full_blend_equa
     assert eng.log().count("cached in 3 segment(s) reused") == 2
 
 
+@pytest.mark.engine
 def test_with_blending_off_a_prompt_of_segments_is_served_as_before(engine, prompts):
     """``enable_blending`` off (the default) changes nothing: vLLM builds its own Llama class,
     separators mean nothing, a repeated prompt is a prefix hit from the CPU tier, and every answer
@@ -77,6 +79,7 @@ def test_with_blending_off_a_prompt_of_segments_is_served_as_before(engine, prom
     assert f"Total tokens {len(one)}, LMCache hit tokens: {whole}, need to load: {whole}" in log
 
 
+@pytest.mark.engine
 def test_an_engine_pulls_the_segments_a_peer_stored_and_blends_them(engine, prompts):
     """Segment chunks are chunks like any other: the controller indexes them and a peer pulls
     them. Engine B has never seen these documents; it pulls the three segments engine A stored
@@ -104,6 +107,7 @@ def test_an_engine_pulls_the_segments_a_peer_stored_and_blends_them(engine, prom
         controller.stop()
 
 
+@pytest.mark.engine
 def test_an_engine_fetches_the_segments_another_stored_in_the_remote_store_and_blends_them(engine, prompts, lm_server):
     """Seed 001's remote tier serves segments like any chunk: engine A (no controller, no peers,
     only ``remote_url``) stores its three segments there; engine B has never seen these documents,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 def test_blending_through_the_engines_modules_equals_transformers(tiny_model):

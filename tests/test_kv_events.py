@@ -20,7 +20,7 @@ from protocol_client import wait_for
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.engine]
 
 CHUNK = 256
 KV_BYTES_PER_CHUNK = 2 * 2 * 128 * 4 * CHUNK  # the tiny model: 2 layers, K and V, 128 wide, fp32

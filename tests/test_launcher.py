@@ -48,6 +48,7 @@ def test_anything_but_serve_model_is_a_usage_error(argv):
     assert done.returncode == 2 and "expected `serve MODEL ...`" in done.stderr and "usage:" in done.stderr
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 def test_seed_001_two_instances_share_kv_through_lmcache_server(tmp_path, tiny_model, lm_server):
     from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, stream_completion

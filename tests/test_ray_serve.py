@@ -39,7 +39,7 @@ from lmcache_p2p.testing.ports import free_ports
 
 # Each test starts vLLM engines inside Ray on shared cores, and serve.run returns only once every
 # replica is up: in a full `make test` the two-replica test outran pytest's default 300 s once.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.ray, pytest.mark.serial]
 
 BIN = Path(sys.executable).parent
 SEED_YAML = Path(__file__).resolve().parent.parent / "configs" / "ray_serve.yaml"

@@ -12,6 +12,8 @@ from instances import instance_config
 from protocol_client import ControllerProcess, wait_for
 from remote_stores import store_url
 
+pytestmark = pytest.mark.engine
+
 CHUNK = 256
 PROMPT_TOKENS = 700  # two full chunks and a tail vLLM computes itself
 MAX_TOKENS = 12

@@ -20,7 +20,7 @@ from lmcache_p2p.router.tokenizer import LocalTokenizer
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.engine, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

@@ -10,39 +10,56 @@ import re
 
 import httpx
 import pytest
+import torch
 from conftest import ENGINE_ENV
 
 from lmcache_p2p.integration.vllm import compat
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_prompts, sample_text
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 CHUNK = 256
 
 
-def test_an_engine_runs_a_supported_vllm_and_preempted_requests_keep_their_outputs(engine, tiny_model):
-    """Four prompts of 260 tokens (a chunk each) generating 300 tokens in a KV cache of 12
-    blocks of 128 tokens: three start, each grows to five blocks, and vLLM preempts one while
-    our stores of them are in flight. Our connector is a best-effort cache, so vLLM keeps a
-    preempted request's output (requires_kv_delivery False); the batch run again, its chunks
-    now loaded from our CPU tier, gives the same tokens."""
+def _preempt_and_repeat(engine, tiny_model, num_blocks: int) -> dict:
+    """Four prompts of 260 tokens (a chunk each) generating 300 tokens in a KV cache of
+    ``num_blocks`` blocks: some start, grow, and vLLM preempts one while our stores of them are
+    in flight. The batch run again, its chunks now loaded from our CPU tier, gives the same
+    tokens. Returns the engine's info after the first batch."""
     eng = engine(
         {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25},
-        args=("--num-blocks", "12", "--max-model-len", "1024"),
+        args=("--num-blocks", str(num_blocks), "--max-model-len", "640"),
     )
-    info = eng.request("engine_info")
-    assert compat.VllmRelease(*info["vllm"].split(" ")).supported, info
-    assert info["requires_kv_delivery"] in (False, None), info  # None: a vLLM before the hook (0.25)
-    assert f"lmcache-p2p runs on {info['vllm']}" in eng.log()
-
     prompts = sample_prompts(tiny_model, 260, seeds=[21, 22, 23, 24])
     first = eng.request("generate_batch", prompts=prompts, max_tokens=300, timeout=300)
     assert first["preemptions"] > 0, "the batch fit: nothing was preempted"
     assert all(len(tokens) == 300 for tokens in first["outputs"])
+    info = eng.request("engine_info")
     again = eng.request("generate_batch", prompts=prompts, max_tokens=300, timeout=300)
     assert again["outputs"] == first["outputs"]
     assert eng.status()["engine"]["retrieved_tokens"] >= 4 * CHUNK  # the repeat loaded each prompt's chunk
+    assert f"lmcache-p2p runs on {info['vllm']}" in eng.log()
+    assert compat.VllmRelease(*info["vllm"].split(" ")).supported, info
+    return info
+
+
+def test_an_engine_runs_a_supported_vllm_and_preempted_requests_keep_their_outputs(engine, tiny_model):
+    """Our connector is a best-effort cache: vLLM's scheduler takes requires_kv_delivery False
+    from it, so a request preempted while our save of it is pending keeps its output in flight
+    rather than recomputing it. (On a CPU engine vLLM schedules synchronously, so nothing is in
+    flight to drop; the GPU test below has asynchronous scheduling.)"""
+    info = _preempt_and_repeat(engine, tiny_model, num_blocks=12)  # 12 CPU blocks of 128 tokens
+    assert info["requires_kv_delivery"] in (False, None), info  # None: a vLLM before the hook (0.25)
+    assert info["preemptions_keeping_output"] > 0 and info["preemptions_dropping_output"] == 0, info
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the H200 device)")
+def test_on_a_gpu_with_asynchronous_scheduling_a_preemption_drops_no_output_for_our_saves(engine, tiny_model):
+    info = _preempt_and_repeat(engine, tiny_model, num_blocks=60)  # 60 GPU blocks of 16 tokens
+    assert info["async_scheduling"] is True, info
+    assert info["preemptions_keeping_output"] > 0 and info["preemptions_dropping_output"] == 0, info
 
 
 def _cached_by_source(url: str) -> dict[str, float]:

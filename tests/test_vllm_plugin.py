@@ -21,6 +21,8 @@ import pytest
 import yaml
 from conftest import ENGINE_ENV
 
+pytestmark = pytest.mark.engine
+
 OURS = "lmcache_p2p.integration.vllm.connector.LMCacheConnectorV1"
 BUILTIN = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector.LMCacheConnectorV1"
 SWITCH = "LMC_P2P_CONNECTOR"

@@ -30,6 +30,8 @@ from lmcache_p2p.rpc import RpcClient
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
+pytestmark = pytest.mark.engine
+
 CHUNK = 256
 CPU = "LocalCPUBackend"
 

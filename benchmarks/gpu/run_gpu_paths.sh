@@ -9,6 +9,12 @@
 #   kernels      build (or load) csrc's kernels, timed; the device checksum of a document, kernel vs torch
 #   tests        the GPU-marked tests of the tier, layer-wise loads, staging, the store and the kernels
 #   tests-loads  of those, the kernels', layer-wise loads' and loads beside the steps' only
+#   tests-engines  the GPU tests that start vLLM engines: loads beside the steps, preemption under
+#                asynchronous scheduling, the TP=2 pair (two GPUs)
+#   tests-v1     loads beside the steps and the preemption test on vLLM's V1 model runner
+#                (VLLM_USE_V2_MODEL_RUNNER=0; V2 is the default on GPUs)
+#   pd           seed 000's prefill/decode through MultiConnector (benchmarks/gpu/pd.py)
+#   tp           two TP=2 engines sharing KV rank by rank (benchmarks/bench_tp.py; two GPUs)
 #   peer-base    e2e peer, both engines on GPU 0, no GPU tier (12 documents x 3 repeats)
 #   peer-tier    the same with a 16 GB GPU tier on each engine
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
@@ -40,7 +46,7 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
     $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
-[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads tests-engines tests-v1 pd tp peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 : > "$W/status"  # this run's steps only (--poll waits for its "all done")
@@ -87,6 +93,13 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
       > "$W/gpu_tests.txt" 2>&1 ;;
     tests-loads) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_gpu_async_loads.py \
       tests/test_layerwise.py > "$W/gpu_tests_loads.txt" 2>&1 ;;
+    tests-engines) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_async_loads.py tests/test_vllm_hooks.py \
+      tests/test_gpu_tp.py > "$W/gpu_tests_engines.txt" 2>&1 ;;
+    tests-v1) VLLM_USE_V2_MODEL_RUNNER=0 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_async_loads.py \
+      tests/test_vllm_hooks.py > "$W/gpu_tests_v1.txt" 2>&1 ;;
+    pd) model && $PY benchmarks/gpu/pd.py --model "$MODEL" --workdir "$W/pd$AGAIN" "$@" > "$W/pd$AGAIN.json" 2> "$W/pd$AGAIN.log" ;;
+    tp) model && $PY benchmarks/bench_tp.py --tp 2 --gpu-util 0.4 --model "$MODEL" --dtype bfloat16 --channel nixl \
+      --prompts 5 --words 7000 --gap-s 1 > "$W/tp$AGAIN.json" 2> "$W/tp$AGAIN.log" ;;
     peer-base) peer "peer_base$VARIANT" 0,0 "$@" ;;
     peer-tier) peer "peer_tier$VARIANT" 0,0 "${TIER[@]}" "$@" ;;
     peer-base-2) peer "peer_base_2$VARIANT" 0,1 "$@" ;;

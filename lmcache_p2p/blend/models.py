@@ -87,7 +87,7 @@ def hf_prefill_kv(model: Any, token_ids: torch.Tensor) -> tuple[list[torch.Tenso
     """A plain prefill's KV of ``token_ids`` (positions 0..T-1) by transformers itself: per layer
     [T, kv_heads, head_dim] keys (rotated) and values."""
     out = model(input_ids=token_ids[None], use_cache=True)
-    cache = out.cache  # transformers >= 5.24 (past_key_values before)
+    cache = getattr(out, "cache", None) or out.past_key_values  # transformers >= 5.24 names it cache
     layers = cache.layers if hasattr(cache, "layers") else None
     keys, values = [], []
     for i in range(model.config.num_hidden_layers):

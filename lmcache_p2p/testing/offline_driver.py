@@ -21,8 +21,10 @@ stderr). Operations:
   prompt's ``token_ids``) and ``preemptions`` (vLLM's count during the batch): every prompt at
   once, as an engine under load runs them;
 * ``{"op": "engine_info"}`` -> the vLLM release (``vllm``), its model runner class
-  (``model_runner``), and what its scheduler took from our connector (``requires_kv_delivery``)
-  and whether it schedules asynchronously (``async_scheduling``);
+  (``model_runner``), what its scheduler took from our connector (``requires_kv_delivery``),
+  whether it schedules asynchronously (``async_scheduling``), and how many preemptions so far
+  dropped a request's output in flight or kept it (``preemptions_dropping_output``,
+  ``preemptions_keeping_output``);
 * ``{"op": "status"}`` -> the cache engine's status (tiers, counters, worker);
 * ``{"op": "flush"}`` waits for disk writes and the controller reports;
 * ``{"op": "quit"}``.
@@ -106,10 +108,31 @@ def _generate_batch(llm, request: dict) -> dict:
     return {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "preemptions": _preemptions(llm) - before}
 
 
+def _engine_core(llm):
+    return llm.llm_engine.engine_core.engine_core  # in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0
+
+
+# How vLLM's scheduler preempted (vLLM >= 0.27 drops a preempted request's output in flight where
+# its connector requires KV delivery); counted by a wrapper around Scheduler._preempt_request.
+_PREEMPT_CALLS = {"dropping_output": 0, "keeping_output": 0}
+
+
+def _watch_preemptions(llm) -> None:
+    scheduler = _engine_core(llm).scheduler
+    preempt = scheduler._preempt_request
+
+    def counted(request, timestamp, *args, **kwargs):
+        dropping = bool(kwargs.get("drop_stale_output", args[0] if args else False))
+        _PREEMPT_CALLS["dropping_output" if dropping else "keeping_output"] += 1
+        return preempt(request, timestamp, *args, **kwargs)
+
+    scheduler._preempt_request = counted
+
+
 def _engine_info(llm) -> dict:
     from lmcache_p2p.integration.vllm.compat import installed_release
 
-    core = llm.llm_engine.engine_core.engine_core  # in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0
+    core = _engine_core(llm)
     worker = core.model_executor.driver_worker
     runner = getattr(getattr(worker, "worker", worker), "model_runner", None)
     return {
@@ -117,6 +140,7 @@ def _engine_info(llm) -> dict:
         "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
         "requires_kv_delivery": getattr(core.scheduler, "requires_kv_delivery", None),
         "async_scheduling": bool(core.vllm_config.scheduler_config.async_scheduling),
+        **{f"preemptions_{k}": v for k, v in _PREEMPT_CALLS.items()},
     }
 
 
@@ -184,6 +208,7 @@ def main(argv=None) -> None:
         seed=0,
         disable_log_stats=False,
     )
+    _watch_preemptions(llm)
     jsonlines.answer(answers, {"ok": True, "ready": True})
     try:
         jsonlines.serve(handler(llm), sys.stdin, answers)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On the GPU machine, after stage_vllm.sh's parts were copied to /tmp/gpu: check and unpack them,
+# install every wheel without its dependencies into /tmp/gpu/site (ahead of the image's packages
+# on PYTHONPATH, so a carried torch replaces the image's), and write /tmp/gpu/env.sh. The project
+# runs from the working tree: its vLLM plugin entry point and console scripts are put beside it.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+cd /tmp/gpu
+if ls wheels.part* > /dev/null 2>&1; then
+  cat $(ls wheels.part* | sort) > wheels.tar
+  echo "$(cat wheels.sha256)  wheels.tar" | sha256sum -c --quiet -
+  rm -f wheels.part*
+  mkdir -p wheels && tar -C wheels -xf wheels.tar && rm wheels.tar
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu/site wheels/*.whl
+# nixl_cu13 installs its module as nixl_cu13; the code imports nixl (PyPI's meta package would).
+[ -d /tmp/gpu/site/nixl_cu13 ] && ln -sfn nixl_cu13 /tmp/gpu/site/nixl
+# The project's plugin entry point (vLLM finds general plugins through distribution metadata)
+# and its console scripts, for a checkout on PYTHONPATH.
+meta=/tmp/gpu/site/lmcache_p2p-0.0.0.dist-info
+mkdir -p "$meta" /tmp/gpu/bin
+printf 'Metadata-Version: 2.1\nName: lmcache-p2p\nVersion: 0.0.0\n' > "$meta/METADATA"
+printf '[vllm.general_plugins]\nlmcache_p2p = lmcache_p2p.integration.vllm.plugin:register\n' > "$meta/entry_points.txt"
+for script in lmcache_controller:lmcache_p2p.controller.cli lmcache-p2p:lmcache_p2p.cli \
+  lmcache_server:lmcache_p2p.remote.server lmcache_vllm:lmcache_p2p.integration.vllm.launcher \
+  lmcache_router:lmcache_p2p.router.cli; do
+  printf '#!/bin/sh\nexec python3 -c "import sys; from %s import main; sys.exit(main())" "$@"\n' "${script#*:}" \
+    > "/tmp/gpu/bin/${script%%:*}"
+  chmod +x "/tmp/gpu/bin/${script%%:*}"
+done
+cat > /tmp/gpu/env.sh <<ENV
+export PYTHONPATH=$here:/tmp/gpu/site\${PYTHONPATH:+:\$PYTHONPATH} PATH=/tmp/gpu/bin:\$PATH
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+ENV
+source /tmp/gpu/env.sh
+python3 -c "import torch, vllm; print('installed: vLLM', vllm.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.is_available())"
