@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import socket
 import string
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from lmcache_p2p import logs
 from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
 from lmcache_p2p.remote.url import RemoteUrl, parse_remote_url
 
@@ -478,6 +480,13 @@ class LMCacheConfig:
 
     def validate(self) -> None:
         """Checks that need no knowledge of the engine (TP size comes later: validate_for_tp)."""
+        for name in _config_fields():
+            # nan passes no comparison and inf every "> 0": both pass the checks below and fail
+            # later (an OverflowError sizing a pool, a heartbeat that spins, every pull skipped).
+            value = getattr(self, name)
+            numbers = value if isinstance(value, list) else [value]
+            if any(isinstance(x, float) and not math.isfinite(x) for x in numbers):
+                raise self._err(name, "expected a finite number, not nan or infinity")
         if self.remote_serde not in _LMCACHE_SERDES:
             others = ", ".join(sorted(_LMCACHE_SERDES - {REMOTE_SERDE}))
             raise self._err("remote_serde", f'expected "{REMOTE_SERDE}" (raw pages; LMCache\'s {others} load as naive)')
@@ -541,13 +550,13 @@ class LMCacheConfig:
         backoff = self.extra_config.get("lookup_backoff_time")
         if backoff is not None:
             try:
-                ok = _to_float(backoff) >= 0
+                ok = 0 <= _to_float(backoff) < math.inf
             except _Invalid:
                 ok = False
             if not ok:
                 raise ConfigError(
                     "extra_config.lookup_backoff_time",
-                    "expected seconds >= 0",
+                    "expected seconds >= 0 (a finite number)",
                     value=backoff,
                     source=self.sources.get("extra_config"),
                 )
@@ -767,6 +776,10 @@ _NON_CONFIG_ENV = {
     "KERNEL_CACHE",
 }
 _NON_CONFIG_ENV_PREFIXES = ("EC_",)  # LMCache's extra-config variables
+# The controller's and lmcache_router's own variables (controller/settings.py, router/cli.py): an
+# engine started from the shell that runs them inherits them, and they are no engine setting.
+# (LMCACHE_MESH_SECRET is one of ours too: the mesh_secret key.)
+_SERVICE_ENV = {"API_TOKEN": "the controller's and lmcache_router's HTTP API token"}
 
 
 def _read_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
@@ -775,7 +788,14 @@ def _read_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         if not var.startswith(ENV_PREFIX):
             continue
         suffix = var[len(ENV_PREFIX) :]
+        if var == logs.LOG_LEVEL_ENV and logs.env_level(env) is None:
+            raise ConfigError(
+                "log_level", f"expected a log level: {logs.LEVEL_NAMES}", value=value, source=f"env {var}"
+            )
         if suffix in _NON_CONFIG_ENV or suffix.startswith(_NON_CONFIG_ENV_PREFIXES):
+            continue
+        if suffix in _SERVICE_ENV:
+            logger.debug("%s is %s, not an engine setting: ignored here", var, _SERVICE_ENV[suffix])
             continue
         out[suffix.lower()] = (value, f"env {var}")
     return out

@@ -2,7 +2,8 @@
 
 The lines users follow (``Storing KV cache for ...``, ``LMCache hit tokens: ...``, ``Retrieved ...``)
 must reach the engine's stderr even though vLLM sets up handlers for the ``vllm`` namespace only.
-``LMCACHE_LOG_LEVEL`` (default INFO) sets the level.
+``LMCACHE_LOG_LEVEL`` (default INFO) sets the level; a name that is no level is refused with the
+configuration (config.py), as any bad ``LMCACHE_*`` value is, and logs at INFO meanwhile.
 
 :class:`RateLimitedLog` keeps lines that a remote sender can trigger (a bad frame, a refused
 registration) to one per key per interval, counting the rest.
@@ -15,20 +16,40 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 _FORMAT = "[%(asctime)s] LMCache %(levelname)s: %(message)s (%(filename)s:%(lineno)d:%(name)s)"
 
+LOG_LEVEL_ENV = "LMCACHE_LOG_LEVEL"
+LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "WARN": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+}
+LEVEL_NAMES = "DEBUG, INFO, WARNING, ERROR or CRITICAL"
+
+
+def env_level(env: Mapping[str, str] | None = None) -> int | None:
+    """``LMCACHE_LOG_LEVEL``'s level (any case; INFO when unset or empty), None for a name that
+    is no level."""
+    raw = (os.environ if env is None else env).get(LOG_LEVEL_ENV, "").strip().upper()
+    return LEVELS.get(raw or "INFO")
+
 
 def ensure_handler() -> None:
-    """Give the ``lmcache_p2p`` logger a stderr handler unless it (or the root) already has one."""
+    """Give the ``lmcache_p2p`` logger a stderr handler unless it (or the root) already has one.
+    Never raises: the plugin calls it before choosing the connector, and a bad level must not
+    make that choice (the connector refuses the level with the rest of its configuration)."""
     logger = logging.getLogger("lmcache_p2p")
     if logger.handlers or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("LMCACHE_LOG_LEVEL", "INFO").upper())
+    logger.setLevel(env_level() or logging.INFO)
     logger.propagate = False
 
 

@@ -182,6 +182,21 @@ def test_lmcache_switches_that_are_not_config_keys_are_left_alone():
     assert cfg.chunk_size == 128
 
 
+def test_the_controllers_and_routers_own_variables_are_not_engine_keys(caplog):
+    """An engine started from the shell that runs the controller or lmcache_router inherits their
+    variables: the documented token must not stop it as an "unknown configuration key"."""
+    from lmcache_p2p.controller.settings import API_TOKEN_ENV as CONTROLLER_TOKEN
+    from lmcache_p2p.router.cli import API_TOKEN_ENV as ROUTER_TOKEN
+
+    token = "s3cret-token-of-the-controller"
+    with caplog.at_level(logging.DEBUG, logger="lmcache_p2p.config"):
+        cfg = load({CONTROLLER_TOKEN: token, ROUTER_TOKEN: token, "LMCACHE_CHUNK_SIZE": "128"})
+    assert cfg.chunk_size == 128
+    assert len(caplog.records) <= 1 and token not in caplog.text
+    with pytest.raises(ConfigError, match="unknown configuration key"):  # a typo of a key still is one
+        load({"LMCACHE_API_TOKN": token})
+
+
 # -- bad values name key, value, source and expectation ---------------------------------------
 
 
@@ -283,6 +298,28 @@ def test_each_bad_value_is_a_config_error_naming_the_key(env, key):
     with pytest.raises(ConfigError) as e:
         load(env)
     assert e.value.key == key and str(e.value).startswith(key)
+
+
+def _float_keys() -> list[str]:
+    """Every key whose value is a number or a list of numbers (a key added later is covered too)."""
+    return [f.name for f in config_mod._config_fields().values() if "float" in str(f.type)]
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "NaN", "Infinity"])
+def test_no_number_key_takes_nan_or_infinity(raw):
+    """A nan or infinite size, heartbeat or rate passes every "> 0" check and fails later: an
+    OverflowError at engine start, a heartbeat loop that spins, every pull skipped."""
+    keys = _float_keys()
+    assert {"max_local_cpu_size", "lmcache_worker_heartbeat_time", "prefill_tokens_per_s"} <= set(keys), keys
+    for key in keys:
+        var = f"LMCACHE_{key.upper()}"
+        with pytest.raises(ConfigError) as e:
+            load({var: raw, "LMCACHE_LOCAL_DISK": "file:///tmp/d"} if key == "max_local_disk_size" else {var: raw})
+        assert e.value.key == key, (key, str(e.value))
+        assert str(e.value).startswith(f"{key}=") and f"env {var}" in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load({"LMCACHE_EXTRA_CONFIG": f'{{"lookup_backoff_time": "{raw}"}}'})
+    assert e.value.key == "extra_config.lookup_backoff_time"
 
 
 def test_async_kv_loads_is_auto_unless_set_and_reads_yaml_and_env_spellings(tmp_path):

@@ -649,3 +649,199 @@ def test_the_thread_switch_interval_is_shortened_on_a_gpu_engine_unless_set_and_
             assert "0.50 ms -> 5.00 ms (switch_interval_ms)" in caplog.text
     finally:
         sys.setswitchinterval(before)
+
+
+def _engine_config(transfer):
+    """A VllmConfig's parts the scheduler side and vLLM's MultiConnector read, around vLLM's real
+    KVTransferConfig."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16),
+        kv_transfer_config=transfer,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+
+
+def test_the_load_failure_policy_is_set_to_recompute_and_the_log_says_what_was_done(caplog):
+    """vLLM's default 'fail' would end a request whose hit of ours fails to load. A KVTransferConfig
+    does not record whether 'fail' was given or defaulted, so the rewrite is logged as such."""
+    from vllm.config import KVTransferConfig
+
+    from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
+
+    for given in ({}, {"kv_load_failure_policy": "recompute"}):
+        transfer = KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both", **given)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lmcache_p2p"):
+            SchedulerSide(_engine_config(transfer), LMCacheConfig.from_dict({"chunk_size": 256})).close()
+        assert transfer.kv_load_failure_policy == "recompute"
+        policy = [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+        if given:
+            assert not policy  # nothing was changed: nothing to say
+            continue
+        (line,) = policy
+        assert line.levelno == logging.INFO
+        assert "kv_load_failure_policy is 'recompute' (was 'fail'" in line.getMessage()
+        assert "vLLM's default" in line.getMessage()
+
+
+def test_under_multiconnector_the_top_level_policy_is_named_in_one_warning(monkeypatch, caplog):
+    """vLLM's MultiConnector hands each child a fresh KVTransferConfig, and its scheduler reads the
+    top-level one: setting the child's would change nothing while the log said it did."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    for var in [v for v in __import__("os").environ if v.startswith("LMCACHE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "256")
+    ours = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    ours["kv_connector_module_path"] = "lmcache_p2p.integration.vllm"  # not the plugin's registry
+    for top_level in ({}, {"kv_load_failure_policy": "recompute"}):
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"connectors": [ours]},
+            **top_level,
+        )
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lmcache_p2p"):
+            multi = MultiConnector(_engine_config(transfer), KVConnectorRole.SCHEDULER, None)
+        multi.shutdown()
+        policy = [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+        if top_level:
+            assert not policy, [r.getMessage() for r in policy]
+            continue
+        assert transfer.kv_load_failure_policy == "fail"  # the scheduler's: not ours to set
+        (line,) = policy
+        assert line.levelno == logging.WARNING
+        assert "MultiConnector" in line.getMessage()
+        assert '"kv_load_failure_policy": "recompute"' in line.getMessage()
+        assert "top-level" in line.getMessage()
+
+
+def test_the_seed_multiconnector_config_asks_vllm_to_recompute_failed_loads_at_the_top_level():
+    from vllm.config import KVTransferConfig
+
+    from lmcache_p2p.testing.pd_proxy import seed_kv_transfer_config
+
+    config = seed_kv_transfer_config(kv_buffer_device="cpu")
+    assert KVTransferConfig(**config).kv_load_failure_policy == "recompute"  # what vLLM's scheduler reads
+    for child in config["kv_connector_extra_config"]["connectors"]:
+        assert KVTransferConfig(**child, engine_id="e")  # each child still a valid KVTransferConfig
+
+
+def test_when_one_tp_rank_can_load_nothing_the_others_drop_their_lookup_pins_at_the_next_step(engine_id):
+    """The scheduler takes the smallest answer over the ranks; at 0 the engine loads nothing, so
+    what the other ranks pinned for the lookup must go now, not when the request finishes."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(model="tiny"),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, data_parallel_rank=0),
+    )
+    rank0 = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 256, "max_local_cpu_size": 0.01}))
+    rank0.register_kv_caches({f"layer.{i}": torch.randn(40, 2, 16, 2, 4) for i in range(2)})
+    rank1 = LookupServer(  # holds none of the prompt (evicted, restarted)
+        socket_path(engine_id, 0, 1), lambda r: LookupReply(seq=r.seq, req_id=r.req_id, hit_tokens=0)
+    )
+    scheduler = _scheduler(engine_id, tp_size=2)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(600)))
+    storage = rank0._engine.storage
+    try:
+        assert rank0._engine.store(chunk_hash_array(request.prompt_token_ids, 256)[:2], rank0.planes, list(range(32)))
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert storage.cpu.pins_held == 2  # rank 0 pinned its 512 tokens for a load that will not come
+        scheduler.update_state_after_alloc(request, None, 0)
+        meta = scheduler.build_connector_meta(_step([], {"r": 600}))
+        assert meta.released == ["r"]
+        rank0.start_load_kv(meta)
+        assert storage.cpu.pins_held == 0
+    finally:
+        scheduler.close()
+        rank1.close()
+        rank0.close()
+
+
+def test_engines_whose_ids_share_a_prefix_get_lookup_sockets_of_their_own(engine_id):
+    """Ids such as vLLM's or Ray Serve's replicas' may share a long prefix: the path must differ
+    with any character of the id, and stay within the 107 bytes of a Unix socket path."""
+    first, second = f"prefill-replica-{engine_id}-0", f"prefill-replica-{engine_id}-1"
+    paths = {socket_path(e, dp, tp) for e in (first, second) for dp in (0, 1) for tp in (0, 1)}
+    assert len(paths) == 8
+    assert all(len(p.encode()) <= 107 for p in paths)
+    assert socket_path(first, 0, 0) == socket_path(first, 0, 0)  # both halves derive the same one
+
+
+def test_a_lookup_server_refuses_a_live_socket_and_takes_over_only_a_stale_one(engine_id):
+    import socket as sockets
+
+    path = socket_path(engine_id, 0, 0)
+    live = LookupServer(path, lambda r: LookupReply(seq=r.seq, req_id=r.req_id, hit_tokens=256))
+    client = LookupClient([path], 256)
+    try:
+        with pytest.raises(OSError) as refused:
+            LookupServer(path, lambda r: LookupReply(seq=r.seq, req_id=r.req_id, hit_tokens=0))
+        assert path in str(refused.value) and "another live process" in str(refused.value)
+        assert client.lookup("r", HASHES, 300, False, 0.0, 2.0) == Hit(256)  # the first still answers
+    finally:
+        client.close()
+        live.close()
+    # A socket file whose process is gone (killed before it could remove it): taken over.
+    dead = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()
+    assert __import__("os").path.exists(path)
+    server = LookupServer(path, lambda r: LookupReply(seq=r.seq, req_id=r.req_id, hit_tokens=256))
+    client = LookupClient([path], 256)
+    try:
+        assert client.lookup("r", HASHES, 300, False, 0.0, 2.0) == Hit(256)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_an_unknown_log_level_keeps_our_connector_and_is_refused_like_any_bad_lmcache_value(monkeypatch):
+    """LMCACHE_LOG_LEVEL=verbose once made the plugin fail and leave LMCacheConnectorV1 to vLLM's
+    built-in one (the original LMCache); now ours is chosen and its configuration names the value."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from lmcache_p2p.config import ConfigError, LMCacheConfig
+    from lmcache_p2p.integration.vllm import plugin
+
+    # This process's registry, plugin decision and loggers are put back after the test. The
+    # plugin sets a handler up only where nothing logs yet (as in vLLM's processes), not under pytest's.
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    monkeypatch.setattr(plugin, "_decision", None)
+    ours = logging.getLogger("lmcache_p2p")
+    for target, name, value in [(logging.getLogger(), "handlers", []), (ours, "handlers", [])]:
+        monkeypatch.setattr(target, name, value)
+    monkeypatch.setattr(ours, "propagate", ours.propagate)
+    monkeypatch.setattr(ours, "level", ours.level)
+    monkeypatch.delenv("LMC_P2P_CONNECTOR", raising=False)
+    monkeypatch.setenv("LMCACHE_LOG_LEVEL", "verbose")
+
+    plugin.register()
+    assert plugin._decision == "p2p"
+    chosen = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="LMCacheConnectorV1", kv_role="kv_both")
+    )
+    assert chosen.__module__ == "lmcache_p2p.integration.vllm.connector"
+    assert ours.level == logging.INFO  # meanwhile
+
+    with pytest.raises(ConfigError) as refused:  # what the connector reports at engine start
+        LMCacheConfig.load()
+    assert refused.value.key == "log_level" and refused.value.source == "env LMCACHE_LOG_LEVEL"
+    assert "'verbose'" in str(refused.value) and "DEBUG, INFO, WARNING, ERROR or CRITICAL" in str(refused.value)
+    monkeypatch.setenv("LMCACHE_LOG_LEVEL", "debug")  # any case, as before
+    LMCacheConfig.load()

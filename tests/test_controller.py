@@ -292,6 +292,45 @@ def test_a_silent_worker_is_reaped_and_its_keys_vanish(controller, workers):
     assert controller.metric("lmcache_controller_workers_reaped_total") == 1
 
 
+def test_a_second_live_engine_under_one_id_is_a_warning_naming_both_and_a_restart_is_not():
+    """A restarted engine registers again under its id and takes its place; a second engine
+    registering a live one's id from elsewhere takes it too, but that is a misconfiguration the
+    log must name (both addresses, and what becomes of the old one)."""
+    # Heartbeats every 1 s: a rank heard from within 2 s is live.
+    controller = ControllerProcess("--worker-timeout", "6", "--health-check-interval", "0.5").start()
+    made = []
+    try:
+        first, second = (FakeWorker(controller, "inst-a") for _ in range(2))
+        made += [first, second]
+        assert first.register().ok and first.heartbeat().status == "ok"
+        assert second.register().ok  # first is live, at another port
+        assert controller.metric("lmcache_controller_duplicate_registrations_total") == 1
+        (worker,) = controller.http.get("/controller/workers").json()["workers"]
+        assert worker["worker_port"] == second.worker_port  # the new one took the id
+
+        # A restart at the same address (the old process gave its port up): no warning.
+        restarted = FakeWorker(controller, "inst-a")
+        made.append(restarted)
+        restarted.worker_port = second.worker_port
+        assert restarted.register().ok
+        # A restart elsewhere, after the old one went silent: no warning either.
+        time.sleep(2.5)
+        elsewhere = FakeWorker(controller, "inst-a")
+        made.append(elsewhere)
+        assert elsewhere.register().ok
+        assert controller.metric("lmcache_controller_worker_restarts_total") == 2
+        assert controller.metric("lmcache_controller_duplicate_registrations_total") == 1
+    finally:
+        for worker in made:
+            worker.close()
+        log = controller.stop()
+    (warning,) = [line for line in log.splitlines() if "WARNING" in line and "registered from" in line]
+    assert f"127.0.0.1:{second.worker_port}" in warning and f"127.0.0.1:{first.worker_port}" in warning, warning
+    assert "is live" in warning and "The new one replaces it" in warning and "lmcache_instance_id" in warning
+    assert f"at 127.0.0.1:{elsewhere.worker_port} replaces the one at 127.0.0.1:{second.worker_port}" in log
+    assert "a restart (that one silent for" in log and "a restart (the same address)" in log
+
+
 def test_deregister_removes_at_once(controller, workers):
     a = workers("inst-a")
     a.admit_tokens(DOC)

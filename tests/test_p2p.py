@@ -16,6 +16,7 @@ from protocol_client import ControllerProcess, wait_for
 
 CHUNK = 32
 CPU = "LocalCPUBackend"
+DISK = "LocalDiskBackend"
 CHANNELS = ["nixl", "tcp"]
 
 
@@ -181,6 +182,47 @@ def test_seed_003_move_flow(controller, spawn, channel):
     assert b.retrieve(prompt)["exact"]
     assert a.lookup(prompt, peers=False) == 0
     assert a.status()["storage"]["cpu"]["pins_held"] == 0
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_a_move_from_disk_leaves_no_promoted_copy_at_the_source(controller, spawn, channel, tmp_path):
+    """Serving a disk chunk promotes it into the holder's CPU tier (NIXL reads the pool); a move
+    must not leave that copy behind, nor drop a CPU copy the source held before it."""
+    a = spawn(
+        instance_config(
+            "lmcache_instance_1",
+            controller,
+            channel,
+            chunk_size=CHUNK,
+            local_disk=f"file://{tmp_path}/disk-a/",
+            max_local_disk_size=0.1,
+        )
+    )
+    b = spawn(instance_config("lmcache_instance_2", controller, channel, chunk_size=CHUNK))
+    kept, moved = tokens(2 * CHUNK, seed=8), tokens(3 * CHUNK, seed=9)
+    a.prefill(moved)
+    wait_for(lambda: a.status()["storage"]["disk"]["chunks"] == 3, what="A's disk writes")
+    controller.api("/clear", {"instance_id": "lmcache_instance_1", "location": CPU})  # only on disk now
+    a.prefill(kept)  # CPU and disk: its CPU copy predates the move
+    wait_for(lambda: a.status()["storage"]["disk"]["chunks"] == 5, what="A's disk writes")
+    answer = controller.api(
+        "/move",
+        {"old_position": ["lmcache_instance_1", DISK], "new_position": ["lmcache_instance_2", CPU], "tokens": moved},
+    )
+    assert controller.finish(answer["event_id"])["num_tokens"] == 3 * CHUNK
+    assert b.lookup(moved, peers=False) == 3 * CHUNK
+    assert a.lookup(moved, peers=False) == 0  # neither on disk nor promoted into its CPU tier
+    storage = a.status()["storage"]
+    assert storage["cpu"]["chunks"] == 2 and storage["disk"]["chunks"] == 2, storage
+    wait_for(lambda: "lmcache_instance_1" not in controller.holders(moved), what="index after move")
+    # A disk move of a chunk the CPU tier held before keeps that copy: only the disk's goes.
+    answer = controller.api(
+        "/move",
+        {"old_position": ["lmcache_instance_1", DISK], "new_position": ["lmcache_instance_2", CPU], "tokens": kept},
+    )
+    assert controller.finish(answer["event_id"])["num_tokens"] == 2 * CHUNK
+    storage = a.status()["storage"]
+    assert storage["cpu"]["chunks"] == 2 and storage["disk"]["chunks"] == 0, storage
 
 
 @pytest.mark.parametrize("channel", CHANNELS)

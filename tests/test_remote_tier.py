@@ -115,6 +115,29 @@ def test_a_bad_remote_url_names_the_key_and_the_wrong_part(url, says):
     assert str(err.value).startswith("remote_url") and says in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("redis//cache:6379", "'redis//cache:6379'"),
+        ("lm//cache:65432", "'lm//cache:65432'"),
+        ("rediss:/cache:6380", "'rediss:/cache:6380'"),
+        ("redis:cache:6379", "'redis:cache:6379'"),
+        ("redis//u:hunter2@cache:6379/0", "'redis//***@cache:6379/0'"),  # never the password
+    ],
+)
+def test_a_mistyped_scheme_is_refused_not_read_as_an_lm_address(url, shown):
+    """Without "://" a value is the seed's bare host:port (lm://); one that is a scheme with its
+    "://" mistyped must not become an lm:// address that never answers."""
+    with pytest.raises(ConfigError) as err:
+        LMCacheConfig.from_dict({"remote_url": url})
+    message = str(err.value)
+    assert message.startswith("remote_url") and shown in message, message
+    assert "redis://host:port" in message and "host:port" in message
+    assert "hunter2" not in message
+    for fine in ("localhost:65432", "redis:6379", "[::1]:65432"):  # a host named redis is a host
+        assert LMCacheConfig.from_dict({"remote_url": fine}).remote.scheme == "lm"
+
+
 def test_remote_serde_naive_loads_lmcache_serializers_warn_and_typos_fail(caplog):
     LMCacheConfig.from_dict({"remote_url": "lm://h:1", "remote_serde": "naive"})
     with caplog.at_level(logging.WARNING):

@@ -27,6 +27,8 @@ for script in lmcache_controller:lmcache_p2p.controller.cli lmcache-p2p:lmcache_
   printf '#!/bin/sh\nexec python3 -c "import sys; from %s import main; sys.exit(main())" "$@"\n' "${script#*:}" \
     > "/tmp/gpu/bin/${script%%:*}"
   chmod +x "/tmp/gpu/bin/${script%%:*}"
+  # also beside the interpreter, where the benchmarks look for them (sys.executable's folder)
+  ln -sf "/tmp/gpu/bin/${script%%:*}" "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/" 2>/dev/null || true
 done
 cat > /tmp/gpu/env.sh <<ENV
 export PYTHONPATH=$here:/tmp/gpu/site\${PYTHONPATH:+:\$PYTHONPATH} PATH=/tmp/gpu/bin:\$PATH

@@ -32,23 +32,26 @@ get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-versio
   --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
   --platform manylinux1_x86_64 --platform any -d "$dl" "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 # What vLLM imports on the way to an engine and its OpenAI server that the image lacks, and what
-# this project needs there (pyzmq, msgspec, fastapi, uvicorn, httpx, xxhash; pyyaml is there).
+# this project needs there (pyzmq, msgspec, fastapi, uvicorn, xxhash, redis; httpx and pyyaml are
+# there). The 0.33 list was found by importing vLLM 0.33 and this project on torch 2.14 with only
+# the image's packages beside them (on a CPU host, Python 3.11).
 common=(pyzmq msgspec cbor2 jiter distro pydantic pydantic-core annotated-types typing-inspection
   sniffio blake3 cachetools pybase64 setproctitle partial-json-parser "fastapi<0.137,>=0.133"
   "starlette>=1.0.1" uvicorn "prometheus-fastapi-instrumentator>=8.0.0" diskcache lark==1.2.2
   depyf==0.20.0 astor dill compressed-tensors==0.17.0 gguf "llguidance<1.8,>=1.7" outlines_core==0.2.14
-  lm-format-enforcer==0.11.3 interegular watchfiles python-json-logger ijson apache-tvm-ffi loguru
-  truststore xxhash nixl-cu13==1.5.1)
+  lm-format-enforcer==0.11.3 interegular watchfiles python-json-logger ijson loguru
+  truststore xxhash redis nixl-cu13==1.5.1)
 case "$VERSION" in
   0.25.1)
-    extra=(vllm==0.25.1 openai openai-harmony typing_extensions==4.16.0 "xgrammar<1.0.0,>=0.2.1" httpx2 httpcore2) ;;
+    extra=(vllm==0.25.1 openai openai-harmony typing_extensions==4.16.0 "xgrammar<1.0.0,>=0.2.1" httpx2 httpcore2
+      apache-tvm-ffi model-hosting-container-standards jmespath supervisor) ;;
   0.33.*)
     extra=("vllm==$VERSION" torch==2.14.0 "triton~=3.8.0" torchvision==0.29.0 "openai>=2.25.0" orjson
       "jsonschema>=4.23.0" jsonschema-specifications referencing rpds-py "mistral_common>=1.11.6"
       "oss-harmony>=0.0.11" xgrammar==0.2.8 "model-hosting-container-standards<1.0.0,>=0.1.14"
       "anthropic>=0.71.0" docstring-parser "opentelemetry-api>=1.27.0" "opentelemetry-sdk>=1.27.0"
       opentelemetry-semantic-conventions "opentelemetry-semantic-conventions-ai>=0.4.1" nvtx==0.2.15
-      "numba==0.65.0" "llvmlite<0.48,>=0.47" pycountry pydantic-extra-types) ;;
+      "numba==0.65.0" "llvmlite<0.48,>=0.47" pycountry pydantic-extra-types apache-tvm-ffi==0.1.11 httpx2 httpcore2) ;;
   *) echo "stage_vllm.sh: no wheel list for vLLM $VERSION (0.25.1 and 0.33.x are known)" >&2; exit 2 ;;
 esac
 for d in "${common[@]}" "${extra[@]}"; do get "$d"; done

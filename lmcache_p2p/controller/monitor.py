@@ -211,7 +211,8 @@ class Monitor:
             await self.orchestrator.admit(msg)
         except RegisterRefused as e:
             return RegisterReply(ok=False, controller_epoch=self.epoch, error=e.message)
-        record = self.registry.register(msg)
+        # Heard from within two beats: live (a restarted engine takes far longer to come back).
+        record = self.registry.register(msg, live_within_s=2 * self.settings.heartbeat_interval)
         # Its command port is probed; one that accepts nothing is removed as unreachable.
         self.orchestrator.worker_registered(record, on_unreachable=self._remove_worker)
         reply = RegisterReply(

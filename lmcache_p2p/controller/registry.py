@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 _load_refusals = RateLimitedLog(logger, every_s=60.0)
 
 WorkerKey = tuple[str, int]  # (instance_id, rank)
+# A rank heard from within this long (two of the workers' default 5 s heartbeats) is live: another
+# process registering its id from elsewhere is a second engine, not its restart.
+LIVE_WITHIN_S = 10.0
 
 
 @dataclass
@@ -119,6 +122,8 @@ class Registry:
             "events_from_unknown": 0,
             "keys_admitted": 0,
             "keys_evicted": 0,
+            "worker_restarts": 0,  # a registration replaced a silent rank of its id, or one at its address
+            "duplicate_registrations": 0,  # ... one still live at another address (two engines, one id)
         }
 
     # -- membership ------------------------------------------------------------------------------
@@ -131,11 +136,16 @@ class Registry:
             self.holders.append(ident)
         return hid
 
-    def register(self, msg: Register) -> WorkerRecord:
+    def register(self, msg: Register, live_within_s: float = LIVE_WITHIN_S) -> WorkerRecord:
         """Add or refresh a worker. Known keys stay; every location is asked for a full re-sync.
-        :class:`RegisterRefused` (and the registry unchanged) when a field is out of bounds."""
+        :class:`RegisterRefused` (and the registry unchanged) when a field is out of bounds.
+        A registration of a live (instance, rank) takes its place too (a restarted engine
+        registers again under its id); one from another address while the old one was heard from
+        within ``live_within_s`` is no restart, and is logged as a WARNING naming both."""
         validate_register(msg)
         old = self.workers.get((msg.instance_id, msg.rank))
+        if old is not None:
+            self._log_takeover(old, msg, live_within_s)
         locations = {}
         for loc in msg.locations:
             state = LocationState(self.holder_id(msg.instance_id, msg.rank, loc))
@@ -161,6 +171,43 @@ class Registry:
             " again" if old else "",
         )
         return record
+
+    def _log_takeover(self, old: WorkerRecord, msg: Register, live_within_s: float) -> None:
+        """Say why a registration replaces a known (instance, rank): the same process again, a
+        restart (its address, or silence, says the old process is gone), or a second live engine
+        under the same id."""
+        was, now = f"{old.info.host}:{old.info.worker_port}", f"{msg.host}:{msg.worker_port}"
+        quiet = time.monotonic() - old.last_seen
+        if msg.session and msg.session == old.info.session:
+            return  # the same process registering again: the INFO line says "again"
+        if was == now or quiet > live_within_s:
+            self.stats["worker_restarts"] += 1
+            logger.info(
+                "worker %s rank %d at %s replaces the one at %s: a restart (%s)",
+                msg.instance_id,
+                msg.rank,
+                now,
+                was,
+                "the same address" if was == now else f"that one silent for {quiet:.1f} s, over {live_within_s:g} s",
+            )
+            return
+        self.stats["duplicate_registrations"] += 1
+        logger.warning(
+            "worker %s rank %d registered from %s while the one registered from %s is live (heard from %.1f s ago, "
+            "within %g s): two engines have lmcache_instance_id %r. The new one replaces it: commands go to %s "
+            "only, lookups list the new one's keys once it re-syncs, and the old one's heartbeats and key events "
+            "(which carry only the id) count as the new one's. Give each engine its own lmcache_instance_id "
+            "(unset, it is {hostname}-{engine_id}), or stop the one at %s",
+            msg.instance_id,
+            msg.rank,
+            now,
+            was,
+            quiet,
+            live_within_s,
+            msg.instance_id,
+            now,
+            was,
+        )
 
     def remove_worker(self, key: WorkerKey, reason: str) -> WorkerRecord | None:
         record = self.workers.pop(key, None)

@@ -312,6 +312,8 @@ class Views:
             "resyncs_requested",
             "resyncs_applied",
             "workers_reaped",
+            "worker_restarts",
+            "duplicate_registrations",
             "events_from_unknown",
             "keys_admitted",
             "keys_evicted",

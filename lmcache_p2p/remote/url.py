@@ -73,10 +73,33 @@ def _host_port(text: str, scheme: str) -> tuple[str, int]:
     return host, port
 
 
+FORMS = (
+    "host:port (lmcache_server), lm://host:port, redis://host:port[/db], rediss://host:port[/db], "
+    "redis-sentinel://host:port,host:port/master or redis-cluster://host:port,host:port"
+)
+
+
+def _refuse_mistyped_scheme(text: str) -> None:
+    """A bare address is ``host:port``; one with a "/" ("redis//h:6379", "redis:/h:6379") or a
+    scheme's name before a host:port ("redis:h:6379") is a URL whose "://" was mistyped, and
+    read as an lm:// address it would name a server that never answers. ("redis:6379", a host
+    named redis, stays an address.)"""
+    head, colon, rest = text.partition(":")
+    if "/" not in text and not (colon and head.lower() in SCHEMES and ":" in rest):
+        return
+    # The value, but never a password: whatever precedes an "@" is masked.
+    shown = text
+    if "@" in text:
+        start = text.find("//") + 2 if "//" in text else 0
+        shown = f"{text[:start]}***@{text.rpartition('@')[2]}"
+    raise ValueError(f"{shown!r} looks like a URL with its :// mistyped; expected {FORMS}")
+
+
 def parse_remote_url(text: str) -> RemoteUrl:
     """``text`` parsed; :class:`ValueError` naming the wrong part otherwise."""
     text = text.strip()
     if "://" not in text:  # the seed's remote_server_addr: "localhost:65432"
+        _refuse_mistyped_scheme(text)
         return RemoteUrl("lm", (_host_port(text, "lm"),))
     scheme, _, rest = text.partition("://")
     scheme = scheme.lower()

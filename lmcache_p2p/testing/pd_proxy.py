@@ -54,7 +54,8 @@ def seed_kv_transfer_config(kv_buffer_device: str | None = None, **nixl_extra: A
     MultiConnector builds each entry as a strict ``KVTransferConfig`` that refuses a top-level
     ``backends``. ``kv_buffer_device``: NIXL's buffers ("cpu" on CPU engines; None keeps vLLM's
     default, GPU memory on a GPU host); ``nixl_extra``: more of NIXL's extra config
-    (``kv_lease_duration``...)."""
+    (``kv_lease_duration``...). ``"kv_load_failure_policy": "recompute"`` is at the top level,
+    where vLLM's scheduler reads it: each child gets a fresh copy, so our connector cannot set it."""
     nixl: dict[str, Any] = {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
@@ -65,6 +66,7 @@ def seed_kv_transfer_config(kv_buffer_device: str | None = None, **nixl_extra: A
     return {
         "kv_connector": "MultiConnector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "connectors": [{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, nixl]
         },

@@ -183,6 +183,11 @@ class CommandServer:
         assert self.peers is not None  # _on_move refuses a move without them
         init_port, lookup_port = dest.p2p_init_port, dest.p2p_lookup_port
         assert init_port and lookup_port  # _on_move refuses a destination without them
+        # Serving a disk chunk promotes it into our CPU tier (a pin reads the pool): a move must
+        # not leave behind a CPU copy that only its own pull made.
+        in_cpu_before: set[int] = set()
+        if not command.copy and command.location != CPU:
+            in_cpu_before = {int(h) for h in hashes if self.storage.holds(int(h), CPU)}
         try:
             destination = self.peers.lookup_socket(Peer(dest.instance_id, dest.rank, dest.host, init_port, lookup_port))
             timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
@@ -210,6 +215,8 @@ class CommandServer:
                 for h in held:
                     self._unpin(int(h))
                     self.storage.remove(int(h), command.location)
+                    if command.location != CPU and int(h) not in in_cpu_before:
+                        self.storage.remove(int(h), CPU)  # promoted by the pull (a no-op if not)
             tokens = len(held) * self.storage.chunk_size
             ok = len(held) > 0 or len(hashes) == 0
             error = None

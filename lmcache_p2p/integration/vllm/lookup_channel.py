@@ -20,8 +20,11 @@ answers ``unknown`` and the client sends it the hashes again within the same cal
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import logging
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -119,8 +122,9 @@ _reply_decoder = msgspec.msgpack.Decoder(LookupReply)
 
 
 def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> str:
-    """One ipc path per (engine, DP rank, TP rank); short enough for the 107-byte sun_path."""
-    tag = "".join(c for c in engine_id if c.isalnum())[:16] or "engine"
+    """One ipc path per (engine, DP rank, TP rank): named by a hash of the whole engine id (ids
+    of engines on one host may share any prefix), short enough for the 107-byte sun_path."""
+    tag = hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest()
     return os.path.join(tempfile.gettempdir(), f"lmcache-p2p-{tag}-dp{dp_rank}-tp{tp_rank}.ipc")
 
 
@@ -130,6 +134,32 @@ def engine_socket_path(vllm_config, tp_rank: int) -> str:
     return socket_path(str(vllm_config.kv_transfer_config.engine_id), dp_rank, tp_rank)
 
 
+def _remove_if_stale(path: str) -> None:
+    """Remove the socket file at ``path`` if no process listens on it (one that died left it;
+    binding over it would fail). A live one belongs to another engine with the same id on this
+    host: binding over it would take that engine's lookups, so it is refused."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        logger.info("lookup socket %s was left by a process that is gone: removed", path)
+        return
+    except OSError as e:
+        raise OSError(e.errno, f"lookup socket {path} exists and cannot be probed ({e.strerror}); remove it") from None
+    finally:
+        probe.close()
+    raise OSError(
+        errno.EADDRINUSE,
+        f"lookup socket {path} is held by another live process: another engine on this host has the same "
+        "engine_id (kv_transfer_config's engine_id); give each engine its own, or stop the other one",
+    )
+
+
 class LookupServer:
     """Answers lookups on one rank, on its own thread, with ``handler(request) -> reply``."""
 
@@ -137,10 +167,9 @@ class LookupServer:
         self.path = path
         self._handler = handler
         self._ctx: zmq.Context = zmq.Context.instance()
+        _remove_if_stale(path)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        if os.path.exists(path):
-            os.unlink(path)  # left by a process that died; ipc bind would fail on it
         self._sock.bind(f"ipc://{path}")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmcache-lookup-server", daemon=True)

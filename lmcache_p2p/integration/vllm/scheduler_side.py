@@ -10,6 +10,7 @@ stores carry those keys.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -92,12 +93,7 @@ class SchedulerSide:
         config.validate_for_block_size(self.block_size)
         self.chunk_size = config.chunk_size
         transfer = vllm_config.kv_transfer_config
-        if getattr(transfer, "kv_load_failure_policy", None) == "fail":
-            # vLLM's default would end a request with an error when a chunk we promised does not
-            # load (a peer died, a checksum failed); here that is a miss: its blocks are recomputed.
-            # The scheduler reads the policy after building its connector, so this takes effect.
-            transfer.kv_load_failure_policy = "recompute"
-            logger.info("lmcache-p2p: kv_load_failure_policy is 'recompute': a chunk that fails to load is computed")
+        _recompute_failed_loads(transfer)
         self.loads = bool(getattr(transfer, "is_kv_consumer", True))
         self.stores = bool(getattr(transfer, "is_kv_producer", True))
         parallel = vllm_config.parallel_config
@@ -248,6 +244,8 @@ class SchedulerSide:
             segment.held = whole
         state.hit = self.blend.decide(state.segments, state.last_start, state.num_tokens)
         state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
+        if not state.hit:  # nothing to blend: segments some ranks pinned go now (as in _ask)
+            self._released.append(req_id)
         cached = sum(s.end - s.start for s in state.segments if s.held)
         logger.info(
             "Reqid: %s, blend: %d segment(s) before the last, %d held (%d tokens); blending tokens [0, %d) of %d%s",
@@ -294,6 +292,11 @@ class SchedulerSide:
             return None
         state.hit, state.host_until, state.fetched, state.sources = hit.tokens, hit.host_until, hit.fetched, hit.sources
         state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
+        if not hit.tokens:
+            # Some rank can load none of it (it holds none, failed or did not answer), so the
+            # engine loads nothing: what the other ranks pinned goes with the next step, not
+            # when the request finishes. (A hit above 0 is released by its load, or below.)
+            self._released.append(req_id)
         return hit.tokens
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
@@ -502,6 +505,54 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.client.close()
+
+
+# How far up the call stack a connector that builds ours (vLLM's MultiConnector) is looked for.
+_WRAPPER_FRAMES = 8
+
+
+def _recompute_failed_loads(transfer: Any) -> None:
+    """vLLM's default ``kv_load_failure_policy``, "fail", ends a request with an error when a chunk
+    we promised does not load (a peer died, a checksum failed); here that is a miss, and its
+    blocks are recomputed. vLLM's scheduler reads the policy after building its connector, so
+    setting it here takes effect, unless ours is a MultiConnector child: vLLM hands each child a
+    fresh copy and reads the top-level config, which only the user can set."""
+    parent = _wrapping_transfer_config(transfer)
+    if parent is not None:
+        if getattr(parent, "kv_load_failure_policy", None) == "fail":
+            logger.warning(
+                "lmcache-p2p runs inside %s: vLLM reads kv_load_failure_policy from the top-level "
+                "kv-transfer-config, which has 'fail', and gives our connector its own copy, so it cannot "
+                'set it there. Add "kv_load_failure_policy": "recompute" to the top-level kv-transfer-config: '
+                "until then a hit of ours that fails to load (a peer died mid-pull) ends its request with an error",
+                getattr(parent, "kv_connector", None) or "a connector that wraps ours",
+            )
+        return
+    if getattr(transfer, "kv_load_failure_policy", None) == "fail":
+        # vLLM's KVTransferConfig (a pydantic dataclass, 0.25.1-0.33) keeps no record of which
+        # fields were given, so an explicit "fail" cannot be told from the default: say what we did.
+        transfer.kv_load_failure_policy = "recompute"
+        logger.info(
+            "lmcache-p2p: kv_load_failure_policy is 'recompute' (was 'fail': vLLM's default, which its config "
+            "does not tell from a 'fail' given explicitly): a chunk of ours that fails to load is recomputed, "
+            "not an error for its request"
+        )
+
+
+def _wrapping_transfer_config(transfer: Any) -> Any | None:
+    """The kv_transfer_config of a connector that is building ours (vLLM's MultiConnector, whose
+    __init__ keeps the top-level config before it builds its children), found up the call stack;
+    None when vLLM built ours directly."""
+    frame = sys._getframe(1)
+    for _ in range(_WRAPPER_FRAMES):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        outer = getattr(owner, "_kv_transfer_config", None)
+        if outer is not None and outer is not transfer:
+            return outer
+    return None
 
 
 def _prompt_part(state: _Request, computed: int, scheduled: int) -> int:
