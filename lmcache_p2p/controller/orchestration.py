@@ -312,8 +312,11 @@ class Orchestrator:
             replies[w.info.rank] = result
             if not result.pending:
                 self._rank_done(event, w.info.rank, result.ok, result.num_tokens, result.error)
-        if raise_on_refusal and event.status == "failed":
-            raise CommandRefused(f"{event.kind} refused by {event.instance_id}: {event.error}")
+        # Only a refusal in a reply is raised: a command accepted and then failed (its CommandDone can
+        # overtake the reply) is the event's outcome, read through /check_finish like any other.
+        refused = [r for r in replies.values() if not r.pending and not r.ok]
+        if raise_on_refusal and refused:
+            raise CommandRefused(f"{event.kind} refused by {event.instance_id}: {event.error or refused[0].error}")
         return replies
 
     # An event finishes once, however many ways it can (a reply, a CommandDone, a rank leaving,
