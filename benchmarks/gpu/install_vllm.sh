@@ -34,5 +34,9 @@ cat > /tmp/gpu/env.sh <<ENV
 export PYTHONPATH=$here:/tmp/gpu/site\${PYTHONPATH:+:\$PYTHONPATH} PATH=/tmp/gpu/bin:\$PATH
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 ENV
+# A carried NCCL (torch 2.14 needs a newer one than the image's) is preloaded in every process
+# that sources env.sh, pytest and the engines alike: the image's copy is otherwise found first.
+nccl=/tmp/gpu/site/nvidia/nccl/lib/libnccl.so.2
+[ -f "$nccl" ] && echo "export LD_PRELOAD=$nccl\${LD_PRELOAD:+:\$LD_PRELOAD}" >> /tmp/gpu/env.sh
 source /tmp/gpu/env.sh
 python3 -c "import torch, vllm; print('installed: vLLM', vllm.__version__, 'torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.is_available())"

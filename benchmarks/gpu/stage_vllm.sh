@@ -17,8 +17,10 @@
 # torch 2.14.0 (vLLM's pin; its C++ extensions are built against it), triton 3.8 (torch 2.14's;
 # the image has 3.6), torchvision 0.29.0 (built for torch 2.14: the image's 0.26 fails to load
 # beside it). Not carried, the image's being ABI-compatible with what torch 2.14 asks for:
-# cuDNN 9.19 (torch wants 9.24; vLLM runs no cuDNN kernel), NCCL 2.28.9 (torch wants 2.30.7,
-# which PyPI does not serve), cuSPARSELt 0.8.0 (0.8.1), cuBLAS 13.1.0.3 (13.1.1.3). Not carried
+# cuDNN 9.19 (torch wants 9.24; vLLM runs no cuDNN kernel), cuSPARSELt 0.8.0 (0.8.1), cuBLAS
+# 13.1.0.3 (13.1.1.3). NCCL is carried: torch 2.14 calls ncclCommResume, which the image's 2.28.9
+# lacks (`import torch` fails), and PyPI has no 2.30.7, so 2.32.3 (install_vllm.sh preloads it,
+# ahead of the image's copy that the loader would otherwise find first). Not carried
 # either: flashinfer and vLLM's other optional kernel packages (the runs set
 # VLLM_USE_FLASHINFER_SAMPLER=0 and use vLLM's own FlashAttention).
 set -euo pipefail
@@ -51,7 +53,8 @@ case "$VERSION" in
       "oss-harmony>=0.0.11" xgrammar==0.2.8 "model-hosting-container-standards<1.0.0,>=0.1.14"
       "anthropic>=0.71.0" docstring-parser "opentelemetry-api>=1.27.0" "opentelemetry-sdk>=1.27.0"
       opentelemetry-semantic-conventions "opentelemetry-semantic-conventions-ai>=0.4.1" nvtx==0.2.15
-      "numba==0.65.0" "llvmlite<0.48,>=0.47" pycountry pydantic-extra-types apache-tvm-ffi==0.1.11 httpx2 httpcore2) ;;
+      "numba==0.65.0" "llvmlite<0.48,>=0.47" pycountry pydantic-extra-types apache-tvm-ffi==0.1.11 httpx2 httpcore2
+      nvidia-nccl-cu13==2.32.3) ;;
   *) echo "stage_vllm.sh: no wheel list for vLLM $VERSION (0.25.1 and 0.33.x are known)" >&2; exit 2 ;;
 esac
 for d in "${common[@]}" "${extra[@]}"; do get "$d"; done
