@@ -19,7 +19,7 @@ FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test test-floor lint demo install clean bench
+.PHONY: test test-floor lint demo install clean bench config-docs
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -95,6 +95,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# docs/configuration.md's key table, rewritten from lmcache_p2p/config.py (a test compares them).
+config-docs: $(VENV)/.installed
+	$(VENV)/bin/lmcache-p2p config --markdown --into docs/configuration.md
 
 # Controller + two vLLM CPU engines on the seeds' ports; Ctrl-C stops them. DEMO_ARGS=--no-wait
 # stops after the report.

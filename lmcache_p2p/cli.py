@@ -1,6 +1,7 @@
 """``lmcache-p2p``: operator tools that need no engine.
 
 lmcache-p2p config [--tp-size N]     validate the LMCACHE_CONFIG_FILE / LMCACHE_* settings
+lmcache-p2p config --markdown        the documentation's table of every key
 lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument)
 lmcache-p2p ray-register [--address A]
                                      make Ray Serve LLM set LMCacheConnectorV1 up as lmcache-p2p
@@ -14,13 +15,17 @@ import json
 import logging
 import sys
 
-from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p import version_line
+from lmcache_p2p.config import MARKDOWN_BEGIN, MARKDOWN_END, ConfigError, LMCacheConfig, key_table_markdown
 from lmcache_p2p.keys import chunk_spans
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.markdown:
+        return _config_markdown(args.into)
     try:
-        cfg = LMCacheConfig.from_file(args.file) if args.file else LMCacheConfig.load()
+        # What an engine started here gets: the file (--file or LMCACHE_CONFIG_FILE), then LMCACHE_*.
+        cfg = LMCacheConfig.load(file=args.file)
         if args.tp_size:
             cfg.validate_for_tp(args.tp_size)
     except ConfigError as e:
@@ -28,6 +33,23 @@ def _config(args: argparse.Namespace) -> int:
         return 1
     shown = {k: {"value": v, "from": cfg.sources.get(k, "default")} for k, v in cfg.to_dict().items()}
     print(json.dumps(shown, indent=2))
+    return 0
+
+
+def _config_markdown(into: str | None) -> int:
+    table = key_table_markdown()
+    if into is None:
+        print(table)
+        return 0
+    with open(into, encoding="utf-8") as fh:
+        text = fh.read()
+    begin, end = text.find(MARKDOWN_BEGIN), text.find(MARKDOWN_END)
+    if begin < 0 or end < begin:
+        print(f"config --into: {into} has no {MARKDOWN_BEGIN!r} ... {MARKDOWN_END!r} block", file=sys.stderr)
+        return 1
+    with open(into, "w", encoding="utf-8") as fh:
+        fh.write(text[:begin] + table + text[end + len(MARKDOWN_END) :])
+    print(f"config --into: wrote the key table into {into}", file=sys.stderr)
     return 0
 
 
@@ -72,9 +94,14 @@ def _ray_register(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p", description="lmcache-p2p operator tools (no engine needed)")
+    parser.add_argument("--version", action="version", version=version_line("lmcache-p2p"))
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("config", help="validate and show the effective configuration and where each value came from")
-    p.add_argument("--file", help="a YAML file (default: LMCACHE_CONFIG_FILE, then LMCACHE_* env)")
+    p.add_argument(
+        "--file", help="a YAML file instead of LMCACHE_CONFIG_FILE's (LMCACHE_* variables still win, as in an engine)"
+    )
+    p.add_argument("--markdown", action="store_true", help="print the documentation's table of every key instead")
+    p.add_argument("--into", metavar="FILE", help="with --markdown: replace the table's marked block in FILE")
     p.add_argument("--tp-size", type=int, default=0, help="also check per-rank port lists for this TP size")
     p.set_defaults(run=_config)
     p = sub.add_parser("hash", help="chained chunk hashes of a token-id list")

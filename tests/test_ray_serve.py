@@ -261,7 +261,7 @@ def test_seed_python_form_as_two_replicas_on_two_nodes_share_kv_through_one_cont
     ray_cluster, tiny_model, tmp_path
 ):
     controller = ControllerProcess().start()
-    # The fleet's variables (README "Ray Serve"): every replica gets the same environment, so
+    # The fleet's variables (docs/ray_serve.md, "A fleet"): every replica gets the same environment, so
     # ports are 0 (each rank binds free ones and registers them), no instance id is set (each
     # engine registers as {hostname}-{engine_id}) and no p2p_host (each rank registers the address
     # that routes to the controller: 127.0.0.1 here, its node's address in a real cluster).

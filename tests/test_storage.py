@@ -367,3 +367,21 @@ def test_with_peers_a_stored_chunk_is_hashed_behind_its_store_not_when_first_ser
             m._hasher.shutdown(wait=True)  # the hashing behind the store, done
         m.close()
         assert entry.checksum == (payload_checksum(payload(7).numpy()) if p2p else None)
+
+
+def test_a_pinned_pool_is_announced_before_it_is_taken_loudly_past_half_the_host(caplog):
+    """The seeds' files ask for 100 GB; pinned at start on a CUDA host, a pool sized for another
+    host is said first, as a WARNING naming the key that sizes it once it is over half the host."""
+    import logging
+    import os
+
+    from lmcache_p2p.storage import memory
+
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with caplog.at_level(logging.INFO, logger=memory.__name__):
+        memory._say_what_is_pinned(host // 10)
+        memory._say_what_is_pinned(host)
+    small, large = caplog.records[-2:]
+    assert small.levelno == logging.INFO and "pinning" in small.getMessage()
+    assert large.levelno == logging.WARNING and "(100% of this host's" in large.getMessage()
+    assert "LMCACHE_MAX_LOCAL_CPU_SIZE" in large.getMessage()

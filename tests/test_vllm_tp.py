@@ -1,11 +1,11 @@
 """Tensor parallelism end to end: two real vLLM CPU engines at --tensor-parallel-size 2, seed
 004's configuration with a port per rank in every port list, one controller, P2P over tcp (over
 NIXL, two of three ``bench_tp.py --channel nixl`` runs on this host had a rank silent for minutes:
-README, "Tensor parallelism").
+docs/tensor-parallelism.md, "Small CPU hosts").
 
 Each engine is four processes (API server, EngineCore, two worker ranks) on this host's cores;
-the ranks are pinned and torch.compile is off (``served_fleet.tp_engine_env``: the README's
-"Tensor parallelism" section says why). The oracle is engine 1's own greedy output: whatever a
+the ranks are pinned and torch.compile is off (``served_fleet.tp_engine_env``:
+docs/tensor-parallelism.md, "Small CPU hosts", says why). The oracle is engine 1's own greedy output: whatever a
 rank loaded, pulled or recomputed, engine 2 must answer the same.
 """
 

@@ -77,6 +77,18 @@ def test_page_loads_offline_small_and_without_errors(chromium, controller):
     page.close()
 
 
+def test_the_api_docs_render_without_reaching_any_other_host(chromium, controller):
+    """/docs (Swagger UI) is served from the package: on an air-gapped cluster it renders every
+    route; a page loading its scripts from a CDN would be blank there."""
+    page, log = chromium.open(controller.url + "/docs")
+    page.wait_for_selector(".swagger-ui .info .title", timeout=15_000)
+    assert "lmcache-p2p controller" in page.locator(".swagger-ui .info .title").inner_text()
+    page.wait_for_selector("text=/move", timeout=15_000)  # the routes, read from /openapi.json
+    assert_clean(log, controller)
+    assert any(urlparse(u).path == "/openapi.json" for u in log.requests)
+    page.close()
+
+
 def test_registered_worker_appears_within_one_refresh_and_expands(chromium, controller):
     page, log = chromium.open(controller.url + "/")
     worker = FakeWorker(controller, "lmcache_instance_7", locations=(CPU, "LocalDiskBackend"))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 21's measurements: the GPU tier (local_gpu) and layer-wise loads (use_layerwise) against
-# the staged baseline, on the H200 (vLLM 0.25.1 and NIXL staged as ../shared/device/README.md
-# says). Steps run in the order given; a failed step is recorded and the next one runs:
+# The GPU-path measurements (BENCHMARKS.md, "Peer hits on GPU" and "CPU offload"): the GPU tier
+# (local_gpu) and layer-wise loads (use_layerwise) against the staged baseline, on the H200
+# (vLLM 0.25.1 and NIXL staged as ../shared/device/README.md says). Steps run in the order given;
+# a failed step is recorded and the next one runs:
 #
 #   bash benchmarks/gpu/run_gpu_paths.sh [-w WORKDIR] STEP...    # WORKDIR defaults to /tmp/gpu-paths
 #   bash benchmarks/gpu/run_gpu_paths.sh [-w WORKDIR] --poll S   # wait up to S s for "all done", copy to $OUT
@@ -30,7 +31,7 @@
 #                as they are (offload@--graphs,--async-loads; offload@--connector,off,--graphs)
 #
 # Each step appends "STEP rc=N seconds=S" to WORKDIR/status and writes its JSON and log into
-# WORKDIR. A GPU device call can start it in its own session and poll WORKDIR/status:
+# WORKDIR. A GPU device call can start it detached (setsid) and poll WORKDIR/status:
 #   setsid nohup bash benchmarks/gpu/run_gpu_paths.sh tests peer-tier ... >/tmp/paths.log 2>&1 &
 set -uo pipefail
 cd "$(dirname "$0")/../.."

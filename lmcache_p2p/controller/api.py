@@ -35,6 +35,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.security import HTTPBearer
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 from lmcache_p2p import webui
 from lmcache_p2p.controller.admission import MAX_ID_CHARS
@@ -325,7 +326,8 @@ def _schema(body_type: type) -> dict:
 
 
 def create_app(controller: Controller) -> FastAPI:
-    app = FastAPI(
+    # /docs (Swagger UI) and /redoc from files in the package, not a CDN: air-gapped clusters too.
+    app = FastAPIOffline(
         title="lmcache-p2p controller",
         version="1",
         description="Chunk index and commands for a mesh of vLLM instances sharing KV cache.",

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from lmcache_p2p import version_line
 from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
 
 # Consistent with the worker (DESIGN.md §7): a worker heartbeats every 5 s by default
@@ -200,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmcache_controller",
         description="lmcache-p2p controller: chunk index, lookup/move/copy/clear/pin API, WebUI at /",
     )
+    p.add_argument("--version", action="version", version=version_line("lmcache_controller"))
     p.add_argument("--config", help="YAML file with any of the settings below (flags win)")
     p.add_argument("--host", help="HTTP bind host (default localhost)")
     p.add_argument("--port", type=int, help="HTTP port (default 9000)")

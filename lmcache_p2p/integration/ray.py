@@ -33,7 +33,7 @@ class P2PConnectorBackend(DefaultConnectorBackend):
 
     Nothing to prepare: Ray's original step only makes the original's RPC port name unique per
     replica, which lmcache-p2p has no use for (replicas sharing one config get their own
-    instance ids from vLLM's engine_id and their own ports from 0; see the README). The P/D
+    instance ids from vLLM's engine_id and their own ports from 0; see docs/ray_serve.md). The P/D
     protocol (decode learns the prefill's engine and blocks from its response) is Ray's default.
     """
 

@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict
 from typing import TypeAlias
 
+from lmcache_p2p import version_line
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.remote import wire
 
@@ -434,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lmcache_server",
         description="The KV-chunk store that instances reach with remote_url: lm://HOST:PORT.",
     )
+    parser.add_argument("--version", action="version", version=version_line("lmcache_server"))
     parser.add_argument("host", help="the address to listen on (only there), e.g. localhost or 0.0.0.0")
     parser.add_argument("port", type=int, help="the TCP port, e.g. 65432")
     parser.add_argument("device", nargs="?", default="cpu", help="where chunks are kept: cpu (the only choice)")

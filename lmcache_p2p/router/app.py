@@ -31,6 +31,7 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 from starlette.background import BackgroundTask
 
 from lmcache_p2p.logs import RateLimitedLog
@@ -747,7 +748,8 @@ def create_app(config: RouterConfig, tokenizer: LocalTokenizer | None = None) ->
         finally:
             await service.close()
 
-    app = FastAPI(
+    # /docs (Swagger UI) and /redoc from files in the package, not a CDN: air-gapped clusters too.
+    app = FastAPIOffline(
         title="lmcache_router",
         version="1",
         description="OpenAI-compatible proxy that routes each request by the lmcache-p2p controller's POST /route.",

@@ -17,6 +17,7 @@ import sys
 import urllib.parse
 from collections.abc import Mapping
 
+from lmcache_p2p import version_line
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import POLICY_NAMES
 from lmcache_p2p.router.tokenizer import LocalTokenizer, TokenizerError
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible proxy that sends each request to the engine the lmcache-p2p controller's "
         "POST /route ranks first (or as --policy orders them), falling back to the next when one is down.",
     )
+    p.add_argument("--version", action="version", version=version_line(PROG))
     p.add_argument("--controller-url", required=True, help="the controller's HTTP API, e.g. http://127.0.0.1:9000")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8100, help="port to serve on (default 8100; 0: any free port)")

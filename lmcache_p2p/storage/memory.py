@@ -9,11 +9,30 @@ plain memory is only touched as pages are written, so a large cap costs nothing 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def _say_what_is_pinned(nbytes: int) -> None:
+    """Pinned memory is taken from the host at once and never swapped: a pool sized for another
+    host (the seeds' files ask for 100 GB) is said before it is taken, loudly past half the host."""
+    try:
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        host_bytes = 0
+    share = nbytes / host_bytes if host_bytes else 0.0
+    log = logger.warning if share > 0.5 else logger.info
+    log(
+        "CPU pool: pinning %.1f GiB of host memory now (%.0f%% of this host's %.1f GiB); "
+        "max_local_cpu_size (LMCACHE_MAX_LOCAL_CPU_SIZE) sets it",
+        nbytes / 2**30,
+        100 * share,
+        host_bytes / 2**30,
+    )
 
 
 class PagePool:
@@ -32,6 +51,8 @@ class PagePool:
         if pin_memory is None:
             pin_memory = on_host and torch.cuda.is_available()
         self.pinned = pin_memory and on_host
+        if self.pinned:
+            _say_what_is_pinned(self.num_pages * page_bytes)
         if on_host:
             self.buffer = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         else:

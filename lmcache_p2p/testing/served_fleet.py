@@ -38,8 +38,8 @@ def _bin(name: str) -> str:
 
 
 def tp_engine_env(tp: int) -> dict[str, str]:
-    """What a vLLM CPU engine with ``tp`` ranks needs on a small host (README, "Tensor
-    parallelism"): rank r's OpenMP thread on core r (vLLM's automatic binding wants a NUMA node per
+    """What a vLLM CPU engine with ``tp`` ranks needs on a small host (docs/tensor-parallelism.md,
+    "Small CPU hosts"): rank r's OpenMP thread on core r (vLLM's automatic binding wants a NUMA node per
     rank and refuses to start on a one-node host), and no torch.compile: vLLM compiles its vocab
     mask with inductor at the first forward pass of a TP engine, a C++ build (each engine's first
     request 4-6 s instead of 0.2-1.3 s in bench_tp.py on a 2-vCPU host), while the other rank

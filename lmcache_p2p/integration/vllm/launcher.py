@@ -25,6 +25,7 @@ import os
 import sys
 from pathlib import Path
 
+from lmcache_p2p import version_line
 from lmcache_p2p.integration.vllm import compat
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,19 @@ def vllm_server_command(model: str, port: int, *extra: str) -> list[str]:
     return serve_command(model, ["--port", str(port), *extra])
 
 
+def _engine_line() -> str:
+    try:
+        release = compat.installed_release()
+    except ImportError:
+        return f"no vLLM installed (supported: {compat.range_text()})"
+    return f"{release} ({'supported' if release.supported else 'NOT supported'}: {compat.range_text()})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--version":
+        print(f"{version_line('lmcache_vllm')}; {_engine_line()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
