@@ -35,10 +35,10 @@ import torch
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
-from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S, EngineCounters, PeerService
+from lmcache_p2p.peer_service import EngineCounters, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
-from lmcache_p2p.storage.manager import CPU, DISK, GPU, StorageManager
-from lmcache_p2p.vocab import SOURCE_DEVICE, SOURCE_DISK, SOURCE_HOST
+from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.vocab import CPU, DISK, GPU, PEER_FETCH_TIMEOUT_S, SOURCE_DEVICE, SOURCE_DISK, SOURCE_HOST
 
 logger = logging.getLogger(__name__)
 

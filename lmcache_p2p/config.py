@@ -31,6 +31,7 @@ import yaml
 from lmcache_p2p import logs
 from lmcache_p2p.mesh_security import MeshSecretError, check_secret, read_secret_file
 from lmcache_p2p.remote.url import RemoteUrl, parse_remote_url
+from lmcache_p2p.vocab import TRANSFER_CHANNELS
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 # 1 "GB" in LMCache's size keys is 1024**3 bytes.
 GB = 1024**3
 
-TRANSFER_CHANNELS = ("nixl", "tcp")
 NIXL_BUFFER_DEVICES = ("auto", "cuda", "cpu")
 PULL_POLICIES = ("auto", "always")
 AUTO = "auto"

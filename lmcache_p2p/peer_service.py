@@ -7,7 +7,7 @@ the core, so the engine must not import the worker: it asks for peers through th
 worker reports them to the controller; with them travels the engine's measured prefill rate
 (:class:`~lmcache_p2p.pull_policy.PrefillRate`), which the worker's pull policy weighs pulls against.
 
-Torch-free (the vLLM connector's scheduler half reads :data:`PEER_FETCH_TIMEOUT_S` here).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ from typing import Protocol
 
 from lmcache_p2p.keys import ChunkHashes
 from lmcache_p2p.pull_policy import PrefillRate
-
-# How long a synchronous lookup waits for a peer pull before the rest of the prompt is a miss.
-PEER_FETCH_TIMEOUT_S = 30.0
 
 
 @dataclass

@@ -1,5 +1,10 @@
-"""Names shared across the package, with no imports: any module may use them without pulling in
-the one that happens to act on them.
+"""Names shared across the package, with no imports of ours: any module may use them without
+pulling in the one that happens to act on them (the controller reads location and channel names
+here, not from the engine's config or storage).
+
+Locations: the tiers a chunk is held in, by the names the controller's API and LMCache use.
+Channels: how peers move KV. The storage event: what a location's owner reports when it admits
+or evicts a chunk. Timeouts shared by the scheduler half and the engine.
 
 Hit sources: where the KV of a loaded chunk came from. The values are vLLM's ``CacheHitSource``
 values (``vllm:prompt_tokens_cached_by_source{source=...}``), ordered nearest the GPU first:
@@ -11,9 +16,38 @@ values (``vllm:prompt_tokens_cached_by_source{source=...}``), ordered nearest th
 * ``external_unspecified``: the remote store (lmcache_server, Redis).
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # a type only: keys.py needs numpy and xxhash
+    from lmcache_p2p.keys import ChunkKey
+
 SOURCE_DEVICE = "device"
 SOURCE_HOST = "host"
 SOURCE_P2P = "p2p"
 SOURCE_DISK = "disk"
 SOURCE_REMOTE = "external_unspecified"
 HIT_SOURCES = (SOURCE_DEVICE, SOURCE_HOST, SOURCE_P2P, SOURCE_DISK, SOURCE_REMOTE)
+
+# Locations (LMCache's backend names; the controller API's "location" values).
+CPU = "LocalCPUBackend"
+DISK = "LocalDiskBackend"
+GPU = "LocalGPUBackend"
+
+# Transfer channels for peer pulls (the transfer_channel key).
+TRANSFER_CHANNELS = ("nixl", "tcp")
+
+# How long an engine's lookup waits for a peer prefix pull before serving what it has.
+PEER_FETCH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class StorageEvent:
+    """A location admitted or evicted a chunk: queued by the chunk store, drained by its owner
+    (the worker sends them to the controller, the KV-event publisher to vLLM's subscribers)."""
+
+    kind: Literal["admit", "evict"]
+    location: str  # CPU | DISK | GPU
+    key: ChunkKey

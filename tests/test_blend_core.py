@@ -10,14 +10,15 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from lmcache_p2p.blend.blender import blend
-from lmcache_p2p.blend.models import HFLlama, UnsupportedModel, check_architecture, hf_prefill_kv
-from lmcache_p2p.blend.rope import UnsupportedRope, check_rope_kind, rotate_keys
+from lmcache_p2p.blend.models import HFLlama, hf_prefill_kv
+from lmcache_p2p.blend.rope import rotate_keys
 from lmcache_p2p.blend.segments import (
     SEGMENT_ROOT_HASH,
     segment_chunks,
     separator_ids,
     split_segments,
 )
+from lmcache_p2p.blend.support import UnsupportedModel, UnsupportedRope, check_architecture, check_rope_kind
 from lmcache_p2p.keys import chunk_hashes
 from lmcache_p2p.testing.tiny_model import sample_text
 

@@ -90,7 +90,7 @@ def test_the_gpu_computes_what_the_cpu_computes_on_real_tier_pages():
 
 def test_a_holder_vouches_only_for_checked_gpu_tier_copies_of_the_version_asked_for():
     from lmcache_p2p.protocol import ChunkPull
-    from lmcache_p2p.storage import CPU, GPU
+    from lmcache_p2p.vocab import CPU, GPU
     from lmcache_p2p.worker.p2p_server import PeerServer
 
     data = pages(2, seed=4)

@@ -22,9 +22,9 @@ from lmcache_p2p.config import GB, ConfigError, LMCacheConfig
 from lmcache_p2p.device_checksum import device_checksums
 from lmcache_p2p.keys import chunk_hash_array, payload_checksum
 from lmcache_p2p.protocol import ChannelHello
-from lmcache_p2p.storage import CPU, GPU
 from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
 from lmcache_p2p.transfer.base import TransferError, check_hello_bounds
+from lmcache_p2p.vocab import CPU, GPU
 from lmcache_p2p.worker import build_engine
 
 CUDA = torch.cuda.is_available()

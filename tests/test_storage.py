@@ -9,7 +9,8 @@ import torch
 
 from lmcache_p2p.config import GB, LMCacheConfig
 from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
-from lmcache_p2p.storage import CPU, DISK, CpuTier, DiskTier, PagePool, StorageManager
+from lmcache_p2p.storage import CpuTier, DiskTier, PagePool, StorageManager
+from lmcache_p2p.vocab import CPU, DISK
 
 # A tiny layout: 2 layers of fp16 blocks (2, 16, 2, 8) -> 128 bytes a token, 2 KiB a 16-token chunk.
 LAYOUT = LayoutFingerprint(

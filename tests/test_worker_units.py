@@ -13,9 +13,10 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey
 from lmcache_p2p.protocol import CommandReply, PinCommand, command_reply_decoder, pack_hashes, unpack_hashes
 from lmcache_p2p.rpc import RemoteError, RpcClient
-from lmcache_p2p.storage.manager import CPU, DISK, StorageEvent, StorageManager
+from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.vocab import CPU, DISK, StorageEvent
 from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.identity import WorkerIdentity, _route_address
 from lmcache_p2p.worker.link import EventBatcher

@@ -6,7 +6,7 @@ modules and weights.
   prefill on the same weights, and the tests hold the blender to a full prefill with it.
 
 Adding a RoPE family means writing ``embed`` / ``qkv`` / ``finish`` over its modules and saying
-where its ``inv_freq`` and rope type are; :data:`SUPPORTED` lists the architectures blending
+where its ``inv_freq`` and rope type are; ``support.SUPPORTED`` lists the architectures blending
 accepts, and anything else is refused by name.
 """
 
@@ -16,23 +16,7 @@ from typing import Any
 
 import torch
 
-from lmcache_p2p.blend.rope import check_rope_kind
-
-SUPPORTED = ("LlamaForCausalLM",)
-
-
-class UnsupportedModel(ValueError):
-    pass
-
-
-def check_architecture(architectures: list[str] | None) -> str:
-    """The architecture blending will run, or UnsupportedModel naming what was given."""
-    for arch in architectures or []:
-        if arch in SUPPORTED:
-            return arch
-    raise UnsupportedModel(
-        f"enable_blending supports {', '.join(SUPPORTED)}; this model is {architectures or 'of unknown architecture'}"
-    )
+from lmcache_p2p.blend.support import check_architecture, check_rope_kind
 
 
 class HFLlama:

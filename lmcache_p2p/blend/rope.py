@@ -6,7 +6,7 @@ by d, exactly (up to the arithmetic's rounding), without the pre-RoPE key. That 
 RoPE kinds whose angle is linear in the position: the original (``default``), ``linear`` and
 Llama 3's (``llama3`` only rescales ``inv_freq``). It does not hold for YaRN (cos and sin are
 also scaled, by ``mscale``) nor for dynamic NTK (the frequencies depend on the sequence length):
-:func:`check_rope_kind` refuses those by name.
+:func:`~lmcache_p2p.blend.support.check_rope_kind` refuses those by name.
 
 Segments are stored normalised (their first token at position 0: rotated by ``-start`` when
 stored) and rotated by ``+new_start`` when reused. Angles are computed in float32 from the
@@ -17,22 +17,6 @@ Llama 3's rescaling), and keys rotated in float32, then cast back.
 from __future__ import annotations
 
 import torch
-
-# rope_type values (vLLM's / transformers' names) whose angle is position * inv_freq.
-LINEAR_ANGLE_ROPE = frozenset({"default", "linear", "llama3"})
-
-
-class UnsupportedRope(ValueError):
-    pass
-
-
-def check_rope_kind(rope_type: str | None) -> None:
-    kind = rope_type or "default"
-    if kind not in LINEAR_ANGLE_ROPE:
-        raise UnsupportedRope(
-            f"rope_type {kind!r}: blending re-rotates cached keys, which is exact only for RoPE "
-            f"whose angle is linear in the position ({', '.join(sorted(LINEAR_ANGLE_ROPE))})"
-        )
 
 
 def rotate_keys(

@@ -31,9 +31,9 @@ import urllib.parse
 from collections import OrderedDict
 from typing import Any
 
-from lmcache_p2p.config import TRANSFER_CHANNELS
 from lmcache_p2p.controller.errors import ControllerError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, EngineLoad, Register
+from lmcache_p2p.vocab import TRANSFER_CHANNELS
 
 # -- bounds -----------------------------------------------------------------------------------------
 

@@ -48,12 +48,13 @@ from lmcache_p2p.protocol import (
     StatusCommand,
     pack_hashes,
 )
+from lmcache_p2p.vocab import CPU
 
 logger = logging.getLogger("lmcache_p2p.controller")
 
 # Pins are handles on CPU pages. A disk file has no pin: "pinning" one would pin a promoted CPU
 # copy (evicting other chunks for it) while the file itself stays evictable, so it is refused.
-PINNABLE_LOCATION = "LocalCPUBackend"
+PINNABLE_LOCATION = CPU
 
 # Addresses whose command port did not accept a connection, remembered this long at most.
 UNREACHABLE_KEPT = 4096

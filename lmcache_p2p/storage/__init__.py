@@ -3,19 +3,15 @@
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.gpu_tier import GpuTier
-from lmcache_p2p.storage.manager import CPU, DISK, GPU, PrefixHit, StorageEvent, StorageManager
+from lmcache_p2p.storage.manager import PrefixHit, StorageManager
 from lmcache_p2p.storage.memory import PagePool
 
 __all__ = [
-    "CPU",
-    "DISK",
-    "GPU",
     "CpuTier",
     "DiskTier",
     "GpuTier",
     "PagePool",
     "PinnedChunk",
     "PrefixHit",
-    "StorageEvent",
     "StorageManager",
 ]

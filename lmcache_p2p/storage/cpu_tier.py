@@ -19,6 +19,7 @@ import torch
 
 from lmcache_p2p.keys import ChunkKey, payload_checksum
 from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.vocab import CPU
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class PinnedChunk:
 class CpuTier:
     """Chunks in a :class:`PagePool`, least recently used first out."""
 
-    location = "LocalCPUBackend"
+    location = CPU
 
     def __init__(self, pool: PagePool, on_evict: Callable[[ChunkKey], None] | None = None):
         self.pool = pool

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from lmcache_p2p.keys import ChunkKey, payload_checksum
+from lmcache_p2p.vocab import DISK
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ _SUFFIX = ".kv"
 class DiskTier:
     """Chunk files under ``root`` with at most ``capacity_bytes`` of payload+headers on disk."""
 
-    location = "LocalDiskBackend"
+    location = DISK
 
     def __init__(self, root: str, capacity_bytes: int, on_evict: Callable[[ChunkKey], None] | None = None):
         self.root = root

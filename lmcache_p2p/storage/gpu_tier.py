@@ -23,13 +23,14 @@ from lmcache_p2p.device_checksum import device_checksums
 from lmcache_p2p.keys import ChunkKey, payload_checksum
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk, _Entry
 from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.vocab import GPU
 
 
 class GpuTier(CpuTier):
     """Chunks in a VRAM :class:`PagePool`, LRU, pinned like the CPU tier's. ``checksum_of``
     gives a chunk's checksum from the CPU tier (pages here are never hashed on the host)."""
 
-    location = "LocalGPUBackend"
+    location = GPU
 
     def __init__(self, pool: PagePool, checksum_of: Callable[[ChunkKey], int | None]):
         super().__init__(pool)

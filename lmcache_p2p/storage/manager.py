@@ -37,21 +37,12 @@ from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.gpu_tier import GpuTier
 from lmcache_p2p.storage.memory import PagePool
+from lmcache_p2p.vocab import CPU, DISK, GPU, StorageEvent
 from lmcache_p2p.write_behind import WriteBehind
 
 logger = logging.getLogger(__name__)
 
-CPU = CpuTier.location
-DISK = DiskTier.location
-GPU = GpuTier.location
 HASH_THREADS = 2  # hashing stored chunks for peers, behind the stores (xxh3 lets go of the GIL)
-
-
-@dataclass(frozen=True, slots=True)
-class StorageEvent:
-    kind: Literal["admit", "evict"]
-    location: str  # "LocalCPUBackend" | "LocalDiskBackend", the names the controller API uses
-    key: ChunkKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,8 @@ from lmcache_p2p.protocol import (
 )
 from lmcache_p2p.rpc import Handler, RemoteError, RequestFailed, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
-from lmcache_p2p.storage.manager import CPU, StorageManager
+from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
 from lmcache_p2p.worker.p2p_client import BASE_TIMEOUT_S, SLOWEST_RATE_BPS, P2PClient, Peer

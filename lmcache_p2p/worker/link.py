@@ -56,7 +56,8 @@ from lmcache_p2p.protocol import (
     pack_hashes,
 )
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
-from lmcache_p2p.storage.manager import StorageEvent, StorageManager
+from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.vocab import StorageEvent
 from lmcache_p2p.worker.identity import WorkerIdentity
 
 logger = logging.getLogger(__name__)

@@ -47,9 +47,10 @@ from lmcache_p2p.protocol import (
 )
 from lmcache_p2p.pull_policy import PullPolicy
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
-from lmcache_p2p.storage.manager import CPU, StorageManager
+from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.transfer.base import Landing
+from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
 

@@ -40,8 +40,9 @@ from lmcache_p2p.protocol import (
 )
 from lmcache_p2p.rpc import Answer, Handler, RpcServer
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
-from lmcache_p2p.storage.manager import GPU, StorageManager
+from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TransferError, Transport
+from lmcache_p2p.vocab import GPU
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.p2p_client import P2PClient, Peer
 

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from lmcache_p2p.blend.models import check_architecture
-from lmcache_p2p.blend.rope import check_rope_kind
+from lmcache_p2p.blend.support import check_architecture, check_rope_kind
 
 
 class VllmLlama:

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from lmcache_p2p.blend.models import check_architecture
 from lmcache_p2p.blend.segments import segment_chunks, separator_ids, split_segments
+from lmcache_p2p.blend.support import check_architecture
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, BlendSpec, SegmentStoreSpec
 

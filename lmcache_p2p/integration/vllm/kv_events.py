@@ -32,7 +32,7 @@ from typing import Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
-from lmcache_p2p.storage.manager import CPU, DISK, StorageEvent
+from lmcache_p2p.vocab import CPU, DISK, StorageEvent
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,7 @@ from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorag
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path, tokens_by_source
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PConnectorMetadata, StoreSpec
 from lmcache_p2p.keys import chunk_hash_array
-from lmcache_p2p.peer_service import PEER_FETCH_TIMEOUT_S
-from lmcache_p2p.vocab import SOURCE_REMOTE
+from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, SOURCE_REMOTE
 
 logger = logging.getLogger(__name__)
 

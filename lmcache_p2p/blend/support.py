@@ -1,0 +1,40 @@
+"""What blending accepts, checked without torch: the vLLM scheduler half refuses an unsupported
+model at start-up from its config alone (architectures, rope type), before any KV exists.
+
+* :data:`SUPPORTED`: the architectures with a model adapter (blend/models.py);
+* :data:`LINEAR_ANGLE_ROPE`: the RoPE kinds whose angle is position * inv_freq, the ones a cached
+  key can be re-rotated to a new position exactly (blend/rope.py says why).
+"""
+
+from __future__ import annotations
+
+SUPPORTED = ("LlamaForCausalLM",)
+# rope_type values (vLLM's / transformers' names) whose angle is position * inv_freq.
+LINEAR_ANGLE_ROPE = frozenset({"default", "linear", "llama3"})
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+class UnsupportedRope(ValueError):
+    pass
+
+
+def check_architecture(architectures: list[str] | None) -> str:
+    """The architecture blending will run, or UnsupportedModel naming what was given."""
+    for arch in architectures or []:
+        if arch in SUPPORTED:
+            return arch
+    raise UnsupportedModel(
+        f"enable_blending supports {', '.join(SUPPORTED)}; this model is {architectures or 'of unknown architecture'}"
+    )
+
+
+def check_rope_kind(rope_type: str | None) -> None:
+    kind = rope_type or "default"
+    if kind not in LINEAR_ANGLE_ROPE:
+        raise UnsupportedRope(
+            f"rope_type {kind!r}: blending re-rotates cached keys, which is exact only for RoPE "
+            f"whose angle is linear in the position ({', '.join(sorted(LINEAR_ANGLE_ROPE))})"
+        )
