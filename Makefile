@@ -104,7 +104,7 @@ config-docs: $(VENV)/.installed
 # stops after the report.
 DEMO_ARGS ?=
 demo: $(VENV)/.installed
-	$(PY) -m lmcache_p2p.demo $(DEMO_ARGS)
+	$(PY) -m lmcache_p2p.testing.demo $(DEMO_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_keys.py

@@ -219,8 +219,8 @@ def engine_run(
 
     from instances import InstanceProcess
 
-    from lmcache_p2p.demo import CPU_ENGINE_ENV
     from lmcache_p2p.testing import offline_driver
+    from lmcache_p2p.testing.processes import CPU_ENGINE_ENV
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_blend_engine_"))
     env = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}

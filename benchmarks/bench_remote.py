@@ -65,7 +65,8 @@ from remote_stores import LmServer  # noqa: E402
 
 from lmcache_p2p.config import LMCacheConfig  # noqa: E402
 from lmcache_p2p.keys import ChunkKey, payload_checksum  # noqa: E402
-from lmcache_p2p.remote.store import RemoteStore, open_store  # noqa: E402
+from lmcache_p2p.remote.connect import open_store  # noqa: E402
+from lmcache_p2p.remote.store import RemoteStore  # noqa: E402
 from lmcache_p2p.remote.tier import (  # noqa: E402
     FETCH_BATCH_BYTES,
     HEADER_BYTES,

@@ -70,8 +70,8 @@ import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmcache_p2p.demo import P2P_LINE, ServedProcess, stream_completion, wait_indexed
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import P2P_LINE, ServedProcess, stream_completion, wait_indexed
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import build, sample_text
 

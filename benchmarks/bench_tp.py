@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from lmcache_p2p.demo import ASK_GAP_S, peer_pulls, stream_completion, wait_indexed
+from lmcache_p2p.testing.processes import ASK_GAP_S, peer_pulls, stream_completion, wait_indexed
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import MODEL_NAME, build, sample_text
 

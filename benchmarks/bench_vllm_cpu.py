@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from instances import InstanceProcess, config_override, instance_config  # noqa: E402
 from protocol_client import ControllerProcess  # noqa: E402
 
-from lmcache_p2p.demo import CPU_ENGINE_ENV  # noqa: E402
 from lmcache_p2p.testing import offline_driver  # noqa: E402
+from lmcache_p2p.testing.processes import CPU_ENGINE_ENV  # noqa: E402
 
 ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
 CHUNK = 256
@@ -67,7 +67,7 @@ def first_request(
     gap_s: float,
 ) -> dict:
     """A fresh pair of engines: A's first request, then B's first request for the same prompt,
-    ``gap_s`` after A answered (as make demo does: see ASK_GAP_WHY in lmcache_p2p/demo.py)."""
+    ``gap_s`` after A answered (as make demo does: see ASK_GAP_WHY in lmcache_p2p/testing/processes.py)."""
     a = driver(model, instance_config(f"first_a{run}", controller, **config), tmp, f"first_a{run}")
     b = driver(model, instance_config(f"first_b{run}", controller, **config), tmp, f"first_b{run}")
     try:

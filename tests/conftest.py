@@ -8,8 +8,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from instances import InstanceProcess  # noqa: E402
 
-from lmcache_p2p.demo import CPU_ENGINE_ENV  # noqa: E402
 from lmcache_p2p.testing import offline_driver  # noqa: E402
+from lmcache_p2p.testing.processes import CPU_ENGINE_ENV  # noqa: E402
 
 # vLLM CPU engines in tests: one OpenMP thread each, quiet logs.
 ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from lmcache_p2p.demo import stream_completion
+from lmcache_p2p.testing.processes import stream_completion
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 

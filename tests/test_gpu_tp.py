@@ -13,7 +13,7 @@ import pytest
 import torch
 from protocol_client import wait_for
 
-from lmcache_p2p.demo import peer_pulls, stream_completion
+from lmcache_p2p.testing.processes import peer_pulls, stream_completion
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 

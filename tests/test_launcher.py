@@ -51,7 +51,7 @@ def test_anything_but_serve_model_is_a_usage_error(argv):
 @pytest.mark.engine
 @pytest.mark.slow
 def test_seed_001_two_instances_share_kv_through_lmcache_server(tmp_path, tiny_model, lm_server):
-    from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, stream_completion
+    from lmcache_p2p.testing.processes import CPU_ENGINE_ARGS, ServedProcess, stream_completion
     from lmcache_p2p.testing.tiny_model import sample_text
 
     # The seed's cache_config.yaml, as written (plus the chunk size and a small pool for 2 cores).

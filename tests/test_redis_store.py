@@ -13,8 +13,9 @@ import pytest
 import redis.connection
 from redis_servers import RedisCluster, RedisSentinel, RedisServer, redis_sentinel  # noqa: F401
 
+from lmcache_p2p.remote.connect import open_store
 from lmcache_p2p.remote.redis_store import RedisClusterStore, RedisStore
-from lmcache_p2p.remote.store import RemoteUnavailable, open_store
+from lmcache_p2p.remote.store import RemoteUnavailable
 from lmcache_p2p.remote.url import parse_remote_url
 
 MiB = 1 << 20

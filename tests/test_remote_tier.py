@@ -22,7 +22,7 @@ from remote_stores import LmServer, restarted, store_url
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.keys import LayoutFingerprint, payload_checksum
 from lmcache_p2p.remote import tier as tier_module
-from lmcache_p2p.remote.store import open_store
+from lmcache_p2p.remote.connect import open_store
 from lmcache_p2p.remote.tier import remote_key
 from lmcache_p2p.remote.url import parse_remote_url
 from lmcache_p2p.storage import StorageManager

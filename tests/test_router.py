@@ -18,13 +18,13 @@ import pytest
 from openai_standin import ServedApp, StandinEngine, chat_text, standin_tokens
 from protocol_client import ControllerProcess, FakeWorker, registered_workers, wait_for
 
-from lmcache_p2p.demo import ServedProcess
 from lmcache_p2p.protocol import EngineLoad
 from lmcache_p2p.router import cli
 from lmcache_p2p.router.app import create_app
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import Candidate, LeastLoaded, RoundRobin, demote, make_policy
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import ServedProcess
 
 NAMES = ["inst-a", "inst-b", "inst-c"]
 MODEL = "tiny-llama"  # the stand-ins' served model and the FakeWorkers' layout model

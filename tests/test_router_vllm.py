@@ -15,8 +15,8 @@ import pytest
 from conftest import ENGINE_ENV
 from protocol_client import wait_for
 
-from lmcache_p2p.demo import stream_completion
 from lmcache_p2p.router.tokenizer import LocalTokenizer
+from lmcache_p2p.testing.processes import stream_completion
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 

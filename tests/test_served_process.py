@@ -9,8 +9,8 @@ from pathlib import Path
 
 from protocol_client import wait_for
 
-from lmcache_p2p.demo import ServedProcess
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import ServedProcess
 
 # What a TP=2 worker does: log its init method, create its segment, serve until stopped.
 _FAKE_TP_WORKER = """

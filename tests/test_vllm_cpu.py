@@ -167,7 +167,8 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
     import httpx
     import yaml
 
-    from lmcache_p2p.demo import CPU_ENGINE_ARGS, ServedProcess, stream_completion, vllm_server_command
+    from lmcache_p2p.integration.vllm.launcher import vllm_server_command
+    from lmcache_p2p.testing.processes import CPU_ENGINE_ARGS, ServedProcess, stream_completion
     from lmcache_p2p.testing.tiny_model import sample_text
 
     controller = ControllerProcess().start()
@@ -238,7 +239,7 @@ def test_make_demo_shows_a_peer_hit_and_stops_everything_it_started(tmp_path):
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
-        [sys.executable, "-m", "lmcache_p2p.demo", "--no-wait", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "lmcache_p2p.testing.demo", "--no-wait", "--workdir", str(tmp_path)],
         cwd=repo,
         capture_output=True,
         text=True,

@@ -24,9 +24,9 @@ import yaml
 import zmq.asyncio
 from protocol_client import wait_for
 
-from lmcache_p2p.demo import peer_pulls, stream_completion
 from lmcache_p2p.protocol import ClearCommand, CommandReply, command_reply_decoder
 from lmcache_p2p.rpc import RpcClient
+from lmcache_p2p.testing.processes import peer_pulls, stream_completion
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 

@@ -163,7 +163,7 @@ def summarize(name: str, answer: dict) -> dict:
 def cmd_peer(args) -> dict:
     from instances import InstanceProcess
 
-    from lmcache_p2p.demo import ServedProcess
+    from lmcache_p2p.testing.processes import ServedProcess
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ def cmd_peer(args) -> dict:
                 cmd.append("--graphs")
             env = {}
             if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
-                from lmcache_p2p.demo import CPU_ENGINE_ENV
+                from lmcache_p2p.testing.processes import CPU_ENGINE_ENV
 
                 cmd, env = cmd + ["--cpu-smoke"], dict(CPU_ENGINE_ENV)
             else:
@@ -261,7 +261,7 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     2's (from engine 1), over ``docs``; what engine 2's log says about this wave's pulls and loads."""
     from protocol_client import wait_for
 
-    from lmcache_p2p.demo import P2P_LINE
+    from lmcache_p2p.testing.processes import P2P_LINE
 
     out: dict = {"repeat": repeat}
     log_from = len(engines[1].log())

@@ -41,9 +41,9 @@ from threading import Thread
 from typing import NamedTuple
 from urllib import request as urlrequest
 
-from lmcache_p2p.demo import ServedProcess
 from lmcache_p2p.testing.pd_proxy import make_server, seed_kv_transfer_config
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import ServedProcess
 
 CHUNK = 256
 # Seed 000's kv_transfer_config, GPU buffers (NIXL's default kv_buffer_device on a GPU host).

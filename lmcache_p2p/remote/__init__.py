@@ -2,8 +2,8 @@
 
 * :mod:`.url` parses ``remote_url`` (``lm://``, ``redis://``, ``rediss://``, ``redis-sentinel://``,
   ``redis-cluster://``) into a :class:`RemoteUrl`;
-* :mod:`.store` is the interface every backend implements (:class:`RemoteStore`) and
-  :func:`open_store`, which picks one;
+* :mod:`.store` is the interface every backend implements (:class:`RemoteStore`), and
+  :mod:`.connect`'s ``open_store`` picks the backend for a URL;
 * :mod:`.lm_store` / :mod:`.wire` / :mod:`.server` are our own single-box server
   (``lmcache_server``), its client and the protocol between them;
 * :mod:`.redis_store` is Redis through redis-py (standalone, TLS, Sentinel, Cluster);

@@ -1,4 +1,4 @@
-"""The interface every remote backend implements, and :func:`open_store`, which picks one.
+"""The interface every remote backend implements (:mod:`.connect` picks one for a URL).
 
 A store maps opaque byte keys to opaque byte values. It knows nothing of layouts, checksums or
 pages (:mod:`.tier` does). Every call is a batch and costs one round trip per server touched:
@@ -47,18 +47,3 @@ class RemoteStore(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def open_store(url: RemoteUrl, timeout_s: float = 5.0) -> RemoteStore:
-    """A client for ``url`` (it connects lazily: a server that is down now is no error here)."""
-    if url.scheme == "lm":
-        from lmcache_p2p.remote.lm_store import LmServerStore
-
-        return LmServerStore(url, timeout_s)
-    if url.scheme == "redis-cluster":
-        from lmcache_p2p.remote.redis_store import RedisClusterStore
-
-        return RedisClusterStore(url, timeout_s)
-    from lmcache_p2p.remote.redis_store import RedisStore
-
-    return RedisStore(url, timeout_s)

@@ -31,7 +31,7 @@ import torch
 from lmcache_p2p import device_checksum, gpu_ops
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey, LayoutFingerprint, in_parallel, payload_checksum
-from lmcache_p2p.remote.store import open_store
+from lmcache_p2p.remote.connect import open_store
 from lmcache_p2p.remote.tier import RemoteTier
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier

@@ -5,7 +5,7 @@ The vLLM end-to-end tests and ``benchmarks/bench_vllm_cpu.py`` run it as a proce
     python -m lmcache_p2p.testing.offline_driver MODEL_DIR [--no-connector]
 
 The engine runs in this process (scheduler and worker alike), so the connector's cache engine is
-reachable through :func:`live_engines` for ``status`` and ``corrupt``. The LMCache configuration
+reachable through vLLM's ``get_kv_transfer_group()`` for ``status`` and ``corrupt``. The LMCache configuration
 comes from ``LMCACHE_CONFIG_FILE`` / ``LMCACHE_*`` as for any engine.
 
 One JSON request per line on stdin, one answer per line on stdout (everything else goes to
@@ -47,12 +47,12 @@ def command(model: str, *args: str, connector: bool = True) -> list[str]:
 
 
 def _engine():
-    from lmcache_p2p.integration.vllm import live_engines
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    engines = list(live_engines().values())
-    if not engines:
+    engine = getattr(get_kv_transfer_group(), "cache_engine", None) if has_kv_transfer_group() else None
+    if engine is None:
         raise RuntimeError("no lmcache-p2p cache engine in this process (started with --no-connector?)")
-    return engines[0]
+    return engine
 
 
 def _corrupt(engine) -> int:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from lmcache_p2p.demo import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, ServedProcess, stream_completion
 from lmcache_p2p.integration.vllm.launcher import vllm_server_command
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, ServedProcess, stream_completion
 from lmcache_p2p.testing.tiny_model import sample_text
 
 # On CUDA: eager (no graph capture, which costs each engine's start-up a minute), float32 like

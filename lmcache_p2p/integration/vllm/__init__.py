@@ -5,7 +5,7 @@ importing a submodule (the offline driver, the lookup channel) does not import v
 lmcache_p2p, the controller above all, never does.
 """
 
-__all__ = ["LMCacheConnectorV1", "live_engines"]
+__all__ = ["LMCacheConnectorV1"]
 
 
 def __getattr__(name: str):
@@ -13,8 +13,4 @@ def __getattr__(name: str):
         from lmcache_p2p.integration.vllm.connector import LMCacheConnectorV1
 
         return LMCacheConnectorV1
-    if name == "live_engines":
-        from lmcache_p2p.integration.vllm.worker_side import live_engines
-
-        return live_engines
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

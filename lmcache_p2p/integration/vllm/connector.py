@@ -29,6 +29,7 @@ from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+    from lmcache_p2p.cache_engine import CacheEngine
     from lmcache_p2p.integration.vllm.scheduler_side import SchedulerSide
     from lmcache_p2p.integration.vllm.worker_side import WorkerSide
 
@@ -110,6 +111,13 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         if self._scheduler is None:
             raise RuntimeError("a scheduler-side call reached the WORKER-role connector")
         return self._scheduler
+
+    @property
+    def cache_engine(self) -> CacheEngine | None:
+        """This worker's cache engine once vLLM registered its KV caches (None before, and on the
+        scheduler's connector): what an in-process caller reaches through vLLM's
+        ``get_kv_transfer_group()``."""
+        return self._worker.engine if self._worker is not None else None
 
     @property
     def _worker_side(self) -> WorkerSide:

@@ -63,16 +63,6 @@ LOOKUP_PIN_TTL_S = 300.0
 # peer's write into the GPU tier; past it they count as bad (vLLM recomputes them).
 LANDED_CHECK_TIMEOUT_S = 10.0
 
-# The explicit registry of live cache engines in this process (DESIGN.md §9), by
-# (instance id, TP rank): what an operator's debug shell or an in-process test reaches them by.
-_live_engines: dict[tuple[str, int], CacheEngine] = {}
-_live_lock = threading.Lock()
-
-
-def live_engines() -> dict[tuple[str, int], CacheEngine]:
-    with _live_lock:
-        return dict(_live_engines)
-
 
 @dataclass
 class _StepLoad:
@@ -241,8 +231,6 @@ class WorkerSide:
         if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
             self.storage_events = StorageEventBuffer(self.tp_rank)
             self.engine.storage.subscribe(self.storage_events)
-        with _live_lock:
-            _live_engines[(self.config.lmcache_instance_id or "", self.tp_rank)] = self.engine
         if self.config.enable_blending:
             from lmcache_p2p.integration.vllm.blending import SegmentBlender
 
@@ -779,7 +767,5 @@ class WorkerSide:
         self._load_staging = None  # no copy reads it any more
         self._clock = None
         if self.engine is not None:
-            with _live_lock:
-                _live_engines.pop((self.config.lmcache_instance_id or "", self.tp_rank), None)
             self.engine.close()
             self.engine = None

@@ -1,6 +1,6 @@
 """``make demo``: a controller and two vLLM CPU engines sharing KV, on the seeds' ports.
 
-    python -m lmcache_p2p.demo [--workdir .demo] [--config1 configs/example1.yaml] ...
+    python -m lmcache_p2p.testing.demo [--workdir .demo] [--config1 configs/example1.yaml] ...
 
 Builds the tiny model, starts ``lmcache_controller`` (9000; monitor 8300/8400/8082) and two OpenAI
 servers (8010, 8011) configured by the seed-004 YAMLs, sends a long document to engine 1 and then
@@ -8,180 +8,33 @@ the same document to engine 2, and prints both times to first token and engine 2
 Then it keeps everything running for you to poke at (the WebUI, ``curl``) until Ctrl-C, and stops
 every process it started. ``--no-wait`` stops right after the report (tests, CI).
 
-:class:`ServedProcess` is what the end-to-end tests use too (with
-:func:`lmcache_p2p.integration.vllm.launcher.vllm_server_command`, re-exported here).
+The processes it starts and the calls it makes are lmcache_p2p.testing.processes', which the
+end-to-end tests and benchmarks use too.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 from urllib import error as urlerror
-from urllib import request as urlrequest
 
 from lmcache_p2p.integration.vllm.launcher import vllm_server_command
-
-# What a vLLM CPU engine needs on a small machine: one OpenMP thread each (two engines share the
-# cores), float32 (what the tiny model is), no torch.compile (start in seconds), a 1 GiB KV cache.
-CPU_ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "8192")
-CPU_ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-# The demo speaks HTTP through the standard library, so `pip install .` is all it needs besides
-# the engine.
-
-
-def http_status(url: str, timeout: float) -> int:
-    """The status of a GET (0 when nothing answered)."""
-    try:
-        with urlrequest.urlopen(url, timeout=timeout) as response:
-            return int(response.status)
-    except urlerror.HTTPError as e:
-        return int(e.code)
-    except (urlerror.URLError, OSError):
-        return 0
-
-
-def _post(url: str, body: dict, timeout: float) -> Any:
-    return urlrequest.urlopen(
-        urlrequest.Request(
-            url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
-        ),
-        timeout=timeout,
-    )
-
-
-def post_json(url: str, body: dict, timeout: float) -> Any:
-    """POST a JSON body, return the decoded JSON answer (raises on an HTTP error)."""
-    with _post(url, body, timeout) as response:
-        return json.loads(response.read())
-
-
-# vLLM's worker start-up line, e.g. "... distributed_init_method=tcp://127.0.0.1:57573 backend=gloo".
-_CPU_SHM_INIT_PORT = re.compile(r"distributed_init_method=tcp://\S*:(\d+)(?:\s|$)", re.MULTILINE)
-
-
-class ServedProcess:
-    """A server process with its output in a log file, stopped with its whole process group."""
-
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None):
-        self.name, self.args, self.log_path = name, args, log_path
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> ServedProcess:
-        self._log = open(self.log_path, "w")  # noqa: SIM115  (open for the process's life; stop() closes it)
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def last_log_line(self) -> str:
-        lines = [line for line in self.log().splitlines() if line.strip()]
-        return lines[-1][-140:] if lines else ""
-
-    @property
-    def process(self) -> subprocess.Popen:
-        if self.proc is None:
-            raise RuntimeError(f"{self.name} was not started")
-        return self.proc
-
-    def exited(self) -> bool:
-        return self.proc is not None and self.proc.poll() is not None
-
-    def wait_http(self, url: str, timeout: float, progress: bool = False) -> None:
-        """Until ``url`` answers 200; raises with the log tail if the process dies or time runs out."""
-        started = last_report = time.monotonic()
-        while True:
-            if self.exited():
-                raise RuntimeError(
-                    f"{self.name} exited with code {self.process.returncode}; "
-                    f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}"
-                )
-            if http_status(url, timeout=2) == 200:
-                if progress:
-                    print(f"    {self.name} is up ({time.monotonic() - started:.0f} s)", flush=True)
-                return
-            now = time.monotonic()
-            if now - started > timeout:
-                raise RuntimeError(
-                    f"{self.name} did not answer {url} within {timeout:.0f} s; "
-                    f"its log ({self.log_path}) ends:\n{self.log()[-3000:]}"
-                )
-            if progress and now - last_report >= 5:
-                last_report = now
-                print(f"    {self.name}: starting ({now - started:.0f} s) ... {self.last_log_line()}", flush=True)
-            time.sleep(0.5)
-
-    def terminate(self) -> None:
-        """Ask the process group to exit (SIGTERM) without waiting."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # exited meanwhile
-                os.killpg(self.proc.pid, signal.SIGTERM)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if self.proc is None or self._log.closed:
-            return
-        try:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        except ProcessLookupError:
-            pass
-        finally:
-            self._log.close()
-            self._unlink_cpu_shm()
-
-    def _unlink_cpu_shm(self) -> None:
-        """Remove the shared-memory segments of a stopped vLLM CPU engine's TP workers.
-
-        They are named after the engine's distributed init port and are not unlinked when the
-        workers die by a signal, so they pile up in /dev/shm; a later engine that draws the same
-        port fails to start with "create shm in SHMManager failed. errno: 17" (CI met this)."""
-        for port in set(_CPU_SHM_INIT_PORT.findall(self.log())):
-            for segment in Path("/dev/shm").glob(f"{port}-*-cpushm_*"):
-                segment.unlink(missing_ok=True)
-
-
-def stream_completion(base_url: str, model: str, prompt: str | list[int], max_tokens: int = 16) -> dict:
-    """One streamed greedy completion of a text or of token ids: time to first token (None if no
-    token came), total time, the text and the response headers (lower-case names)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-    t0 = time.perf_counter()
-    ttft, pieces = None, []
-    with _post(f"{base_url}/v1/completions", body, timeout=600) as response:
-        headers = {name.lower(): value for name, value in response.headers.items()}
-        for raw in response:
-            line = raw.decode().rstrip("\r\n")
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            text = json.loads(line[6:])["choices"][0].get("text", "")
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            pieces.append(text)
-    return {"ttft_s": ttft, "total_s": time.perf_counter() - t0, "text": "".join(pieces), "headers": headers}
+from lmcache_p2p.testing.processes import (
+    ASK_GAP_S,
+    CPU_ENGINE_ARGS,
+    CPU_ENGINE_ENV,
+    P2P_LINE,
+    ServedProcess,
+    post_json,
+    stream_completion,
+    wait_indexed,
+)
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -203,22 +56,6 @@ def _config_ports(data: dict) -> list[int]:
         value = data.get(key)
         ports += value if isinstance(value, list) else ([int(value)] if value is not None else [])
     return ports
-
-
-def wait_indexed(
-    engine_url: str, controller_url: str, model: str, prompt: str, timeout: float = 10.0, chunk_size: int = 256
-) -> bool:
-    """Until the controller knows an instance holding every full chunk of the prompt (workers
-    report in batches, so a first answer can be part of it); whether that happened in ``timeout``."""
-    tokens = post_json(f"{engine_url}/tokenize", {"model": model, "prompt": prompt}, timeout=30)["tokens"]
-    whole = len(tokens) // chunk_size * chunk_size
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        layout = post_json(f"{controller_url}/lookup", {"tokens": tokens}, timeout=5)["layout_info"]
-        if any(held >= whole for _, held in layout.values()):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _wait_mesh_warm(controller_url: str, instance_ids: list[str], timeout: float = 60.0) -> float | None:
@@ -245,48 +82,8 @@ def _wait_mesh_warm(controller_url: str, instance_ids: list[str], timeout: float
     return None
 
 
-# ASK_GAP_WHY: after each step, each vLLM engine's worker and core processes spin on their
-# shared-memory queues for 1 s (vLLM's SpinCondition busy_loop_s). Two engines sharing two vCPUs
-# is the demo's artefact, not a fleet's: asked at once, engine 2 waited for CPU behind engine 1's
-# spinning processes, and so did engine 1's side of the pull (its server thread fights that spin
-# for the GIL). Two users asking the same document a couple of seconds apart, as on two hosts,
-# is what the demo shows; --gap-s 0 shows the shared-CPU case.
-ASK_GAP_S = 2.0
-
-# The line a peer pull logs (p2p_client), as the demo and benchmarks/gpu/e2e.py read it.
-P2P_LINE = re.compile(
-    r"Retrieved (?P<tokens>\d+) out of total (?P<total>\d+) tokens\. size: (?P<gb>[\d.]+) gb, "
-    r"cost (?P<ms>[\d.]+) ms, throughput: (?P<gbps>[\d.]+) GB/s \(from (?P<peer>.+?) "
-    r"over (?P<channel>\w+(?: via GPU staging)?)(?:, to rank (?P<to_rank>\d+))?\)"
-)
-# What vLLM puts before a worker process's output: "(Worker_TP1 pid=..)", "(Worker pid=..)" at TP=1.
-_WORKER_PREFIX = re.compile(r"\(Worker(?:_TP(?P<rank>\d+))? pid=\d+\)")
-
-
-def peer_pulls(log: str) -> list[dict]:
-    """Every peer pull in an engine's log: :data:`P2P_LINE`'s fields, plus the rank that pulled
-    (``rank``) and the peer instance and rank it pulled from (``peer_instance``, ``peer_rank``)."""
-    pulls = []
-    for line in log.splitlines():
-        match = P2P_LINE.search(line)
-        if match is None:
-            continue
-        pull: dict = match.groupdict()
-        to_rank = pull.pop("to_rank")
-        if to_rank is not None:  # the line names the rank that pulled
-            pull["rank"] = int(to_rank)
-        else:  # an older line: vLLM's prefix (wrong where two ranks' lines interleaved)
-            worker = _WORKER_PREFIX.search(line)
-            pull["rank"] = int(worker["rank"] or 0) if worker else 0
-        # The peer reads "engine1 rank 0 (127.0.0.1:8201)".
-        pull["peer_instance"], _, rest = pull["peer"].partition(" rank ")
-        pull["peer_rank"] = int(rest.split()[0])
-        pulls.append(pull)
-    return pulls
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lmcache_p2p.testing.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", default=".demo", help="model, logs (default .demo)")
     parser.add_argument("--config1", default="configs/example1.yaml")
     parser.add_argument("--config2", default="configs/example2.yaml")
