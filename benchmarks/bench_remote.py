@@ -16,7 +16,7 @@ script, Debian's ``redis-server``, a Redis Cluster of 3 masters with no replicas
   ``store_path_ms`` is the part the engine's own thread waits for (the N CPU-tier puts).
   ``raw_put``: the same bytes (framed before timing) through ``RemoteStore.put`` directly, in the
   tier's batches of ``WRITE_BATCH_CHUNKS``: the ceiling.
-* ``get``: a reader holding none of them locally runs ``fetch_remote_prefix`` of the N chunks
+* ``get``: a reader holding none of them locally runs ``RemoteTier.fetch_prefix_into`` of the N chunks
   (one exists round, get rounds of at most ``FETCH_BATCH_BYTES``, header + XXH3 check, copy
   into CPU pages, admit). ``raw_get``: ``RemoteStore.get`` of the same keys in the same rounds:
   the ceiling.
@@ -270,8 +270,9 @@ def write_behind(writer: StorageManager, hashes: list[int], sources: torch.Tenso
 
 def fetch(reader: StorageManager, hashes: list[int], sources: torch.Tensor) -> float:
     reader.clear()
+    assert reader.remote is not None
     t0 = time.perf_counter()
-    got = reader.fetch_remote_prefix(hashes)
+    got = reader.remote.fetch_prefix_into(reader, hashes)
     took = time.perf_counter() - t0
     assert got == len(hashes), f"fetched {got} of {len(hashes)}: {reader.stats()}"
     for i in (0, len(hashes) - 1):  # the bytes are the writer's (untimed)
@@ -470,7 +471,7 @@ def main() -> None:
     result["note"] = (
         "remote put = N CPU-tier puts written behind to the store, first put to flush() done "
         "(store_path_ms: the puts alone); raw_put = RemoteStore.put of the same framed bytes; "
-        "get = fetch_remote_prefix by a reader holding none of them (exists + gets + XXH3 + copy into "
+        "get = RemoteTier.fetch_prefix_into by a reader holding none of them (exists + gets + XXH3 + copy into "
         "CPU pages); raw_get = RemoteStore.get of the same keys in the same rounds; lookup = "
         f"RemoteTier.prefix_length of {LOOKUP_CHUNKS} chunks, held or missing at chunk 0; "
         "cpu_tier put = StorageManager.put, pin_copy_out = pin + copy of the page; p2p = bench_p2p.p2p's "

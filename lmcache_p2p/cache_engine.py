@@ -268,7 +268,8 @@ class CacheEngine:
         if self.peers is not None and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S):
             hit = self.storage.lookup_prefix(hashes).num_chunks
         after_peers = hit
-        if self.storage.remote is not None and hit < len(hashes) and self.storage.fetch_remote_prefix(hashes[hit:]):
+        remote = self.storage.remote
+        if remote is not None and hit < len(hashes) and remote.fetch_prefix_into(self.storage, hashes[hit:]):
             hit = self.storage.lookup_prefix(hashes).num_chunks
         return hit, after_peers
 

@@ -3,6 +3,7 @@
 lmcache-p2p config [--tp-size N]     validate the LMCACHE_CONFIG_FILE / LMCACHE_* settings
 lmcache-p2p config --markdown        the documentation's table of every key
 lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument)
+lmcache-p2p explain --instance B ... chunk by chunk: who holds a prompt, why B would miss it
 lmcache-p2p ray-register [--address A]
                                      make Ray Serve LLM set LMCacheConnectorV1 up as lmcache-p2p
                                      in a Ray cluster (once per cluster; docs/ray_serve.md)
@@ -67,6 +68,97 @@ def _hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    import httpx
+
+    base = args.controller_url.rstrip("/")
+    headers = {}
+    if args.api_token_file:
+        with open(args.api_token_file, encoding="utf-8") as fh:
+            headers["Authorization"] = f"Bearer {fh.read().strip()}"
+    try:
+        with httpx.Client(base_url=base, headers=headers, timeout=30) as http:
+            tokens = _explain_tokens(args, http)
+            if tokens is None:
+                return 1
+            body: dict = {"tokens": tokens}
+            if args.instance:
+                body["instance_id"] = args.instance
+            if args.chunk_size:
+                body["chunk_size"] = args.chunk_size
+            reply = http.post("/explain", json=body)
+    except httpx.HTTPError as e:
+        print(f"explain: the controller at {base} did not answer: {e}", file=sys.stderr)
+        return 1
+    if reply.status_code != 200:
+        print(f"explain: {reply.status_code} {reply.text}", file=sys.stderr)
+        return 1
+    answer = reply.json()
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    print(_explain_table(answer))
+    return 0
+
+
+def _explain_tokens(args: argparse.Namespace, http) -> list[int] | None:
+    """The prompt's token ids: given as JSON, or text tokenized by the instance's own engine (its
+    serve_url's /tokenize), so that the ids are the ones that engine hashes."""
+    if args.text is None:
+        text = args.tokens if args.tokens is not None else sys.stdin.read()
+        try:
+            tokens = json.loads(text)
+        except ValueError:
+            tokens = None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            print("explain: expected a JSON list of token ids (or --text with --instance)", file=sys.stderr)
+            return None
+        return tokens
+    if not args.instance:
+        print("explain: --text needs --instance: its engine tokenizes the text", file=sys.stderr)
+        return None
+    workers = http.get("/controller/workers").json()["instances"]
+    found = [w for inst in workers if inst["instance_id"] == args.instance for w in inst["workers"]]
+    serve_url = next((w["serve_url"] for w in found if w.get("serve_url")), None)
+    if serve_url is None:
+        print(
+            f"explain: instance {args.instance!r} registered no serve_url to tokenize with; pass token ids instead",
+            file=sys.stderr,
+        )
+        return None
+    import httpx
+
+    tokenized = httpx.post(f"{serve_url}/tokenize", json={"model": found[0]["model"], "prompt": args.text}, timeout=30)
+    tokenized.raise_for_status()
+    return tokenized.json()["tokens"]
+
+
+def _explain_table(answer: dict) -> str:
+    target = answer["instance_id"]
+    lines = []
+    if target:
+        lines.append(
+            f"instance {target}, chunk size {answer['chunk_size']}: {answer['usable_tokens']} of "
+            f"{answer['prompt_tokens']} prompt tokens would be reused ({answer['whole_chunks']} whole chunks)"
+        )
+    else:
+        lines.append(f"chunk size {answer['chunk_size']}: {answer['whole_chunks']} whole chunks")
+    rows = [("tokens", "chunks", f"for {target}" if target else "status", "held by")]
+    for run in answer["runs"]:
+        held = "; ".join(
+            f"{h['instance_id']} rank{'s' if len(h['ranks']) > 1 else ''} {','.join(map(str, h['ranks']))} "
+            f"({', '.join(h['locations'])})"
+            for h in run["holders"]
+        )
+        status = run["status"] + (f": {run['detail']}" if run["detail"] and run["status"] != "own" else "")
+        rows.append((f"{run['start_token']}-{run['end_token']}", str(run["chunks"]), status, held or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines += ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
+    for other, why in answer.get("cannot_share_with", {}).items():
+        lines.append(f"{target} can never share KV with {other}: {'; '.join(why)}")
+    return "\n".join(lines)
+
+
 def _ray_register(args: argparse.Namespace) -> int:
     try:
         import ray
@@ -108,6 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("tokens", nargs="?", help="JSON list of token ids (default: read stdin)")
     p.add_argument("--chunk-size", type=int, default=256)
     p.set_defaults(run=_hash)
+    p = sub.add_parser("explain", help="chunk by chunk: who holds a prompt, and why an instance would miss it")
+    p.add_argument("tokens", nargs="?", help="JSON list of token ids (default: read stdin)")
+    p.add_argument("--controller-url", default="http://localhost:9000", help="the controller's HTTP API")
+    p.add_argument("--instance", help="the instance to explain (its chunk size is used)")
+    p.add_argument("--text", help="the prompt as text, tokenized by --instance's engine (its serve_url)")
+    p.add_argument("--chunk-size", type=int, default=0, help="without --instance: the chunk size to cut at")
+    p.add_argument("--api-token-file", help="the controller's API token, with protect_reads")
+    p.add_argument("--json", action="store_true", help="print the controller's answer as JSON")
+    p.set_defaults(run=_explain)
     p = sub.add_parser("ray-register", help="make Ray Serve LLM's LMCacheConnectorV1 set up as lmcache-p2p")
     p.add_argument("--address", default="auto", help="the Ray cluster (HOST:PORT of the head; default: auto)")
     p.set_defaults(run=_ray_register)

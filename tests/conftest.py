@@ -7,6 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from instances import InstanceProcess  # noqa: E402
+from protocol_client import FAST_CONTROLLER, ControllerProcess  # noqa: E402
 
 from lmcache_p2p.testing import offline_driver  # noqa: E402
 from lmcache_p2p.testing.processes import CPU_ENGINE_ENV  # noqa: E402
@@ -28,6 +29,28 @@ def spawn(tmp_path):
     yield start
     for proc in started:
         proc.stop()
+
+
+@pytest.fixture
+def controllers():
+    """Start ``lmcache_controller`` processes (``controllers(*flags, env=...)``); all stopped after
+    the test. A module whose tests want other flags defines its ``controller`` with this."""
+    started: list[ControllerProcess] = []
+
+    def start(*flags: str, env: dict | None = None) -> ControllerProcess:
+        proc = ControllerProcess(*flags, env=env).start()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+def controller(controllers):
+    """A controller with :data:`FAST_CONTROLLER`'s flags."""
+    return controllers(*FAST_CONTROLLER)
 
 
 @pytest.fixture(scope="session")

@@ -87,6 +87,13 @@ def wait_for(predicate: Callable[[], object], timeout: float = 10.0, what: str =
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+# A worker timeout of 3 s makes the controller ask for 0.5 s heartbeats: registrations, totals,
+# warm sets and restarts converge fast. The WebUI tests' controllers keep 6 s (one heartbeat a
+# second) so that a page poll sees each.
+FAST_CONTROLLER = ("--worker-timeout", "3", "--health-check-interval", "0.5")
+WEBUI_CONTROLLER = ("--worker-timeout", "6", "--health-check-interval", "0.5")
+
+
 class ControllerProcess:
     """``lmcache_controller`` as a user starts it, on free loopback ports."""
 
@@ -173,13 +180,21 @@ class ControllerProcess:
 
         return wait_for(done, timeout, f"event {event_id}")
 
+    def metrics(self) -> dict[str, tuple[str, list[tuple[dict[str, str], float]]]]:
+        """/metrics as Prometheus' parser reads it: family name -> (type, [(labels, value)]),
+        sample names as written (``..._total``)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, tuple[str, list[tuple[dict[str, str], float]]]] = {}
+        for family in text_string_to_metric_families(self.http.get("/metrics").text):
+            for sample in family.samples:
+                out.setdefault(sample.name, (family.type, []))[1].append((sample.labels, sample.value))
+        return out
+
     def metric(self, name: str, **labels: str) -> float:
-        text = self.http.get("/metrics").text
-        want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-        for line in text.splitlines():
-            if line.startswith(want + " "):
-                return float(line.split()[-1])
-        return 0.0
+        """One series' value (0 when it is not exported)."""
+        _, series = self.metrics().get(name, ("", []))
+        return next((value for have, value in series if have == labels), 0.0)
 
 
 class FakeWorker:

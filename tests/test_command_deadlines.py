@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-import zmq.asyncio
+from command_harness import served_commands
 from instances import instance_config, tokens
 from protocol_client import CHUNK, CPU, ControllerProcess, FakeWorker, layout, wait_for
 
@@ -20,13 +20,9 @@ from lmcache_p2p.protocol import (
     CommandReply,
     HealthCommand,
     MoveCommand,
-    command_reply_decoder,
 )
-from lmcache_p2p.rpc import RemoteError, RpcClient
+from lmcache_p2p.rpc import RemoteError
 from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.testing.ports import free_ports
-from lmcache_p2p.worker.commands import CommandServer
-from lmcache_p2p.worker.identity import WorkerIdentity
 
 
 def test_the_worker_refuses_an_expired_command_unrun_and_runs_a_fresh_one(caplog):
@@ -34,17 +30,9 @@ def test_the_worker_refuses_an_expired_command_unrun_and_runs_a_fresh_one(caplog
     storage = StorageManager(config, layout(), pin_memory=False)
     for h in (1, 2, 3):
         assert storage.put(h, torch.zeros(storage.page_bytes, dtype=torch.uint8))
-    port = free_ports(1)[0]
-    identity = WorkerIdentity(
-        instance_id="inst", rank=0, host="127.0.0.1", worker_port=port, layout=layout(), chunk_size=16
-    )
 
     async def main():
-        ctx = zmq.asyncio.Context()
-        commands = CommandServer(ctx, identity, storage, link=None, peers=None, status=dict)
-        commands.start()
-        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "controller")
-        try:
+        async with served_commands(storage) as (commands, client):
             # Read 3 s after the controller stopped waiting: refused, nothing cleared.
             stale = ClearCommand(event_id="clear-stale", location=CPU, deadline_unix=time.time() - 3.0)
             with pytest.raises(RemoteError) as refused:
@@ -64,10 +52,6 @@ def test_the_worker_refuses_an_expired_command_unrun_and_runs_a_fresh_one(caplog
             assert (await client.request(fresh, CommandReply, 5)).num_tokens == 3 * 16
             assert len(storage.cpu) == 0
             assert (await client.request(HealthCommand(event_id="h"), CommandReply, 5)).ok
-        finally:
-            client.close()
-            commands.close()
-            ctx.destroy(0)
 
     try:
         asyncio.run(asyncio.wait_for(main(), 30))

@@ -1,7 +1,10 @@
 """The real ``lmcache_controller`` process over real ZMQ and HTTP, driven by protocol clients."""
 
+import json
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from protocol_client import (
@@ -11,12 +14,13 @@ from protocol_client import (
     DISK,
     ControllerProcess,
     FakeWorker,
+    register_message,
     registered_workers,
     wait_for,
 )
 
 from lmcache_p2p.keys import chunk_hashes
-from lmcache_p2p.protocol import Ack, CommandReply, Heartbeat, MoveCommand, unpack_hashes
+from lmcache_p2p.protocol import Ack, CommandReply, Heartbeat, MoveCommand, Traffic, unpack_hashes
 from lmcache_p2p.testing.ports import free_ports
 
 FAST = ("--health-check-interval", "0.1", "--worker-timeout", "1.0", "--command-timeout", "1.0")
@@ -24,11 +28,9 @@ DOC = list(range(1000, 1000 + 10 * CHUNK))  # 10 chunks
 
 
 @pytest.fixture
-def controller():
+def controller(controllers):
     # As the seeds run it: the lmcache_controller console script under PYTHONHASHSEED=123.
-    c = ControllerProcess(*FAST, env={"PYTHONHASHSEED": "123"}).start()
-    yield c
-    c.stop()
+    return controllers(*FAST, env={"PYTHONHASHSEED": "123"})
 
 
 @pytest.fixture
@@ -520,9 +522,8 @@ def test_worker_views_and_key_stats(controller, workers):
     assert controller.post("/query_instance", {"ip": "127.0.0.1"}).json()["res"] == "inst-a"
     stats = controller.http.get("/controller/key-stats").json()
     assert stats["total_keys"] == 10 and stats["instances"] == {"inst-a": {CPU: 10, DISK: 0}}
-    text = controller.http.get("/metrics").text
-    assert 'lmcache_controller_key_holders{instance_id="inst-a",location="LocalCPUBackend"} 10' in text
-    assert "lmcache_controller_workers 1" in text
+    assert controller.metric("lmcache_controller_key_holders", instance_id="inst-a", location=CPU) == 10
+    assert controller.metric("lmcache_controller_workers") == 1
 
 
 def test_openapi_describes_every_route(controller):
@@ -558,6 +559,163 @@ def test_metrics_count_lookups_and_messages(controller, workers):
     a.heartbeat()
     assert controller.metric("lmcache_controller_messages_total", type="Heartbeat") == 1
     assert controller.metric("lmcache_controller_lookup_hit_tokens_total") >= 160
+
+
+def test_counters_are_counters_and_the_fleets_traffic_is_on_metrics(controller, workers):
+    """Every ``*_total`` is typed counter (Prometheus' rate() needs it), and what the WebUI charts
+    from the workers' heartbeats (lookups, hits, pulls, bytes) is there as counters too."""
+    from lmcache_p2p.controller.traffic import FIELDS
+    from lmcache_p2p.controller.views import FLEET_COUNTERS
+
+    assert set(FLEET_COUNTERS) == set(FIELDS)  # every heartbeat total is exported
+    a, b = workers("inst-a"), workers("inst-b")
+    started = time.time()  # after the controller: each rank's totals count from its first report
+    a.heartbeat(traffic=Traffic(started_at=started, lookups=4, lookup_tokens=4000, hit_tokens=3000))
+    b.heartbeat(
+        traffic=Traffic(started_at=started, lookups=2, lookup_tokens=1000, hit_tokens=512, pulled_bytes=7 << 20)
+    )
+    a.heartbeat(traffic=Traffic(started_at=started, lookups=6, lookup_tokens=6000, hit_tokens=4500, pulls=1))
+    metrics = controller.metrics()
+    for name, (kind, _) in metrics.items():
+        if name.endswith("_total"):
+            assert kind == "counter", (name, kind)
+    for name in ("lmcache_controller_workers", "lmcache_controller_keys", "lmcache_controller_commands_in_flight"):
+        assert metrics[name][0] == "gauge", name
+    assert metrics["lmcache_controller_seq_gaps_total"][0] == "counter"
+    fleet = {
+        name: series[0][1] for name, (_, series) in metrics.items() if name.startswith("lmcache_controller_fleet_")
+    }
+    assert fleet["lmcache_controller_fleet_lookups_total"] == 6 + 2
+    assert fleet["lmcache_controller_fleet_lookup_tokens_total"] == 6000 + 1000
+    assert fleet["lmcache_controller_fleet_hit_tokens_total"] == 4500 + 512
+    assert fleet["lmcache_controller_fleet_pulls_total"] == 1
+    assert fleet["lmcache_controller_fleet_pulled_bytes_total"] == 7 << 20
+
+
+def test_an_instance_that_can_never_share_with_another_of_its_model_is_flagged_on_arrival(controller):
+    """Engines meant to share that differ in one layout field register silently and never hit
+    each other: the controller names the pair and the field when the second arrives (one WARNING),
+    /controller/workers shows it on both, and it goes when one of them leaves."""
+    import msgspec
+
+    made = []
+
+    def arrive(instance_id: str, model: str, chunk_size: int = CHUNK, **layout_fields) -> FakeWorker:
+        worker = FakeWorker(controller, instance_id, model=model)
+        worker.layout = msgspec.structs.replace(worker.layout, **layout_fields)
+        message = register_message(instance_id, layout=worker.layout, worker_port=worker.worker_port)
+        message.chunk_size = chunk_size
+        assert worker._ask(worker.req, message).ok
+        made.append(worker)
+        return worker
+
+    def cannot_share() -> dict:
+        instances = controller.http.get("/controller/workers").json()["instances"]
+        return {i["instance_id"]: i["cannot_share_with"] for i in instances}
+
+    try:
+        arrive("a", "meta-llama/Llama-3.1-8B")
+        arrive("same", "/models/llama-3.1-8b")  # a path on one host, a hub id on another: one model
+        arrive("dtype", "meta-llama/Llama-3.1-8B", dtype="bfloat16")
+        arrive("chunks", "meta-llama/Llama-3.1-8B", chunk_size=2 * CHUNK)
+        arrive("other-model", "Qwen/Qwen3-8B", dtype="bfloat16")  # another model: not meant to share
+        seen = cannot_share()
+        assert seen["a"] == {
+            "same": ["model meta-llama/Llama-3.1-8B vs /models/llama-3.1-8b"],
+            "dtype": ["dtype float16 vs bfloat16"],
+            "chunks": [f"chunk_size {CHUNK} vs {2 * CHUNK}"],
+        }
+        assert seen["dtype"]["a"] == ["dtype bfloat16 vs float16"]
+        assert seen["same"]["dtype"] == [
+            "model /models/llama-3.1-8b vs meta-llama/Llama-3.1-8B",
+            "dtype float16 vs bfloat16",
+        ]
+        assert seen["other-model"] == {}
+        made[2].deregister()  # "dtype" leaves: nobody lists it any more
+        wait_for(lambda: "dtype" not in cannot_share()["a"], what="the pair forgotten")
+    finally:
+        for worker in made:
+            worker.close()
+        log = controller.stop()
+    warnings = [line for line in log.splitlines() if "cannot share KV with" in line]
+    assert any(
+        "instance dtype cannot share KV with instance a" in line and "dtype differs (dtype bfloat16 vs float16)" in line
+        for line in warnings
+    ), warnings
+    assert any(
+        "instance chunks cannot share KV with instance a" in line and "chunk_size differs" in line for line in warnings
+    )
+    assert not [line for line in warnings if "other-model" in line]
+    assert len([line for line in warnings if "instance dtype cannot share KV with instance a" in line]) == 1
+
+
+def test_explain_says_chunk_by_chunk_who_holds_a_prompt_and_why_an_instance_would_miss_it(controller, workers):
+    """POST /explain (and lmcache-p2p explain): the target's own chunks, then a compatible peer's,
+    then chunks only an engine of another layout holds (the field named), then nobody's."""
+    import msgspec
+
+    prompt = list(range(5000, 5000 + 7 * CHUNK))  # 7 chunks
+    a, b = workers("a"), workers("b")
+    c = FakeWorker(controller, "c")
+    c.layout = msgspec.structs.replace(c.layout, dtype="bfloat16")
+    assert c.register().ok
+    try:
+        a.admit_tokens(prompt[: 2 * CHUNK])
+        b.admit_tokens(prompt[: 4 * CHUNK])
+        c.admit_tokens(prompt[: 6 * CHUNK])
+        wait_lookup(controller, prompt, "c", 6 * CHUNK)
+        wait_lookup(controller, prompt, "a", 2 * CHUNK)
+        wait_lookup(controller, prompt, "b", 4 * CHUNK)
+        answer = controller.api("/explain", {"tokens": prompt, "instance_id": "a"})
+        assert answer["usable_tokens"] == 4 * CHUNK and answer["chunk_size"] == CHUNK
+        assert [(r["start_token"], r["end_token"], r["status"], r["detail"]) for r in answer["runs"]] == [
+            (0, 2 * CHUNK, "own", CPU),
+            (2 * CHUNK, 4 * CHUNK, "peer", "b"),
+            (4 * CHUNK, 6 * CHUNK, "layout_mismatch", "c: dtype float16 vs bfloat16"),
+            (6 * CHUNK, 7 * CHUNK, "not_held", "nobody holds it now: never stored, or evicted by every holder"),
+        ]
+        assert answer["runs"][1]["holders"] == [
+            {"instance_id": "b", "ranks": [0], "locations": [CPU]},
+            {"instance_id": "c", "ranks": [0], "locations": [CPU]},
+        ]
+        assert answer["cannot_share_with"] == {"c": ["dtype float16 vs bfloat16"]}
+        assert controller.api("/check_finish", {"event_id": answer["event_id"]})["num_tokens"] == 4 * CHUNK
+        # Without a target: who holds what, at the chunk size asked.
+        plain = controller.api("/explain", {"tokens": prompt, "chunk_size": CHUNK})
+        assert [(r["status"], r["chunks"]) for r in plain["runs"]] == [
+            ("held", 2),
+            ("held", 2),
+            ("held", 2),
+            ("not_held", 1),
+        ]
+        # Bad input is named.
+        unknown = controller.post("/explain", {"tokens": prompt, "instance_id": "nobody"})
+        assert unknown.status_code == 404 and "nobody" in unknown.json()["error"]
+        wrong = controller.post("/explain", {"tokens": prompt, "instance_id": "a", "chunk_size": 2 * CHUNK})
+        assert wrong.status_code == 422 and wrong.json()["field"] == "chunk_size"
+        # The CLI prints the same as a table.
+        out = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "lmcache-p2p"),
+                "explain",
+                "--controller-url",
+                controller.url,
+                "--instance",
+                "a",
+                json.dumps(prompt),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        reused = f"{4 * CHUNK} of {7 * CHUNK} prompt tokens would be reused (7 whole chunks)"
+        assert lines[0] == f"instance a, chunk size {CHUNK}: {reused}"
+        assert any(line.startswith(f"{2 * CHUNK}-{4 * CHUNK}") and "peer: b" in line for line in lines), lines
+        assert "a can never share KV with c: dtype float16 vs bfloat16" in lines
+    finally:
+        c.close()
 
 
 # -- event ids of reads, disk pins ------------------------------------------------------------------

@@ -27,10 +27,8 @@ DOC = list(range(5000, 5000 + 4 * CHUNK))
 
 
 @pytest.fixture
-def controller():
-    c = ControllerProcess("--worker-timeout", "30", "--command-timeout", "2").start()
-    yield c
-    c.stop()
+def controller(controllers):
+    return controllers("--worker-timeout", "30", "--command-timeout", "2")
 
 
 class Registrar:

@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 from instances import InstanceProcess, instance_config, tokens
-from protocol_client import ControllerProcess, wait_for
+from protocol_client import wait_for
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.transfer import TransferError
@@ -27,10 +27,8 @@ CPU = "LocalCPUBackend"
 
 
 @pytest.fixture
-def controller():
-    proc = ControllerProcess().start()
-    yield proc
-    proc.stop()
+def controller(controllers):
+    return controllers()
 
 
 def staged(spawn, controller, instance_id: str, **extra) -> InstanceProcess:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from instances import InstanceProcess, instance_config, tokens
-from protocol_client import ControllerProcess, wait_for
+from protocol_client import wait_for
 
 from lmcache_p2p.config import GB, ConfigError, LMCacheConfig
 from lmcache_p2p.device_checksum import device_checksums
@@ -402,10 +402,8 @@ def test_without_a_gpu_the_tier_is_off_and_says_so(caplog):
 
 
 @pytest.fixture
-def controller():
-    proc = ControllerProcess().start()
-    yield proc
-    proc.stop()
+def controller(controllers):
+    return controllers()
 
 
 def on_gpu(spawn, controller, instance_id: str, gpu_pages: int = 64, **extra) -> InstanceProcess:

@@ -18,7 +18,7 @@ import pytest
 import zmq
 from instances import instance_config, tokens
 from protocol_client import CPU as FAKE_CPU
-from protocol_client import ControllerProcess, FakeWorker, register_message, wait_for
+from protocol_client import FAST_CONTROLLER, ControllerProcess, FakeWorker, register_message, wait_for
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.keys import chunk_hashes
@@ -53,13 +53,9 @@ def secret_file(tmp_path):
 
 
 @pytest.fixture
-def controller(secret_file):
+def controller(controllers, secret_file):
     # A short worker timeout makes the controller ask for 0.5 s heartbeats.
-    proc = ControllerProcess(
-        "--mesh-secret-file", str(secret_file), "--worker-timeout", "3", "--health-check-interval", "0.5"
-    ).start()
-    yield proc
-    proc.stop()
+    return controllers("--mesh-secret-file", str(secret_file), *FAST_CONTROLLER)
 
 
 def stranger_socket(ctx: zmq.Context, kind: str, port: int) -> zmq.Socket:

@@ -20,14 +20,6 @@ DISK = "LocalDiskBackend"
 CHANNELS = ["nixl", "tcp"]
 
 
-@pytest.fixture
-def controller():
-    # A short worker timeout makes the controller ask for 0.5 s heartbeats: restarts converge fast.
-    proc = ControllerProcess("--worker-timeout", "3", "--health-check-interval", "0.5").start()
-    yield proc
-    proc.stop()
-
-
 def two_instances(controller, spawn, channel: str) -> tuple[InstanceProcess, InstanceProcess]:
     """lmcache_instance_1 and lmcache_instance_2, as in the seeds, on free ports."""
     return tuple(spawn(instance_config(f"lmcache_instance_{i}", controller, channel, chunk_size=CHUNK)) for i in (1, 2))

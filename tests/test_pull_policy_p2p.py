@@ -9,21 +9,12 @@ from __future__ import annotations
 import re
 import sys
 
-import pytest
 from instances import instance_config, tokens
-from protocol_client import ControllerProcess, wait_for
+from protocol_client import wait_for
 
 CHUNK = 32
 CPU = "LocalCPUBackend"
 FAST = 1e9  # tokens/s: no pull can beat recomputing at this prefill rate
-
-
-@pytest.fixture
-def controller():
-    # A short worker timeout makes the workers heartbeat every 0.5 s: totals arrive quickly.
-    proc = ControllerProcess("--worker-timeout", "3", "--health-check-interval", "0.5").start()
-    yield proc
-    proc.stop()
 
 
 def standin_command(*extra: str) -> list[str]:

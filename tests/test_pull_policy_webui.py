@@ -7,7 +7,7 @@ import time
 
 import pytest
 from browser import Chromium
-from protocol_client import ControllerProcess, FakeWorker, wait_for
+from protocol_client import WEBUI_CONTROLLER, FakeWorker, wait_for
 
 from lmcache_p2p.protocol import Traffic
 
@@ -22,10 +22,8 @@ def chromium():
 
 
 @pytest.fixture
-def controller():
-    proc = ControllerProcess("--worker-timeout", "6", "--health-check-interval", "0.5").start()
-    yield proc
-    proc.stop()
+def controller(controllers):
+    return controllers(*WEBUI_CONTROLLER)
 
 
 def test_the_overview_shows_pulls_skipped_as_slower_than_recomputing(chromium, controller):

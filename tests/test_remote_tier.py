@@ -160,7 +160,7 @@ def test_a_chunk_stored_by_one_rank_is_fetched_byte_exact_by_another(backend, re
         assert writer.remote.counters.chunks_written == 6
         # the reader holds nothing locally, then fetches the prefix the store holds
         assert reader.lookup_prefix(hashes(8, base)).num_chunks == 0
-        assert reader.fetch_remote_prefix(hashes(8, base)) == 6
+        assert reader.remote.fetch_prefix_into(reader, hashes(8, base)) == 6
         assert reader.lookup_prefix(hashes(8, base)).num_chunks == 6
         for h in hashes(6, base):
             assert torch.equal(held_bytes(reader, h), payload(h))
@@ -188,7 +188,7 @@ def test_another_layout_or_rank_never_reads_the_bytes(lm_server):
     try:
         store_chunks(writer, hashes(3, 5_000))
         for reader in readers:
-            assert reader.fetch_remote_prefix(hashes(3, 5_000)) == 0
+            assert reader.remote.fetch_prefix_into(reader, hashes(3, 5_000)) == 0
             assert reader.remote.counters.chunks_read == 0
     finally:
         writer.close()
@@ -207,7 +207,7 @@ def test_a_corrupted_value_is_a_logged_miss(shared_redis, caplog):
         store.put([(name, bytes(value))])
         store.close()
         with caplog.at_level(logging.WARNING):
-            got = reader.fetch_remote_prefix(hashes(3, 7_000))
+            got = reader.remote.fetch_prefix_into(reader, hashes(3, 7_000))
         assert got == 1, "the chunks before the corrupted one are still a hit"
         assert reader.remote.counters.bad_values == 1
         assert "unusable (checksum" in caplog.text and "treating it as a miss" in caplog.text
@@ -240,7 +240,7 @@ def test_a_store_killed_mid_read_is_a_miss_and_the_tier_reconnects(monkeypatch, 
         # while down: a miss without a round trip
         free_before = reader.cpu.pool.free_pages
         errors = reader.remote.counters.errors
-        assert reader.fetch_remote_prefix(hashes(big, 9_000)) == 0
+        assert reader.remote.fetch_prefix_into(reader, hashes(big, 9_000)) == 0
         assert reader.remote.counters.errors == errors
         # back on the same port (empty): after the back-off the same tier works again
         server = restarted(server)
@@ -249,7 +249,9 @@ def test_a_store_killed_mid_read_is_a_miss_and_the_tier_reconnects(monkeypatch, 
         store_chunks(writer_again, hashes(2, 9_500))
         writer_again.close()
         with caplog.at_level(logging.INFO):
-            wait_for(lambda: reader.fetch_remote_prefix(hashes(2, 9_500)) == 2, timeout=10, what="reconnect")
+            wait_for(
+                lambda: reader.remote.fetch_prefix_into(reader, hashes(2, 9_500)) == 2, timeout=10, what="reconnect"
+            )
         assert reader.remote.is_up() and "is back after" in caplog.text
         assert reader.cpu.pool.free_pages == free_before - 2, "a page leaked on the failed reads"
     finally:
@@ -268,7 +270,7 @@ def test_a_store_that_stops_answering_during_a_lookup_is_a_miss_without_leaking_
         killer = threading.Timer(0.3, server.kill)  # ... until the server dies
         killer.start()
         with caplog.at_level(logging.WARNING):
-            got = reader.fetch_remote_prefix(hashes(8, 10_000))
+            got = reader.remote.fetch_prefix_into(reader, hashes(8, 10_000))
         killer.join(10)
         assert got == 0 and not reader.remote.is_up()
         assert "unavailable (exists:" in caplog.text

@@ -64,10 +64,8 @@ def answered_by(response: httpx.Response) -> str:
 
 
 @pytest.fixture
-def controller():
-    c = ControllerProcess("--worker-timeout", "60", "--log-level", "warning").start()
-    yield c
-    c.stop()
+def controller(controllers):
+    return controllers("--worker-timeout", "60", "--log-level", "warning")
 
 
 @pytest.fixture

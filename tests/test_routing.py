@@ -32,12 +32,10 @@ class RoutedWorker(FakeWorker):
 
 
 @pytest.fixture
-def controller():
+def controller(controllers):
     # Warnings only: every /route writes an INFO line, and the polls below would fill the
     # undrained stdout pipe of the test's controller (test_every_decision_is_logged reads them).
-    c = ControllerProcess(*FLAGS, "--worker-timeout", "30", "--log-level", "warning").start()
-    yield c
-    c.stop()
+    return controllers(*FLAGS, "--worker-timeout", "30", "--log-level", "warning")
 
 
 @pytest.fixture

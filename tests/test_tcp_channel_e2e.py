@@ -9,21 +9,13 @@ import signal
 import threading
 import time
 
-import pytest
 from instances import instance_config, tokens
-from protocol_client import ControllerProcess, wait_for
+from protocol_client import wait_for
 
 from lmcache_p2p.transfer.tcp_transport import STREAMS
 
 CHUNK = 32
 CPU = "LocalCPUBackend"
-
-
-@pytest.fixture
-def controller():
-    proc = ControllerProcess("--worker-timeout", "3", "--health-check-interval", "0.5").start()
-    yield proc
-    proc.stop()
 
 
 def test_tcp_pulls_ride_the_data_streams_opened_at_hello(controller, spawn):

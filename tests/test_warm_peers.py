@@ -35,14 +35,6 @@ CHUNK = 32
 CPU = "LocalCPUBackend"
 
 
-@pytest.fixture
-def controller():
-    # worker timeout 3 s: the controller asks for 0.5 s heartbeats, so warm sets move fast.
-    proc = ControllerProcess("--worker-timeout", "3", "--health-check-interval", "0.5").start()
-    yield proc
-    proc.stop()
-
-
 def warm(proc: InstanceProcess) -> dict[str, str]:
     """``{peer: state}`` of a rank's warm set, from its status."""
     return {w["peer"].split(" rank")[0]: w["state"] for w in proc.status()["warm_peers"]}

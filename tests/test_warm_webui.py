@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from browser import Chromium
-from protocol_client import CPU, ControllerProcess, FakeWorker
+from protocol_client import CPU, WEBUI_CONTROLLER, FakeWorker
 
 from lmcache_p2p.protocol import PROTOCOL_VERSION, Register
 
@@ -17,10 +17,8 @@ FIX = "NIXL cannot be imported here (No module named 'nixl'); fix: pip install '
 
 
 @pytest.fixture
-def controller():
-    proc = ControllerProcess("--worker-timeout", "6", "--health-check-interval", "0.5").start()
-    yield proc
-    proc.stop()
+def controller(controllers):
+    return controllers(*WEBUI_CONTROLLER)
 
 
 def register(worker: FakeWorker, effective: str, error: str | None) -> None:

@@ -9,8 +9,8 @@ from urllib.parse import urlparse
 
 import pytest
 from browser import Chromium, screenshot
-from instances import InstanceProcess, instance_config, tokens
-from protocol_client import ControllerProcess, FakeWorker, wait_for
+from instances import instance_config, tokens
+from protocol_client import WEBUI_CONTROLLER, ControllerProcess, FakeWorker, wait_for
 
 from lmcache_p2p.protocol import CommandReply, Traffic
 
@@ -33,11 +33,9 @@ def chromium():
 
 
 @pytest.fixture
-def controller():
-    # --worker-timeout 6: workers heartbeat every second, so traffic reaches the page quickly.
-    proc = ControllerProcess("--worker-timeout", "6", "--health-check-interval", "0.5").start()
-    yield proc
-    proc.stop()
+def controller(controllers):
+    # workers heartbeat every second, so traffic reaches the page quickly
+    return controllers(*WEBUI_CONTROLLER)
 
 
 def assert_clean(log, controller) -> None:
@@ -119,6 +117,29 @@ def test_registered_worker_appears_within_one_refresh_and_expands(chromium, cont
         assert "deregistered" in gone.inner_text() and "dead" in gone.inner_text()
     finally:
         worker.close()
+    assert_clean(log, controller)
+    page.close()
+
+
+def test_an_instance_that_cannot_share_with_another_of_its_model_says_why_on_its_row(chromium, controller):
+    import msgspec
+
+    page, log = chromium.open(controller.url + "/")
+    a, b = FakeWorker(controller, "engine_a"), FakeWorker(controller, "engine_b")
+    try:
+        assert a.register().ok
+        b.layout = msgspec.structs.replace(b.layout, tp_size=2)  # started with another TP size
+        assert b.register().ok
+        row = page.locator("tr.instance[data-instance=engine_b]")
+        row.wait_for(timeout=ONE_REFRESH_MS)
+        wait_for(lambda: "cannot share KV" in row.inner_text(), what="the mismatch on B's row")
+        assert "cannot share KV with engine_a: tp_size 2 vs 1" in row.inner_text()
+        assert (
+            "cannot share KV with engine_b: tp_size 1 vs 2" in page.locator("tr[data-instance=engine_a]").inner_text()
+        )
+    finally:
+        a.close()
+        b.close()
     assert_clean(log, controller)
     page.close()
 
@@ -213,14 +234,8 @@ def test_unreachable_banner_and_recovery(chromium, controller):
 
 
 @pytest.fixture
-def pair(controller, tmp_path):
-    started = [
-        InstanceProcess(instance_config(f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK), tmp_path).start()
-        for i in (1, 2)
-    ]
-    yield started
-    for proc in started:
-        proc.stop()
+def pair(controller, spawn):
+    return [spawn(instance_config(f"lmcache_instance_{i}", controller, "tcp", chunk_size=CHUNK)) for i in (1, 2)]
 
 
 def test_lookup_move_clear_from_the_page(chromium, controller, pair):

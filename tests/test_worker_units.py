@@ -6,19 +6,17 @@ import logging
 
 import pytest
 import torch
-import zmq.asyncio
+from command_harness import served_commands
 from protocol_client import layout
 
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkKey
-from lmcache_p2p.protocol import CommandReply, PinCommand, command_reply_decoder, pack_hashes, unpack_hashes
-from lmcache_p2p.rpc import RemoteError, RpcClient
+from lmcache_p2p.protocol import CommandReply, PinCommand, pack_hashes, unpack_hashes
+from lmcache_p2p.rpc import RemoteError
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.storage.memory import PagePool
-from lmcache_p2p.testing.ports import free_ports
 from lmcache_p2p.vocab import CPU, DISK, StorageEvent
-from lmcache_p2p.worker.commands import CommandServer
-from lmcache_p2p.worker.identity import WorkerIdentity, _route_address
+from lmcache_p2p.worker.identity import _route_address
 from lmcache_p2p.worker.link import EventBatcher
 
 
@@ -111,17 +109,9 @@ def test_pin_and_unpin_on_disk_are_refused_naming_the_location(tmp_path):
     storage = StorageManager(config, layout(), pin_memory=False)
     assert storage.put(7, torch.zeros(storage.page_bytes, dtype=torch.uint8))
     assert storage.flush() and storage.holds(7, DISK) and storage.holds(7, CPU)
-    port = free_ports(1)[0]
-    identity = WorkerIdentity(
-        instance_id="inst", rank=0, host="127.0.0.1", worker_port=port, layout=layout(), chunk_size=16
-    )
 
     async def main():
-        ctx = zmq.asyncio.Context()
-        commands = CommandServer(ctx, identity, storage, link=None, peers=None, status=dict)
-        commands.start()
-        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "controller")
-        try:
+        async with served_commands(storage) as (commands, client):
             for unpin in (False, True):
                 with pytest.raises(RemoteError) as refused:
                     await client.request(
@@ -137,10 +127,6 @@ def test_pin_and_unpin_on_disk_are_refused_naming_the_location(tmp_path):
                 PinCommand(event_id="cpu", location=CPU, hashes=pack_hashes([7])), CommandReply, 5
             )
             assert pinned.num_tokens == 16 and storage.cpu.pins_held == 1
-        finally:
-            client.close()
-            commands.close()
-            ctx.destroy(0)
 
     try:
         asyncio.run(asyncio.wait_for(main(), 30))

@@ -48,6 +48,7 @@ from lmcache_p2p.controller.errors import (
     UnknownInstance,
     WorkerUnreachable,
 )
+from lmcache_p2p.controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lmcache_p2p.controller.service import Controller
 
 logger = logging.getLogger("lmcache_p2p.controller")
@@ -102,6 +103,21 @@ class LookupRequest(msgspec.Struct):
 class _LookupFastPath(msgspec.Struct):
     tokens: msgspec.Raw
     model: str | None = None
+
+
+class ExplainRequest(msgspec.Struct):
+    """POST /explain: ``tokens`` as /lookup takes them; ``instance_id``: the instance to explain the
+    misses of (its chunk size is used); ``chunk_size``: without an instance, the size to cut at."""
+
+    tokens: list[TokenId]
+    instance_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+
+
+class _ExplainFastPath(msgspec.Struct):
+    tokens: msgspec.Raw
+    instance_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)] | None = None
+    chunk_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
 
 
 # A router names the instances it can forward to; more than a fleet has is a mistake.
@@ -373,6 +389,11 @@ def create_app(controller: Controller) -> FastAPI:
         tokens, body = decode_prompt_body(raw, LookupRequest, _LookupFastPath)
         return _json(views.lookup(tokens, body.model))
 
+    @post("/explain", ExplainRequest, "Chunk by chunk: who holds this prompt, and why an instance would miss", reads)
+    async def explain(raw: JsonBody) -> Response:
+        tokens, body = decode_prompt_body(raw, ExplainRequest, _ExplainFastPath)
+        return _json(views.explain(tokens, body.instance_id, body.chunk_size))
+
     @post("/route", RouteRequest, "Instances ranked by expected time to first token for this prompt", reads)
     async def route(raw: JsonBody) -> Response:
         tokens, body = decode_prompt_body(raw, RouteRequest, _RouteFastPath)
@@ -452,8 +473,8 @@ def create_app(controller: Controller) -> FastAPI:
         return _json({"events": views.recent_events(limit)})
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=reads)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(controller.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(controller.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get(
         "/controller/dashboard",

@@ -33,6 +33,7 @@ import numpy as np
 import xxhash
 
 from lmcache_p2p.controller.admission import LoadRefused, validate_load, validate_register
+from lmcache_p2p.controller.compatibility import Difference, differences
 from lmcache_p2p.controller.errors import UnknownInstance
 from lmcache_p2p.controller.index import ChunkIndex
 from lmcache_p2p.keys import LayoutFingerprint
@@ -125,6 +126,9 @@ class Registry:
             "worker_restarts": 0,  # a registration replaced a silent rank of its id, or one at its address
             "duplicate_registrations": 0,  # ... one still live at another address (two engines, one id)
         }
+        # instance -> {another instance serving the same model: why they can never share KV}
+        self.cannot_share: dict[str, dict[str, list[str]]] = {}
+        self._mismatches_said: set[tuple[str, ...]] = set()  # pairs already warned about
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -156,6 +160,7 @@ class Registry:
                 self.index.drop_holder(old.locations[loc].holder)
         record = WorkerRecord(msg, time.time(), time.monotonic(), locations)
         self.workers[record.key] = record
+        self._check_compatibility(msg)
         if record.serves_peers or (old is not None and old.serves_peers):
             self._mesh_changed(msg.layout)
         self.stats["resyncs_requested"] += len(locations)
@@ -171,6 +176,36 @@ class Registry:
             " again" if old else "",
         )
         return record
+
+    def _check_compatibility(self, msg: Register) -> None:
+        """Compare an arriving instance with the others serving its model: a pair that can never
+        share is remembered both ways (the workers view shows it) and said once, in one WARNING."""
+        for other_id, records in self.instances().items():
+            if other_id == msg.instance_id:
+                continue
+            found = differences(msg, records[0].info)
+            pair = tuple(sorted((msg.instance_id, other_id)))
+            if not found:
+                self.cannot_share.get(msg.instance_id, {}).pop(other_id, None)
+                self.cannot_share.get(other_id, {}).pop(msg.instance_id, None)
+                continue
+            self.cannot_share.setdefault(msg.instance_id, {})[other_id] = [str(d) for d in found]
+            self.cannot_share.setdefault(other_id, {})[msg.instance_id] = [
+                str(Difference(d.field, d.theirs, d.ours)) for d in found
+            ]
+            if pair in self._mismatches_said:
+                continue
+            self._mismatches_said.add(pair)
+            logger.warning(
+                "instance %s cannot share KV with instance %s, which serves the same model: %s differ%s "
+                "(%s). Neither will ever hit the other's chunks; start both with the same model argument, "
+                "--dtype/--kv-cache-dtype, --tensor-parallel-size, --block-size and chunk_size if they should",
+                msg.instance_id,
+                other_id,
+                ", ".join(d.field for d in found),
+                "s" if len(found) == 1 else "",
+                "; ".join(str(d) for d in found),
+            )
 
     def _log_takeover(self, old: WorkerRecord, msg: Register, live_within_s: float) -> None:
         """Say why a registration replaces a known (instance, rank): the same process again, a
@@ -216,6 +251,10 @@ class Registry:
         dropped = sum(self.index.drop_holder(st.holder) for st in record.locations.values())
         if record.serves_peers:
             self._mesh_changed(record.info.layout)
+        if not any(k[0] == key[0] for k in self.workers):  # its instance's last rank: no pair left
+            for other in self.cannot_share.pop(key[0], {}):
+                self.cannot_share.get(other, {}).pop(key[0], None)
+                self._mismatches_said.discard(tuple(sorted((key[0], other))))
         logger.warning(
             "worker %s rank %d removed (%s); %d keys dropped from the index", key[0], key[1], reason, dropped
         )

@@ -17,6 +17,7 @@ import numpy as np
 
 from lmcache_p2p.controller.errors import UnknownEvent, UnknownInstance
 from lmcache_p2p.controller.events import EventLog, ReadLog
+from lmcache_p2p.controller.explain import explain
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.registry import Registry, WorkerRecord
 from lmcache_p2p.controller.routing import Router
@@ -94,6 +95,11 @@ class Views:
         self.metrics.inc("lmcache_controller_lookup_hit_tokens_total", best)
         holders.sort(key=lambda h: (-h["matched_tokens"], h["instance_id"], h["worker_id"]))
         return {"event_id": self.reads.record("lookup", best), "layout_info": layout_info, "holders": holders}
+
+    def explain(self, tokens: list[int] | np.ndarray, instance_id: str | None, chunk_size: int | None) -> dict:
+        """Chunk by chunk, who holds ``tokens`` and why ``instance_id`` would miss the rest (explain.py)."""
+        answer = explain(self.registry, tokens, instance_id, chunk_size)
+        return {"event_id": self.reads.record("explain", answer["usable_tokens"] or 0), **answer}
 
     def route(self, tokens: list[int] | np.ndarray, model: str | None, candidates: list[str] | None) -> dict:
         """Instances ranked by expected time to first token for ``tokens`` (routing.py)."""
@@ -244,6 +250,8 @@ class Views:
                     ],
                     "last_heartbeat_ago_s": max(w["last_heartbeat_ago_s"] for w in workers),
                     **{k: first[k] for k in ("model", "dtype", "tp_size", "chunk_size", "fingerprint")},
+                    # instances serving the same model whose KV this one can never use, and why
+                    "cannot_share_with": dict(self.registry.cannot_share.get(instance_id, {})),
                 }
             )
         by_status = {s: 0 for s in STATUS_ORDER}
@@ -318,9 +326,34 @@ class Views:
             "keys_admitted",
             "keys_evicted",
         ):
-            m.gauge(
+            m.read_counter(
                 f"lmcache_controller_{stat}_total", stat.replace("_", " "), functools.partial(_registry_stat, reg, stat)
             )
+        # The fleet's traffic, summed from the workers' heartbeats (protocol.Traffic): what the
+        # WebUI's overview charts, as counters for Prometheus (hit ratio: rate(hit) / rate(lookup)).
+        for name, help_text in FLEET_COUNTERS.items():
+            m.read_counter(
+                f"lmcache_controller_fleet_{name}_total", help_text, functools.partial(_fleet_total, self.traffic, name)
+            )
+
+
+# Traffic field -> what its counter counts, summed over every rank that ever reported.
+FLEET_COUNTERS = {
+    "lookups": "Prefix lookups engines asked their ranks",
+    "lookup_tokens": "Prompt tokens those lookups covered",
+    "hit_tokens": "Tokens found for lookups: in a rank's own tiers or pulled from peers",
+    "peer_hit_tokens": "Tokens pulled from peers for lookups (part of hit tokens)",
+    "pulls": "Peer pulls that brought chunks",
+    "pull_failures": "Peer pulls that failed",
+    "pulled_bytes": "Bytes pulled from peers",
+    "served_bytes": "Bytes sent to peers that pulled",
+    "pulls_skipped": "Prefix pulls not made: recomputing was estimated faster",
+    "skipped_tokens": "Tokens peers offered that were recomputed instead",
+}
+
+
+def _fleet_total(traffic: FleetTraffic, name: str) -> list[tuple[dict[str, str], float]]:
+    return [({}, traffic.totals.get(name, 0))]
 
 
 def _registry_stat(registry: Registry, stat: str) -> list[tuple[dict[str, str], float]]:

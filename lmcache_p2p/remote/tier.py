@@ -29,13 +29,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from lmcache_p2p.keys import ChunkKey, payload_checksum
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.remote.store import RemoteRefused, RemoteStore
+from lmcache_p2p.vocab import CPU
 from lmcache_p2p.write_behind import WriteBehind
 
 if TYPE_CHECKING:
@@ -111,6 +112,25 @@ class RemoteCounters:
     last_error: str = ""
     read_s: float = field(default=0.0, repr=False)
     write_s: float = field(default=0.0, repr=False)
+
+
+class PageSink(Protocol):
+    """What a prefix fetch fills: a chunk store's CPU pages (storage.manager.StorageManager)."""
+
+    chunk_size: int
+
+    @property
+    def cpu_pages_unpinned(self) -> int: ...
+
+    def key(self, chunk_hash: int) -> ChunkKey: ...
+
+    def holds(self, chunk_hash: int, location: str) -> bool: ...
+
+    def reserve_page(self) -> tuple[int, Any] | None: ...
+
+    def commit_page(
+        self, chunk_hash: int, page: int, checksum: int | None = None, location: str = CPU, from_remote: bool = False
+    ) -> bool: ...
 
 
 class RemoteTier:
@@ -233,6 +253,52 @@ class RemoteTier:
                 self.counters.chunks_read += 1
                 self.counters.bytes_read += payload.nbytes
                 yield key, payload, checksum
+
+    def fetch_prefix_into(self, storage: PageSink, chunk_hashes: Sequence[int]) -> int:
+        """Copy the leading chunks of ``chunk_hashes`` the store holds into ``storage``'s CPU tier:
+        one ``exists`` round, then batched gets; returns how many leading chunks are now held
+        locally (0 with the store down or the first chunk missing)."""
+        if not len(chunk_hashes):
+            return 0
+        t0 = time.perf_counter()
+        keys = [storage.key(h) for h in chunk_hashes]
+        held = self.prefix_length(keys)
+        # More than the pool can hold unpinned would evict this prompt's own first chunks.
+        wanted = min(held, storage.cpu_pages_unpinned)
+        if wanted < held:
+            logger.info(
+                "remote tier %s holds %d chunk(s) of this prompt; fetching the %d the CPU pool has room for",
+                self.name,
+                held,
+                wanted,
+            )
+        t_exists = time.perf_counter() - t0
+        done = 0
+        for key, value, checksum in self.fetch(keys[:wanted]):
+            if not storage.holds(key.chunk_hash, CPU):
+                reserved = storage.reserve_page()
+                if reserved is None:
+                    break
+                page, data = reserved
+                data.numpy()[:] = np.frombuffer(value, dtype=np.uint8)
+                storage.commit_page(key.chunk_hash, page, checksum, from_remote=True)
+            done += 1
+        took = time.perf_counter() - t0
+        if wanted:
+            nbytes = done * self.page_bytes
+            logger.info(
+                "remote tier %s: fetched %d of %d chunk(s) (%d tokens, %.1f MiB) in %.1f ms "
+                "(exists round %.1f ms, %.2f GB/s)",
+                self.name,
+                done,
+                wanted,
+                done * storage.chunk_size,
+                nbytes / 2**20,
+                took * 1e3,
+                t_exists * 1e3,
+                nbytes / 1e9 / max(took - t_exists, 1e-9),
+            )
+        return done
 
     # -- writes ----------------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@
 It answers the scheduler's question ("how much of this prefix do we hold locally?") for chunk
 hashes its caller computed (it never sees tokens), hands out pinned chunk payloads (promoting
 disk hits into the CPU tier), writes CPU admits behind to disk and to the remote store
-(``remote_url``), fetches a prefix from the remote store into the CPU tier
-(:meth:`fetch_remote_prefix`), and emits an admit/evict
+(``remote_url``; the remote tier fetches a prefix into the CPU tier through :meth:`reserve_page`
+and :meth:`commit_page`: ``RemoteTier.fetch_prefix_into``), and emits an admit/evict
 :class:`StorageEvent` for every change of what a location holds: the worker forwards those to
 the controller, which is how the mesh knows who holds what.
 
@@ -285,9 +285,12 @@ class StorageManager:
         page = self.cpu.allocate()
         return None if page is None else (page, self.cpu.pool.page(page))
 
-    def commit_page(self, chunk_hash: int, page: int, checksum: int | None = None, location: str = CPU) -> bool:
+    def commit_page(
+        self, chunk_hash: int, page: int, checksum: int | None = None, location: str = CPU, from_remote: bool = False
+    ) -> bool:
         """Index a page filled after :meth:`reserve_page`; False if the key was held already.
-        With ``location`` DISK the page is written to the disk tier and returned to the pool."""
+        With ``location`` DISK the page is written to the disk tier and returned to the pool.
+        ``from_remote``: the page came from the remote store, which is not written it back."""
         key = self.key(chunk_hash)
         cpu = self._page_owner()
         if location == DISK:
@@ -302,7 +305,7 @@ class StorageManager:
             return stored
         if not cpu.admit(key, page, checksum):
             return False
-        self._after_cpu_admit(key)
+        self._after_cpu_admit(key, from_remote=from_remote)
         hasher = self._hasher
         if checksum is None and hasher is not None:
             with contextlib.suppress(RuntimeError):  # closing: hashed when first served, if ever
@@ -553,55 +556,10 @@ class StorageManager:
         if self.remote is not None and not from_remote:
             self.remote.submit(key)
 
-    # -- remote ----------------------------------------------------------------------------------
-
-    def fetch_remote_prefix(self, chunk_hashes: Sequence[int]) -> int:
-        """Copy the leading chunks of ``chunk_hashes`` the remote store holds into the CPU tier:
-        one ``exists`` round, then batched gets; returns how many leading chunks are now held
-        locally (0 with no remote tier, the store down, or the first chunk missing)."""
-        if self.remote is None or not len(chunk_hashes):
-            return 0
-        cpu = self._page_owner()  # a remote tier exists only beside a CPU tier
-        t0 = time.perf_counter()
-        keys = [self.key(h) for h in chunk_hashes]
-        held = self.remote.prefix_length(keys)
-        # More than the pool can hold unpinned would evict this prompt's own first chunks.
-        wanted = min(held, max(0, cpu.pool.num_pages - cpu.pins_held))
-        if wanted < held:
-            logger.info(
-                "remote tier %s holds %d chunk(s) of this prompt; fetching the %d the CPU pool has room for",
-                self.remote.name,
-                held,
-                wanted,
-            )
-        t_exists = time.perf_counter() - t0
-        done = 0
-        for key, payload, checksum in self.remote.fetch(keys[:wanted]):
-            if not cpu.contains(key):
-                reserved = self.reserve_page()
-                if reserved is None:
-                    break
-                page, data = reserved
-                data.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-                if cpu.admit(key, page, checksum):
-                    self._after_cpu_admit(key, from_remote=True)
-            done += 1
-        took = time.perf_counter() - t0
-        if wanted:
-            nbytes = done * self.page_bytes
-            logger.info(
-                "remote tier %s: fetched %d of %d chunk(s) (%d tokens, %.1f MiB) in %.1f ms "
-                "(exists round %.1f ms, %.2f GB/s)",
-                self.remote.name,
-                done,
-                wanted,
-                done * self.chunk_size,
-                nbytes / 2**20,
-                took * 1e3,
-                t_exists * 1e3,
-                nbytes / 1e9 / max(took - t_exists, 1e-9),
-            )
-        return done
+    @property
+    def cpu_pages_unpinned(self) -> int:
+        """CPU pages a fill could take (free, or evictable): the pool less what is pinned."""
+        return 0 if self.cpu is None else max(0, self.cpu.pool.num_pages - self.cpu.pins_held)
 
     def _on_disk_written(self, key: ChunkKey) -> None:
         self._emit("admit", DISK, key)

@@ -284,6 +284,15 @@ function workerTable(inst) {
       el("td", {}, `${w.last_heartbeat_ago_s.toFixed(1)} s ago`), el("td", {}, clock(w.registered_at))))));
 }
 
+// Instances serving the same model whose KV this one can never use (the controller compares
+// layouts on arrival): one line each, naming the fields that differ.
+function cannotShare(inst) {
+  const others = Object.entries(inst.cannot_share_with || {});
+  if (!others.length) return "";
+  return el("div", { class: "cannot-share" }, ...others.map(([other, why]) =>
+    el("div", {}, `cannot share KV with ${other}: ${why.join("; ")}`)));
+}
+
 function renderInstances() {
   const rows = [];
   for (const inst of state.instances) {
@@ -298,7 +307,7 @@ function renderInstances() {
     el("td", {}, badge(inst.status)),
     el("td", {}, inst.hosts.join(", ")),
     el("td", {}, ports(inst.workers)),
-    el("td", {}, `${inst.model} · ${inst.dtype} · TP ${inst.tp_size} · ${inst.chunk_size}`),
+    el("td", {}, `${inst.model} · ${inst.dtype} · TP ${inst.tp_size} · ${inst.chunk_size}`, cannotShare(inst)),
     el("td", {}, keysText(inst.keys)),
     el("td", {}, `${inst.last_heartbeat_ago_s.toFixed(1)} s ago`)));
     if (open) rows.push(el("tr", { class: "detail" }, el("td", { colspan: 7 }, workerTable(inst))));
