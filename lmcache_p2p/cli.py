@@ -117,8 +117,8 @@ def _explain_tokens(args: argparse.Namespace, http) -> list[int] | None:
     if not args.instance:
         print("explain: --text needs --instance: its engine tokenizes the text", file=sys.stderr)
         return None
-    workers = http.get("/controller/workers").json()["instances"]
-    found = [w for inst in workers if inst["instance_id"] == args.instance for w in inst["workers"]]
+    workers = http.get("/controller/workers").json()["workers"]
+    found = [w for w in workers if w["instance_id"] == args.instance]
     serve_url = next((w["serve_url"] for w in found if w.get("serve_url")), None)
     if serve_url is None:
         print(

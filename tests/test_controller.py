@@ -610,8 +610,8 @@ def test_an_instance_that_can_never_share_with_another_of_its_model_is_flagged_o
         return worker
 
     def cannot_share() -> dict:
-        instances = controller.http.get("/controller/workers").json()["instances"]
-        return {i["instance_id"]: i["cannot_share_with"] for i in instances}
+        workers = controller.http.get("/controller/workers").json()["workers"]
+        return {w["instance_id"]: w["cannot_share_with"] for w in workers}
 
     try:
         arrive("a", "meta-llama/Llama-3.1-8B")
@@ -716,6 +716,33 @@ def test_explain_says_chunk_by_chunk_who_holds_a_prompt_and_why_an_instance_woul
         assert "a can never share KV with c: dtype float16 vs bfloat16" in lines
     finally:
         c.close()
+
+
+def test_explain_tokenizes_text_with_the_instances_own_engine(controller, workers):
+    """`lmcache-p2p explain --text` asks the instance's engine (its registered serve_url) for the
+    token ids, so the chunks explained are the ones that engine hashes."""
+    from openai_standin import StandinEngine, standin_tokens
+
+    engine = StandinEngine("b").start()
+    try:
+        text = " ".join(f"w{i}" for i in range(3 * CHUNK))
+        holder = workers("a")
+        holder.admit_tokens(standin_tokens(text))
+        workers("b", serve_url=engine.url)
+        wait_lookup(controller, standin_tokens(text), "a", 3 * CHUNK)
+        script = str(Path(sys.executable).parent / "lmcache-p2p")
+        argv = [script, "explain", "--controller-url", controller.url, "--instance", "b", "--text", text, "--json"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        assert answer["usable_tokens"] == 3 * CHUNK and answer["runs"][0]["detail"] == "a"
+        assert engine.paths("/tokenize") == [{"model": "tiny-llama", "prompt": text}]
+        # an instance that registered no serve_url cannot tokenize: said in one line
+        argv[argv.index("b")] = "a"
+        refused = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "registered no serve_url" in refused.stderr
+    finally:
+        engine.stop()
 
 
 # -- event ids of reads, disk pins ------------------------------------------------------------------

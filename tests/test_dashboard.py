@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "dashboards" / "lmcache-p2p-controller.json"
-METRIC = re.compile(r"\b(lmcache_[a-z_]+)\b")
+METRIC = re.compile(r"\b(lmcache_[a-z0-9_]+)\b")
 
 
 def test_every_dashboard_query_names_a_metric_the_controller_exports(controller):

@@ -218,7 +218,7 @@ class EventLog:
         return True
 
 
-READ_KINDS = ("lookup", "query_worker_info", "query_instance")
+READ_KINDS = ("lookup", "query_worker_info", "query_instance", "explain")
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,8 @@ class Views:
             # and the engine's load as of its last heartbeat (None: not reported).
             "serve_url": info.serve_url,
             "load": self._describe_load(record),
+            # instances serving the same model whose KV this one can never use, and why
+            "cannot_share_with": dict(self.registry.cannot_share.get(info.instance_id, {})),
         }
 
     @staticmethod
