@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -24,6 +25,14 @@ def free_ports(n: int) -> list[int]:
     rng = random.Random()
     high = _ephemeral_low()
     low = min(20000, high // 2)
+    # pytest-xdist workers are separate processes: each takes its own slice of the range, so two
+    # never hand out the same port (one could bind it between the other's check and its use).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    if workers > 1:
+        width = (high - low) // workers
+        low, high = low + index * width, low + (index + 1) * width
     ports: list[int] = []
     while len(ports) < n:
         port = rng.randrange(low, high)
