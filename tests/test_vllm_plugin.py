@@ -21,8 +21,7 @@ import pytest
 import yaml
 from conftest import ENGINE_ENV
 
-# One xdist worker runs the module: its scenarios start once, not once per worker.
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("vllm_plugin")]
+pytestmark = pytest.mark.engine
 
 OURS = "lmcache_p2p.integration.vllm.connector.LMCacheConnectorV1"
 BUILTIN = "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector.LMCacheConnectorV1"

@@ -30,8 +30,7 @@ from lmcache_p2p.testing.processes import peer_pulls, stream_completion
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
-# One xdist worker runs the module: its fleet of two TP=2 engines starts once, not once per worker.
-pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("vllm_tp")]
+pytestmark = pytest.mark.engine
 
 CHUNK = 256
 CPU = "LocalCPUBackend"
