@@ -129,6 +129,9 @@ class Registry:
         # instance -> {another instance serving the same model: why they can never share KV}
         self.cannot_share: dict[str, dict[str, list[str]]] = {}
         self._mismatches_said: set[tuple[str, ...]] = set()  # pairs already warned about
+        # instance -> its rank 0's Register: one layout per instance (ranks differ only in tp_rank),
+        # so an arrival is compared once per instance, not once per rank against every rank
+        self._first_ranks: dict[str, Register] = {}
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -160,7 +163,9 @@ class Registry:
                 self.index.drop_holder(old.locations[loc].holder)
         record = WorkerRecord(msg, time.time(), time.monotonic(), locations)
         self.workers[record.key] = record
-        self._check_compatibility(msg)
+        if msg.rank == 0:
+            self._first_ranks[msg.instance_id] = msg
+            self._check_compatibility(msg)
         if record.serves_peers or (old is not None and old.serves_peers):
             self._mesh_changed(msg.layout)
         self.stats["resyncs_requested"] += len(locations)
@@ -180,10 +185,10 @@ class Registry:
     def _check_compatibility(self, msg: Register) -> None:
         """Compare an arriving instance with the others serving its model: a pair that can never
         share is remembered both ways (the workers view shows it) and said once, in one WARNING."""
-        for other_id, records in self.instances().items():
+        for other_id, other in self._first_ranks.items():
             if other_id == msg.instance_id:
                 continue
-            found = differences(msg, records[0].info)
+            found = differences(msg, other)
             pair = tuple(sorted((msg.instance_id, other_id)))
             if not found:
                 self.cannot_share.get(msg.instance_id, {}).pop(other_id, None)
@@ -251,7 +256,10 @@ class Registry:
         dropped = sum(self.index.drop_holder(st.holder) for st in record.locations.values())
         if record.serves_peers:
             self._mesh_changed(record.info.layout)
-        if not any(k[0] == key[0] for k in self.workers):  # its instance's last rank: no pair left
+        if key[1] == 0:
+            self._first_ranks.pop(key[0], None)
+        # its instance's last rank gone: no pair left (the scan only for an instance in a pair)
+        if key[0] in self.cannot_share and not any(k[0] == key[0] for k in self.workers):
             for other in self.cannot_share.pop(key[0], {}):
                 self.cannot_share.get(other, {}).pop(key[0], None)
                 self._mismatches_said.discard(tuple(sorted((key[0], other))))
