@@ -35,10 +35,19 @@ import torch
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
-from lmcache_p2p.peer_service import EngineCounters, PeerService
+from lmcache_p2p.peer_service import EngineCounters, Offer, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
 from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.vocab import CPU, DISK, GPU, PEER_FETCH_TIMEOUT_S, SOURCE_DEVICE, SOURCE_DISK, SOURCE_HOST
+from lmcache_p2p.vocab import (
+    CPU,
+    DISK,
+    GPU,
+    OFFER_TIMEOUT_S,
+    PEER_FETCH_TIMEOUT_S,
+    SOURCE_DEVICE,
+    SOURCE_DISK,
+    SOURCE_HOST,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -227,26 +236,39 @@ class CacheEngine:
         hit = self.storage.lookup_prefix(hashes).num_chunks
         return self._fetch_missing(hashes, hit)[0] if hit < len(hashes) else hit
 
-    def lookup_async(self, chunk_hashes: ChunkHashes) -> tuple[list[str], concurrent.futures.Future | None]:
-        """The local hit now, as the source of each leading chunk held here (``vocab``'s hit
-        sources), and a future for fetching the rest (None when there is nothing to fetch from);
-        for schedulers that must not wait (``enable_async_loading``). The future gives how many
-        chunks after the local hit came from peers; any held beyond those came from the remote
-        store. The caller counts the lookup (:meth:`count_lookup`) once its hit is final."""
+    def lookup_async(self, chunk_hashes: ChunkHashes) -> PrefixLookup:
+        """What a prompt's lookup can promise without waiting for bytes: the local hit, as the
+        source of each leading chunk held here (``vocab``'s hit sources); after it, the chunks a
+        live peer offers (the controller's holders and the pull policy's decision: a pull the
+        load makes, beside the engine's steps); else, with a remote store, a future fetching
+        the rest from it (giving 0: no chunk came from a peer). The caller counts the lookup
+        (:meth:`count_lookup`) once its hit is final."""
         hashes = hash_list(chunk_hashes)
         sources = self.local_sources(hashes)
         hit = len(sources)
-        future = None
-        if hit < len(hashes):
-            if self.storage.remote is None:
-                if self.peers is not None:  # the pull runs on the worker's loop: no thread waits on it
-                    future = self.peers.fetch_prefix_async(hashes[hit:])
-            else:
-                if self._fetcher is None:
-                    # Several: one slow peer pull or store must not queue every other request's fetch.
-                    self._fetcher = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-fetch")
-                future = self._fetcher.submit(lambda: self._fetch_missing(hashes, hit)[1] - hit)
-        return sources, future
+        if hit == len(hashes):
+            return PrefixLookup(sources)
+        if self.peers is not None:
+            offer = self.peers.offer_prefix(hashes[hit:], OFFER_TIMEOUT_S)
+            if offer is not None:
+                return PrefixLookup(sources, offer=offer)
+        remote = self.storage.remote
+        if remote is None:
+            return PrefixLookup(sources)
+        if self._fetcher is None:
+            # Several: one slow store must not queue every other request's fetch.
+            self._fetcher = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-fetch")
+
+        def fetch_rest() -> int:
+            remote.fetch_prefix_into(self.storage, hashes[hit:])
+            return 0  # chunks that came from peers (the pin after it finds what the store sent)
+
+        return PrefixLookup(sources, fetch=self._fetcher.submit(fetch_rest))
+
+    def pull_offer_async(self, offer: Offer) -> concurrent.futures.Future:
+        """Start pulling what a lookup's offer promised; the future gives how many chunks came."""
+        assert self.peers is not None  # an offer came from them
+        return self.peers.pull_offer_async(offer)
 
     def local_sources(self, chunk_hashes: ChunkHashes) -> list[str]:
         """Each leading chunk held in the local tiers, as the hit source a load reads it from
@@ -430,6 +452,16 @@ class CacheEngine:
             self.peers.close()
             self.peers = None
         self.storage.close()
+
+
+@dataclass
+class PrefixLookup:
+    """A lookup's first answer (:meth:`CacheEngine.lookup_async`): the local hit's sources, and
+    after it either a peer's offer (pulled by the load) or a fetch from the remote store."""
+
+    sources: list[str]
+    offer: Offer | None = None
+    fetch: concurrent.futures.Future | None = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 from lmcache_p2p.keys import ChunkHashes
 from lmcache_p2p.pull_policy import PrefillRate
@@ -41,8 +41,27 @@ class EngineCounters:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "prefill"}
 
 
+class Offer(Protocol):
+    """Leading chunks a peer would send (``PeerService.offer_prefix``): the engine promises them
+    to its scheduler at once and hands the offer back to ``pull_offer_async`` when it loads."""
+
+    @property
+    def chunks(self) -> int: ...
+
+    def first(self, chunks: int) -> Offer:
+        """The same offer cut to its first ``chunks`` chunks (what the load needs)."""
+        ...
+
+
 class PeerService(Protocol):
     """What the engine needs from the network side (the rank's worker)."""
+
+    def offer_prefix(self, hashes: ChunkHashes, timeout: float) -> Offer | None:
+        """The leading chunks of ``hashes`` a live peer holds and the pull policy would pull
+        (no bytes moved); None when none, or the controller did not answer within ``timeout``."""
+
+    def pull_offer_async(self, offer: Any) -> concurrent.futures.Future:
+        """Pull an offer's chunks; a future of how many leading chunks are now held locally."""
 
     def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
         """Pull the leading chunks of ``hashes`` a peer holds, waiting up to ``timeout``; the

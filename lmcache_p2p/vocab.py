@@ -39,8 +39,12 @@ GPU = "LocalGPUBackend"
 # Transfer channels for peer pulls (the transfer_channel key).
 TRANSFER_CHANNELS = ("nixl", "tcp")
 
-# How long an engine's lookup waits for a peer prefix pull before serving what it has.
+# How long an engine's lookup waits for a peer prefix pull before serving what it has, and the
+# deadline of a load that pulls a peer's offer (past it the request recomputes).
 PEER_FETCH_TIMEOUT_S = 30.0
+# How long an engine's lookup waits for the controller to name a prefix's holders (past it the
+# rest is a miss): the scheduler waits on this, never on a peer's bytes.
+OFFER_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from lmcache_p2p import gpu_ops
+from lmcache_p2p.cache_engine import PrefixLookup
 from lmcache_p2p.integration.vllm.kv_layout import UnsupportedKVLayout, block_planes, fingerprint
 from lmcache_p2p.integration.vllm.lookup_channel import (
     Hit,
@@ -533,20 +534,35 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
 
         assert unpack_sources(again.chunk_sources) == ("host", "host")  # both in the CPU pool
 
-        # A lookup whose hit grew by a fetch (here the third chunk stored while "pulling" it from
-        # a peer) says so: async_kv_loads "auto" loads such a hit in the step, and vLLM counts the
-        # chunk as a peer's. A CPU rank counts no host part.
-        def pulling(chunk_hashes):
+        # A hit a peer's offer extends: the offered chunk is promised at once (the load pulls it,
+        # beside the steps), from the token where the local hit ends, and counted as the peer's;
+        # the lookup itself is counted once the pull ends. A CPU rank counts no host part.
+        class OneChunk:
+            chunks = 1
+
+            def first(self, chunks):
+                return self
+
+        monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host", "host"], offer=OneChunk()))
+        request = LookupRequest(seq=2, req_id="p", fetch_missing=True, wait_s=1.0, hashes=pack_hashes(hashes))
+        offered = side._on_lookup(request)
+        assert (offered.hit_tokens, offered.fetched, offered.host_until, offered.pull_from) == (96, True, 0, 64)
+        assert unpack_sources(offered.chunk_sources) == ("host", "host", "p2p")
+        assert counters.lookups == 1
+
+        # A hit that grew by a fetch from the remote store (here the third chunk stored while
+        # "fetching" it) is waited for, and says so: async_kv_loads "auto" loads it in the step.
+        def fetching(chunk_hashes):
             side.engine.store(hashes[:3], side.planes, list(range(8)))
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(1)  # one chunk came from a peer
-            return ["host", "host"], done
+            done.set_result(0)
+            return PrefixLookup(["host", "host"], fetch=done)
 
-        monkeypatch.setattr(side.engine, "lookup_async", pulling)
-        request = LookupRequest(seq=2, req_id="p", fetch_missing=True, wait_s=1.0, hashes=pack_hashes(hashes))
-        pulled = side._on_lookup(request)
-        assert (pulled.hit_tokens, pulled.fetched, pulled.host_until) == (96, True, 0)
-        assert unpack_sources(pulled.chunk_sources) == ("host", "host", "p2p")
+        monkeypatch.setattr(side.engine, "lookup_async", fetching)
+        request = LookupRequest(seq=3, req_id="s", fetch_missing=True, wait_s=1.0, hashes=pack_hashes(hashes))
+        fetched = side._on_lookup(request)
+        assert (fetched.hit_tokens, fetched.fetched, fetched.pull_from) == (96, True, -1)
+        assert unpack_sources(fetched.chunk_sources) == ("host", "host", "external_unspecified")
     finally:
         side.close()
 

@@ -133,7 +133,9 @@ def test_a_peer_that_leaves_is_dropped_and_one_that_restarts_is_warmed_again(con
     a.kill()
     a2 = spawn(a.config, name="lmcache_instance_1-again")
     wait_for(lambda: len(warmups.findall(b.log())) > before, 20, "B to warm the new A")
-    assert re.search(r"peer lmcache_instance_1 rank 0 \S+ (restarted: connecting to its new process|left the warm set)", b.log())
+    assert re.search(
+        r"peer lmcache_instance_1 rank 0 \S+ (restarted: connecting to its new process|left the warm set)", b.log()
+    )
     wait_warm(b, {"lmcache_instance_1"})
     prompt = tokens(4 * CHUNK, seed=50)
     a2.prefill(prompt)

@@ -57,6 +57,7 @@ class ServedFleet:
     heartbeat_s: float = 1.0  # the load /route weighs is this fresh
     engine_env: dict[str, str] = field(default_factory=dict)
     engine_extra: dict = field(default_factory=dict)  # more LMCache config keys for every engine
+    engine_extras: dict[int, dict] = field(default_factory=dict)  # ... and for engine i (from 1) alone
     engine_args: tuple[str, ...] = ()  # more vLLM arguments for every engine
     controller_args: tuple[str, ...] = ()  # more lmcache_controller arguments
     tp: int = 1  # --tensor-parallel-size of every engine
@@ -102,6 +103,7 @@ class ServedFleet:
             "lmcache_worker_heartbeat_time": self.heartbeat_s,
             "serve_url": f"http://{{host}}:{port}",
             **self.engine_extra,
+            **self.engine_extras.get(index, {}),
         }
 
     def _rank_ports(self, tp: int) -> list[int] | int:

@@ -145,7 +145,9 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
             answer = {"hit": engine.lookup(hashes, num_tokens, fetch_missing=request.get("peers", True))}
         elif op == "lookup_together":  # several prompts' peer pulls started at once, as vLLM's
             # scheduler does with requests that arrive together: when each pull ended (s from start)
-            futures = [engine.lookup_async(chunk_hash_array(p, chunk_size))[1] for p in request["prompts"]]
+            # (each prompt's peer offer, then its pull, as a granted load starts it)
+            offers = [engine.lookup_async(chunk_hash_array(p, chunk_size)).offer for p in request["prompts"]]
+            futures = [engine.pull_offer_async(offer) if offer is not None else None for offer in offers]
             done_s: list = [None] * len(futures)
             for i, future in enumerate(futures):
                 if future is not None:

@@ -26,7 +26,7 @@ import logging
 import time
 from collections import deque
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,7 @@ from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.transfer.base import Landing
 from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
-from lmcache_p2p.worker.link import ControllerLink
+from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S, ControllerLink
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,24 @@ class Peer:
 
     def describe(self) -> str:
         return f"{self.instance_id} rank {self.rank} ({self.host}:{self.lookup_port})"
+
+
+@dataclass(frozen=True)
+class PeerOffer:
+    """Leading chunks of a prompt (after the asking rank's local hit) that a pull from ``peer``
+    would bring, as the controller and the pull policy decided when the engine asked."""
+
+    peer: Peer
+    hashes: np.ndarray  # uint64, in prompt order
+    asked_ms: float  # the controller's answer took this long
+    made: float = field(default_factory=time.perf_counter)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.hashes)
+
+    def first(self, chunks: int) -> PeerOffer:
+        return replace(self, hashes=self.hashes[:chunks])
 
 
 @dataclass
@@ -271,30 +289,51 @@ class P2PClient:
         """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds,
         where the pull policy says pulling beats recomputing; returns how many leading chunks are
         now held locally."""
+        offer = await self.offer_prefix(hashes)
+        return 0 if offer is None else await self.pull_offer(offer)
+
+    async def offer_prefix(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> PeerOffer | None:
+        """What a pull of ``hashes`` (a prompt's chunks after the local hit) would bring, without
+        moving a byte: the holder the controller names and the leading chunks the pull policy
+        says to pull from it (None: no live peer holds the first one, or recomputing wins). The
+        engine's scheduler promises these chunks at once; :meth:`pull_offer` brings them."""
         t0 = time.perf_counter()
         holders = [
             (h.matched_chunks, Peer(h.instance_id, h.rank, h.host, h.p2p_init_port, h.p2p_lookup_port))
-            for h in await self.link.p2p_lookup(hashes)
+            for h in await self.link.p2p_lookup(hashes, timeout)
             if h.p2p_lookup_port and h.p2p_init_port and h.matched_chunks > 0
         ]
         if not holders:
-            return 0
+            return None
         asked_ms = (time.perf_counter() - t0) * 1e3
         # Longest prefix first; among equals the peer we have the fewest requests in flight to.
         holders.sort(key=lambda h: (-h[0], self._busy((h[1].host, h[1].lookup_port))))
-        # Decided in its turn (taking turns), with the estimates the pulls before it left.
+        peer, chunks = self._decide(holders, asked_ms)
+        if not chunks:
+            return None
+        return PeerOffer(peer, np.asarray(hashes[:chunks], dtype=np.uint64), asked_ms)
+
+    async def pull_offer(self, offer: PeerOffer) -> int:
+        """Pull an offer's chunks from its holder, in the engine's turn (prefix pulls take turns
+        unless ``prefix_pull_turns`` is off); how many leading chunks are now held locally."""
+        peer, hashes = offer.peer, offer.hashes
+        t_turn = time.perf_counter()
         async with self._prefix_turn:
-            # The time before the decision: the controller's answer, then the turn (pulls ahead).
-            peer, chunks = self._decide(holders, asked_ms, (time.perf_counter() - t0) * 1e3 - asked_ms)
-            if not chunks:
-                return 0
+            logger.info(
+                "%s: pulling %d chunk(s) from %s (offered %.1f ms ago; waited %.1f ms for the turn)",
+                self.me.describe(),
+                len(hashes),
+                peer.describe(),
+                (time.perf_counter() - offer.made) * 1e3,
+                (time.perf_counter() - t_turn) * 1e3,
+            )
             if self._channel_of(peer) is None:
                 # Say hello first: a hello is no part of a pull's time, and a failed one is
                 # reported as the pull's failure, as pull() would.
                 try:
                     await self._connect(peer)
                 except (RequestFailed, TransferError) as e:
-                    self._report(peer, "?", chunks, PullResult(error=str(e)), 0.0, 0, dict.fromkeys(PHASES, 0.0))
+                    self._report(peer, "?", len(hashes), PullResult(error=str(e)), 0.0, 0, dict.fromkeys(PHASES, 0.0))
                     return 0
             channel = self._channel_of(peer)
             self._prefix_pulls_running += 1
@@ -302,7 +341,7 @@ class P2PClient:
             started_alone, mine = self._prefix_pulls_running == 1, self._prefix_pulls_started
             t0 = time.perf_counter()
             try:
-                result = await self.pull(peer, hashes[:chunks], CPU, into_gpu_tier=True)
+                result = await self.pull(peer, hashes, CPU, into_gpu_tier=True)
             finally:
                 self._prefix_pulls_running -= 1
             elapsed = time.perf_counter() - t0
@@ -314,7 +353,7 @@ class P2PClient:
         self.stats["prefix_hit_chunks"] += len(result.held)  # pulled for the engine (not for a move)
         return len(result.held)
 
-    def _decide(self, holders: list[tuple[int, Peer]], asked_ms: float = 0.0, turn_ms: float = 0.0) -> tuple[Peer, int]:
+    def _decide(self, holders: list[tuple[int, Peer]], asked_ms: float = 0.0) -> tuple[Peer, int]:
         """The holder to pull from and how many leading chunks, by the pull policy: the longest
         prefix whose pull beats recomputing it (holders come longest first). Logs the decision."""
         matched, peer = holders[0]
@@ -337,7 +376,7 @@ class P2PClient:
         line = decision.describe(peer.describe(), self._channel_of(peer))
         if chosen is not None and chosen[0] is not first[0]:  # a shorter prefix over a faster link
             line += f" (instead of {first[1].offered} chunks at {first[0].describe()}: {first[1].numbers()})"
-        logger.info("%s [holders from the controller in %.1f ms, waited %.1f ms for the turn]", line, asked_ms, turn_ms)
+        logger.info("%s [holders from the controller in %.1f ms]", line, asked_ms)
         recomputed = first[1].offered - decision.chunks  # offered by a peer, recomputed instead
         if recomputed > 0:
             self.stats["chunks_skipped"] += recomputed

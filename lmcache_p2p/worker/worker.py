@@ -36,12 +36,14 @@ from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.engine_load import EngineLoadProbe
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
-from lmcache_p2p.worker.p2p_client import P2PClient
+from lmcache_p2p.worker.p2p_client import P2PClient, PeerOffer
 from lmcache_p2p.worker.p2p_server import PeerServer
 
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
+# Beyond the controller's own timeout, how long an offer may take to come back from the loop.
+OFFER_SLACK_S = 0.5
 
 
 def build_engine(
@@ -291,6 +293,32 @@ class Worker:
         if self.client is None or not len(hashes):
             return None
         return self.submit(self.client.fetch_prefix(np.asarray(hashes, dtype=np.uint64)))
+
+    def offer_prefix(self, hashes: ChunkHashes, timeout: float) -> PeerOffer | None:
+        """What a pull of ``hashes`` from a peer would bring (the controller's holders and the
+        pull policy's decision, no bytes moved); None when no peer offers the first chunk, P2P
+        is off, or the controller does not answer within ``timeout`` (then it is a miss)."""
+        if self.client is None or not len(hashes):
+            return None
+        future = self.submit(self.client.offer_prefix(np.asarray(hashes, dtype=np.uint64), timeout))
+        try:
+            return future.result(timeout + OFFER_SLACK_S)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            logger.warning(
+                "%s: the controller did not name the holders of %d chunk(s) within %.1f s; they are recomputed",
+                self.identity.describe(),
+                len(hashes),
+                timeout,
+            )
+        except Exception:
+            logger.exception("%s: asking for the holders of %d chunk(s) failed", self.identity.describe(), len(hashes))
+        return None
+
+    def pull_offer_async(self, offer: PeerOffer) -> concurrent.futures.Future:
+        """Start pulling an offer's chunks; the future gives how many are now held locally."""
+        assert self.client is not None  # an offer came from it
+        return self.submit(self.client.pull_offer(offer))
 
     def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
         future = self.fetch_prefix_async(hashes)

@@ -7,9 +7,12 @@ and takes the smallest answer (every rank must be able to load the prefix). A GP
 where the part of its hit held in host memory ends, and whether it fetched part of the hit (a
 peer pull, the remote store), for ``async_kv_loads: auto`` to decide where the load runs.
 
-A rank answers at once from its local tiers, or, when the prefix continues on a peer, after the
-pull: within ``wait_s`` it answers the hit, past it it answers ``pending`` and keeps pulling, so a
-scheduler with ``enable_async_loading`` is never held up for longer than its backoff.
+A rank answers at once from its local tiers and, when the prefix continues on a peer, from that
+peer's offer (the controller's index and the pull policy): the offered part is pulled by the load,
+beside the engine's steps, so the scheduler never waits on a peer's bytes. Only a fetch from the
+remote store is waited for: within ``wait_s`` the rank answers the hit, past it ``pending`` while
+it keeps fetching, so a scheduler with ``enable_async_loading`` is never held up for longer than
+its backoff.
 
 A prompt travels as its chunk hashes (computed once by the scheduler), on the first ask only: the
 rank keeps them with the request's lookup, and later asks (polls of a pending lookup) carry just
@@ -70,6 +73,9 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     # Each chunk of the hit's source (pack_sources): the tier it is loaded from, or p2p / the
     # remote store where this lookup fetched it; vLLM counts hits by source.
     chunk_sources: bytes = b""
+    # The hit past this token is a peer's offer: the load pulls it first, beside the engine's
+    # steps (-1: the whole hit is held here).
+    pull_from: int = -1
 
 
 def pack_sources(sources: list[str]) -> bytes:
@@ -103,6 +109,7 @@ class Hit:
     host_until: int = 0
     fetched: bool = False
     sources: tuple[str, ...] = ()
+    pull_from: int | None = None  # some rank pulls the hit past this token when it loads (a peer's offer)
 
 
 def tokens_by_source(sources: tuple[str, ...], start: int, end: int, chunk_size: int) -> dict[str, int]:
@@ -297,7 +304,9 @@ class LookupClient:
         host_until = min(tokens, max(a.host_until for a in answers.values()))
         chunks = -(-tokens // self.chunk_size)
         sources = merge_sources([unpack_sources(a.chunk_sources) for a in answers.values()], chunks)
-        return Hit(tokens, host_until, any(a.fetched for a in answers.values()), sources)
+        pulls = [a.pull_from for a in answers.values() if 0 <= a.pull_from < tokens]
+        fetched = any(a.fetched for a in answers.values())
+        return Hit(tokens, host_until, fetched, sources, min(pulls) if pulls else None)
 
     def lookup_segments(
         self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float

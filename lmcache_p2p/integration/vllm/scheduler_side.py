@@ -60,6 +60,8 @@ class _Request:
     host_until: int = 0  # where the part of the hit some rank holds in host memory ends (0: none)
     fetched: bool = False  # some rank fetched part of the hit for this lookup (a pull, the remote store)
     sources: tuple[str, ...] = ()  # each chunk of the hit's source (vocab.HIT_SOURCES)
+    pull_from: int | None = None  # past this token the hit is a peer's offer, pulled by the load
+    fetch: bool = True  # may its lookup fetch (peers, the remote store)? Not after a failed load
     next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
     logged_need: int | None = None
     load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
@@ -169,12 +171,17 @@ class SchedulerSide:
         need = max(0, usable - num_computed_tokens)
         host = min(state.host_until, usable)  # loading [num_computed_tokens, usable) crosses PCIe up to here
         from_host = host > num_computed_tokens
-        beside = need > 0 and self._loads_beside_steps_for(state, from_host)
+        # Part of it a peer offered: the load pulls it first, always beside the steps (vLLM holds
+        # the request as WAITING_FOR_REMOTE_KVS, and no step waits on a peer's bytes).
+        pulls = state.pull_from is not None and state.pull_from < usable
+        beside = need > 0 and (pulls or self._loads_beside_steps_for(state, from_host))
         state.local_tokens, state.beside_steps = num_computed_tokens, beside
         if need != state.logged_need:
             state.logged_need = need
             how = ""
-            if beside:
+            if beside and pulls:
+                how = f", beside the steps after pulling tokens [{state.pull_from}, {usable}) from a peer"
+            elif beside:
                 how = ", beside the steps" + (f" (host memory up to token {host})" if from_host else "")
             elif need and from_host and self.loads_beside_steps == AUTO:  # auto kept it: fetched
                 how = f", in the step (host memory up to token {host}, fetched for this lookup: "
@@ -217,8 +224,11 @@ class SchedulerSide:
                 state.num_tokens,
             )
             return False
-        logger.warning("Reqid: %s, its load beside the steps failed: looking it up again", req_id)
-        state.hit, state.asked, state.logged_need = None, False, None
+        # In the local tiers only: a pull that failed (a holder stalled or died) is not made
+        # again, and what it brought before failing is here now.
+        logger.warning("Reqid: %s, its load beside the steps failed: looking it up again in the local tiers", req_id)
+        state.hit, state.asked, state.logged_need, state.pull_from = None, False, None, None
+        state.fetch = False
         return True
 
     def _request(self, req_id: str, prompt_token_ids: Any) -> _Request:
@@ -276,7 +286,7 @@ class SchedulerSide:
             req_id,
             state.chunk_hashes,
             state.num_tokens,
-            self.fetch_missing,
+            self.fetch_missing and state.fetch,
             wait_s,
             wait_s + LOOKUP_REPLY_SLACK_S,
             poll=state.asked,
@@ -290,6 +300,7 @@ class SchedulerSide:
             state.next_poll = time.monotonic() + self.backoff_s
             return None
         state.hit, state.host_until, state.fetched, state.sources = hit.tokens, hit.host_until, hit.fetched, hit.sources
+        state.pull_from = hit.pull_from
         state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
         if not hit.tokens:
             # Some rank can load none of it (it holds none, failed or did not answer), so the
@@ -370,7 +381,7 @@ class SchedulerSide:
         for req_id in preempted:
             state = self._requests.get(req_id)
             if state is not None:  # it will be looked up again when it is rescheduled
-                state.hit, state.logged_need, state.load_tokens = None, None, 0
+                state.hit, state.logged_need, state.load_tokens, state.pull_from = None, None, 0, None
                 state.asked = False  # the ranks dropped its lookup when they loaded or released it
                 state.loads_beside_steps, state.retried_after = 0, 0
         # A preempted request's blocks are freed at once, so copies of them still in flight must

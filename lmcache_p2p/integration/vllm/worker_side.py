@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from lmcache_p2p import layerwise
-from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
+from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
@@ -51,14 +51,18 @@ from lmcache_p2p.integration.vllm.lookup_channel import (
 )
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.layerwise import LayerwiseLoad
+from lmcache_p2p.peer_service import Offer
 from lmcache_p2p.protocol import unpack_hashes
-from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
+from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
 from lmcache_p2p.worker import build_engine
 
 logger = logging.getLogger(__name__)
 
 # Pins of a lookup whose request never came back (scheduler gone, a lost release) are dropped.
 LOOKUP_PIN_TTL_S = 300.0
+# In a step that computed nothing while pulls run, how long get_finished waits for one to end
+# (the step loop would otherwise spin, holding the interpreter the pulling thread needs).
+IDLE_STEP_PULL_WAIT_S = 0.005
 # How long the end of a step waits for the checksum check of chunks it loaded straight from a
 # peer's write into the GPU tier; past it they count as bad (vLLM recomputes them).
 LANDED_CHECK_TIMEOUT_S = 10.0
@@ -85,6 +89,19 @@ class _LoadBesideSteps:
     copy: LayerwiseLoad
 
 
+@dataclass
+class _PullJob:
+    """A granted load whose chunks past the rank's local hit a peer offered: the pull runs on the
+    worker's loop; once it ends (or its deadline passes) what came is loaded beside the steps."""
+
+    spec: LoadSpec
+    lookup: _Lookup  # its pin holds the local hit until the load pins the whole prefix
+    pull: concurrent.futures.Future  # how many chunks came
+    offered: int  # chunks asked for
+    started: float
+    aborted: bool = False  # the request finished meanwhile: the pull is given up
+
+
 # A load beside the steps copies every plane in one launch: the layer-wise machinery with one
 # "layer" spanning them all.
 _ALL_PLANES = "all planes"
@@ -95,10 +112,11 @@ class _Lookup:
     chunk_hashes: np.ndarray  # the prompt's, uint64: later polls name the request only
     num_tokens: int  # the prompt's length
     # Each leading chunk held in the local tiers when first asked, before any fetch, as its hit
-    # source (vocab); and the fetch of the rest (its result: the chunks that came from peers).
+    # source (vocab); and what comes after it: a peer's offer, or a remote fetch.
     local_sources: list[str]
-    future: concurrent.futures.Future | None
+    future: concurrent.futures.Future | None  # a fetch from the remote store, waited for
     started: float
+    offer: Offer | None = None  # chunks after the local hit a peer offers: the load pulls them
     prefix: PinnedPrefix | None = None
 
 
@@ -168,6 +186,9 @@ class WorkerSide:
         # async_kv_loads: loads beside the steps still copying, and requests to report as received.
         self._beside_steps: dict[str, _LoadBesideSteps] = {}
         self._received: set[str] = set()
+        # Of those, the ones pulling a peer's offer first (by request id), and the last step's tokens.
+        self._pull_jobs: dict[str, _PullJob] = {}
+        self._step_tokens = 0
         # Of those, the ones that failed (in part or whole), with the blocks they left unloaded.
         self._failed_receives: dict[str, list[int]] = {}
         self._load_staging: torch.Tensor | None = None  # their ring of chunk pages on the GPU (load_staging_mb)
@@ -299,10 +320,10 @@ class WorkerSide:
                 return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
             chunk_hashes = unpack_hashes(request.hashes)
             if request.fetch_missing:
-                local_sources, future = self._engine.lookup_async(chunk_hashes)
+                first = self._engine.lookup_async(chunk_hashes)
             else:
-                local_sources, future = self._engine.local_sources(chunk_hashes), None
-            state = _Lookup(chunk_hashes, request.num_tokens, local_sources, future, time.monotonic())
+                first = PrefixLookup(self._engine.local_sources(chunk_hashes))
+            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, first.fetch, time.monotonic(), first.offer)
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
@@ -312,20 +333,27 @@ class WorkerSide:
                 except concurrent.futures.TimeoutError:
                     return LookupReply(seq=request.seq, req_id=request.req_id, pending=True)
                 except Exception:
-                    logger.exception("peer pull for request %s failed; using the local hit", request.req_id)
+                    logger.exception("remote fetch for request %s failed; using the local hit", request.req_id)
             state.prefix = self._engine.pin_prefix(state.chunk_hashes)
-            self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
+            if state.offer is not None and len(state.prefix.chunks) != len(state.local_sources):
+                # Part of the local hit was evicted since: the offer no longer continues it.
+                state.offer = None
+            if state.offer is None:  # with an offer, counted once its load pulled it
+                self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
         # A GPU rank says how far loading the hit crosses PCIe and whether it fetched part of it
         # (async_kv_loads "auto" decides on both); a CPU rank's loads cross no link.
         host_until = state.prefix.host_until() if self.planes[0].is_cuda else 0
         sources = self._hit_sources(state)
+        held = state.prefix.num_tokens
+        offered = state.offer.chunks * self._engine.chunk_size if state.offer is not None else 0
         return LookupReply(
             seq=request.seq,
             req_id=request.req_id,
-            hit_tokens=state.prefix.num_tokens,
+            hit_tokens=held + offered,
             host_until=host_until,
             fetched=any(source in (SOURCE_P2P, SOURCE_REMOTE) for source in sources),
             chunk_sources=pack_sources(sources),
+            pull_from=held if offered else -1,
         )
 
     def _hit_sources(self, state: _Lookup) -> list[str]:
@@ -335,6 +363,8 @@ class WorkerSide:
         assert state.prefix is not None
         held = len(state.prefix.chunks)
         sources = state.local_sources[:held]
+        if state.offer is not None:  # pulled from a peer by the load
+            return sources + [SOURCE_P2P] * state.offer.chunks
         from_peers = 0
         if state.future is not None and state.future.done() and not state.future.cancelled():
             if state.future.exception() is None:
@@ -426,7 +456,11 @@ class WorkerSide:
             self._end_layerwise()
         self._failed_loads.clear()
         self._poll_step_loads()
+        self._step_tokens = meta.step_tokens
         for req_id in meta.released:
+            job = self._pull_jobs.get(req_id)
+            if job is not None:  # finished (aborted) while pulling: its blocks are freed once reported
+                job.aborted = True
             state = self._take_lookup(req_id)
             if state is not None:
                 self._release(state)
@@ -442,48 +476,133 @@ class WorkerSide:
                 self._saving.discard(spec.req_id)
                 self._finishing.discard(spec.req_id)
             state = self._take_lookup(spec.req_id)
+            offered = state is not None and state.offer is not None
+            if state is not None and offered and spec.beside_steps and self._start_pull_job(spec, state):
+                continue  # loaded once the pull ends (finished_loads)
             prefix = state.prefix if state is not None else None
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
-            try:
-                plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
-            except Exception:  # a bad spec fails its own load (recomputed), never the step
-                logger.exception("request %s: planning the load of [%d, %d) failed", spec.req_id, spec.start, spec.end)
-                prefix.release()
-                self._report_short_load(spec, spec.start)
-                if spec.beside_steps:
-                    self._received.add(spec.req_id)
-                continue
-            # Its request waits outside the steps until get_finished reports it.
-            if spec.beside_steps and self._queue_beside_steps(spec, prefix, plan):
-                continue
-            if self.layerwise and not spec.beside_steps:  # copied during the forward pass; pins released after it
-                layerwise.append((spec, prefix, plan))
-                continue
-            try:
-                engine.run_load(plan, self.planes)
-                loaded_to = plan.loaded_to
-                if plan.unchecked:
-                    self._unchecked.append((spec, plan))
-            except Exception:
-                logger.exception(
-                    "request %s: loading tokens [%d, %d)%s failed",
-                    spec.req_id,
-                    spec.start,
-                    spec.end,
-                    " beside the steps" if spec.beside_steps else "",
-                )
-                loaded_to = spec.start
-            finally:
-                prefix.release()
-            if loaded_to < spec.end:
-                self._report_short_load(spec, loaded_to)
-            if spec.beside_steps:  # loaded here, in full or failed: reported with this step
-                self._received.add(spec.req_id)
+            deferred = self._load(spec, prefix, layerwise=self.layerwise and not spec.beside_steps)
+            if deferred is not None:
+                layerwise.append(deferred)
         if layerwise:
             self._start_layerwise(layerwise)
         if self._clock is not None and not meta.load_after_forward:
             self._clock.start(meta)  # the forward pass starts now
+
+    def _load(
+        self, spec: LoadSpec, prefix: PinnedPrefix, layerwise: bool = False
+    ) -> tuple[LoadSpec, PinnedPrefix, LoadPlan] | None:
+        """Load a request's pinned chunks into its blocks: queued on the load stream (beside the
+        steps, on a GPU), returned for the step's layer-wise load (``layerwise``), or copied now.
+        The pins go once the copy is done; what does not load is reported for recomputing."""
+        engine = self._engine
+        try:
+            plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
+        except Exception:  # a bad spec fails its own load (recomputed), never the step
+            logger.exception("request %s: planning the load of [%d, %d) failed", spec.req_id, spec.start, spec.end)
+            prefix.release()
+            self._report_short_load(spec, spec.start)
+            if spec.beside_steps:
+                self._received.add(spec.req_id)
+            return None
+        # Its request waits outside the steps until get_finished reports it.
+        if spec.beside_steps and self._queue_beside_steps(spec, prefix, plan):
+            return None
+        if layerwise:  # copied during the forward pass; pins released after it
+            return spec, prefix, plan
+        try:
+            engine.run_load(plan, self.planes)
+            loaded_to = plan.loaded_to
+            if plan.unchecked:
+                self._unchecked.append((spec, plan))
+        except Exception:
+            logger.exception(
+                "request %s: loading tokens [%d, %d)%s failed",
+                spec.req_id,
+                spec.start,
+                spec.end,
+                " beside the steps" if spec.beside_steps else "",
+            )
+            loaded_to = spec.start
+        finally:
+            prefix.release()
+        if loaded_to < spec.end:
+            self._report_short_load(spec, loaded_to)
+        if spec.beside_steps:  # loaded here, in full or failed: reported with this step
+            self._received.add(spec.req_id)
+        return None
+
+    # -- pulls of a peer's offer, then their loads (beside the steps) ---------------------------
+
+    def _start_pull_job(self, spec: LoadSpec, state: _Lookup) -> bool:
+        """A granted load whose chunks past the local hit a peer offered: start pulling them (on
+        the worker's loop); :meth:`_advance_pull_jobs` loads them once they are here. False
+        where nothing needs pulling (the engine's own cache covers the offered part)."""
+        assert state.offer is not None and state.prefix is not None
+        held = state.prefix.num_tokens
+        needed = -(-(spec.end - held) // self._engine.chunk_size)
+        if needed <= 0:
+            return False
+        offer = state.offer.first(min(needed, state.offer.chunks))
+        job = _PullJob(spec, state, self._engine.pull_offer_async(offer), offer.chunks, time.monotonic())
+        self._pull_jobs[spec.req_id] = job
+        logger.info(
+            "request %s: pulling %d chunk(s) a peer offered (tokens [%d, %d)), then loading [%d, %d) beside the steps",
+            spec.req_id,
+            offer.chunks,
+            held,
+            held + offer.chunks * self._engine.chunk_size,
+            spec.start,
+            spec.end,
+        )
+        return True
+
+    def _advance_pull_jobs(self, idle_step: bool) -> None:
+        """Load the chunks of every pull that ended (what came: a pull cut short loads its part,
+        and vLLM recomputes the rest); a pull past its deadline is given up. In a step that
+        computed nothing (vLLM runs them while requests wait on their loads) this waits for a
+        pull briefly: the step loop then leaves the pulling thread the interpreter."""
+        if not self._pull_jobs:
+            return
+        if idle_step and not any(job.pull.done() for job in self._pull_jobs.values()):
+            concurrent.futures.wait(
+                [job.pull for job in self._pull_jobs.values()],
+                timeout=IDLE_STEP_PULL_WAIT_S,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        now = time.monotonic()
+        for req_id, job in list(self._pull_jobs.items()):
+            late = now - job.started > PEER_FETCH_TIMEOUT_S
+            if not (job.pull.done() or late or job.aborted):
+                continue
+            del self._pull_jobs[req_id]
+            pulled = 0
+            if job.pull.done() and not job.pull.cancelled():
+                try:
+                    pulled = int(job.pull.result())
+                except Exception:
+                    logger.exception("request %s: pulling the chunks a peer offered failed", req_id)
+            else:
+                job.pull.cancel()
+                why = "aborted while pulling" if job.aborted else f"pull past its {PEER_FETCH_TIMEOUT_S:.0f} s deadline"
+                logger.warning("request %s: %s after %.1f s: its blocks are recomputed", req_id, why, now - job.started)
+            spec, state = job.spec, job.lookup
+            engine = self._engine
+            prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
+            self._release(state)  # the lookup's pin of the local hit: the new pin holds it
+            engine.count_lookup(state.num_tokens, prefix.num_tokens)
+            logger.info(
+                "request %s: pulled %d of the %d chunk(s) offered in %.1f ms; %d of its tokens [%d, %d) held to load",
+                req_id,
+                pulled,
+                job.offered,
+                (now - job.started) * 1e3,
+                max(0, min(prefix.num_tokens, spec.end) - spec.start),
+                spec.start,
+                spec.end,
+            )
+            self._load(spec, prefix)
 
     # -- loads beside the steps (async_kv_loads) --------------------------------------------------
 
@@ -521,6 +640,7 @@ class WorkerSide:
         unloaded blocks go to ``take_load_errors`` with ``report_failed_blocks`` (vLLM < 0.32,
         which recomputes from the first); without, vLLM is told of a failed receive (frees its
         blocks and asks about the request afresh)."""
+        self._advance_pull_jobs(idle_step=self._step_tokens == 0)
         done, self._received = self._received, set()
         for req_id, load in list(self._beside_steps.items()):
             if not load.copy.done():
@@ -753,6 +873,10 @@ class WorkerSide:
             self.server = None
         with self._lock:
             states, self._lookups = list(self._lookups.values()), {}
+        jobs, self._pull_jobs = list(self._pull_jobs.values()), {}
+        for job in jobs:
+            job.pull.cancel()
+            self._release(job.lookup)
         for state in states:
             self._release(state)
         for req_id in list(self._segment_pins):

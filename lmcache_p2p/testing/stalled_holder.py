@@ -1,0 +1,119 @@
+"""A stalled holder must not stall the asking engine (benchmarks/bench_stalled_holder.py and
+tests/test_stalled_holder.py run this): two vLLM CPU engines, engine 2 streaming a long
+generation; a cold prompt sent to engine 2 (what one prefill costs the stream); then engine 1,
+which holds another prompt, stopped with SIGSTOP and that prompt sent to engine 2. Its pull
+from the stopped holder gives up and the prompt is recomputed; the stream must keep its pace
+meanwhile, as it does around the cold prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from lmcache_p2p.testing.processes import CPU_ENGINE_ENV, wait_indexed
+from lmcache_p2p.testing.served_fleet import ServedFleet
+from lmcache_p2p.testing.tiny_model import sample_text
+
+# The seeds' asynchronous lookups, and the default (synchronous) ones.
+LOOKUP_MODES = {
+    "async": {"enable_async_loading": True, "extra_config": {"lookup_backoff_time": 0.001}},
+    "sync": {},
+}
+STREAM_TOKENS = 1200
+PROMPT_WORDS = 1500
+
+
+def _stream(url: str, model: str, prompt: str, out: list[float]) -> None:
+    """Stream a greedy completion of STREAM_TOKENS tokens, appending each one's arrival time."""
+    body = {"model": model, "prompt": prompt, "max_tokens": STREAM_TOKENS, "temperature": 0.0, "stream": True}
+    body["ignore_eos"] = True
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(time.monotonic())
+
+
+def _largest_gap(arrivals: list[float], start: float, end: float) -> float:
+    """The longest wait for a token that arrived after ``start``, over tokens up to ``end``."""
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > start and a < end]
+    return max(gaps, default=0.0)
+
+
+def run(model: str, workdir: Path, modes: list[str], seed: int = 100, extra: dict | None = None) -> list[dict]:
+    """One fleet: engine 1 holds the prompt, engine i + 2 asks in lookup ``modes[i]``
+    (LOOKUP_MODES), one after another; each asker's figures, with the fleet's logs' directory.
+    Engines are pinned to cores in turn, so an asker may share its core with the holder, which
+    is stopped while it is measured."""
+    fleet = ServedFleet(
+        workdir,
+        model,
+        engines=1 + len(modes),
+        engine_env={**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "INFO"},
+        engine_extra=extra or {},
+        engine_extras={i + 2: LOOKUP_MODES[mode] for i, mode in enumerate(modes)},
+        pin_engines=True,
+    )
+    fleet.start()
+    try:
+        holder = fleet.engine_urls[0]
+        for i, url in enumerate(fleet.engine_urls):  # each engine's first forward pass out of the figures
+            _complete(url, model, sample_text(300, seed=seed + 500 + i))
+        # One prompt per asker: an asker that recomputed its prompt holds it too.
+        held = [sample_text(PROMPT_WORDS, seed=seed + i) for i in range(len(modes))]
+        expected = [_complete(holder, model, prompt) for prompt in held]
+        for prompt in held:
+            if not wait_indexed(holder, fleet.controller_url, model, prompt, timeout=20):
+                raise RuntimeError("the controller did not index the holder's chunks")
+        group = os.getpgid(fleet.processes["engine1"].process.pid)
+        runs = []
+        for i, mode in enumerate(modes):
+            figures = _ask_while_stalled(fleet.engine_urls[i + 1], model, held[i], group, seed + 100 + i)
+            same = figures.pop("answer") == expected[i]
+            runs.append({"mode": mode, **figures, "same_output": same, "logs": str(workdir)})
+        return runs
+    finally:
+        fleet.stop()
+
+
+def _complete(url: str, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+
+
+def _ask_while_stalled(asker: str, model: str, held: str, holder_group: int, seed: int) -> dict:
+    """Stream from ``asker``; send it a cold prompt, then (the holder stopped) the held one."""
+    arrivals: list[float] = []
+    streamer = threading.Thread(target=_stream, args=(asker, model, sample_text(20, seed=seed), arrivals))
+    streamer.start()
+    while len(arrivals) < 50:
+        time.sleep(0.01)
+    c0 = time.monotonic()
+    _complete(asker, model, sample_text(PROMPT_WORDS, seed=seed + 1000))  # a cold prompt: one prefill
+    c1 = time.monotonic()
+    time.sleep(0.2)
+    os.killpg(holder_group, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        answer = _complete(asker, model, held)
+        t1 = time.monotonic()
+    finally:
+        os.killpg(holder_group, signal.SIGCONT)
+    streamer.join()
+    if not arrivals or arrivals[-1] < t1:
+        raise RuntimeError("the stream ended before the stalled request: make STREAM_TOKENS longer")
+    median = statistics.median(b - a for a, b in zip(arrivals[:49], arrivals[1:50], strict=True))
+    return {
+        "median_gap_ms": round(median * 1e3, 2),
+        "largest_gap_cold_prompt_ms": round(_largest_gap(arrivals, c0, c1) * 1e3, 1),
+        "largest_gap_stalled_holder_ms": round(_largest_gap(arrivals, t0, t1) * 1e3, 1),
+        "cold_prompt_s": round(c1 - c0, 3),
+        "stalled_request_s": round(t1 - t0, 3),
+        "answer": answer,
+    }
