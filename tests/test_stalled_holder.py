@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 def test_a_stalled_holder_leaves_the_asking_engines_streams_at_their_pace(tiny_model, tmp_path):
-    runs = run(tiny_model, tmp_path / "fleet", ["sync", "async"])
+    *runs, aborted = run(tiny_model, tmp_path / "fleet", ["sync", "async"], abort=True)
     for figures, engine in zip(runs, ("engine2", "engine3"), strict=True):
         assert figures["same_output"], figures
         # While the request waits on the stopped holder, the running stream's largest gap is no
@@ -28,6 +28,15 @@ def test_a_stalled_holder_leaves_the_asking_engines_streams_at_their_pace(tiny_m
         log = (Path(figures["logs"]) / f"{engine}.log").read_text()
         # One pull, given up on once its timeout passed; then the request's blocks recompute
         # (no second pull from the same stalled holder).
-        assert len(re.findall(r"pulling \d+ chunk\(s\) a peer offered", log)) == 1, log[-3000:]
+        pulled = re.findall(r"request (\S+): pulling \d+ chunk\(s\) a peer offered", log)
+        assert pulled and len(pulled) == len(set(pulled)), log[-3000:]
         assert "will be recomputed" in log
         assert figures["stalled_request_s"] < 2 * BASE_TIMEOUT_S + 3 * figures["cold_prompt_s"], figures
+
+    # A client that leaves while its request pulls from the stopped holder: vLLM aborts it, the
+    # pull is given up at the next step (not at its timeout), its blocks are freed, and the
+    # engine goes on serving (a cold prompt next, the holder still stopped).
+    assert aborted["abandoned"], aborted
+    log = (Path(aborted["logs"]) / "engine2.log").read_text()
+    assert "aborted while pulling" in log, log[-3000:]
+    assert aborted["next_request_s"] < BASE_TIMEOUT_S, aborted

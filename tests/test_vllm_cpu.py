@@ -233,6 +233,7 @@ def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_m
 
 
 @pytest.mark.serial  # the demo asserts its peer hit beats the cold engine: the host must be idle
+@pytest.mark.newest_only  # the peer hit it shows is test_c's, which the floor runs
 def test_make_demo_shows_a_peer_hit_and_stops_everything_it_started(tmp_path):
     import socket
     import subprocess

@@ -27,6 +27,7 @@ LOOKUP_MODES = {
     "sync": {},
 }
 STREAM_TOKENS = 1200
+ABORT_AFTER_S = 0.5  # the abandoning client's timeout
 PROMPT_WORDS = 1500
 
 
@@ -46,11 +47,15 @@ def _largest_gap(arrivals: list[float], start: float, end: float) -> float:
     return max(gaps, default=0.0)
 
 
-def run(model: str, workdir: Path, modes: list[str], seed: int = 100, extra: dict | None = None) -> list[dict]:
+def run(
+    model: str, workdir: Path, modes: list[str], seed: int = 100, extra: dict | None = None, abort: bool = False
+) -> list[dict]:
     """One fleet: engine 1 holds the prompt, engine i + 2 asks in lookup ``modes[i]``
     (LOOKUP_MODES), one after another; each asker's figures, with the fleet's logs' directory.
     Engines are pinned to cores in turn, so an asker may share its core with the holder, which
-    is stopped while it is measured."""
+    is stopped while it is measured. With ``abort``, then a request to the first asker for
+    another held prompt is abandoned by its client while the holder is stopped
+    (:func:`_abort_while_stalled`): its figures come last."""
     fleet = ServedFleet(
         workdir,
         model,
@@ -65,8 +70,8 @@ def run(model: str, workdir: Path, modes: list[str], seed: int = 100, extra: dic
         holder = fleet.engine_urls[0]
         for i, url in enumerate(fleet.engine_urls):  # each engine's first forward pass out of the figures
             _complete(url, model, sample_text(300, seed=seed + 500 + i))
-        # One prompt per asker: an asker that recomputed its prompt holds it too.
-        held = [sample_text(PROMPT_WORDS, seed=seed + i) for i in range(len(modes))]
+        # One prompt per asker (and one for the abort): an asker that recomputed one holds it too.
+        held = [sample_text(PROMPT_WORDS, seed=seed + i) for i in range(len(modes) + abort)]
         expected = [_complete(holder, model, prompt) for prompt in held]
         for prompt in held:
             if not wait_indexed(holder, fleet.controller_url, model, prompt, timeout=20):
@@ -77,6 +82,9 @@ def run(model: str, workdir: Path, modes: list[str], seed: int = 100, extra: dic
             figures = _ask_while_stalled(fleet.engine_urls[i + 1], model, held[i], group, seed + 100 + i)
             same = figures.pop("answer") == expected[i]
             runs.append({"mode": mode, **figures, "same_output": same, "logs": str(workdir)})
+        if abort:
+            figures = _abort_while_stalled(fleet.engine_urls[1], model, held[-1], group)
+            runs.append({"mode": "abort", **figures, "logs": str(workdir)})
         return runs
     finally:
         fleet.stop()
@@ -117,3 +125,24 @@ def _ask_while_stalled(asker: str, model: str, held: str, holder_group: int, see
         "stalled_request_s": round(t1 - t0, 3),
         "answer": answer,
     }
+
+
+def _abort_while_stalled(asker: str, model: str, held: str, holder_group: int) -> dict:
+    """The held prompt sent to ``asker`` while the holder is stopped, its client gone after
+    ABORT_AFTER_S (vLLM aborts the request mid-pull); then, the holder still stopped, a cold
+    prompt: how long it took (the engine must not wait on the aborted pull)."""
+    os.killpg(holder_group, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        body = {"model": model, "prompt": held, "max_tokens": 4, "temperature": 0.0}
+        try:
+            httpx.post(f"{asker}/v1/completions", json=body, timeout=ABORT_AFTER_S)
+            abandoned = False
+        except httpx.TimeoutException:
+            abandoned = True
+        t1 = time.monotonic()
+        _complete(asker, model, sample_text(PROMPT_WORDS, seed=7777))
+        t2 = time.monotonic()
+    finally:
+        os.killpg(holder_group, signal.SIGCONT)
+    return {"abandoned": abandoned, "abandoned_after_s": round(t1 - t0, 3), "next_request_s": round(t2 - t1, 3)}
