@@ -214,19 +214,12 @@ def test_a_step_that_loaded_a_landed_chunk_learns_whether_its_checksum_held(tier
 def test_a_rank_holds_a_steps_output_for_its_landed_chunks_checks_and_fails_the_bad_ones(tiered, caplog):
     """What vLLM sees: the step's load errors name the blocks from the first bad chunk on, the
     retrieved count loses them, and the log says how long the step waited for the checks."""
-    from types import SimpleNamespace
-
+    from lmcache_p2p.integration.vllm.load_executor import LoadExecutor
     from lmcache_p2p.integration.vllm.metadata import LoadSpec
-    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
 
     engine, kv = tiered(gpu_pages=8)
     storage = engine.storage
-    vllm_config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=kv.layout().block_size),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
-    )
-    side = WorkerSide(vllm_config, engine.config)
-    side.engine, side.planes = engine, kv.layers
+    loads = LoadExecutor(engine, kv.layers, {})
     prompt = chunk_hash_array(tokens(2 * CHUNK, seed=4), CHUNK)
     blocks = list(range(len(kv.layers[0])))
     with write_back_held(storage) as release:
@@ -235,10 +228,10 @@ def test_a_rank_holds_a_steps_output_for_its_landed_chunks_checks_and_fails_the_
             spec = LoadSpec("r", prompt, 2 * CHUNK, blocks, 0, 2 * CHUNK)
             plan = engine.plan_load(prefix, blocks, 0, 2 * CHUNK, total_tokens=2 * CHUNK)
             engine.run_load(plan, kv.layers)  # counted as retrieved, as a step's load is
-            side._unchecked.append((spec, plan))
+            loads._unchecked.append((spec, plan))  # as a step's load in start_load_kv does
             threading.Timer(0.05, release).start()  # the write-back finishes while the step waits
             with caplog.at_level("INFO"):
-                errors = side.take_load_errors()
+                errors = loads.take_errors()
     per_chunk = CHUNK // kv.layout().block_size
     assert errors == set(blocks[per_chunk : 2 * per_chunk])  # the second chunk's blocks: recomputed
     assert engine.counters.retrieved_tokens == CHUNK

@@ -1,24 +1,16 @@
 """The connector's worker half: one per TP rank, inside vLLM's worker process.
 
 It owns the rank's :class:`CacheEngine` (tiers, controller worker, peer client; built by
-``lmcache_p2p.worker.build_engine``), answers the scheduler's lookups (pulling from a peer first
-when P2P is on), and moves KV between vLLM's paged cache and the CPU tier: loads before the
-forward pass (``start_load_kv``), stores after it (``wait_for_save``), whole chunks of whole
-blocks as opaque pages (DESIGN.md §4). Prompts arrive as chunk hashes; a lookup keeps its
-request's hashes, so the scheduler's later polls name the request only.
+``lmcache_p2p.worker.build_engine``), answers the scheduler's lookups (its local hit, and what a
+peer offers beyond it), hands granted loads to its :class:`LoadExecutor` (in the step, layer by
+layer, or beside the steps, pulling a peer's offer first), and stores after the forward pass
+(``wait_for_save``): whole chunks of whole blocks as opaque pages (DESIGN.md §4). Prompts arrive
+as chunk hashes; a lookup keeps its request's hashes, so the scheduler's later polls name the
+request only.
 
 Chunks a lookup promised are pinned until the load (or the request's end), so an eviction in
 between cannot turn a promised hit into garbage; should a load still come up short, the blocks it
 did not fill are reported to vLLM, which recomputes them.
-
-With ``use_layerwise`` a step's loads go layer by layer instead (lmcache_p2p.layerwise): planned
-and pinned in ``start_load_kv``, each layer's copy waited for in ``wait_for_layer_load``, and the
-pins released once the copies are done (on a GPU, after the forward pass that overlapped them).
-
-With ``async_kv_loads`` a granted hit is loaded beside the steps instead: vLLM holds the request
-out of its steps (WAITING_FOR_REMOTE_KVS) while every layer's copy runs on the load stream, and
-``get_finished`` reports it once the copy is done (on CPU the copy runs in ``start_load_kv`` and is
-reported at that step's end); the request then computes in the next step.
 
 It also times the forward passes that prefill (:class:`_StepClock`): the engine's prefill rate,
 which the rank's pull policy weighs a peer pull against.
@@ -37,11 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcache_p2p import layerwise
 from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
+from lmcache_p2p.integration.vllm.load_executor import LANDED_CHECK_TIMEOUT_S, LoadExecutor
 from lmcache_p2p.integration.vllm.lookup_channel import (
     LookupReply,
     LookupRequest,
@@ -50,61 +42,15 @@ from lmcache_p2p.integration.vllm.lookup_channel import (
     pack_sources,
 )
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
-from lmcache_p2p.layerwise import LayerwiseLoad
 from lmcache_p2p.peer_service import Offer
 from lmcache_p2p.protocol import unpack_hashes
-from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
+from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
 from lmcache_p2p.worker import build_engine
 
 logger = logging.getLogger(__name__)
 
 # Pins of a lookup whose request never came back (scheduler gone, a lost release) are dropped.
 LOOKUP_PIN_TTL_S = 300.0
-# In a step that computed nothing while pulls run, how long get_finished waits for one to end
-# (the step loop would otherwise spin, holding the interpreter the pulling thread needs).
-IDLE_STEP_PULL_WAIT_S = 0.005
-# How long the end of a step waits for the checksum check of chunks it loaded straight from a
-# peer's write into the GPU tier; past it they count as bad (vLLM recomputes them).
-LANDED_CHECK_TIMEOUT_S = 10.0
-
-
-@dataclass
-class _StepLoad:
-    """A step's layer-wise load, its requests and their pins (released once its copies are done)."""
-
-    load: LayerwiseLoad
-    specs: list[LoadSpec]
-    prefixes: list[PinnedPrefix]
-    failed: bool = False
-
-
-@dataclass
-class _LoadBesideSteps:
-    """A request's load beside the steps (async_kv_loads) queued on the load stream, and its pins.
-    (One copied by the host runs in start_load_kv, as a load in the step does.)"""
-
-    spec: LoadSpec
-    prefix: PinnedPrefix
-    plan: LoadPlan
-    copy: LayerwiseLoad
-
-
-@dataclass
-class _PullJob:
-    """A granted load whose chunks past the rank's local hit a peer offered: the pull runs on the
-    worker's loop; once it ends (or its deadline passes) what came is loaded beside the steps."""
-
-    spec: LoadSpec
-    lookup: _Lookup  # its pin holds the local hit until the load pins the whole prefix
-    pull: concurrent.futures.Future  # how many chunks came
-    offered: int  # chunks asked for
-    started: float
-    aborted: bool = False  # the request finished meanwhile: the pull is given up
-
-
-# A load beside the steps copies every plane in one launch: the layer-wise machinery with one
-# "layer" spanning them all.
-_ALL_PLANES = "all planes"
 
 
 @dataclass
@@ -176,26 +122,10 @@ class WorkerSide:
         self.planes: list[torch.Tensor] = []
         self.layer_planes: dict[str, range] = {}  # each attention layer's planes (layer-wise loads)
         self.layerwise = config.use_layerwise and self._layerwise_possible(vllm_config)
-        self._step_load: _StepLoad | None = None  # this step's layer-wise load (use_layerwise)
-        self._loads_in_flight: deque[_StepLoad] = deque()  # earlier steps', copies maybe running
-        # This step's loads that used chunks landed in VRAM unchecked: checked at its end.
-        self._unchecked: list[tuple[LoadSpec, LoadPlan]] = []
-        # Requests whose load this step fell short or failed: vLLM recomputes from there, so their
-        # blocks past it hold no KV worth storing this step.
-        self._failed_loads: set[str] = set()
-        # async_kv_loads: loads beside the steps still copying, and requests to report as received.
-        self._beside_steps: dict[str, _LoadBesideSteps] = {}
-        self._received: set[str] = set()
-        # Of those, the ones pulling a peer's offer first (by request id), and the last step's tokens.
-        self._pull_jobs: dict[str, _PullJob] = {}
-        self._step_tokens = 0
-        # Of those, the ones that failed (in part or whole), with the blocks they left unloaded.
-        self._failed_receives: dict[str, list[int]] = {}
-        self._load_staging: torch.Tensor | None = None  # their ring of chunk pages on the GPU (load_staging_mb)
+        self.loads: LoadExecutor | None = None  # register_kv_caches makes it
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
-        self._load_errors: set[int] = set()
         self._saving: set[str] = set()  # requests we stored from (their blocks wait for finished_stores)
         self._finishing: set[str] = set()  # of those, finished in vLLM, store copies maybe in flight
         self._clock: _StepClock | None = None  # times prefill steps (register_kv_caches makes it)
@@ -223,6 +153,13 @@ class WorkerSide:
             return 0, size
 
     @property
+    def _loads(self) -> LoadExecutor:
+        """The rank's loads, which exist from register_kv_caches until close."""
+        if self.loads is None:
+            raise RuntimeError("lmcache-p2p: the worker side was used before register_kv_caches (or after close)")
+        return self.loads
+
+    @property
     def _engine(self) -> CacheEngine:
         """The rank's engine, which exists from register_kv_caches until close."""
         if self.engine is None:
@@ -247,8 +184,10 @@ class WorkerSide:
             device=first.device if first.is_cuda else None,
         )
         self._clock = _StepClock(self.engine, first.device if first.is_cuda else None)
+        staging = None
         if self.config.async_kv_loads is not False and first.is_cuda:  # True, or "auto": from host memory
-            self._load_staging = self._make_load_staging(first.device, self.engine.storage.page_bytes)
+            staging = self._make_load_staging(first.device, self.engine.storage.page_bytes)
+        self.loads = LoadExecutor(self.engine, self.planes, self.layer_planes, staging)
         if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
             self.storage_events = StorageEventBuffer(self.tp_rank)
             self.engine.storage.subscribe(self.storage_events)
@@ -450,17 +389,11 @@ class WorkerSide:
             self._clock.start(meta)
 
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
-        engine = self._engine
+        engine, loads = self._engine, self._loads
         engine.poll_stores()
-        if self._step_load is not None:  # the last step ended without wait_for_save: end its load now
-            self._end_layerwise()
-        self._failed_loads.clear()
-        self._poll_step_loads()
-        self._step_tokens = meta.step_tokens
+        loads.begin_step(meta)
         for req_id in meta.released:
-            job = self._pull_jobs.get(req_id)
-            if job is not None:  # finished (aborted) while pulling: its blocks are freed once reported
-                job.aborted = True
+            loads.abort(req_id)  # finished (aborted) while its load pulls: its blocks are freed once reported
             state = self._take_lookup(req_id)
             if state is not None:
                 self._release(state)
@@ -476,303 +409,26 @@ class WorkerSide:
                 self._saving.discard(spec.req_id)
                 self._finishing.discard(spec.req_id)
             state = self._take_lookup(spec.req_id)
-            offered = state is not None and state.offer is not None
-            if state is not None and offered and spec.beside_steps and self._start_pull_job(spec, state):
-                continue  # loaded once the pull ends (finished_loads)
             prefix = state.prefix if state is not None else None
+            if state is not None and state.offer is not None and prefix is not None and spec.beside_steps:
+                pulls = loads.pull_then_load(spec, state.offer, prefix, state.num_tokens)
+                if pulls:
+                    continue  # loaded once the pull ends (get_finished)
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
-            deferred = self._load(spec, prefix, layerwise=self.layerwise and not spec.beside_steps)
+            deferred = loads.load(spec, prefix, layerwise=self.layerwise and not spec.beside_steps)
             if deferred is not None:
                 layerwise.append(deferred)
         if layerwise:
-            self._start_layerwise(layerwise)
+            loads.start_layerwise(layerwise)
         if self._clock is not None and not meta.load_after_forward:
             self._clock.start(meta)  # the forward pass starts now
 
-    def _load(
-        self, spec: LoadSpec, prefix: PinnedPrefix, layerwise: bool = False
-    ) -> tuple[LoadSpec, PinnedPrefix, LoadPlan] | None:
-        """Load a request's pinned chunks into its blocks: queued on the load stream (beside the
-        steps, on a GPU), returned for the step's layer-wise load (``layerwise``), or copied now.
-        The pins go once the copy is done; what does not load is reported for recomputing."""
-        engine = self._engine
-        try:
-            plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
-        except Exception:  # a bad spec fails its own load (recomputed), never the step
-            logger.exception("request %s: planning the load of [%d, %d) failed", spec.req_id, spec.start, spec.end)
-            prefix.release()
-            self._report_short_load(spec, spec.start)
-            if spec.beside_steps:
-                self._received.add(spec.req_id)
-            return None
-        # Its request waits outside the steps until get_finished reports it.
-        if spec.beside_steps and self._queue_beside_steps(spec, prefix, plan):
-            return None
-        if layerwise:  # copied during the forward pass; pins released after it
-            return spec, prefix, plan
-        try:
-            engine.run_load(plan, self.planes)
-            loaded_to = plan.loaded_to
-            if plan.unchecked:
-                self._unchecked.append((spec, plan))
-        except Exception:
-            logger.exception(
-                "request %s: loading tokens [%d, %d)%s failed",
-                spec.req_id,
-                spec.start,
-                spec.end,
-                " beside the steps" if spec.beside_steps else "",
-            )
-            loaded_to = spec.start
-        finally:
-            prefix.release()
-        if loaded_to < spec.end:
-            self._report_short_load(spec, loaded_to)
-        if spec.beside_steps:  # loaded here, in full or failed: reported with this step
-            self._received.add(spec.req_id)
-        return None
-
     # -- pulls of a peer's offer, then their loads (beside the steps) ---------------------------
-
-    def _start_pull_job(self, spec: LoadSpec, state: _Lookup) -> bool:
-        """A granted load whose chunks past the local hit a peer offered: start pulling them (on
-        the worker's loop); :meth:`_advance_pull_jobs` loads them once they are here. False
-        where nothing needs pulling (the engine's own cache covers the offered part)."""
-        assert state.offer is not None and state.prefix is not None
-        held = state.prefix.num_tokens
-        needed = -(-(spec.end - held) // self._engine.chunk_size)
-        if needed <= 0:
-            return False
-        offer = state.offer.first(min(needed, state.offer.chunks))
-        job = _PullJob(spec, state, self._engine.pull_offer_async(offer), offer.chunks, time.monotonic())
-        self._pull_jobs[spec.req_id] = job
-        logger.info(
-            "request %s: pulling %d chunk(s) a peer offered (tokens [%d, %d)), then loading [%d, %d) beside the steps",
-            spec.req_id,
-            offer.chunks,
-            held,
-            held + offer.chunks * self._engine.chunk_size,
-            spec.start,
-            spec.end,
-        )
-        return True
-
-    def _advance_pull_jobs(self, idle_step: bool) -> None:
-        """Load the chunks of every pull that ended (what came: a pull cut short loads its part,
-        and vLLM recomputes the rest); a pull past its deadline is given up. In a step that
-        computed nothing (vLLM runs them while requests wait on their loads) this waits for a
-        pull briefly: the step loop then leaves the pulling thread the interpreter."""
-        if not self._pull_jobs:
-            return
-        if idle_step and not any(job.pull.done() for job in self._pull_jobs.values()):
-            concurrent.futures.wait(
-                [job.pull for job in self._pull_jobs.values()],
-                timeout=IDLE_STEP_PULL_WAIT_S,
-                return_when=concurrent.futures.FIRST_COMPLETED,
-            )
-        now = time.monotonic()
-        for req_id, job in list(self._pull_jobs.items()):
-            late = now - job.started > PEER_FETCH_TIMEOUT_S
-            if not (job.pull.done() or late or job.aborted):
-                continue
-            del self._pull_jobs[req_id]
-            pulled = 0
-            if job.pull.done() and not job.pull.cancelled():
-                try:
-                    pulled = int(job.pull.result())
-                except Exception:
-                    logger.exception("request %s: pulling the chunks a peer offered failed", req_id)
-            else:
-                job.pull.cancel()
-                why = "aborted while pulling" if job.aborted else f"pull past its {PEER_FETCH_TIMEOUT_S:.0f} s deadline"
-                logger.warning("request %s: %s after %.1f s: its blocks are recomputed", req_id, why, now - job.started)
-            spec, state = job.spec, job.lookup
-            engine = self._engine
-            prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
-            self._release(state)  # the lookup's pin of the local hit: the new pin holds it
-            engine.count_lookup(state.num_tokens, prefix.num_tokens)
-            logger.info(
-                "request %s: pulled %d of the %d chunk(s) offered in %.1f ms; %d of its tokens [%d, %d) held to load",
-                req_id,
-                pulled,
-                job.offered,
-                (now - job.started) * 1e3,
-                max(0, min(prefix.num_tokens, spec.end) - spec.start),
-                spec.start,
-                spec.end,
-            )
-            self._load(spec, prefix)
 
     # -- loads beside the steps (async_kv_loads) --------------------------------------------------
 
-    def _queue_beside_steps(self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan) -> bool:
-        """Queue a request's whole load on the load stream, to be reported received by
-        :meth:`finished_loads` once done; False where the copy must run on the host (CPU, or pages
-        the kernels cannot reach), as a load in the step does."""
-        if not (self.planes and self.planes[0].is_cuda):
-            return False
-        try:
-            copy = LayerwiseLoad(
-                [plan],
-                self.planes,
-                {_ALL_PLANES: range(len(self.planes))},
-                fence=self._engine.order_stores_before,
-                staging=self._load_staging,
-            )
-        except Exception:
-            logger.exception(
-                "request %s: loading tokens [%d, %d) beside the steps failed", spec.req_id, spec.start, spec.end
-            )
-            layerwise.drain(self.planes[0].device)  # copies queued before it failed read the pins
-            prefix.release()
-            self._report_short_load(spec, spec.start)
-            self._received.add(spec.req_id)
-            return True
-        if not copy.on_device:
-            return False
-        self._beside_steps[spec.req_id] = _LoadBesideSteps(spec, prefix, plan, copy)
-        return True
-
-    def finished_loads(self, report_failed_blocks: bool) -> tuple[set[str], set[str]]:
-        """Requests whose load beside the steps is done, and those whose load failed (in part or
-        whole): vLLM may schedule them now, or free the blocks of one it aborted. A failed one's
-        unloaded blocks go to ``take_load_errors`` with ``report_failed_blocks`` (vLLM < 0.32,
-        which recomputes from the first); without, vLLM is told of a failed receive (frees its
-        blocks and asks about the request afresh)."""
-        self._advance_pull_jobs(idle_step=self._step_tokens == 0)
-        done, self._received = self._received, set()
-        for req_id, load in list(self._beside_steps.items()):
-            if not load.copy.done():
-                continue
-            del self._beside_steps[req_id]
-            spec, plan = load.spec, load.plan
-            how = "beside the steps, through the copy engine" if load.copy.staged else "beside the steps"
-            self._engine.loaded(plan, load.copy.seconds, how)
-            load.prefix.release()
-            bad_at = None
-            if plan.unchecked:  # chunks a peer wrote into the GPU tier, their check running when pinned
-                bad_at = self._engine.first_bad_chunk(plan, time.monotonic() + LANDED_CHECK_TIMEOUT_S)
-            if bad_at is not None:
-                self._landed_chunk_failed(spec, plan, bad_at)
-            elif plan.loaded_to < spec.end:
-                self._report_short_load(spec, plan.loaded_to)
-            done.add(req_id)
-        failed = {req_id for req_id in done if req_id in self._failed_receives}
-        for req_id in failed:
-            blocks = self._failed_receives.pop(req_id)
-            if report_failed_blocks:
-                self._load_errors.update(blocks)
-        return done - failed, failed
-
     # -- layer-wise loads ------------------------------------------------------------------------
-
-    def _start_layerwise(self, loads: list[tuple[LoadSpec, PinnedPrefix, LoadPlan]]) -> None:
-        """Queue (GPU) or plan (CPU) the step's loads layer by layer; what a plan does not cover
-        is reported short now, as a whole load would."""
-        engine = self._engine
-        specs, prefixes, plans = (list(x) for x in zip(*loads, strict=True))
-        try:
-            load = LayerwiseLoad(plans, self.planes, self.layer_planes, fence=engine.order_stores_before)
-        except Exception:
-            logger.exception("a layer-wise load of %d request(s) could not start", len(specs))
-            if self.planes and self.planes[0].is_cuda:  # copies queued before it failed read the pins
-                layerwise.drain(self.planes[0].device)
-            for spec, prefix in zip(specs, prefixes, strict=True):
-                prefix.release()
-                self._report_short_load(spec, spec.start)
-            return
-        self._step_load = _StepLoad(load, specs, prefixes)
-        for spec, plan in zip(specs, plans, strict=True):
-            if plan.loaded_to < spec.end:
-                self._report_short_load(spec, plan.loaded_to)
-            if plan.unchecked:
-                self._unchecked.append((spec, plan))
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        step = self._step_load
-        if step is None or step.failed:
-            return
-        try:
-            step.load.wait(layer_name)
-        except Exception:  # the layer's blocks are not what was promised: vLLM recomputes them
-            logger.exception("layer-wise load of layer %s failed", layer_name)
-            step.failed = True
-
-    def _end_layerwise(self) -> None:
-        """After the forward pass: a load some layer did not wait for (or that failed) is reported
-        as failed, and vLLM recomputes its blocks; the pins wait for the copies to finish."""
-        step, self._step_load = self._step_load, None
-        if step is None:
-            return
-        step.load.order_before_current()  # whatever runs next (a recompute, new owners) after every copy
-        skipped = step.load.not_waited()
-        if skipped or step.failed:
-            step.failed = True
-            if skipped:
-                logger.error(
-                    "layer-wise load: %d layer(s) were not waited for (first %s); %d request(s) recompute",
-                    len(skipped),
-                    skipped[0],
-                    len(step.specs),
-                )
-            for spec in step.specs:
-                self._report_short_load(spec, spec.start)
-            # Recomputed whole and never counted as retrieved: their landed chunks' checks no
-            # longer decide anything here (the write-back still checks them for the CPU tier).
-            self._unchecked = [(s, p) for s, p in self._unchecked if not any(p is q for q in step.load.plans)]
-        self._loads_in_flight.append(step)
-        self._poll_step_loads()
-
-    def _poll_step_loads(self, wait: bool = False) -> None:
-        """Release the pins of layer-wise loads whose copies are done, and log them."""
-        while self._loads_in_flight and (wait or self._loads_in_flight[0].load.done()):
-            step = self._loads_in_flight.popleft()
-            if wait:
-                step.load.synchronize()
-            seconds = step.load.seconds
-            how = "layer by layer" + (f", one copy for {len(step.specs)} requests" if len(step.specs) > 1 else "")
-            for plan, prefix in zip(step.load.plans, step.prefixes, strict=True):
-                if not step.failed:  # a failed one was reported, and is recomputed: no hit
-                    self._engine.loaded(plan, seconds, how)
-                prefix.release()
-
-    def _check_landed(self) -> None:
-        """At the end of a step: chunks it loaded that a peer wrote into the GPU tier and whose
-        check was still running when they were pinned (on the device behind the pull, ~1 ms, or
-        by their write-back to the CPU tier when the holder sent no device checksums) are waited
-        for. One whose checksum failed, or whose check did not finish in time, fails its
-        request's load from there: vLLM drops the step's output for it and recomputes."""
-        checks, self._unchecked = self._unchecked, []
-        if not checks:
-            return
-        t0 = time.monotonic()
-        deadline = t0 + LANDED_CHECK_TIMEOUT_S  # one wait for the whole step
-        bad = [(spec, plan, self._engine.first_bad_chunk(plan, deadline)) for spec, plan in checks]
-        # The step's output waits for these checks: what that costs is the first token's time.
-        logger.info(
-            "step waited %.1f ms for the checksum checks of %d chunk(s) landed in VRAM (%d request(s))",
-            (time.monotonic() - t0) * 1e3,
-            sum(len(plan.unchecked) for _, plan in checks),
-            len(checks),
-        )
-        for spec, plan, bad_at in bad:
-            if bad_at is not None:
-                self._landed_chunk_failed(spec, plan, bad_at)
-
-    def _landed_chunk_failed(self, spec: LoadSpec, plan: LoadPlan, bad_at: int) -> None:
-        """A load used a chunk a peer wrote into the GPU tier whose check failed (or did not end in
-        time) at token ``bad_at``: the load counts up to there, and vLLM recomputes the rest."""
-        logger.error(
-            "request %s: the chunk at token %d, loaded from the GPU tier as a peer wrote it, failed its "
-            "checksum check (or was not checked within %.0f s); it is recomputed",
-            spec.req_id,
-            bad_at,
-            LANDED_CHECK_TIMEOUT_S,
-        )
-        good_to = max(bad_at, spec.start)
-        self._report_short_load(spec, min(good_to, plan.loaded_to))
-        self._engine.counters.retrieved_tokens -= max(0, plan.loaded_to - good_to)
 
     def _load_blended(self, spec) -> None:
         with self._lock:
@@ -789,7 +445,7 @@ class WorkerSide:
             for chunk in pins.values():
                 chunk.release()
         if loaded_to < spec.end:
-            self._report_short_load(spec, loaded_to)
+            self._loads.report_short_load(spec, loaded_to)
 
     def _wait_landed_checks(self, pins: dict[int, Any]) -> None:
         """Segments that a peer wrote into the GPU tier are blended only once their checksums
@@ -798,32 +454,13 @@ class WorkerSide:
             if chunk.check is not None and key in chunk.check.result(LANDED_CHECK_TIMEOUT_S):
                 raise RuntimeError(f"segment chunk {key:016x} failed its checksum check after landing in VRAM")
 
-    def _report_short_load(self, spec, loaded_to: int) -> None:
-        block_size = self._engine.layout.block_size
-        first, last = loaded_to // block_size, -(-spec.end // block_size)
-        failed = spec.block_ids[first:last]
-        if spec.beside_steps:  # reported with its receive (finished_loads)
-            self._failed_receives[spec.req_id] = failed
-        else:
-            self._load_errors.update(failed)
-        self._failed_loads.add(spec.req_id)
-        logger.warning(
-            "request %s: loaded tokens [%d, %d) of the promised [%d, %d); %d block(s) will be recomputed",
-            spec.req_id,
-            spec.start,
-            loaded_to,
-            spec.start,
-            spec.end,
-            len(failed),
-        )
-
     def wait_for_save(self, meta: P2PConnectorMetadata) -> None:
         """Launch this step's stores; on a GPU they copy beside the next forward pass, and the
         requests' blocks stay allocated until get_finished reports them done."""
         if self._clock is not None:
             self._clock.stop()  # the forward pass is over (on a GPU: queued)
-        self._end_layerwise()
-        self._check_landed()
+        self._loads.end_layerwise()
+        self._loads.check_landed()
         engine = self._engine
         engine.poll_stores()
         for segment_spec in meta.segment_stores:
@@ -834,7 +471,7 @@ class WorkerSide:
                 logger.exception("request %s: storing its segments failed", segment_spec.req_id)
         for spec in meta.stores:
             self._saving.add(spec.req_id)  # reported finished as usual (no copy in flight)
-            if spec.req_id in self._failed_loads:
+            if self._loads.failed_this_step(spec.req_id):
                 logger.info(
                     "request %s: its load failed this step, so its blocks are not stored (they are recomputed)",
                     spec.req_id,
@@ -852,7 +489,7 @@ class WorkerSide:
         their blocks now (the scheduler side delayed it)."""
         engine = self._engine
         engine.poll_stores()
-        self._poll_step_loads()
+        self._loads.poll_step_loads()
         self._finishing.update(r for r in finished_req_ids if r in self._saving)
         done = {r for r in self._finishing if not engine.stores_pending(r)}
         self._finishing -= done
@@ -862,10 +499,16 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         # Also here: vLLM asks for the errors before wait_for_save when it defers that call
         # (speculative decoding), and the step's output must be dropped in this step's report.
-        self._end_layerwise()
-        self._check_landed()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._loads.take_errors()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.loads is not None:
+            self.loads.wait_for_layer(layer_name)
+
+    def finished_loads(self, report_failed_blocks: bool) -> tuple[set[str], set[str]]:
+        """Requests whose load beside the steps is done, and those whose load failed (in part or
+        whole): see :meth:`LoadExecutor.finished`."""
+        return self._loads.finished(report_failed_blocks)
 
     def close(self) -> None:
         if self.server is not None:
@@ -873,22 +516,13 @@ class WorkerSide:
             self.server = None
         with self._lock:
             states, self._lookups = list(self._lookups.values()), {}
-        jobs, self._pull_jobs = list(self._pull_jobs.values()), {}
-        for job in jobs:
-            job.pull.cancel()
-            self._release(job.lookup)
         for state in states:
             self._release(state)
         for req_id in list(self._segment_pins):
             self._release_segments(req_id)
-        if self.engine is not None:
-            self._end_layerwise()
-            self._poll_step_loads(wait=True)
-            for load in self._beside_steps.values():  # their pins go once their copies are done
-                load.copy.synchronize()
-                load.prefix.release()
-            self._beside_steps.clear()
-        self._load_staging = None  # no copy reads it any more
+        if self.loads is not None:
+            self.loads.close()
+            self.loads = None
         self._clock = None
         if self.engine is not None:
             self.engine.close()
