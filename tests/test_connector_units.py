@@ -861,3 +861,62 @@ def test_an_unknown_log_level_keeps_our_connector_and_is_refused_like_any_bad_lm
     assert "'verbose'" in str(refused.value) and "DEBUG, INFO, WARNING, ERROR or CRITICAL" in str(refused.value)
     monkeypatch.setenv("LMCACHE_LOG_LEVEL", "debug")  # any case, as before
     LMCacheConfig.load()
+
+
+def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes_exactly_the_rest(
+    engine_id, monkeypatch
+):
+    """A peer offered chunks 1-2 beyond the rank's chunk 0; the pull (the load's first half) brought
+    chunk 1 only (the holder died): chunks 0-1 load into the request's blocks, the request is
+    reported failed with chunk 2's blocks, which vLLM recomputes, and nothing else."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
+    from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+    from lmcache_p2p.protocol import pack_hashes
+
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16),
+        model_config=SimpleNamespace(model="tiny"),
+        kv_transfer_config=SimpleNamespace(engine_id=engine_id),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
+    )
+    side = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 32, "max_local_cpu_size": 0.01}))
+    side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, 16, 2, 4) for i in range(2)})
+    hashes = chunk_hash_array(list(range(100)), 32)  # three full chunks (two blocks each) and a tail
+    try:
+        assert side.engine.store(hashes[:1], side.planes, [0, 1]) == 32
+
+        class TwoChunks:
+            chunks = 2
+
+            def first(self, chunks):
+                return self
+
+        def pull(offer):  # brings chunk 1 (from blocks 2-3), then the holder is gone
+            side.engine.store(hashes[:2], side.planes, [0, 1, 2, 3])
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(1)
+            return done
+
+        monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host"], offer=TwoChunks()))
+        monkeypatch.setattr(side.engine, "pull_offer_async", pull)
+        reply = side._on_lookup(
+            LookupRequest(seq=1, req_id="p", fetch_missing=True, wait_s=0.0, hashes=pack_hashes(hashes), num_tokens=100)
+        )
+        assert (reply.hit_tokens, reply.pull_from) == (96, 32)
+
+        meta = P2PConnectorMetadata()
+        meta.loads.append(LoadSpec("p", hashes, 100, [7, 6, 5, 4, 3, 2], 0, 96, beside_steps=True))
+        side.start_load_kv(meta)
+        received, failed = side.finished_loads(report_failed_blocks=True)
+        assert (received, failed) == (set(), {"p"})
+        assert side.take_load_errors() == {3, 2}  # chunk 2's blocks, and only those
+        assert side.engine.counters.retrieved_tokens == 64
+        for plane in side.planes:  # chunks 0 and 1 are in the request's blocks
+            assert torch.equal(plane[[7, 6, 5, 4]], plane[[0, 1, 2, 3]])
+    finally:
+        side.close()
