@@ -1,13 +1,14 @@
-"""A stalled holder must not stall the asking engine: two vLLM CPU engines, engine 2 streaming a
-long generation, engine 1 (the holder of a prompt) stopped with SIGSTOP, and that prompt sent to
-engine 2 (lmcache_p2p.testing.stalled_holder). Prints JSON per run: engine 2's stream's median
-gap between tokens, its largest gap around a cold prompt (one prefill's cost) and around the
-stalled request, and the stalled request's time (it recomputes once its pull gives up).
+"""A stalled holder must not stall the asking engine: vLLM CPU engines, engine 1 holding a prompt
+per asker and one asking engine per lookup mode, each streaming a long generation while engine 1
+is stopped with SIGSTOP and its prompt is sent to the asker (lmcache_p2p.testing.stalled_holder).
+Prints JSON per asker and run: the stream's median gap between tokens, its largest gap around a
+cold prompt (one prefill's cost) and around the stalled request, and the stalled request's time
+(it recomputes once its pull gives up).
 
     python benchmarks/bench_stalled_holder.py [--model DIR] [--repeats 3] [--modes async,sync]
 
 ``async`` is the seeds' ``enable_async_loading: true`` (with ``lookup_backoff_time``), ``sync``
-the default. Both engines are pinned to cores of their own (as a fleet's engines are).
+the default. Engines are pinned to cores in turn (an asker may share the stopped holder's).
 """
 
 from __future__ import annotations

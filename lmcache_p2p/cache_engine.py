@@ -241,8 +241,8 @@ class CacheEngine:
         source of each leading chunk held here (``vocab``'s hit sources); after it, the chunks a
         live peer offers (the controller's holders and the pull policy's decision: a pull the
         load makes, beside the engine's steps); else, with a remote store, a future fetching
-        the rest from it (giving 0: no chunk came from a peer). The caller counts the lookup
-        (:meth:`count_lookup`) once its hit is final."""
+        the rest from it. The caller counts the lookup (:meth:`count_lookup`) once its hit is
+        final."""
         hashes = hash_list(chunk_hashes)
         sources = self.local_sources(hashes)
         hit = len(sources)
@@ -258,12 +258,7 @@ class CacheEngine:
         if self._fetcher is None:
             # Several: one slow store must not queue every other request's fetch.
             self._fetcher = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-fetch")
-
-        def fetch_rest() -> int:
-            remote.fetch_prefix_into(self.storage, hashes[hit:])
-            return 0  # chunks that came from peers (the pin after it finds what the store sent)
-
-        return PrefixLookup(sources, fetch=self._fetcher.submit(fetch_rest))
+        return PrefixLookup(sources, fetch=self._fetcher.submit(remote.fetch_prefix_into, self.storage, hashes[hit:]))
 
     def pull_offer_async(self, offer: Offer) -> concurrent.futures.Future:
         """Start pulling what a lookup's offer promised; the future gives how many chunks came."""

@@ -60,16 +60,14 @@ class PeerService(Protocol):
         """The leading chunks of ``hashes`` a live peer holds and the pull policy would pull
         (no bytes moved); None when none, or the controller did not answer within ``timeout``."""
 
+    # ``Any``: the service takes back the offers it made (its own type), which a parameter typed
+    # with the Offer protocol would not admit.
     def pull_offer_async(self, offer: Any) -> concurrent.futures.Future:
         """Pull an offer's chunks; a future of how many leading chunks are now held locally."""
 
     def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
         """Pull the leading chunks of ``hashes`` a peer holds, waiting up to ``timeout``; the
         number of leading chunks now held locally (0 on any failure)."""
-
-    def fetch_prefix_async(self, hashes: ChunkHashes) -> concurrent.futures.Future | None:
-        """:meth:`fetch_prefix` without waiting: a future of that number, or None when there is
-        nothing to pull from (P2P off, no hashes)."""
 
     def status(self) -> dict:
         """The rank's state for operators and tests, its storage's stats under ``"storage"``."""

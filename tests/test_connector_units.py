@@ -499,14 +499,13 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
         server.close()
 
 
-def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_unknown(engine_id, monkeypatch):
-    import concurrent.futures
+def _cpu_worker_side(engine_id: str):
+    """A rank's worker half on CPU, without vLLM: chunks of 32 tokens (two 16-token blocks), a KV
+    cache of 8 blocks in 2 layers, a small CPU pool."""
     from types import SimpleNamespace
 
     from lmcache_p2p.config import LMCacheConfig
-    from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
     from lmcache_p2p.integration.vllm.worker_side import WorkerSide
-    from lmcache_p2p.protocol import pack_hashes
 
     vllm_config = SimpleNamespace(
         cache_config=SimpleNamespace(block_size=16),
@@ -516,6 +515,16 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
     )
     side = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 32, "max_local_cpu_size": 0.01}))
     side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, 16, 2, 4) for i in range(2)})
+    return side
+
+
+def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_unknown(engine_id, monkeypatch):
+    import concurrent.futures
+
+    from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
+    from lmcache_p2p.protocol import pack_hashes
+
+    side = _cpu_worker_side(engine_id)
     prompt = list(range(100))  # three full chunks and a tail
     hashes = chunk_hash_array(prompt, 32)
     try:
@@ -870,22 +879,12 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
     chunk 1 only (the holder died): chunks 0-1 load into the request's blocks, the request is
     reported failed with chunk 2's blocks, which vLLM recomputes, and nothing else."""
     import concurrent.futures
-    from types import SimpleNamespace
 
-    from lmcache_p2p.config import LMCacheConfig
     from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
     from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
-    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
     from lmcache_p2p.protocol import pack_hashes
 
-    vllm_config = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=16),
-        model_config=SimpleNamespace(model="tiny"),
-        kv_transfer_config=SimpleNamespace(engine_id=engine_id),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_rank=0),
-    )
-    side = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 32, "max_local_cpu_size": 0.01}))
-    side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, 16, 2, 4) for i in range(2)})
+    side = _cpu_worker_side(engine_id)
     hashes = chunk_hash_array(list(range(100)), 32)  # three full chunks (two blocks each) and a tail
     try:
         assert side.engine.store(hashes[:1], side.planes, [0, 1]) == 32

@@ -1,9 +1,9 @@
 """A stalled holder must not stall the asking engine (benchmarks/bench_stalled_holder.py and
-tests/test_stalled_holder.py run this): two vLLM CPU engines, engine 2 streaming a long
-generation; a cold prompt sent to engine 2 (what one prefill costs the stream); then engine 1,
-which holds another prompt, stopped with SIGSTOP and that prompt sent to engine 2. Its pull
-from the stopped holder gives up and the prompt is recomputed; the stream must keep its pace
-meanwhile, as it does around the cold prompt.
+tests/test_stalled_holder.py run this): vLLM CPU engines, engine 1 holding prompts and one
+asking engine per lookup mode. Each asker in turn streams a long generation; gets a cold prompt
+(what one prefill costs the stream); then, engine 1 stopped with SIGSTOP, a prompt engine 1
+holds. Its pull from the stopped holder gives up and the prompt is recomputed; the stream must
+keep its pace meanwhile, as it does around the cold prompt.
 """
 
 from __future__ import annotations

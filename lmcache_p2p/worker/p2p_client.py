@@ -85,7 +85,6 @@ class PeerOffer:
 
     peer: Peer
     hashes: np.ndarray  # uint64, in prompt order
-    asked_ms: float  # the controller's answer took this long
     made: float = field(default_factory=time.perf_counter)
 
     @property
@@ -311,7 +310,7 @@ class P2PClient:
         peer, chunks = self._decide(holders, asked_ms)
         if not chunks:
             return None
-        return PeerOffer(peer, np.asarray(hashes[:chunks], dtype=np.uint64), asked_ms)
+        return PeerOffer(peer, np.asarray(hashes[:chunks], dtype=np.uint64))
 
     async def pull_offer(self, offer: PeerOffer) -> int:
         """Pull an offer's chunks from its holder, in the engine's turn (prefix pulls take turns

@@ -287,33 +287,14 @@ class Worker:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def fetch_prefix_async(self, hashes: ChunkHashes) -> concurrent.futures.Future | None:
-        """Start pulling the chunks of ``hashes`` a peer holds; the future gives the number of
-        leading chunks now held locally. None when P2P is off."""
-        if self.client is None or not len(hashes):
-            return None
-        return self.submit(self.client.fetch_prefix(np.asarray(hashes, dtype=np.uint64)))
-
     def offer_prefix(self, hashes: ChunkHashes, timeout: float) -> PeerOffer | None:
         """What a pull of ``hashes`` from a peer would bring (the controller's holders and the
         pull policy's decision, no bytes moved); None when no peer offers the first chunk, P2P
         is off, or the controller does not answer within ``timeout`` (then it is a miss)."""
         if self.client is None or not len(hashes):
             return None
-        future = self.submit(self.client.offer_prefix(np.asarray(hashes, dtype=np.uint64), timeout))
-        try:
-            return future.result(timeout + OFFER_SLACK_S)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            logger.warning(
-                "%s: the controller did not name the holders of %d chunk(s) within %.1f s; they are recomputed",
-                self.identity.describe(),
-                len(hashes),
-                timeout,
-            )
-        except Exception:
-            logger.exception("%s: asking for the holders of %d chunk(s) failed", self.identity.describe(), len(hashes))
-        return None
+        coro = self.client.offer_prefix(np.asarray(hashes, dtype=np.uint64), timeout)
+        return self._wait(coro, timeout + OFFER_SLACK_S, f"naming the holders of {len(hashes)} chunk(s)", None)
 
     def pull_offer_async(self, offer: PeerOffer) -> concurrent.futures.Future:
         """Start pulling an offer's chunks; the future gives how many are now held locally."""
@@ -321,22 +302,25 @@ class Worker:
         return self.submit(self.client.pull_offer(offer))
 
     def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
-        future = self.fetch_prefix_async(hashes)
-        if future is None:
+        """Pull the chunks of ``hashes`` a peer holds and the pull policy takes, waiting up to
+        ``timeout``; how many leading chunks are now held locally (0 on any failure)."""
+        if self.client is None or not len(hashes):
             return 0
+        coro = self.client.fetch_prefix(np.asarray(hashes, dtype=np.uint64))
+        return self._wait(coro, timeout, f"a peer fetch of {len(hashes)} chunk(s)", 0)
+
+    def _wait(self, coro, timeout: float, what: str, default):
+        """Run ``coro`` on the worker's loop and wait up to ``timeout`` for its result; past it
+        (given up on) or on a failure, ``default``, said in the log: the engine treats it as a miss."""
+        future = self.submit(coro)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            logger.warning(
-                "%s: peer fetch of %d chunk(s) took over %.1f s; treating as a miss",
-                self.identity.describe(),
-                len(hashes),
-                timeout,
-            )
+            logger.warning("%s: %s took over %.1f s; treating as a miss", self.identity.describe(), what, timeout)
         except Exception:
-            logger.exception("%s: peer fetch failed; treating as a miss", self.identity.describe())
-        return 0
+            logger.exception("%s: %s failed; treating as a miss", self.identity.describe(), what)
+        return default
 
     def call(self, fn, timeout: float = 10.0):
         """Run ``fn()`` on the worker's loop (for state that lives there) and return its result."""

@@ -76,7 +76,6 @@ class _PullJob:
 
     spec: LoadSpec
     local: PinnedPrefix  # the local hit, held until the load pins the whole prefix
-    num_tokens: int  # the prompt's, for the lookup's count once the pull ended
     pull: concurrent.futures.Future  # how many chunks came
     offered: int  # chunks asked for
     started: float
@@ -202,7 +201,7 @@ class LoadExecutor:
             self._received.add(spec.req_id)
         return None
 
-    def pull_then_load(self, spec: LoadSpec, offer: Offer, local: PinnedPrefix, num_tokens: int) -> bool:
+    def pull_then_load(self, spec: LoadSpec, offer: Offer, local: PinnedPrefix) -> bool:
         """A granted load whose chunks past the local hit a peer offered: start pulling them (on
         the worker's loop); :meth:`_advance_pull_jobs` loads them once they are here. False
         where nothing needs pulling (the engine's own cache covers the offered part)."""
@@ -211,7 +210,7 @@ class LoadExecutor:
         if needed <= 0:
             return False
         offer = offer.first(min(needed, offer.chunks))
-        job = _PullJob(spec, local, num_tokens, self.engine.pull_offer_async(offer), offer.chunks, time.monotonic())
+        job = _PullJob(spec, local, self.engine.pull_offer_async(offer), offer.chunks, time.monotonic())
         self._pull_jobs[spec.req_id] = job
         logger.info(
             "request %s: pulling %d chunk(s) a peer offered (tokens [%d, %d)), then loading [%d, %d) beside the steps",
@@ -244,12 +243,12 @@ class LoadExecutor:
                 continue
             del self._pull_jobs[req_id]
             pulled = 0
-            if job.pull.done() and not job.pull.cancelled():
+            if job.pull.done():
                 try:
                     pulled = int(job.pull.result())
                 except Exception:
                     logger.exception("request %s: pulling the chunks a peer offered failed", req_id)
-            else:
+            else:  # late, or aborted
                 job.pull.cancel()
                 why = "aborted while pulling" if job.aborted else f"pull past its {PEER_FETCH_TIMEOUT_S:.0f} s deadline"
                 logger.warning("request %s: %s after %.1f s: its blocks are recomputed", req_id, why, now - job.started)
@@ -257,7 +256,7 @@ class LoadExecutor:
             engine = self.engine
             prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
             job.local.release()  # the lookup's pin of the local hit: the new pin holds it
-            engine.count_lookup(job.num_tokens, prefix.num_tokens)
+            engine.count_lookup(spec.num_tokens, prefix.num_tokens)
             logger.info(
                 "request %s: pulled %d of the %d chunk(s) offered in %.1f ms; %d of its tokens [%d, %d) held to load",
                 req_id,
@@ -272,7 +271,7 @@ class LoadExecutor:
 
     def _queue_beside_steps(self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan) -> bool:
         """Queue a request's whole load on the load stream, to be reported received by
-        :meth:`finished_loads` once done; False where the copy must run on the host (CPU, or pages
+        :meth:`finished` once done; False where the copy must run on the host (CPU, or pages
         the kernels cannot reach), as a load in the step does."""
         if not (self.planes and self.planes[0].is_cuda):
             return False
@@ -301,7 +300,7 @@ class LoadExecutor:
     def finished(self, report_failed_blocks: bool) -> tuple[set[str], set[str]]:
         """Requests whose load beside the steps is done, and those whose load failed (in part or
         whole): vLLM may schedule them now, or free the blocks of one it aborted. A failed one's
-        unloaded blocks go to ``take_load_errors`` with ``report_failed_blocks`` (vLLM < 0.32,
+        unloaded blocks go to :meth:`take_errors` with ``report_failed_blocks`` (vLLM < 0.32,
         which recomputes from the first); without, vLLM is told of a failed receive (frees its
         blocks and asks about the request afresh)."""
         self._advance_pull_jobs(idle_step=self._step_tokens == 0)
@@ -440,7 +439,7 @@ class LoadExecutor:
         block_size = self.engine.layout.block_size
         first, last = loaded_to // block_size, -(-spec.end // block_size)
         failed = spec.block_ids[first:last]
-        if spec.beside_steps:  # reported with its receive (finished_loads)
+        if spec.beside_steps:  # reported with its receive (finished)
             self._failed_receives[spec.req_id] = failed
         else:
             self._load_errors.update(failed)

@@ -60,7 +60,7 @@ class _Lookup:
     # Each leading chunk held in the local tiers when first asked, before any fetch, as its hit
     # source (vocab); and what comes after it: a peer's offer, or a remote fetch.
     local_sources: list[str]
-    future: concurrent.futures.Future | None  # a fetch from the remote store, waited for
+    fetch: concurrent.futures.Future | None  # a fetch from the remote store, waited for
     started: float
     offer: Offer | None = None  # chunks after the local hit a peer offers: the load pulls them
     prefix: PinnedPrefix | None = None
@@ -266,9 +266,9 @@ class WorkerSide:
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
-            if state.future is not None:
+            if state.fetch is not None:
                 try:
-                    state.future.result(timeout=request.wait_s)
+                    state.fetch.result(timeout=request.wait_s)
                 except concurrent.futures.TimeoutError:
                     return LookupReply(seq=request.seq, req_id=request.req_id, pending=True)
                 except Exception:
@@ -296,26 +296,19 @@ class WorkerSide:
         )
 
     def _hit_sources(self, state: _Lookup) -> list[str]:
-        """Where each chunk of the pinned hit came from: the tier it was in when first asked; a
-        chunk fetched after those from a peer (the fetch's result says how many) or else the
-        remote store; one that arrived otherwise (another request stored it) by where it is now."""
+        """Where each chunk of the hit comes from: the tier it was in when first asked; after
+        those, a peer's offer (pulled by the load), or what the remote fetch brought; one that
+        arrived otherwise (another request stored it) by where it is now."""
         assert state.prefix is not None
         held = len(state.prefix.chunks)
         sources = state.local_sources[:held]
-        if state.offer is not None:  # pulled from a peer by the load
+        if state.offer is not None:
             return sources + [SOURCE_P2P] * state.offer.chunks
-        from_peers = 0
-        if state.future is not None and state.future.done() and not state.future.cancelled():
-            if state.future.exception() is None:
-                from_peers = int(state.future.result() or 0)
-            elif self._engine.storage.remote is None:  # a failed pull may still have landed some
-                from_peers = held
+        if state.fetch is not None:
+            return sources + [SOURCE_REMOTE] * (held - len(sources))
         for index in range(len(sources), held):
-            if state.future is None:
-                location = self._engine.local_sources(state.chunk_hashes[index : index + 1])
-                sources.append(location[0] if location else SOURCE_HOST)
-            else:
-                sources.append(SOURCE_P2P if index - len(state.local_sources) < from_peers else SOURCE_REMOTE)
+            location = self._engine.local_sources(state.chunk_hashes[index : index + 1])
+            sources.append(location[0] if location else SOURCE_HOST)
         return sources
 
     def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
@@ -371,8 +364,8 @@ class WorkerSide:
 
     @staticmethod
     def _release(state: _Lookup) -> None:
-        if state.future is not None:
-            state.future.cancel()
+        if state.fetch is not None:
+            state.fetch.cancel()
         if state.prefix is not None:
             state.prefix.release()
 
@@ -410,10 +403,9 @@ class WorkerSide:
                 self._finishing.discard(spec.req_id)
             state = self._take_lookup(spec.req_id)
             prefix = state.prefix if state is not None else None
-            if state is not None and state.offer is not None and prefix is not None and spec.beside_steps:
-                pulls = loads.pull_then_load(spec, state.offer, prefix, state.num_tokens)
-                if pulls:
-                    continue  # loaded once the pull ends (get_finished)
+            offer = state.offer if state is not None and spec.beside_steps else None
+            if offer is not None and prefix is not None and loads.pull_then_load(spec, offer, prefix):
+                continue  # loaded once the pull ends (get_finished)
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
             deferred = loads.load(spec, prefix, layerwise=self.layerwise and not spec.beside_steps)
