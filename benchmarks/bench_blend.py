@@ -207,6 +207,18 @@ def leading_equal(a: list[int], b: list[int]) -> int:
     return n
 
 
+def blend_phases(log: str) -> dict[str, float]:
+    """The mean device time of each phase over the rank's blends (their log lines' parentheses:
+    ``pages 3.1, rotate 0.4, ... ms; device D ms, host H ms``)."""
+    sums: dict[str, list[float]] = {}
+    for inside in re.findall(r"recomputed past layer \d+ \(ratio [\d.]+\), in [\d.]+ ms \((.*)\)$", log, re.M):
+        phases, totals = inside.split(" ms; ")
+        for part in [*phases.split(", "), *totals.replace(" ms", "").split(", ")]:
+            name, _, ms = part.rpartition(" ")
+            sums.setdefault(name, []).append(float(ms))
+    return {name: round(statistics.fmean(values), 1) for name, values in sums.items()}
+
+
 def engine_run(
     path: str, prompts: list[tuple[list[int], list[int], str | None]], methods: list[str], args, decode
 ) -> None:
@@ -257,6 +269,7 @@ def engine_run(
             blend_ms = [
                 float(ms) for ms in re.findall(r"recomputed past layer \d+ \(ratio [\d.]+\), in ([\d.]+) ms", log)
             ]
+            phases = blend_phases(log)
         finally:
             engine.stop(timeout=60)
         if method == "full":
@@ -270,6 +283,7 @@ def engine_run(
             "greedy_equal_share": round(sum(same) / len(same), 3),
             "blended_requests": blended,
             "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
+            "blend_phases_device_ms_mean": phases,
             **task_scores(scores),
         }
         print(json.dumps(line), flush=True)

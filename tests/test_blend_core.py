@@ -189,3 +189,65 @@ def test_bad_blend_parameters_are_named(gqa_llama):
         blend(adapter, ids, keys, values, cached, ratio=1.5)
     with pytest.raises(ValueError, match="blend_check_layers: layer 9"):
         blend(adapter, ids, keys, values, cached, ratio=0.1, check_layer=9)
+
+
+# -- the selected tokens' attention kernel (GPU) ---------------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the H200 device)")
+
+
+def reference_attention(q, k, v, q_pos, scale):
+    """Masked attention in float32, GQA by repeating KV heads: what the kernel must equal."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+    mask = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "dtype"), [(32, 8, 128, torch.bfloat16), (4, 2, 32, torch.float32)]
+)
+def test_the_selected_token_kernel_equals_masked_attention(heads, kv_heads, head_dim, dtype):
+    from lmcache_p2p.blend.sparse_attention import selected_attention
+
+    torch.manual_seed(0)
+    keys = 3000  # not a multiple of the kernel's blocks
+    q_pos = torch.sort(torch.randperm(keys, device="cuda")[:517]).values  # a 17% selection, scattered
+    q_pos[0], q_pos[-1] = 0, keys - 1  # the first query sees one key; the last, all of them
+    q = torch.randn(len(q_pos), heads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(keys, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn(keys, kv_heads, head_dim, device="cuda", dtype=dtype)
+    got = selected_attention(q, k, v, q_pos, head_dim**-0.5)
+    want = reference_attention(q, k, v, q_pos, head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.allclose(got.float(), want, atol=2e-2, rtol=2e-2), float((got.float() - want).abs().max())
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_blend_on_the_gpu_equals_the_same_blend_on_the_cpu(gqa_llama):
+    """The GPU path (fused causal attention up to the check layer, the kernel past it) selects the
+    same tokens and gives the same KV as the CPU path (masked SDPA), up to float32 rounding."""
+    adapter = HFLlama(gqa_llama)
+    ids, keys, values, cached = blended_prompt(gqa_llama)
+    want = blend(adapter, ids, keys, values, cached, ratio=0.15, check_layer=1)
+    model = gqa_llama.to("cuda")
+    try:
+        got = blend(
+            HFLlama(model),
+            ids.cuda(),
+            [k.cuda() for k in keys],
+            [v.cuda() for v in values],
+            cached.cuda(),
+            ratio=0.15,
+            check_layer=1,
+        )
+    finally:
+        gqa_llama.to("cpu")
+    assert got.recomputed.cpu().tolist() == want.recomputed.tolist()
+    for layer, (k, v) in enumerate(zip(got.keys, got.values, strict=True)):
+        assert torch.allclose(k.cpu(), want.keys[layer], atol=1e-2), layer
+        assert torch.allclose(v.cpu(), want.values[layer], atol=1e-2), layer

@@ -10,6 +10,8 @@ moved to their new places and written into vLLM's blocks correctly.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from instances import instance_config
 from protocol_client import ControllerProcess, wait_for
@@ -61,6 +63,23 @@ def test_segments_stored_once_are_blended_in_another_order_and_a_full_blend_equa
     # Every token recomputed: the blend is a prefill by other means, and the output the cold one.
     assert eng.generate(other) == cold
     assert eng.log().count("cached in 3 segment(s) reused") == 2
+
+
+@pytest.mark.engine
+def test_naive_reuse_recomputes_nothing_its_separators_computed_once_on_their_own(engine, prompts):
+    """Naive reuse (ratio 0 at check layer 0): every token of the blended span is a segment's or a
+    separator's KV computed alone; the model runs for no token of it (what makes it cheap)."""
+    one, other = prompts
+    eng = engine(
+        {**BASE, "enable_blending": True, "blend_recompute_ratios": [0.0], "blend_check_layers": [0]}, name="naive"
+    )
+    eng.generate(other)
+    first = eng.generate(one)
+    log = eng.log()
+    blended = re.search(r"blended (\d+) tokens: (\d+) cached in 3 segment\(s\) reused, 0 recomputed", log)
+    assert blended is not None, log[-3000:]
+    assert blended.group(1) == blended.group(2)  # every token of [0, N) reused, none computed
+    assert eng.generate(one) == first  # the separators' KV kept by the rank: the same blocks again
 
 
 @pytest.mark.engine

@@ -21,9 +21,9 @@ computes the prompt's tail. ``ratio`` 1.0 is a full recompute (the KV equals a p
 up to rounding: a test holds it to that); 0.0 with ``check_layer`` 0 is naive reuse.
 
 The model is reached through :class:`BlendModel`: the engine's own weights and modules, one
-adapter per model family (blend/models.py). Attention here is plain scaled dot-product attention
-over the gathered KV (vLLM has no public way to run its attention kernels outside a scheduled
-batch; see docs/architecture.md).
+adapter per model family (blend/models.py). Attention is ours, over the gathered KV (vLLM has no
+public way to run its attention kernels outside a scheduled batch; see docs/blend.md): on a GPU a
+Triton kernel (:mod:`lmcache_p2p.blend.sparse_attention`), elsewhere PyTorch's SDPA.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from lmcache_p2p.blend import sparse_attention
+from lmcache_p2p.blend.timing import NoTimer, PhaseTimer
 
 
 class BlendModel(Protocol):
@@ -77,16 +80,23 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Queries [Tq, H, D] over keys/values [Tk, Hkv, D], each query seeing the keys at positions
-    up to its own; [Tq, H*D]."""
+    up to its own; [Tq, H*D]. ``kv_pos`` is 0..Tk-1 and ``q_pos`` ascending (a blend's rows). On a
+    GPU one Triton kernel serves every layer, all tokens or a selection (sparse_attention.py
+    says why); elsewhere PyTorch's SDPA, causal when every position asks."""
+    if sparse_attention.supports(q, k):
+        return sparse_attention.selected_attention(q, k, v, q_pos, scale)
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads != kv_heads:  # grouped-query attention: each KV head serves heads/kv_heads queries
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
-    mask = kv_pos[None, :] <= q_pos[:, None]  # [Tq, Tk], True: may attend
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    # 4-D [1, heads, tokens, dim]: SDPA's fused kernels take nothing else.
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+    if q.shape[0] == k.shape[0]:
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    else:
+        mask = kv_pos[None, :] <= q_pos[:, None]  # [Tq, Tk], True: may attend
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 @torch.inference_mode()
@@ -98,10 +108,14 @@ def blend(
     cached: torch.Tensor,
     ratio: float,
     check_layer: int = 1,
+    timer: PhaseTimer | NoTimer | None = None,
 ) -> BlendResult:
     """Every layer's KV for ``token_ids`` (positions 0..T-1) from cached KV: ``cached_keys`` /
     ``cached_values`` per layer [T, kv_heads, head_dim], already at these positions (anything
-    where ``cached`` [T] bool is False), fixed up as the module docstring says."""
+    where ``cached`` [T] bool is False), fixed up as the module docstring says. ``timer``: marks
+    the phases (layers up to the check, the selection, then each later layer's qkv / attention /
+    MLP summed)."""
+    timer = timer or NoTimer()
     n = token_ids.shape[0]
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"blend_recompute_ratios: {ratio} is not within 0..1")
@@ -115,11 +129,14 @@ def blend(
     hidden, residual = model.embed(token_ids), None
     rows = positions  # the tokens flowing through the layers
     deviation = None
+    timer.mark("copy")
     for layer in range(model.num_layers):
         q, k, v, residual = model.qkv(layer, hidden, residual, positions[rows])
         k, v = k.view(-1, *shape[1:]), v.view(-1, *shape[1:])
         # The tokens flowing here get their fresh KV (up to the check layer: every token).
         keys[layer][rows], values[layer][rows] = k, v
+        if layer > check_layer:
+            timer.mark("qkv")
         if layer == check_layer:
             # K deviation of every cached token; uncached tokens are recomputed whatever it is.
             deviation = model.sum_over_ranks((k.float() - cached_keys[layer].float()).square().sum(dim=(1, 2)))
@@ -128,6 +145,7 @@ def blend(
             chosen = min(n, int(round(reused * ratio)) + (n - reused))
             rows = torch.sort(torch.topk(deviation, chosen).indices).values
             q, residual = q[rows], residual[rows]
+            timer.mark("select")
         out = attend(
             q.view(-1, model.num_heads, model.head_dim),
             keys[layer],
@@ -136,5 +154,8 @@ def blend(
             positions,
             model.scale,
         )
+        if layer > check_layer:
+            timer.mark("attention")
         hidden, residual = model.finish(layer, out, residual)
+        timer.mark("mlp" if layer > check_layer else "to check layer")
     return BlendResult(keys=keys, values=values, recomputed=rows, deviation=deviation)

@@ -28,6 +28,8 @@ from lmcache_p2p.integration.vllm.metadata import BlendSegment, BlendSpec, Segme
 
 logger = logging.getLogger(__name__)
 
+MAX_KEPT_GAPS = 64  # distinct separator runs a rank keeps the KV of (a few KB to MB each)
+
 
 class BlendPlanner:
     def __init__(self, vllm_config: Any, config: LMCacheConfig, block_size: int):
@@ -140,6 +142,10 @@ class SegmentBlender:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.chunk_size = config.chunk_size
         self.storage = storage
+        # Naive reuse (ratio 0 at check layer 0) recomputes nothing: the gaps between segments
+        # (separators) take their own KV, computed alone once, like a segment's.
+        self.naive = self.ratio == 0.0 and self.check_layer == 0
+        self._gaps: dict[tuple[int, ...], tuple[Any, Any]] = {}
         token_bytes = self.adapter.num_layers * 2 * self.adapter.num_kv_heads * self.adapter.head_dim
         token_bytes *= torch.tensor([], dtype=self.dtype).element_size()
         if token_bytes * self.chunk_size != storage.page_bytes:
@@ -155,8 +161,9 @@ class SegmentBlender:
         a = self.adapter
         return (a.num_layers, 2, self.chunk_size, a.num_kv_heads, a.head_dim)
 
-    def _store(self, token_ids: Any, keys: np.ndarray) -> int:
-        """Computes a segment alone (positions 0..n-1) and stores its chunks; returns the chunks newly held."""
+    def _alone(self, token_ids: Any) -> tuple[Any, Any]:
+        """The KV of ``token_ids`` computed on their own (positions 0..n-1): keys and values
+        ``[layers, tokens, kv_heads, head_dim]`` on the device."""
         import torch
 
         from lmcache_p2p.blend.blender import blend
@@ -168,8 +175,15 @@ class SegmentBlender:
         result = blend(
             self.adapter, token_ids, empty * self.adapter.num_layers, empty * self.adapter.num_layers, none, 1.0, 0
         )
+        return torch.stack(result.keys), torch.stack(result.values)
+
+    def _store(self, token_ids: Any, keys: np.ndarray) -> int:
+        """Computes a segment alone (positions 0..n-1) and stores its chunks; returns the chunks newly held."""
+        import torch
+
+        k, v = self._alone(token_ids)
         # [layers, 2, tokens, kv_heads, head_dim] on the host, in one copy: the pages are there.
-        stacked = torch.stack([torch.stack((k, v)) for k, v in zip(result.keys, result.values, strict=True)]).cpu()
+        stacked = torch.stack((k, v), dim=1).cpu()
         stored = 0
         for i, key in enumerate(keys.tolist()):
             page = torch.zeros(self._page_shape(), dtype=self.dtype)
@@ -177,6 +191,33 @@ class SegmentBlender:
             page[:, :, : part.shape[2]] = part
             stored += bool(self.storage.put(int(key), page.view(torch.uint8).reshape(-1)))
         return stored
+
+    @staticmethod
+    def _gaps_between(spec: BlendSpec, n: int) -> list[tuple[int, int]]:
+        """The spans of ``[0, n)`` outside the spec's held segments (from the spec alone: every
+        rank finds the same gaps)."""
+        gaps, at = [], 0
+        for segment in sorted((s for s in spec.segments if s.held), key=lambda s: s.start):
+            if segment.start > at:
+                gaps.append((at, min(segment.start, n)))
+            at = max(at, segment.end)
+        if at < n:
+            gaps.append((at, n))
+        return [(lo, hi) for lo, hi in gaps if hi > lo]
+
+    def _gap_kv(self, token_ids: tuple[int, ...]) -> tuple[Any, Any]:
+        """A gap's KV computed on its own (the separators between segments: the same few tokens
+        in every prompt), computed once per rank and kept. Under tensor parallelism every rank
+        computes the same gaps in the same loads, so their all-reduces stay in step."""
+        found = self._gaps.get(token_ids)
+        if found is None:
+            import torch
+
+            found = self._alone(torch.as_tensor(token_ids, dtype=torch.long, device=self.device))
+            if len(self._gaps) >= MAX_KEPT_GAPS:
+                self._gaps.pop(next(iter(self._gaps)))
+            self._gaps[token_ids] = found
+        return found
 
     def store(self, spec: SegmentStoreSpec) -> None:
         import torch
@@ -209,8 +250,10 @@ class SegmentBlender:
 
         from lmcache_p2p.blend.blender import blend
         from lmcache_p2p.blend.rope import rotate_keys
+        from lmcache_p2p.blend.timing import PhaseTimer
 
         started = time.perf_counter()
+        timer = PhaseTimer(self.device)
         a = self.adapter
         n = len(spec.token_ids)
         # Every layer's cached KV at once, [layers, tokens, kv_heads, head_dim], where the engine's
@@ -221,7 +264,7 @@ class SegmentBlender:
         values = torch.zeros_like(keys)
         cached = torch.zeros(n, dtype=torch.bool, device=self.device)
         moved_by = torch.zeros(n, dtype=torch.float32, device=self.device)  # each cached token's new start
-        reused = 0
+        reused = missing = 0
         for segment in spec.segments:
             if not segment.held:
                 continue
@@ -235,39 +278,61 @@ class SegmentBlender:
                     segment.start,
                     segment.end,
                 )
+                missing += 1
                 continue
             for i, chunk in enumerate(chunks):
                 lo, hi = i * self.chunk_size, min((i + 1) * self.chunk_size, length)
-                page = chunk.data.to(self.device).view(self.dtype).view(self._page_shape())
+                # (pinned host pages: the copies queue; the pins are held until the blocks are written)
+                page = chunk.data.to(self.device, non_blocking=True).view(self.dtype).view(self._page_shape())
                 keys[:, segment.start + lo : segment.start + hi] = page[:, 0, : hi - lo]
                 values[:, segment.start + lo : segment.start + hi] = page[:, 1, : hi - lo]
             span = slice(segment.start, segment.start + length)
             cached[span] = True
             moved_by[span] = segment.start
             reused += 1
-        if reused:  # (a rotation by 0, for tokens not cached, leaves them as they are)
+        gaps = self._gaps_between(spec, n) if self.naive else []
+        for start, end in gaps:
+            gap_keys, gap_values = self._gap_kv(tuple(int(t) for t in spec.token_ids[start:end]))
+            keys[:, start:end], values[:, start:end] = gap_keys, gap_values
+            cached[start:end] = True
+            moved_by[start:end] = start
+        timer.mark("pages")
+        if reused or gaps:  # (a rotation by 0, for tokens not cached, leaves them as they are)
             by_token = keys.permute(1, 0, 2, 3).reshape(n, a.num_layers * a.num_kv_heads, a.head_dim)
             by_token = rotate_keys(by_token, moved_by, a.inv_freq, a.rotary_dim, a.neox_style)
             keys = by_token.view(n, a.num_layers, a.num_kv_heads, a.head_dim).permute(1, 0, 2, 3).contiguous()
-        tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
-        result = blend(a, tokens, list(keys.unbind(0)), list(values.unbind(0)), cached, self.ratio, self.check_layer)
+        timer.mark("rotate")
+        if self.naive:
+            # Nothing to recompute: every token is a segment's or a gap's, each computed alone.
+            if missing:  # (decided per rank: no collective runs on this path, so ranks may differ)
+                raise RuntimeError(f"{missing} held segment(s) not pinned on rank {self.rank}: naive reuse has no KV")
+            layer_keys, layer_values, recomputed = list(keys.unbind(0)), list(values.unbind(0)), 0
+        else:
+            tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
+            result = blend(
+                a, tokens, list(keys.unbind(0)), list(values.unbind(0)), cached, self.ratio, self.check_layer, timer
+            )
+            layer_keys, layer_values, recomputed = result.keys, result.values, len(result.recomputed)
         positions = torch.arange(n)
         blocks = torch.as_tensor(block_ids, dtype=torch.long)
         slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         slots = slots.to(self.device)
-        for (attn, kv_cache), k, v in zip(self.layers, result.keys, result.values, strict=True):
+        for (attn, kv_cache), k, v in zip(self.layers, layer_keys, layer_values, strict=True):
             attn.impl.do_kv_cache_update(attn, k.contiguous(), v.contiguous(), kv_cache, slots)
+        timer.mark("write blocks")
+        phases = timer.describe()  # waits for the device: the blocks are written before the step
         logger.info(
             "request %s rank %d: blended %d tokens: %d cached in %d segment(s) reused, %d recomputed past layer %d "
-            "(ratio %.2f), in %.1f ms",
+            "(ratio %.2f), in %.1f ms (%s)",
             req_id,
             self.rank,
             n,
             int(cached.sum()),
             reused,
-            len(result.recomputed),
+            recomputed,
             self.check_layer,
             self.ratio,
             (time.perf_counter() - started) * 1e3,
+            phases,
         )
         return n
