@@ -246,7 +246,13 @@ def engine_run(
         args.dtype,
     )
     reference: list[list[int]] = []
-    summary: dict = {"bench": "blend_engine_summary", "model": path, "prompts": len(prompts)}
+    lengths = [len(measured) for _, measured, _ in prompts]
+    summary: dict = {
+        "bench": "blend_engine_summary",
+        "model": path,
+        "prompts": len(prompts),
+        "prompt_tokens_min_max": [min(lengths), max(lengths)],
+    }
     for method in methods:
         config: dict = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 1.0}
         if method != "full":
