@@ -211,7 +211,8 @@ def blend_phases(log: str) -> dict[str, float]:
     """The mean device time of each phase over the rank's blends (their log lines' parentheses:
     ``pages 3.1, rotate 0.4, ... ms; device D ms, host H ms``)."""
     sums: dict[str, list[float]] = {}
-    for inside in re.findall(r"recomputed past layer \d+ \(ratio [\d.]+\), in [\d.]+ ms \((.*)\)$", log, re.M):
+    pattern = r"recomputed past layer \d+ \(ratio [\d.]+\), in [\d.]+ ms \(([^()]*; device [\d.]+ ms, host [\d.]+ ms)\)"
+    for inside in re.findall(pattern, log):
         phases, totals = inside.split(" ms; ")
         for part in [*phases.split(", "), *totals.replace(" ms", "").split(", ")]:
             name, _, ms = part.rpartition(" ")

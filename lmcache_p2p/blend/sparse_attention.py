@@ -61,6 +61,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         block = tl.program_id(0)
         head = tl.program_id(1)
@@ -85,7 +86,7 @@ if triton is not None:
                 mask=in_range[None, :],
                 other=0.0,
             )
-            scores = tl.dot(q, k) * scale_log2  # [M, N], in log2 units
+            scores = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [M, N], in log2 units
             scores = tl.where(cols[None, :] <= q_pos[:, None], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             p = tl.math.exp2(scores - m_new[:, None])
@@ -96,7 +97,7 @@ if triton is not None:
                 mask=in_range[:, None],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
         tl.store(
@@ -139,6 +140,9 @@ def selected_attention(
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        # float32 inputs multiply as float32 (TF32 would round them: a CPU-equal blend needs them),
+        # half-precision ones on the tensor cores as always
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
     )
