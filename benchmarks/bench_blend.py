@@ -255,7 +255,7 @@ def engine_run(
         "prompt_tokens_min_max": [min(lengths), max(lengths)],
     }
     for method in methods:
-        config: dict = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 1.0}
+        config: dict = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": args.cpu_gb}
         if method != "full":
             ratio, check = (0.0, 0) if method == "naive" else (float(method.split("_")[1]), args.check_layer)
             config |= {"enable_blending": True, "blend_recompute_ratios": [ratio], "blend_check_layers": [check]}
@@ -313,6 +313,12 @@ def main() -> int:
     parser.add_argument("--engine", action="store_true", help="measure in vLLM CPU engines (see above)")
     parser.add_argument("--dtype", default="float32", help="--engine: the engines' dtype (bfloat16 on a GPU)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="--engine: each engine's KV cache")
+    parser.add_argument(
+        "--cpu-gb",
+        type=float,
+        default=1.0,
+        help="--engine: each engine's CPU pool (an 8B model's segments need ~20: 128 KB a token)",
+    )
     parser.add_argument(
         "--max-model-len", type=int, default=8192, help="--engine: vLLM's limit (raise it with --long-docs)"
     )

@@ -29,6 +29,7 @@ from lmcache_p2p.integration.vllm.metadata import BlendSegment, BlendSpec, Segme
 logger = logging.getLogger(__name__)
 
 MAX_KEPT_GAPS = 64  # distinct separator runs a rank keeps the KV of (a few KB to MB each)
+MAX_KEPT_GAP_TOKENS = 32  # longer gaps are text no rank held, not separators
 
 
 class BlendPlanner:
@@ -214,6 +215,8 @@ class SegmentBlender:
             import torch
 
             found = self._alone(torch.as_tensor(token_ids, dtype=torch.long, device=self.device))
+            if len(token_ids) > MAX_KEPT_GAP_TOKENS:
+                return found  # a segment nobody holds, not a separator: computed alone, not kept
             if len(self._gaps) >= MAX_KEPT_GAPS:
                 self._gaps.pop(next(iter(self._gaps)))
             self._gaps[token_ids] = found
