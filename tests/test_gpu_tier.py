@@ -73,7 +73,7 @@ def land(storage, kv, chunk_hash: int, checksum: int | None = None) -> tuple[int
 
 def commit(storage, landed) -> None:
     hashes, gpu_pages, cpu_pages, checksums = (list(x) for x in zip(*landed, strict=True))
-    storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
+    storage.landing.commit_landed(hashes, gpu_pages, cpu_pages, checksums)
 
 
 @contextlib.contextmanager
@@ -88,7 +88,7 @@ def held(executor):
 
 
 def write_back_held(storage):
-    return held(storage._write_back_thread)
+    return held(storage.landing._write_back_thread)
 
 
 def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(tiered, caplog):
@@ -150,8 +150,7 @@ def test_with_peers_a_store_takes_its_gpu_copies_device_checksums_behind_it():
 
 def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses(tiered):
     engine, kv = tiered(gpu_pages=3, cpu_pages=6)
-    events = []
-    engine.storage.subscribe(lambda e: events.append((e.kind, e.location)))
+    queue = engine.storage.record_events()
     prompt = chunk_hash_array(tokens(5 * CHUNK, seed=2), CHUNK)
     hashes = prompt.tolist()
     blocks = list(range(len(kv.layers[0])))
@@ -160,6 +159,7 @@ def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses(tiered
     engine.store(prompt[:3], kv.layers, blocks)
     engine.store(prompt, kv.layers, blocks)  # chunks 3 and 4 are new
     gpu_stats = storage.stats()["gpu"]
+    events = [(e.kind, e.location) for e in queue.take_events()]
     # Three pages: the two new chunks took the least recently used ones, and nobody was told.
     assert gpu_stats["chunks"] == 3 and gpu_stats["evictions"] == 2
     assert all(loc == CPU for _, loc in events) and len(events) == 5
@@ -250,8 +250,8 @@ def test_a_chunk_landed_with_the_holders_device_checksum_is_checked_on_the_devic
     with write_back_held(storage):
         hashes, gpu_pages, cpu_pages, checksums = zip(land(storage, kv, prompt[0]), strict=True)
         on_device = device_checksums([storage.gpu.pool.page(gpu_pages[0])])  # what the holder sends
-        with held(storage._device_check_thread) as release_check:
-            storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=on_device)
+        with held(storage.landing._device_check_thread) as release_check:
+            storage.landing.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=on_device)
             with engine.pin_prefix(prompt) as prefix:
                 plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
                 assert plan.from_gpu == 1 and len(plan.unchecked) == 1
@@ -279,7 +279,7 @@ def test_a_landed_chunk_whose_device_checksum_differs_fails_its_loads_and_is_dro
         hashes, gpu_pages, cpu_pages, checksums = (list(x) for x in zip(*landed, strict=True))
         good_sum = device_checksums([storage.gpu.pool.page(gpu_pages[0])])[0]
         with caplog.at_level("INFO"):
-            storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=[good_sum, 99])
+            storage.landing.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=[good_sum, 99])
             with engine.pin_prefix(prompt) as prefix:
                 plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
                 assert engine.first_bad_chunk(plan, time.monotonic() + 10) == CHUNK  # the second: recomputed
@@ -309,7 +309,7 @@ def test_a_device_check_that_cannot_run_fails_the_loads_and_leaves_the_host_chec
 
     monkeypatch.setattr(device_checksum, "device_checksums", broken)
     with write_back_held(storage):
-        storage.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=holders)
+        storage.landing.commit_landed(hashes, gpu_pages, cpu_pages, checksums, device_checksums=holders)
         with engine.pin_prefix(prompt) as prefix:
             plan = engine.plan_load(prefix, list(range(len(kv.layers[0]))))
             (_, _, check) = plan.unchecked[0]
@@ -330,9 +330,9 @@ def test_a_chunk_landed_twice_is_waited_for_when_the_checked_page_is_not_the_one
     chunk_hash = 4242
     with write_back_held(storage):
         first = land(storage, kv, chunk_hash)
-        storage.commit_landed([first[0]], [first[1]], [first[2]], [first[3]])
+        storage.landing.commit_landed([first[0]], [first[1]], [first[2]], [first[3]])
         second = land(storage, kv, chunk_hash)
-        storage.commit_landed([second[0]], [second[1]], [second[2]], [second[3]], device_checksums=[99])
+        storage.landing.commit_landed([second[0]], [second[1]], [second[2]], [second[3]], device_checksums=[99])
         with storage.pin(chunk_hash, gpu=True) as chunk:
             assert chunk.check is not None  # the held copy is the first landing's: not checked yet
             assert chunk.device_checksum is None  # nor is the second page's number the held copy's

@@ -247,9 +247,10 @@ def put_all(manager, hashes):
 
 
 def collect(manager):
-    events = []
-    manager.subscribe(lambda e: events.append((e.kind, e.location, e.key.chunk_hash)))
-    return events
+    """A reader of the manager's events from now on: each call takes what was queued since, as
+    (kind, location, hash)."""
+    queue = manager.record_events()
+    return lambda: [(e.kind, e.location, e.key.chunk_hash) for e in queue.take_events()]
 
 
 def test_longest_prefix_spans_cpu_and_disk_and_stops_at_a_gap(tmp_path):
@@ -267,19 +268,21 @@ def test_longest_prefix_spans_cpu_and_disk_and_stops_at_a_gap(tmp_path):
 def test_disk_hit_is_promoted_into_cpu_and_bytes_are_exact(tmp_path):
     m = make_manager(tmp_path, cpu_pages=2, disk_pages=10)
     put_all(m, range(1, 5))
-    events = collect(m)
+    take = collect(m)
     assert m.location_of(1) == DISK
     with m.pin(1) as chunk:
         assert torch.equal(chunk.data, payload(1))
     assert m.location_of(1) == CPU
+    events = take()
     assert ("admit", CPU, 1) in events and ("evict", CPU, 3) in events
     m.close()
 
 
 def test_events_follow_every_change(tmp_path):
     m = make_manager(tmp_path, cpu_pages=2, disk_pages=10)
-    events = collect(m)
+    take = collect(m)
     put_all(m, [1, 2, 3])
+    events = take()
     assert [e for e in events if e[1] == CPU] == [
         ("admit", CPU, 1),
         ("admit", CPU, 2),
@@ -287,9 +290,20 @@ def test_events_follow_every_change(tmp_path):
         ("admit", CPU, 3),
     ]
     assert sorted(e for e in events if e[1] == DISK) == [("admit", DISK, 1), ("admit", DISK, 2), ("admit", DISK, 3)]
-    events.clear()
+    assert take() == []  # taken: each event once
     assert m.clear(CPU) == 2
-    assert sorted(events) == [("evict", CPU, 2), ("evict", CPU, 3)]
+    assert sorted(take()) == [("evict", CPU, 2), ("evict", CPU, 3)]
+    m.close()
+
+
+def test_each_reader_drains_its_own_queue_and_a_store_without_readers_keeps_none():
+    m = make_manager(cpu_pages=2)
+    m.put(1, payload(1))  # nobody reads yet: nothing is kept for later readers
+    first, second = collect(m), collect(m)
+    m.put(2, payload(2))
+    assert first() == [("admit", CPU, 2)]
+    assert first() == []  # taken
+    assert second() == [("admit", CPU, 2)]  # the other reader's queue is its own
     m.close()
 
 
@@ -328,9 +342,9 @@ def test_a_burst_of_puts_is_never_rejected_and_reaches_disk(tmp_path):
 
 def test_disk_only_instance(tmp_path):
     m = make_manager(tmp_path, local_cpu=False, disk_pages=4)
-    events = collect(m)
+    take = collect(m)
     assert m.put(1, payload(1))
-    assert events == [("admit", DISK, 1)]
+    assert take() == [("admit", DISK, 1)]
     with m.pin(1) as chunk:
         assert torch.equal(chunk.data, payload(1))
     m.close()

@@ -57,7 +57,7 @@ class PinnedChunk:
         self.location = location  # the tier it was pinned in (the GPU tier's: data in VRAM)
         # A GPU tier chunk a peer wrote whose checksum check was still running when pinned: that
         # check's future (on the device, or the write-back's on the host), answering the hashes
-        # that failed (StorageManager.commit_landed).
+        # that failed (VramLanding.commit_landed).
         self.check: concurrent.futures.Future | None = None
         # A GPU tier chunk's device checksum when it was taken behind its store (else None).
         self.device_checksum: int | None = None

@@ -1,17 +1,20 @@
-"""StorageManager: one engine rank's chunk store across the GPU, CPU and disk tiers and a remote store.
+"""StorageManager: one engine rank's chunk store (:class:`ChunkStore`) across the GPU, CPU and
+disk tiers and a remote store.
 
 It answers the scheduler's question ("how much of this prefix do we hold locally?") for chunk
 hashes its caller computed (it never sees tokens), hands out pinned chunk payloads (promoting
-disk hits into the CPU tier), writes CPU admits behind to disk and to the remote store
-(``remote_url``; the remote tier fetches a prefix into the CPU tier through :meth:`reserve_page`
-and :meth:`commit_page`: ``RemoteTier.fetch_prefix_into``), and emits an admit/evict
-:class:`StorageEvent` for every change of what a location holds: the worker forwards those to
-the controller, which is how the mesh knows who holds what.
+disk hits into the CPU tier), reserves and commits the pages producers fill in place, writes CPU
+admits behind to disk and to the remote store (``remote_url``; the remote tier fetches a prefix
+into the CPU tier through :meth:`reserve_page` and :meth:`commit_page`:
+``RemoteTier.fetch_prefix_into``), and queues an admit/evict :class:`StorageEvent` for every
+change of what a location holds on each reader's queue (:meth:`record_events`): the worker
+drains its queue on its loop and reports to the controller, which is how the mesh knows who holds
+what.
 
 With ``local_gpu`` a :class:`GpuTier` keeps a VRAM copy of the hottest CPU chunks (gpu_tier's
-docstring says why and at what price). A peer pull that landed in VRAM is committed there at once
-and written back to the CPU tier behind the request (:meth:`commit_landed`): copied to the host,
-its checksum checked, then indexed and announced like any pulled chunk.
+docstring says why and at what price). Peer pulls that land in VRAM are the business of
+:attr:`landing` (:class:`VramLanding`: committed there at once, checked, written back to the CPU
+tier behind the request); the store routes GPU-tier pins and removals through it.
 """
 
 from __future__ import annotations
@@ -19,23 +22,22 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from lmcache_p2p import device_checksum, gpu_ops
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.keys import ChunkKey, LayoutFingerprint, in_parallel, payload_checksum
+from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
 from lmcache_p2p.remote.connect import open_store
 from lmcache_p2p.remote.tier import RemoteTier
+from lmcache_p2p.storage.chunk_store import PrefixHit, StorageEventQueue
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.gpu_tier import GpuTier
+from lmcache_p2p.storage.landing import VramLanding
 from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.vocab import CPU, DISK, GPU, StorageEvent
 from lmcache_p2p.write_behind import WriteBehind
@@ -45,21 +47,10 @@ logger = logging.getLogger(__name__)
 HASH_THREADS = 2  # hashing stored chunks for peers, behind the stores (xxh3 lets go of the GIL)
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """The longest run of leading chunks held locally, and where each one is."""
-
-    locations: tuple[str, ...]
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.locations)
-
-
-Listener = Callable[[StorageEvent], None]
-
-
 class StorageManager:
+    """The :class:`ChunkStore` of one engine rank: its tiers' index and page lifecycle, the
+    write-behind of CPU admits, and the event queues of its readers."""
+
     def __init__(
         self,
         config: LMCacheConfig,
@@ -75,7 +66,9 @@ class StorageManager:
         self.fingerprint = layout.digest
         self.chunk_size = config.chunk_size
         self.page_bytes = layout.bytes_per_token * config.chunk_size
-        self._listeners: list[Listener] = []
+        # One queue per reader (record_events), filled by whichever thread changed a tier. A
+        # tuple, replaced whole when a reader joins: writers iterate it without a lock.
+        self._event_queues: tuple[StorageEventQueue, ...] = ()
 
         self.cpu: CpuTier | None = None
         if config.local_cpu:
@@ -88,23 +81,11 @@ class StorageManager:
                 )
             self.cpu = CpuTier(pool, on_evict=self._on_cpu_evict)
         self.gpu: GpuTier | None = None
-        self._write_backs: list[concurrent.futures.Future] = []  # pulls landed in VRAM, on their way to the CPU tier
-        self._write_back_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        # Landed pages checked on the device against the holder's device checksums, one launch a
-        # committed batch, behind the pull (so its requester learns of the hit without waiting).
-        self._device_check_thread: concurrent.futures.ThreadPoolExecutor | None = None
-        self.write_back_mismatches = 0
-        self.device_check_mismatches = 0
-        # Landed chunks whose write-back has not finished: key -> (its job's token, the future
-        # readers wait for, which answers the hashes that failed: the device check's while it
-        # runs when the chunk's page is checked on the device, None once it matched, else the
-        # write-back's own); and those removed meanwhile, which the write-back must not bring
-        # back into the CPU tier.
-        self._landing: dict[ChunkKey, tuple[object, concurrent.futures.Future | None]] = {}
-        self._dropped_while_landing: dict[ChunkKey, object] = {}  # key -> the landing job's token
-        self._landing_lock = threading.Lock()
+        self.landing: VramLanding | None = None  # pulls landed in the GPU tier; made with it
         if config.local_gpu:
-            self._build_gpu_tier(device)
+            self.gpu = self._build_gpu_tier(device)
+            if self.gpu is not None and self.cpu is not None:
+                self.landing = VramLanding(self.gpu, self.cpu.pool, self)
         # With peers, a stored chunk's checksum is taken behind the store: a holder hashing at
         # pull time (~3 ms a 32 MiB chunk) put most of a same-host pull's time on its critical path.
         self._hasher: concurrent.futures.ThreadPoolExecutor | None = None
@@ -114,39 +95,21 @@ class StorageManager:
         self._writer: _DiskWriter | None = None
         if config.local_disk:
             self.disk = DiskTier(
-                config.local_disk, config.max_local_disk_bytes, on_evict=lambda key: self._emit("evict", DISK, key)
+                config.local_disk, config.max_local_disk_bytes, on_evict=lambda key: self._record("evict", DISK, key)
             )
             if self.cpu is not None:
                 self._writer = _DiskWriter(self.cpu, self.disk, write_behind_depth, self._on_disk_written)
         if self.cpu is None and self.disk is None:
             logger.warning("neither local_cpu nor local_disk is enabled: this instance caches nothing locally")
-        self.remote: RemoteTier | None = None
-        remote_url = config.remote
-        if remote_url is not None:
-            if self.cpu is None:
-                # Reads land in CPU pages and writes are behind from them: without a CPU tier
-                # there is nothing to write from or fetch into.
-                logger.warning("remote_url %s needs local_cpu: the remote tier is off", remote_url.describe())
-            else:
-                self.remote = RemoteTier(
-                    open_store(remote_url, config.remote_timeout_s), self.page_bytes, config.remote_write_queue_chunks
-                )
-                self.remote.start_writer(self.cpu.pin)
-                logger.info(
-                    "remote tier %s (layout %016x, write-behind queue %d chunks, timeout %.1f s)",
-                    remote_url.describe(),
-                    self.fingerprint,
-                    config.remote_write_queue_chunks,
-                    config.remote_timeout_s,
-                )
+        self.remote = self._build_remote_tier()
 
-    def _build_gpu_tier(self, device: torch.device | None) -> None:
+    def _build_gpu_tier(self, device: torch.device | None) -> GpuTier | None:
         if device is None:
             logger.warning("local_gpu is on but the engine's KV is not on a GPU; the GPU tier is off")
-            return
+            return None
         if self.cpu is None:  # config.validate() refuses this; a cache over nothing caches nothing
             logger.warning("local_gpu needs local_cpu (the GPU tier is a copy of CPU chunks); the GPU tier is off")
-            return
+            return None
         try:
             pool = PagePool(self.page_bytes, self.config.max_local_gpu_bytes, device=device)
         except torch.OutOfMemoryError:
@@ -155,17 +118,37 @@ class StorageManager:
                 device,
                 self.config.max_local_gpu_size,
             )
-            return
+            return None
         if pool.num_pages == 0:
             logger.warning(
                 "max_local_gpu_size=%s GB holds no %.1f MiB chunk; the GPU tier is off",
                 self.config.max_local_gpu_size,
                 self.page_bytes / 2**20,
             )
-            return
-        self.gpu = GpuTier(pool, checksum_of=self._cpu_checksum)
-        self._write_back_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-gpu-writeback")
-        self._device_check_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-device-check")
+            return None
+        return GpuTier(pool, checksum_of=self._cpu_checksum)
+
+    def _build_remote_tier(self) -> RemoteTier | None:
+        config, remote_url = self.config, self.config.remote
+        if remote_url is None:
+            return None
+        if self.cpu is None:
+            # Reads land in CPU pages and writes are behind from them: without a CPU tier
+            # there is nothing to write from or fetch into.
+            logger.warning("remote_url %s needs local_cpu: the remote tier is off", remote_url.describe())
+            return None
+        remote = RemoteTier(
+            open_store(remote_url, config.remote_timeout_s), self.page_bytes, config.remote_write_queue_chunks
+        )
+        remote.start_writer(self.cpu.pin)
+        logger.info(
+            "remote tier %s (layout %016x, write-behind queue %d chunks, timeout %.1f s)",
+            remote_url.describe(),
+            self.fingerprint,
+            config.remote_write_queue_chunks,
+            config.remote_timeout_s,
+        )
+        return remote
 
     def _cpu_checksum(self, key: ChunkKey) -> int | None:
         chunk = self.cpu.pin(key) if self.cpu is not None else None
@@ -175,7 +158,7 @@ class StorageManager:
             return chunk.checksum
 
     def _on_cpu_evict(self, key: ChunkKey) -> None:
-        self._emit("evict", CPU, key)
+        self._record("evict", CPU, key)
         if self.gpu is not None:  # a copy of the CPU tier: what leaves it leaves the GPU too
             self.gpu.remove(key)
 
@@ -186,16 +169,20 @@ class StorageManager:
 
     # -- events ----------------------------------------------------------------------------------
 
-    def subscribe(self, listener: Listener) -> None:
-        self._listeners.append(listener)
+    def record_events(self) -> StorageEventQueue:
+        """A queue of this store's admits and evicts from now on, for one reader to drain on its
+        own thread (``take_events``). Nothing is queued for nobody: a store without readers keeps
+        no events."""
+        queue = StorageEventQueue()
+        self._event_queues = (*self._event_queues, queue)
+        return queue
 
-    def _emit(self, kind: Literal["admit", "evict"], location: str, key: ChunkKey) -> None:
+    def _record(self, kind: Literal["admit", "evict"], location: str, key: ChunkKey) -> None:
+        if not self._event_queues:
+            return
         event = StorageEvent(kind, location, key)
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:  # a listener's bug must not break the engine's store path
-                logger.exception("storage event listener failed on %s", event)
+        for queue in self._event_queues:
+            queue.put(event)
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -256,7 +243,7 @@ class StorageManager:
                 return False
             stored = self.disk.write(key, payload.reshape(-1).view(torch.uint8).numpy(), checksum)
             if stored:
-                self._emit("admit", DISK, key)
+                self._record("admit", DISK, key)
             return stored
         if not self.cpu.put(key, payload, checksum):
             return False
@@ -301,7 +288,7 @@ class StorageManager:
             finally:
                 self.abandon_page(page)
             if stored:
-                self._emit("admit", DISK, key)
+                self._record("admit", DISK, key)
             return stored
         if not cpu.admit(key, page, checksum):
             return False
@@ -367,189 +354,8 @@ class StorageManager:
             raise RuntimeError("no GPU tier (local_gpu is off), so no GPU page can have been reserved")
         return self.gpu
 
-    def commit_landed(
-        self,
-        chunk_hashes: Sequence[int],
-        gpu_pages: Sequence[int],
-        cpu_pages: Sequence[int],
-        checksums: Sequence[int],
-        device_checksums: Sequence[int] | None = None,
-    ) -> None:
-        """Chunks a peer wrote into GPU tier pages (the engine's prefix pulls): loadable from the
-        GPU tier now, and written back behind the caller into the reserved ``cpu_pages``, where
-        their checksums are checked before the CPU tier indexes them. A chunk whose checksum
-        differs is dropped from both and logged. Readers of a chunk pinned before its write-back
-        ends get a check to wait for (``PinnedChunk.check``): with the holder's
-        ``device_checksums`` (one per chunk) the pages are checked on the device behind the
-        caller, in one launch that ends long before the write-back, and readers wait for that
-        (the tier keeps each number that matched, for peers that pull the chunk from here); else
-        for the write-back's host check."""
-        gpu = self._gpu_tier()
-        assert self._write_back_thread is not None and self._device_check_thread is not None  # made with the tier
-        # Under the landing lock from admit to registration: a pin taken meanwhile waits, and so
-        # gets the check with the chunk (lock order: landing, then the GPU tier's).
-        with self._landing_lock:
-            # Pinned until written back: the tier may not evict them meanwhile.
-            admits = [
-                gpu.admit_pinned(self.key(chunk_hash), page, checksum)
-                for chunk_hash, page, checksum in zip(chunk_hashes, gpu_pages, checksums, strict=True)
-            ]
-            pins = [pin for pin, _ in admits]
-            # Only pages the tier took are checked on the device: a copy held already (its page
-            # was freed) is what the write-back reads and checks, so its readers wait for that.
-            on_device_at = [i for i, (_, admitted) in enumerate(admits) if admitted] if device_checksums else []
-            token = object()
-            device_check = None
-            if device_checksums and on_device_at:  # (both: the type checker's narrowing)
-                device_check = self._device_check_thread.submit(
-                    self._check_on_device,
-                    token,
-                    [chunk_hashes[i] for i in on_device_at],
-                    [gpu_pages[i] for i in on_device_at],
-                    [pins[i].data for i in on_device_at],
-                    [device_checksums[i] for i in on_device_at],
-                )
-            job = (list(chunk_hashes), list(cpu_pages), list(checksums), pins, token, device_check)
-            future = self._write_back_thread.submit(self._write_back, *job)
-            self._write_backs = [f for f in self._write_backs if not f.done()]
-            self._write_backs.append(future)
-            checked = set(on_device_at)
-            for i, chunk_hash in enumerate(chunk_hashes):
-                self._landing[self.key(chunk_hash)] = (token, device_check if i in checked else future)
-
-    def _check_on_device(
-        self, token: object, chunk_hashes: list[int], pages: list[int], data: list[torch.Tensor], expected: list[int]
-    ) -> set[int]:
-        """The hashes of landed GPU tier ``pages`` (of the landing job ``token``) whose device
-        checksum differs from the holder's (their loads are recomputed; the write-back drops
-        them). The others are good from here: the tier keeps their numbers, and readers pinning
-        them from now on have no check to wait for (and a peer pulling them is vouched for).
-        Raises if the check could not run: its readers then recompute, the write-back's host
-        check alone decides what is kept, and no number is kept for a peer."""
-        gpu = self._gpu_tier()
-        t0 = time.perf_counter()
-        timing: dict[str, float] = {}
-        try:
-            got = device_checksum.device_checksums(data, timing)
-        except Exception:
-            logger.exception("device check of %d landed chunk(s) failed; their loads are recomputed", len(data))
-            raise
-        bad: set[int] = set()
-        good: list[int] = []  # indexes
-        for i, (chunk_hash, actual, wanted) in enumerate(zip(chunk_hashes, got, expected, strict=True)):
-            if actual == wanted:
-                good.append(i)
-                continue
-            bad.add(chunk_hash)
-            logger.error(
-                "chunk %016x landed in VRAM with device checksum %016x, the holder's is %016x: dropped",
-                chunk_hash,
-                actual,
-                wanted,
-            )
-        keys = [self.key(chunk_hashes[i]) for i in good]
-        gpu.keep_checked_device_checksums(keys, [pages[i] for i in good], [got[i] for i in good])
-        with self._landing_lock:  # after the numbers: a pin without a check has its number
-            for key in keys:
-                entry = self._landing.get(key)
-                if entry is not None and entry[0] is token:
-                    self._landing[key] = (token, None)
-        self.device_check_mismatches += len(bad)
-        logger.info(
-            "checked %d landed chunk(s) on the device in %.1f ms (on the GPU %.1f, waiting %.1f): %d differ",
-            len(data),
-            (time.perf_counter() - t0) * 1e3,
-            timing.get("gpu_ms", 0.0),
-            timing.get("wait_ms", 0.0),
-            len(bad),
-        )
-        return bad
-
-    def _write_back(
-        self,
-        chunk_hashes: list[int],
-        cpu_pages: list[int],
-        checksums: list[int],
-        pins: list[PinnedChunk],
-        token: object,
-        device_check: concurrent.futures.Future | None,
-    ) -> set[int]:
-        """Returns the hashes that are not good: checksum mismatches, on the device or here
-        (dropped from both tiers), and every chunk not handled when something failed (dropped
-        from the GPU tier too). Ends after the device check, if one runs: until then a reader may
-        have pinned a chunk of this job with that check to wait for, and its page must stay."""
-        gpu, cpu = self._gpu_tier(), self._page_owner()
-        t0 = time.perf_counter()
-        bad: set[int] = set()
-        failed_on_device: set[int] = set()
-        if device_check is not None:
-            with contextlib.suppress(Exception):  # could not run (logged): the host check decides
-                failed_on_device = device_check.result()
-        handled = 0  # chunks whose CPU page the tier took or that was freed: never freed again
-        try:
-            targets = [cpu.pool.page(page) for page in cpu_pages]
-            _copy_pages([pin.data for pin in pins], targets)
-            got = in_parallel(lambda page: payload_checksum(page.numpy()), targets)
-            written = 0
-            for i, (chunk_hash, page, expected, actual) in enumerate(
-                zip(chunk_hashes, cpu_pages, checksums, got, strict=True)
-            ):
-                handled = i + 1  # from here the page is the tier's or freed, whatever follows raises
-                key = self.key(chunk_hash)
-                if actual != expected or chunk_hash in failed_on_device:  # checked first: a load may have used it
-                    bad.add(chunk_hash)
-                    self.abandon_page(page)
-                    gpu.remove(key)
-                    if actual != expected:
-                        self.write_back_mismatches += 1
-                        logger.error(
-                            "chunk %016x landed in VRAM with checksum %016x, the holder's is %016x: dropped",
-                            chunk_hash,
-                            actual,
-                            expected,
-                        )
-                elif self._dropped_by(key, token):  # removed (clear, move) while on its way: stays so
-                    self.abandon_page(page)
-                else:
-                    written += self.commit_page(chunk_hash, page, expected)
-                    if self._dropped_by(key, token):  # removed while it was being admitted
-                        self.remove(chunk_hash)
-            logger.debug(
-                "wrote back %d of %d landed chunk(s) in %.1f ms",
-                written,
-                len(chunk_hashes),
-                (time.perf_counter() - t0) * 1e3,
-            )
-        except Exception:
-            logger.exception(
-                "writing back %d chunk(s) landed in VRAM failed; %d not checked are dropped",
-                len(chunk_hashes),
-                len(chunk_hashes) - handled,
-            )
-            for chunk_hash, page in zip(chunk_hashes[handled:], cpu_pages[handled:], strict=True):
-                self.abandon_page(page)
-                gpu.remove(self.key(chunk_hash))
-                bad.add(chunk_hash)
-        finally:
-            for pin in pins:
-                pin.release()
-            with self._landing_lock:
-                for chunk_hash in chunk_hashes:
-                    key = self.key(chunk_hash)
-                    entry = self._landing.get(key)
-                    if entry is not None and entry[0] is token:
-                        del self._landing[key]
-                    if self._dropped_while_landing.get(key) is token:
-                        del self._dropped_while_landing[key]
-        return bad
-
-    def _dropped_by(self, key: ChunkKey, token: object) -> bool:
-        """Whether ``key`` was removed while the landing job ``token`` carried it."""
-        with self._landing_lock:
-            return self._dropped_while_landing.get(key) is token
-
     def _after_cpu_admit(self, key: ChunkKey, from_remote: bool = False) -> None:
-        self._emit("admit", CPU, key)
+        self._record("admit", CPU, key)
         # (a writer exists only with a disk tier)
         if self._writer is not None and self.disk is not None and not self.disk.contains(key):
             self._writer.queue.submit(key)
@@ -562,7 +368,7 @@ class StorageManager:
         return 0 if self.cpu is None else max(0, self.cpu.pool.num_pages - self.cpu.pins_held)
 
     def _on_disk_written(self, key: ChunkKey) -> None:
-        self._emit("admit", DISK, key)
+        self._record("admit", DISK, key)
 
     # -- retrieve --------------------------------------------------------------------------------
 
@@ -571,12 +377,9 @@ class StorageManager:
         With ``gpu``, the GPU tier's copy when it has one (its ``data`` is in VRAM): for readers
         that copy on the device (loads into vLLM's blocks, staged NIXL sends)."""
         key = self.key(chunk_hash)
-        if gpu and self.gpu is not None:
-            with self._landing_lock:  # its check, if one runs, is taken with the pin: never missed
-                landing = self._landing.get(key)
-                chunk = self.gpu.pin(key)
+        if gpu and self.landing is not None:  # (made with the GPU tier)
+            chunk = self.landing.pin(key)
             if chunk is not None:
-                chunk.check = landing[1] if landing is not None else None
                 return chunk
         if self.cpu is not None:
             chunk = self.cpu.pin(key)
@@ -597,7 +400,7 @@ class StorageManager:
             self.abandon_page(page)
             return None
         if cpu.admit(key, page, checksum):
-            self._emit("admit", CPU, key)
+            self._record("admit", CPU, key)
         return cpu.pin(key)
 
     # -- removal ---------------------------------------------------------------------------------
@@ -610,12 +413,11 @@ class StorageManager:
             tier = self._tier(loc)
             if tier is not None and tier.remove(key):
                 dropped.append(loc)
-                self._emit("evict", loc, key)
+                self._record("evict", loc, key)
         if self.gpu is not None and CPU in ([location] if location else [CPU]):
             self.gpu.remove(key)
-            with self._landing_lock:
-                if key in self._landing:  # its write-back must not bring it back
-                    self._dropped_while_landing[key] = self._landing[key][0]
+            if self.landing is not None:
+                self.landing.forget(key)
         return dropped
 
     def clear(self, location: str | None = None) -> int:
@@ -626,12 +428,12 @@ class StorageManager:
             if tier is None:
                 continue
             for key in tier.clear():
-                self._emit("evict", loc, key)
+                self._record("evict", loc, key)
                 n += 1
         if self.gpu is not None and location in (None, CPU):
             self.gpu.clear()
-            with self._landing_lock:
-                self._dropped_while_landing.update((key, token) for key, (token, _) in self._landing.items())
+            if self.landing is not None:
+                self.landing.forget_all()
         return n
 
     def _tier(self, location: str) -> CpuTier | DiskTier | None:
@@ -645,10 +447,7 @@ class StorageManager:
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until queued disk and remote writes are done (tests, shutdown)."""
-        with self._landing_lock:  # commit_landed rebuilds the list on the event loop's thread
-            write_backs = list(self._write_backs)
-        done, _ = concurrent.futures.wait(write_backs, timeout)  # they queue CPU admits: first
-        written = len(done) == len(write_backs)
+        written = self.landing.wait(timeout) if self.landing is not None else True  # they queue CPU admits: first
         disk = self._writer.queue.flush(timeout) if self._writer is not None else True
         remote = self.remote.flush(timeout) if self.remote is not None else True
         return written and disk and remote
@@ -657,12 +456,8 @@ class StorageManager:
         if self._hasher is not None:
             self._hasher.shutdown(wait=True, cancel_futures=True)
             self._hasher = None
-        if self._write_back_thread is not None:
-            self._write_back_thread.shutdown(wait=True)  # its jobs wait for their device checks
-            self._write_back_thread = None
-        if self._device_check_thread is not None:
-            self._device_check_thread.shutdown(wait=True)
-            self._device_check_thread = None
+        if self.landing is not None:
+            self.landing.close()
         if self._writer is not None:
             self._writer.queue.close(timeout=60.0)
             self._writer = None
@@ -675,11 +470,7 @@ class StorageManager:
         if self.cpu is not None:
             out["cpu"] = {**self.cpu.stats(), "rejected_puts": self.cpu.rejected_puts}
         if self.gpu is not None:
-            out["gpu"] = {
-                **self.gpu.stats(),
-                "write_back_mismatches": self.write_back_mismatches,
-                "device_check_mismatches": self.device_check_mismatches,
-            }
+            out["gpu"] = {**self.gpu.stats(), **(self.landing.stats() if self.landing is not None else {})}
         if self.disk is not None:
             out["disk"] = {
                 "chunks": len(self.disk),
@@ -723,20 +514,3 @@ class _DiskWriter:
                 if self.disk.write(key, chunk.data.numpy(), chunk.checksum):
                     logger.debug("wrote %s to disk in %.2f ms", key, (time.perf_counter() - t0) * 1e3)
                     self.on_written(key)
-
-
-def _copy_pages(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:
-    """Copy VRAM pages to host pages and wait: on a stream of its own when on CUDA, so the
-    write-back queues behind no forward pass."""
-    if not sources:
-        return
-    device = sources[0].device
-    if device.type != "cuda":
-        for src, dst in zip(sources, targets, strict=True):
-            dst.copy_(src)
-        return
-    stream = gpu_ops.side_stream("write-back", device)
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        for src, dst in zip(sources, targets, strict=True):
-            dst.copy_(src, non_blocking=True)
-        stream.synchronize()  # inside the guard: this thread makes no call against device 0

@@ -20,7 +20,7 @@ With a GPU tier (``local_gpu``) its pages are registered beside the staging slot
 ends use them: a holder writes a chunk its GPU tier holds straight from there (no copy from host
 memory first), and a requester asks for a pull to be written into GPU tier pages it reserved
 instead of receive slots, where the engine loads it from device to device (the pages are then
-written back to the CPU tier behind the request: StorageManager.commit_landed).
+written back to the CPU tier behind the request: VramLanding.commit_landed).
 """
 
 from __future__ import annotations

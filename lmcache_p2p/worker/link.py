@@ -1,9 +1,10 @@
 """The worker's side of the controller protocol: register, key events, heartbeats, re-sync.
 
-* Storage events arrive from any thread (the engine's store path, the disk writer, peer pulls)
-  into an :class:`EventBatcher`, which keeps only the last event per key and location, so a
-  batch's admits and evicts can be applied in any order. Batches go out when
-  ``max_batch`` keys are waiting or every ``flush_interval`` seconds, numbered per location.
+* Storage events: the store queues them for the link from whichever thread changed a tier (the
+  engine's store path, the disk writer, peer pulls); the link drains that queue on its loop into
+  an :class:`EventBatcher`, which keeps only the last event per key and location, so a batch's
+  admits and evicts can be applied in any order. Batches go out every ``flush_interval`` seconds
+  and before any other message, numbered per location.
 * Heartbeats run from the start. An "unknown" answer (the controller restarted or reaped us) or
   two missed answers mean: register again. Registering is retried until the controller is back;
   meanwhile the engine keeps using its own tiers and events are dropped, because the re-sync
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import cast
@@ -68,68 +68,51 @@ EARLY_BEAT_MIN_S = 0.25  # beat_soon(): early heartbeats are at least this far a
 
 
 class EventBatcher:
-    """Admit/evict events per location, coalesced to the last event per key, thread-safe."""
+    """Admit/evict events per location, coalesced to the last event per key. Used on the link's
+    loop only (it drains the store's queue there)."""
 
-    def __init__(self, max_batch: int = 4096):
-        self.max_batch = max_batch
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
         self._pending: dict[str, dict[int, bool]] = {}  # location -> hash -> admitted?
-        # Distinct (location, hash) entries in _pending: a key admitted and evicted in one window
-        # is one entry, so the count (and with it the wake-ups and the dropped count) follows
-        # what a cut would send, not how many events came in.
-        self._count = 0
         self.seq: dict[str, int] = {}  # last batch number sent per location
-        self.wake: Callable[[], object] | None = None  # called (from any thread) when a full batch is waiting
 
     def add(self, event: StorageEvent) -> None:
-        with self._lock:
-            pending = self._pending.setdefault(event.location, {})
-            if event.key.chunk_hash not in pending:
-                self._count += 1
-            pending[event.key.chunk_hash] = event.kind == "admit"
-            full = self._count >= self.max_batch
-        if full and self.wake is not None:
-            self.wake()
+        self._pending.setdefault(event.location, {})[event.key.chunk_hash] = event.kind == "admit"
 
     def cut(self, instance_id: str, rank: int, only: str | None = None) -> list[KeyEvents]:
         """Everything waiting, as numbered batches (for one location or all)."""
         out = []
-        with self._lock:
-            for location in [only] if only else list(self._pending):
-                events = self._pending.pop(location, None)
-                if not events:
-                    continue
-                self._count -= len(events)
-                seq = self.seq[location] = self.seq.get(location, 0) + 1
-                admitted = [h for h, admit in events.items() if admit]
-                evicted = [h for h, admit in events.items() if not admit]
-                out.append(
-                    KeyEvents(
-                        instance_id=instance_id,
-                        rank=rank,
-                        location=location,
-                        seq=seq,
-                        admitted=pack_hashes(admitted),
-                        evicted=pack_hashes(evicted),
-                    )
+        for location in [only] if only else list(self._pending):
+            events = self._pending.pop(location, None)
+            if not events:
+                continue
+            seq = self.seq[location] = self.seq.get(location, 0) + 1
+            admitted = [h for h, admit in events.items() if admit]
+            evicted = [h for h, admit in events.items() if not admit]
+            out.append(
+                KeyEvents(
+                    instance_id=instance_id,
+                    rank=rank,
+                    location=location,
+                    seq=seq,
+                    admitted=pack_hashes(admitted),
+                    evicted=pack_hashes(evicted),
                 )
+            )
         return out
 
     def drop(self) -> int:
-        """Forget everything waiting; returns how many distinct events that was."""
-        with self._lock:
-            n, self._count = self._count, 0
-            self._pending.clear()
-            return n
+        """Forget everything waiting; returns how many distinct events that was (a key admitted
+        and evicted in one window is one: what a cut would have sent)."""
+        n = sum(len(events) for events in self._pending.values())
+        self._pending.clear()
+        return n
 
     def sent_seqs(self) -> dict[str, int]:
         """The last batch number cut per location."""
-        with self._lock:
-            return dict(self.seq)
+        return dict(self.seq)
 
     def last_seq(self, location: str) -> int:
-        with self._lock:
-            return self.seq.get(location, 0)
+        return self.seq.get(location, 0)
 
 
 class ControllerLink:
@@ -174,6 +157,9 @@ class ControllerLink:
         self.heartbeat_time = heartbeat_time
         self.interval = heartbeat_time
         self.flush_interval = flush_interval
+        # The store's admits and evicts for this link, drained on the loop into the batcher (at
+        # each flush, before a re-sync's cut and at registration).
+        self.events = storage.record_events()
         self.batcher = EventBatcher()
         self.registered = False
         self.epoch = ""
@@ -187,7 +173,6 @@ class ControllerLink:
         self.on_peers: Callable[[list[MeshPeer], bool], object] | None = None
         self.peers_version = 0
         self._resyncing: set[str] = set()
-        self._wake = asyncio.Event()
         # When a peer lookup last went unanswered (None: the controller answers): lookups are
         # fast misses until a heartbeat reply clears it.
         self._lookups_failing_since: float | None = None
@@ -210,9 +195,6 @@ class ControllerLink:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.batcher.wake = lambda: loop.call_soon_threadsafe(self._wake.set)
-        self.storage.subscribe(self.batcher.add)
         self._tasks = [asyncio.ensure_future(self._liveness_loop()), asyncio.ensure_future(self._flush_loop())]
 
     def close(self, deregister: bool = True) -> None:
@@ -323,6 +305,7 @@ class ControllerLink:
             "controller heartbeat socket",
             security=self.security,
         )
+        self._drain()
         dropped = self.batcher.drop()  # the re-sync below carries their effect
         self.registered = True
         self._lookups_failing_since = None
@@ -417,12 +400,16 @@ class ControllerLink:
 
     async def _flush_loop(self) -> None:
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-            self._wake.clear()
+            await asyncio.sleep(self.flush_interval)
             self.flush()
 
+    def _drain(self) -> None:
+        """Move the store's queued events into the batcher (on the loop: the batcher's only thread)."""
+        for event in self.events.take_events():
+            self.batcher.add(event)
+
     def flush(self) -> None:
+        self._drain()
         if not self.registered:
             self.stats["events_dropped"] += self.batcher.drop()
             return
@@ -447,6 +434,7 @@ class ControllerLink:
 
     async def _resync(self, location: str) -> None:
         me = self.me
+        self._drain()  # what the store did before the snapshot goes before its cut
         for batch in self.batcher.cut(me.instance_id, me.rank, only=location):
             self.send(batch)
         snapshot_seq = self.batcher.last_seq(location)

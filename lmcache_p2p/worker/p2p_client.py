@@ -105,7 +105,7 @@ class PullResult:
 
 # Where a pull's batches spend their time (see _Batch.phases_ms): each phase with the parts of
 # it measured apart, and how the log line names them (the holder's send of the bytes). Pages
-# landed in the GPU tier are checked on the device behind the pull (StorageManager.commit_landed,
+# landed in the GPU tier are checked on the device behind the pull (VramLanding.commit_landed,
 # its own log line): their verify is only the reading of the holder's numbers.
 PHASE_PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     "slots": (),
@@ -134,7 +134,7 @@ class _Batch:
     hashes: list[int]  # the chunks asked for: one per reserved page
     pages: list[int] = field(default_factory=list)  # reserved here; committed or abandoned later
     # GPU tier pages the holder wrote the served chunks into (local_gpu): ``pages`` then receive
-    # them by the write-back (StorageManager.commit_landed), which also checks the checksums.
+    # them by the write-back (VramLanding.commit_landed), which also checks the checksums.
     gpu_pages: list[int] = field(default_factory=list)
     good: int = 0  # leading chunks landed (with matching checksums, where checked before commit)
     # Landed in the GPU tier: the holder's device checksums of the served pages, which they are
@@ -691,7 +691,7 @@ class P2PClient:
             batch.checksums = unpack_hashes(reply.checksums)
             if in_gpu_tier:
                 # Checked where the bytes are, against the holder's device checksums, behind the
-                # pull (StorageManager.commit_landed: one launch, 0.6 ms a document on the H200,
+                # pull (VramLanding.commit_landed: one launch, 0.6 ms a document on the H200,
                 # plus its host calls): the hit is known without it, and the step that loads them
                 # waits for it at its end, failing the loads of any that differ (vLLM recomputes
                 # them). A holder that sent none leaves the check to the write-back.
@@ -726,7 +726,9 @@ class P2PClient:
         held = list(batch.hashes[:good])
         if batch.gpu_pages:
             checksums = [int(c) for c in batch.checksums[:good]]
-            self.storage.commit_landed(
+            landing = self.storage.landing
+            assert landing is not None  # GPU tier pages were reserved: the store has the tier and its landing
+            landing.commit_landed(
                 held,
                 batch.gpu_pages[:good],
                 batch.pages[:good],

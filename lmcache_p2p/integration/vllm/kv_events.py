@@ -4,9 +4,10 @@ and on disk, not only the GPU prefix cache, without talking to our controller.
 
 The path through vLLM's connector interface:
 
-1. each rank's worker side hears its tiers' admits and evicts (``StorageManager.subscribe``) and
-   hands them over after every step as :class:`ChunkStorageEvents`
-   (``get_kv_connector_kv_cache_events``); vLLM merges the ranks' objects into one;
+1. each rank's worker side reads its tiers' admits and evicts from a queue of its own
+   (``StorageManager.record_events``) and hands them over after every step as
+   :class:`ChunkStorageEvents` (``get_kv_connector_kv_cache_events``); vLLM merges the ranks'
+   objects into one;
 2. the scheduler side (``update_connector_output``) turns them into ``BlockStored`` /
    ``BlockRemoved`` events with the tier's medium; vLLM's scheduler publishes them with its own
    (``take_events``).
@@ -23,16 +24,18 @@ evicted it: a router must not send a prompt for KV the engine can only half load
 from __future__ import annotations
 
 import logging
-import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
-from lmcache_p2p.vocab import CPU, DISK, StorageEvent
+from lmcache_p2p.vocab import CPU, DISK
+
+if TYPE_CHECKING:  # a type only: the scheduler half imports this module, and loads no storage (torch)
+    from lmcache_p2p.storage.chunk_store import StorageEventQueue
 
 logger = logging.getLogger(__name__)
 
@@ -78,22 +81,17 @@ class ChunkStorageEvents(KVConnectorKVEvents):
 
 
 class StorageEventBuffer:
-    """The worker side's listener: tier events as they happen (the engine's thread, the disk
-    writer's), taken after each step."""
+    """The worker side's reader of its tiers' events: the store queues them as they happen (the
+    engine's thread, the disk writer's), this takes them after each step, on vLLM's thread."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, queue: StorageEventQueue):
         self.rank = rank
-        self._events: list[ChunkEvent] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, event: StorageEvent) -> None:
-        if event.location in MEDIUM_BY_LOCATION:
-            with self._lock:
-                self._events.append((event.kind, event.location, event.key.chunk_hash))
+        self.queue = queue
 
     def take(self) -> ChunkStorageEvents | None:
-        with self._lock:
-            events, self._events = self._events, []
+        events: list[ChunkEvent] = [
+            (e.kind, e.location, e.key.chunk_hash) for e in self.queue.take_events() if e.location in MEDIUM_BY_LOCATION
+        ]
         return ChunkStorageEvents(events, self.rank) if events else None
 
 

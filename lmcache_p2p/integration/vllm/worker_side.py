@@ -189,8 +189,7 @@ class WorkerSide:
             staging = self._make_load_staging(first.device, self.engine.storage.page_bytes)
         self.loads = LoadExecutor(self.engine, self.planes, self.layer_planes, staging)
         if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
-            self.storage_events = StorageEventBuffer(self.tp_rank)
-            self.engine.storage.subscribe(self.storage_events)
+            self.storage_events = StorageEventBuffer(self.tp_rank, self.engine.storage.record_events())
         if self.config.enable_blending:
             from lmcache_p2p.integration.vllm.blending import SegmentBlender
 
