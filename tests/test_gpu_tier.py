@@ -138,8 +138,8 @@ def test_with_peers_a_store_takes_its_gpu_copies_device_checksums_behind_it():
         blocks = list(range(len(kv.layers[0])))
         kv.prefill(prompt, blocks, CHUNK)
         assert engine.store(prompt, kv.layers, blocks) == 4 * CHUNK
-        if storage._hasher is not None:
-            storage._hasher.shutdown(wait=True)  # the work behind the store, done
+        if storage.hasher is not None:
+            storage.hasher._threads.shutdown(wait=True)  # the work behind the store, done
         for h in prompt.tolist():
             with storage.pin(h, gpu=True) as copy, storage.pin(h) as cpu_copy:
                 assert copy.location == GPU

@@ -378,8 +378,8 @@ def test_with_peers_a_stored_chunk_is_hashed_behind_its_store_not_when_first_ser
         data.copy_(payload(7).reshape(data.shape))
         assert m.commit_page(7, page)
         entry = m.cpu._entries[m.key(7)]
-        if m._hasher is not None:
-            m._hasher.shutdown(wait=True)  # the hashing behind the store, done
+        if m.hasher is not None:
+            m.hasher._threads.shutdown(wait=True)  # the hashing behind the store, done
         m.close()
         assert entry.checksum == (payload_checksum(payload(7).numpy()) if p2p else None)
 

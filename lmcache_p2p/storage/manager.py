@@ -19,8 +19,6 @@ tier behind the request); the store routes GPU-tier pins and removals through it
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -37,14 +35,13 @@ from lmcache_p2p.storage.chunk_store import PrefixHit, StorageEventQueue
 from lmcache_p2p.storage.cpu_tier import CpuTier, PinnedChunk
 from lmcache_p2p.storage.disk_tier import DiskTier
 from lmcache_p2p.storage.gpu_tier import GpuTier
+from lmcache_p2p.storage.hashing import StoreHasher
 from lmcache_p2p.storage.landing import VramLanding
 from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.vocab import CPU, DISK, GPU, StorageEvent
 from lmcache_p2p.write_behind import WriteBehind
 
 logger = logging.getLogger(__name__)
-
-HASH_THREADS = 2  # hashing stored chunks for peers, behind the stores (xxh3 lets go of the GIL)
 
 
 class StorageManager:
@@ -86,11 +83,10 @@ class StorageManager:
             self.gpu = self._build_gpu_tier(device)
             if self.gpu is not None and self.cpu is not None:
                 self.landing = VramLanding(self.gpu, self.cpu.pool, self)
-        # With peers, a stored chunk's checksum is taken behind the store: a holder hashing at
-        # pull time (~3 ms a 32 MiB chunk) put most of a same-host pull's time on its critical path.
-        self._hasher: concurrent.futures.ThreadPoolExecutor | None = None
+        # With peers, the checksums a holder sends are taken behind the stores (hashing.py says why).
+        self.hasher: StoreHasher | None = None
         if config.enable_p2p and self.cpu is not None:
-            self._hasher = concurrent.futures.ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="lmcache-hash")
+            self.hasher = StoreHasher(self.cpu, self.gpu)
         self.disk: DiskTier | None = None
         self._writer: _DiskWriter | None = None
         if config.local_disk:
@@ -293,17 +289,9 @@ class StorageManager:
         if not cpu.admit(key, page, checksum):
             return False
         self._after_cpu_admit(key, from_remote=from_remote)
-        hasher = self._hasher
-        if checksum is None and hasher is not None:
-            with contextlib.suppress(RuntimeError):  # closing: hashed when first served, if ever
-                hasher.submit(self._hash_stored, key)
+        if checksum is None and self.hasher is not None:
+            self.hasher.hash_stored(key)
         return True
-
-    def _hash_stored(self, key: ChunkKey) -> None:
-        try:
-            self._cpu_checksum(key)  # pinned while hashed; cached in its entry (None if evicted since)
-        except Exception:  # a chunk not hashed now is hashed when first served
-            logger.exception("hashing stored chunk %s failed", key)
 
     def abandon_page(self, page: int) -> None:
         self._page_owner().pool.free(page)
@@ -330,21 +318,11 @@ class StorageManager:
         return admitted
 
     def keep_device_checksums(self, chunk_hashes: Sequence[int]) -> None:
-        """With peers: take the device checksums of a store's GPU tier copies behind it (one job,
-        one launch), which a peer pulling them from VRAM is sent (PeerServer._device_checksums);
-        a holder computing them on every pull added ~12 ms to a document's pull (issue 21)."""
-        hasher = self._hasher
-        if hasher is None or self.gpu is None or not chunk_hashes:
-            return
-        keys = [self.key(h) for h in chunk_hashes]
-        with contextlib.suppress(RuntimeError):  # closing: computed when first served, if ever
-            hasher.submit(self._keep_device_checksums, keys)
-
-    def _keep_device_checksums(self, keys: list[ChunkKey]) -> None:
-        try:
-            self._gpu_tier().keep_device_checksums(keys)
-        except Exception:  # chunks without one get it computed when a peer pulls them
-            logger.exception("device checksums of %d stored chunk(s) failed", len(keys))
+        """With peers: take the device checksums of a store's GPU tier copies behind it, which a
+        peer pulling them from VRAM is sent (a holder computing them on every pull added ~12 ms
+        to a document's pull)."""
+        if self.hasher is not None and self.gpu is not None:
+            self.hasher.keep_device_checksums([self.key(h) for h in chunk_hashes])
 
     def abandon_gpu_page(self, page: int) -> None:
         self._gpu_tier().pool.free(page)
@@ -453,9 +431,9 @@ class StorageManager:
         return written and disk and remote
 
     def close(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True, cancel_futures=True)
-            self._hasher = None
+        if self.hasher is not None:
+            self.hasher.close()
+            self.hasher = None
         if self.landing is not None:
             self.landing.close()
         if self._writer is not None:

@@ -286,7 +286,7 @@ class PeerServer:
             return []
         if not all(c.location == GPU and c.check is None for c in pins):
             return []
-        # Stored chunks' were taken behind their stores (StorageManager.keep_device_checksums) and
+        # Stored chunks' were taken behind their stores (StoreHasher.keep_device_checksums) and
         # landed ones' kept when they matched on the device; the rest (checked on the host, or a
         # store's job not done yet) are computed now, in one launch.
         missing = [c.data for c in pins if c.device_checksum is None]
