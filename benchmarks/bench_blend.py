@@ -57,7 +57,7 @@ import time
 import torch
 
 from lmcache_p2p.blend.blender import blend
-from lmcache_p2p.blend.models import HFLlama, hf_prefill_kv
+from lmcache_p2p.blend.models import HFLlama, cache_keyword, hf_prefill_kv
 from lmcache_p2p.blend.rope import rotate_keys
 from lmcache_p2p.blend.segments import DEFAULT_SEPARATOR, separator_ids, split_segments
 from lmcache_p2p.testing.pretrained import smollm2
@@ -183,13 +183,15 @@ def greedy(model, keys: list, values: list, last_token: int, new_tokens: int) ->
     """Greedy tokens after a prompt whose KV (all but its last token) is given."""
     from transformers import DynamicCache
 
+    keyword = cache_keyword(model)
     cache = DynamicCache()
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         cache.update(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), layer)
     position = keys[0].shape[0]
     token, out = last_token, []
     for _ in range(new_tokens):
-        logits = model(input_ids=torch.tensor([[token]]), cache=cache, position_ids=torch.tensor([[position]])).logits
+        feed = {"input_ids": torch.tensor([[token]]), "position_ids": torch.tensor([[position]]), keyword: cache}
+        logits = model(**feed).logits
         token = int(logits[0, -1].argmax())
         out.append(token)
         position += 1

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import json
 import re
 import statistics
@@ -64,7 +63,7 @@ from typing import Any
 import torch
 
 from lmcache_p2p.blend.blender import BlendResult, blend
-from lmcache_p2p.blend.models import HFLlama, hf_prefill_kv
+from lmcache_p2p.blend.models import HFLlama, cache_keyword, hf_prefill_kv
 from lmcache_p2p.blend.rope import rotate_keys
 
 FILES = {"musique": "musique_s.json", "wikimqa": "wikimqa_s.json", "samsum": "samsum.json"}
@@ -197,12 +196,6 @@ def cached_prompt(
         cached[start:end] = True
         start = end
     return ids, keys, values, cached, time.perf_counter() - started
-
-
-def cache_keyword(model) -> str:
-    """transformers' name for the cache argument of forward (past_key_values, or cache from 5.24)."""
-    params = inspect.signature(model.forward).parameters
-    return "past_key_values" if "past_key_values" in params else "cache"
 
 
 @torch.inference_mode()

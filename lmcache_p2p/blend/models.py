@@ -12,6 +12,7 @@ accepts, and anything else is refused by name.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -64,6 +65,13 @@ class HFLlama:
 
     def sum_over_ranks(self, per_token: torch.Tensor) -> torch.Tensor:
         return per_token  # one process holds every head
+
+
+def cache_keyword(model: Any) -> str:
+    """transformers' name for forward's cache argument: ``past_key_values``, ``cache`` from 5.24.
+    (Under the other name the cache lands in ``**kwargs`` and is silently ignored.)"""
+    params = inspect.signature(model.forward).parameters
+    return "past_key_values" if "past_key_values" in params else "cache"
 
 
 @torch.inference_mode()
