@@ -57,7 +57,7 @@ import time
 import torch
 
 from lmcache_p2p.blend.blender import blend
-from lmcache_p2p.blend.models import HFLlama, cache_keyword, hf_prefill_kv
+from lmcache_p2p.blend.models import HFDecoder, cache_keyword, hf_prefill_kv
 from lmcache_p2p.blend.rope import rotate_keys
 from lmcache_p2p.blend.segments import DEFAULT_SEPARATOR, separator_ids, split_segments
 from lmcache_p2p.testing.pretrained import smollm2
@@ -161,7 +161,7 @@ def task_scores(scores: list[tuple[bool, float]]) -> dict:
     }
 
 
-def cached_kv(model, adapter: HFLlama, ids: torch.Tensor, segments) -> tuple[list, list, torch.Tensor]:
+def cached_kv(model, adapter: HFDecoder, ids: torch.Tensor, segments) -> tuple[list, list, torch.Tensor]:
     """Every segment but the last computed alone and moved to its place; the rest zeros and not
     cached."""
     layers = model.config.num_hidden_layers
@@ -364,7 +364,7 @@ def main() -> int:
         engine_run(path, triples, methods, args, tokenizer.decode)
         return 0
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    adapter = HFLlama(model)
+    adapter = HFDecoder(model)
     separator = separator_ids(encode, DEFAULT_SEPARATOR)
     results: dict[str, dict[str, list]] = {
         m: {"k": [], "v": [], "same": [], "lead": [], "ms": [], "task": []} for m in methods

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from lmcache_p2p.blend.blender import BlendResult, blend
-from lmcache_p2p.blend.models import HFLlama, cache_keyword, hf_prefill_kv
+from lmcache_p2p.blend.models import HFDecoder, cache_keyword, hf_prefill_kv
 from lmcache_p2p.blend.rope import rotate_keys
 
 FILES = {"musique": "musique_s.json", "wikimqa": "wikimqa_s.json", "samsum": "samsum.json"}
@@ -172,7 +172,7 @@ class RougeL:
 
 
 def cached_prompt(
-    model, adapter: HFLlama, pieces: list[list[int]], sink: int | None, device: str
+    model, adapter: HFDecoder, pieces: list[list[int]], sink: int | None, device: str
 ) -> tuple[torch.Tensor, list, list, torch.Tensor, float]:
     """The prompt's ids (pieces concatenated), every piece but the last computed alone and moved to
     its place, the last zeros and not cached; and the seconds that took."""
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     examples = json.loads(path.read_text())[args.offset : args.offset + args.limit]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
-    adapter = HFLlama(model)
+    adapter = HFDecoder(model)
     methods = parse_methods(args.methods)
     new_tokens = args.new_tokens or NEW_TOKENS[args.dataset]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731

@@ -61,15 +61,28 @@ def tiny_model(tmp_path_factory) -> str:
     return build(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """The tiny model's shape as a Qwen3 (per-head q/k norms before RoPE): blending's other family."""
+    from lmcache_p2p.testing.tiny_model import build
+
+    return build(str(tmp_path_factory.mktemp("tiny-qwen3")), family="qwen3")
+
+
 @pytest.fixture
 def engine(tmp_path, tiny_model):
     """Start real vLLM CPU engines (the offline driver) with a config dict; stopped after the test."""
     started: list[InstanceProcess] = []
 
     def start(
-        config: dict, name: str = "engine", connector: bool = True, args: tuple = (), env: dict | None = None
+        config: dict,
+        name: str = "engine",
+        connector: bool = True,
+        args: tuple = (),
+        env: dict | None = None,
+        model: str | None = None,
     ) -> InstanceProcess:
-        command = offline_driver.command(tiny_model, *args, connector=connector)
+        command = offline_driver.command(model or tiny_model, *args, connector=connector)
         env = {**ENGINE_ENV, **(env or {})}
         proc = InstanceProcess(config, tmp_path, name=name, command=command, env=env).start(timeout=240)
         started.append(proc)

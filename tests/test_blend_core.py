@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from lmcache_p2p.blend.blender import blend
-from lmcache_p2p.blend.models import HFLlama, hf_prefill_kv
+from lmcache_p2p.blend.models import HFDecoder, hf_prefill_kv
 from lmcache_p2p.blend.rope import rotate_keys
 from lmcache_p2p.blend.segments import (
     SEGMENT_ROOT_HASH,
@@ -18,7 +18,13 @@ from lmcache_p2p.blend.segments import (
     separator_ids,
     split_segments,
 )
-from lmcache_p2p.blend.support import UnsupportedModel, UnsupportedRope, check_architecture, check_rope_kind
+from lmcache_p2p.blend.support import (
+    UnsupportedModel,
+    UnsupportedRope,
+    check_architecture,
+    check_full_attention,
+    check_rope_kind,
+)
 from lmcache_p2p.keys import chunk_hashes
 from lmcache_p2p.testing.tiny_model import sample_text
 
@@ -37,11 +43,14 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-@pytest.fixture(scope="module")
-def gqa_llama():
-    """A Llama 3 shaped model in miniature: GQA (4 query heads on 2 KV heads), llama3 RoPE."""
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def gqa_decoder(request):
+    """A decoder of each supported family in miniature, GQA (4 query heads on 2 KV heads): Llama 3
+    (llama3 RoPE), Qwen2 (biases in q/k/v), Qwen3 (per-head q/k norms before RoPE)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(
+    shape = dict(
         vocab_size=512,
         hidden_size=128,
         intermediate_size=256,
@@ -49,10 +58,14 @@ def gqa_llama():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
-        rope_parameters=LLAMA3_ROPE,
         initializer_range=0.2,  # peaked attention, as the tiny model's: context matters
     )
-    return LlamaForCausalLM(config).eval()
+    if request.param == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape, rope_parameters=LLAMA3_ROPE)).eval()
+    rope = {"rope_type": "default", "rope_theta": 1000000.0}
+    if request.param == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**shape, rope_parameters=rope)).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32, rope_parameters=rope)).eval()
 
 
 def encode(tokenizer):
@@ -92,14 +105,14 @@ def test_a_segment_has_the_same_keys_wherever_it_appears_and_not_a_prefix_chunks
 # -- RoPE ----------------------------------------------------------------------------------------
 
 
-def test_rerotation_equals_the_models_own_rope_at_the_new_positions(gqa_llama):
-    adapter = HFLlama(gqa_llama)
+def test_rerotation_equals_the_models_own_rope_at_the_new_positions(gqa_decoder):
+    adapter = HFDecoder(gqa_decoder)
     torch.manual_seed(1)
     raw = torch.randn(50, 2 * adapter.head_dim)  # pre-RoPE keys of 50 tokens, two KV heads
     old, new = torch.arange(50) + 7, torch.arange(50) + 1900
 
     def at(positions):  # the model's rotary embedding, as its attention applies it
-        return adapter._rotate(raw, 2, positions, gqa_llama.model.rotary_emb(raw, positions[None])).view(50, 2, -1)
+        return adapter._rotate(raw, 2, positions, gqa_decoder.model.rotary_emb(raw, positions[None])).view(50, 2, -1)
 
     moved = rotate_keys(at(old), new - old, adapter.inv_freq)
     # Exact up to float32 angles: position x inv_freq rounds to ~1e-4 rad near position 1,900,
@@ -110,8 +123,18 @@ def test_rerotation_equals_the_models_own_rope_at_the_new_positions(gqa_llama):
     check_rope_kind("llama3")
     with pytest.raises(UnsupportedRope, match="rope_type 'yarn'"):
         check_rope_kind("yarn")
-    with pytest.raises(UnsupportedModel, match="enable_blending supports LlamaForCausalLM; this model is"):
+    with pytest.raises(UnsupportedModel, match="supports LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM; this"):
         check_architecture(["Qwen2MoeForCausalLM"])
+
+
+def test_a_model_with_sliding_window_layers_is_refused_by_name():
+    from transformers import Qwen2Config, Qwen3Config
+
+    check_full_attention(Qwen3Config())  # full attention in every layer (its sliding_window is unused)
+    with pytest.raises(UnsupportedModel, match="sliding-window layers .use_sliding_window: true."):
+        check_full_attention(Qwen2Config(use_sliding_window=True))
+    with pytest.raises(UnsupportedModel, match=r"sliding-window layers \(sliding_attention\)"):
+        check_full_attention(Qwen3Config(num_hidden_layers=2, layer_types=["full_attention", "sliding_attention"]))
 
 
 # -- the blender ---------------------------------------------------------------------------------
@@ -122,7 +145,7 @@ def blended_prompt(model, segment_lengths=(40, 60, 50), sep=(5, 6), seed=3):
     store would), normalised to position 0, then moved to its place in this prompt."""
     g = torch.Generator().manual_seed(seed)
     segments = [torch.randint(10, 500, (n,), generator=g) for n in segment_lengths]
-    adapter = HFLlama(model)
+    adapter = HFDecoder(model)
     layers = model.config.num_hidden_layers
     kv_heads, dim = adapter.num_kv_heads, adapter.head_dim
     parts, cached = [], []
@@ -150,11 +173,11 @@ def relative_error(got: list[torch.Tensor], want: list[torch.Tensor], layer: int
     return float((got[layer] - want[layer]).norm() / want[layer].norm())
 
 
-def test_blending_everything_is_a_full_prefill_and_recomputing_more_gets_closer(gqa_llama):
-    adapter = HFLlama(gqa_llama)
-    ids, keys, values, cached = blended_prompt(gqa_llama)
-    full_k, full_v = hf_prefill_kv(gqa_llama, ids)
-    last = gqa_llama.config.num_hidden_layers - 1
+def test_blending_everything_is_a_full_prefill_and_recomputing_more_gets_closer(gqa_decoder):
+    adapter = HFDecoder(gqa_decoder)
+    ids, keys, values, cached = blended_prompt(gqa_decoder)
+    full_k, full_v = hf_prefill_kv(gqa_decoder, ids)
+    last = gqa_decoder.config.num_hidden_layers - 1
 
     # Layer 0's KV has no context: a segment computed alone and moved equals the full prefill's.
     assert torch.allclose(keys[0][cached], full_k[0][cached], atol=1e-4)
@@ -179,12 +202,12 @@ def test_blending_everything_is_a_full_prefill_and_recomputing_more_gets_closer(
     assert errors[0.5] < errors[0.15] < naive, (errors, naive)
 
     # The inputs are left as they were: a blend does not write into the cache it reads.
-    assert torch.equal(keys[0], blended_prompt(gqa_llama)[1][0])
+    assert torch.equal(keys[0], blended_prompt(gqa_decoder)[1][0])
 
 
-def test_bad_blend_parameters_are_named(gqa_llama):
-    adapter = HFLlama(gqa_llama)
-    ids, keys, values, cached = blended_prompt(gqa_llama, (8, 8))
+def test_bad_blend_parameters_are_named(gqa_decoder):
+    adapter = HFDecoder(gqa_decoder)
+    ids, keys, values, cached = blended_prompt(gqa_decoder, (8, 8))
     with pytest.raises(ValueError, match="blend_recompute_ratios: 1.5"):
         blend(adapter, ids, keys, values, cached, ratio=1.5)
     with pytest.raises(ValueError, match="blend_check_layers: layer 9"):
@@ -228,16 +251,16 @@ def test_the_selected_token_kernel_equals_masked_attention(heads, kv_heads, head
 
 @pytest.mark.gpu
 @gpu
-def test_a_blend_on_the_gpu_equals_the_same_blend_on_the_cpu(gqa_llama):
+def test_a_blend_on_the_gpu_equals_the_same_blend_on_the_cpu(gqa_decoder):
     """The GPU path (fused causal attention up to the check layer, the kernel past it) selects the
     same tokens and gives the same KV as the CPU path (masked SDPA), up to float32 rounding."""
-    adapter = HFLlama(gqa_llama)
-    ids, keys, values, cached = blended_prompt(gqa_llama)
+    adapter = HFDecoder(gqa_decoder)
+    ids, keys, values, cached = blended_prompt(gqa_decoder)
     want = blend(adapter, ids, keys, values, cached, ratio=0.15, check_layer=1)
-    model = gqa_llama.to("cuda")
+    model = gqa_decoder.to("cuda")
     try:
         got = blend(
-            HFLlama(model),
+            HFDecoder(model),
             ids.cuda(),
             [k.cuda() for k in keys],
             [v.cuda() for v in values],
@@ -246,7 +269,7 @@ def test_a_blend_on_the_gpu_equals_the_same_blend_on_the_cpu(gqa_llama):
             check_layer=1,
         )
     finally:
-        gqa_llama.to("cpu")
+        gqa_decoder.to("cpu")
     assert got.recomputed.cpu().tolist() == want.recomputed.tolist()
     for layer, (k, v) in enumerate(zip(got.keys, got.values, strict=True)):
         assert float((k.cpu() - want.keys[layer]).norm() / want.keys[layer].norm()) < 1e-4, layer

@@ -83,6 +83,27 @@ def test_naive_reuse_recomputes_nothing_its_separators_computed_once_on_their_ow
 
 
 @pytest.mark.engine
+@pytest.mark.newest_only
+def test_a_qwen3_engine_blends_and_a_full_blend_equals_its_cold_answer(engine, tiny_qwen3):
+    """Blending's other model family in an engine: the plugin builds vLLM's Qwen3 through its
+    tracking class, and a full blend (every token recomputed) is the cold prefill."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3)
+    system, first, second = (sample_text(120, seed) for seed in (21, 22, 23))
+    one, other = (
+        tokenizer.encode(" # # ".join(parts), add_special_tokens=False)
+        for parts in ([system, first, second, sample_text(30, 24)], [system, second, first, sample_text(30, 25)])
+    )
+    eng = engine({**BASE, "enable_blending": True, "blend_recompute_ratios": [1.0]}, name="qwen3", model=tiny_qwen3)
+    cold = eng.generate(other)
+    eng.generate(one)
+    # (The rank finds the model only if the plugin built it through its Qwen3 tracking class.)
+    assert "cached in 3 segment(s) reused" in eng.log()
+    assert eng.generate(other) == cold
+
+
+@pytest.mark.engine
 def test_with_blending_off_a_prompt_of_segments_is_served_as_before(engine, prompts):
     """``enable_blending`` off (the default) changes nothing: vLLM builds its own Llama class,
     separators mean nothing, a repeated prompt is a prefix hit from the CPU tier, and every answer

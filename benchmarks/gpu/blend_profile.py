@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lmcache_p2p.blend.blender import blend  # noqa: E402
-from lmcache_p2p.blend.models import HFLlama, hf_prefill_kv  # noqa: E402
+from lmcache_p2p.blend.models import HFDecoder, hf_prefill_kv  # noqa: E402
 from lmcache_p2p.blend.rope import rotate_keys  # noqa: E402
 from lmcache_p2p.blend.timing import PhaseTimer  # noqa: E402
 
@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model = llama_8b_shape(args.layers)
-    adapter = HFLlama(model)
+    adapter = HFDecoder(model)
     generator = torch.Generator().manual_seed(0)
     n = args.tokens
     ids = torch.randint(100, 32000, (n,), generator=generator).cuda()

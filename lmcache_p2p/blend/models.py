@@ -1,9 +1,11 @@
 """Model adapters for blending (blender.BlendModel): one per model family, over the model's own
 modules and weights.
 
-* :class:`HFLlama`: a transformers ``LlamaForCausalLM`` (and the architectures that share its
-  modules). The quality benchmark runs segments through it to compare blended KV with a full
-  prefill on the same weights, and the tests hold the blender to a full prefill with it.
+* :class:`HFDecoder`: a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
+  ``Qwen3ForCausalLM`` (one layer layout: Qwen2 adds biases to the q/k/v projections, which the
+  modules apply; Qwen3 normalises each head's q and k before RoPE, which ``qkv`` does). The
+  quality benchmarks run segments through it to compare blended KV with a full prefill on the
+  same weights, and the tests hold the blender to a full prefill with it.
 
 Adding a RoPE family means writing ``embed`` / ``qkv`` / ``finish`` over its modules and saying
 where its ``inv_freq`` and rope type are; ``support.SUPPORTED`` lists the architectures blending
@@ -17,18 +19,19 @@ from typing import Any
 
 import torch
 
-from lmcache_p2p.blend.support import check_architecture, check_rope_kind
+from lmcache_p2p.blend.support import check_architecture, check_full_attention, check_rope_kind
 
 
-class HFLlama:
-    """blender.BlendModel over a transformers Llama. ``residual`` is the residual stream itself:
-    transformers' layers add, they do not fuse the add into the norm."""
+class HFDecoder:
+    """blender.BlendModel over a transformers Llama, Qwen2 or Qwen3. ``residual`` is the residual
+    stream itself: transformers' layers add, they do not fuse the add into the norm."""
 
     def __init__(self, model: Any):
         check_architecture(list(getattr(model.config, "architectures", None) or ["LlamaForCausalLM"]))
         config = model.config
         rope = getattr(config, "rope_parameters", None) or {}
         check_rope_kind(rope.get("rope_type"))
+        check_full_attention(config)
         self.model = model.model
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -52,6 +55,9 @@ class HFLlama:
         attn = block.self_attn
         normed = block.input_layernorm(hidden)
         q, k, v = attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: each head's q and k normalised before RoPE
+            q = attn.q_norm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
+            k = attn.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
         cos_sin = self.model.rotary_emb(hidden, positions[None])
         q = self._rotate(q, self.num_heads, positions, cos_sin)
         k = self._rotate(k, self.num_kv_heads, positions, cos_sin)

@@ -179,10 +179,12 @@ def build(
     dtype: str = "float32",
     initializer_range: float = 0.2,
     device: str = "cpu",
+    family: str = "llama",
 ) -> str:
     """Write the model and tokenizer into ``out_dir`` (skipped when already built there).
     The defaults are the tiny test model; benchmarks/gpu/e2e.py builds Llama-3.1-8B's shape in
-    bf16 with a trained model's initializer range, on the GPU (``device``)."""
+    bf16 with a trained model's initializer range, on the GPU (``device``). ``family``: ``llama``,
+    or ``qwen3`` (the same shape as Qwen3: per-head q/k norms; for blending's other family)."""
     marker = os.path.join(out_dir, "lmcache_p2p_tiny_model.json")
     recipe = dict(
         seed=seed,
@@ -195,6 +197,7 @@ def build(
         intermediate_size=intermediate_size,
         dtype=dtype,
         initializer_range=initializer_range,
+        **({"family": family} if family != "llama" else {}),  # (a Llama's recipe reads as before)
     )
     if os.path.exists(marker):
         with open(marker) as f:
@@ -202,11 +205,15 @@ def build(
                 return out_dir
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    if family not in ("llama", "qwen3"):
+        raise ValueError(f"tiny_model family {family!r}: llama or qwen3")
+    llama = family == "llama"
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if llama else (Qwen3Config, Qwen3ForCausalLM)
     os.makedirs(out_dir, exist_ok=True)
     real_vocab = _train_tokenizer(out_dir, vocab_size)
-    config = LlamaConfig(
+    config = config_class(
         vocab_size=real_vocab,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -223,7 +230,7 @@ def build(
     )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+        model = model_class(config).to(getattr(torch, dtype))
     # Never stop early on EOS: the tests compare fixed-length greedy outputs.
     with torch.no_grad():
         model.lm_head.weight[config.eos_token_id].fill_(0.0)

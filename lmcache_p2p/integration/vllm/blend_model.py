@@ -1,16 +1,17 @@
-"""Blending through vLLM's own Llama modules (issue 23; docs/blend.md).
+"""Blending through vLLM's own modules (docs/blend.md).
 
-:class:`VllmLlama` is the blender's model adapter (``blend.blender.BlendModel``) over a loaded
-vLLM ``LlamaForCausalLM``: its embedding, each layer's fused-residual RMSNorms, ``qkv_proj``,
-``rotary_emb``, ``o_proj`` and MLP, i.e. the engine's weights and its own RoPE. Only attention is
-ours (scaled dot-product over the gathered KV): vLLM offers no way to run its attention kernels
-outside a scheduled batch.
+:class:`VllmDecoder` is the blender's model adapter (``blend.blender.BlendModel``) over a loaded
+vLLM ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (one layer layout): its
+embedding, each layer's fused-residual RMSNorms, ``qkv_proj`` (with Qwen2's biases), Qwen3's
+per-head ``q_norm``/``k_norm``, ``rotary_emb``, ``o_proj`` and MLP, i.e. the engine's weights and
+its own RoPE. Only attention is ours (blend.blender.attend): vLLM offers no way to run its
+attention kernels outside a scheduled batch.
 
 A KV connector is never handed the model. With ``enable_blending`` our vLLM plugin re-registers
-the architecture ``LlamaForCausalLM`` as this module's ``LlamaForCausalLM``: vLLM's class,
-unchanged but for recording each instance it builds, which :func:`tracked_model` returns to the
-connector's worker half (built after the model loads). The class is made on first access
-(module ``__getattr__``), so importing this module needs no vLLM.
+each supported architecture as this module's class of the same name: vLLM's class, unchanged but
+for recording each instance it builds, which :func:`tracked_model` returns to the connector's
+worker half (built after the model loads). The classes are made on first access (module
+``__getattr__``), so importing this module needs no vLLM.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Any
 
 import torch
 
-from lmcache_p2p.blend.support import check_architecture, check_rope_kind
+from lmcache_p2p.blend.support import check_architecture, check_full_attention, check_rope_kind
 
 
-class VllmLlama:
-    """blender.BlendModel over vLLM's LlamaForCausalLM. ``residual`` is vLLM's: the layers carry
+class VllmDecoder:
+    """blender.BlendModel over vLLM's Llama, Qwen2 or Qwen3. ``residual`` is vLLM's: the layers carry
     it beside the hidden states and fuse the add into the next RMSNorm. Under tensor parallelism
     each rank runs the blend on its own heads, in step with the others: the embedding and the
     row-parallel projections all-reduce inside vLLM's modules, and the check layer's deviation is
@@ -43,6 +44,8 @@ class VllmLlama:
         config = getattr(model, "config", None)
         rope_parameters = getattr(config, "rope_parameters", None) or {}
         check_rope_kind(rope_parameters.get("rope_type"))
+        if config is not None:
+            check_full_attention(config)
         self.num_layers = len(self.layers)
         self.num_heads = attn.num_heads  # this TP rank's
         self.num_kv_heads = attn.num_kv_heads
@@ -66,6 +69,9 @@ class VllmLlama:
             normed, residual = block.input_layernorm(hidden, residual)
         qkv, _ = attn.qkv_proj(normed)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3 (and Qwen2 with qk_norm): per head, before RoPE
+            q = attn.q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(q.shape[0], -1)
+            k = attn.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(k.shape[0], -1)
         q, k = attn.rotary_emb(positions, q.contiguous(), k.contiguous())
         return q, k, v.contiguous(), residual
 
@@ -85,7 +91,7 @@ class VllmLlama:
 
 _built: list[weakref.ref] = []
 _built_lock = threading.Lock()
-_tracking_class: type | None = None
+_tracking_classes: dict[str, type] = {}
 
 
 def tracked_model() -> Any:
@@ -98,24 +104,33 @@ def tracked_model() -> Any:
     return None
 
 
-def _make_tracking_class() -> type:
-    from vllm.model_executor.models.llama import LlamaForCausalLM as VllmLlamaForCausalLM
+# Where vLLM keeps each supported architecture's class (blend.support.SUPPORTED).
+VLLM_MODULES = {
+    "LlamaForCausalLM": "vllm.model_executor.models.llama",
+    "Qwen2ForCausalLM": "vllm.model_executor.models.qwen2",
+    "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3",
+}
 
-    class LlamaForCausalLM(VllmLlamaForCausalLM):  # the same name: vLLM keys some behaviour on it
-        # vLLM reads the constructor's signature to decide how to call it: it must name vllm_config.
-        def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-            with _built_lock:
-                _built.append(weakref.ref(self))
 
-    LlamaForCausalLM.__module__ = __name__
-    return LlamaForCausalLM
+def _make_tracking_class(name: str) -> type:
+    import importlib
+
+    base = getattr(importlib.import_module(VLLM_MODULES[name]), name)
+
+    # vLLM reads the constructor's signature to decide how to call it: it must name vllm_config.
+    def __init__(self: Any, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
+        with _built_lock:
+            _built.append(weakref.ref(self))
+
+    # The same name as vLLM's: vLLM keys some behaviour on it.
+    tracking = type(name, (base,), {"__init__": __init__, "__module__": __name__})
+    return tracking
 
 
 def __getattr__(name: str) -> Any:
-    global _tracking_class
-    if name != "LlamaForCausalLM":
+    if name not in VLLM_MODULES:
         raise AttributeError(name)
-    if _tracking_class is None:
-        _tracking_class = _make_tracking_class()
-    return _tracking_class
+    if name not in _tracking_classes:
+        _tracking_classes[name] = _make_tracking_class(name)
+    return _tracking_classes[name]

@@ -6,7 +6,7 @@
   the ranks hold at least a block's worth of the reusable segments; 0 (a plain prefill) otherwise.
 * :class:`SegmentBlender` (worker side): loads a request's held segments from the local tiers,
   moves their keys to the segments' places, blends ``[0, N)`` with the engine's own Llama modules
-  (:class:`~lmcache_p2p.integration.vllm.blend_model.VllmLlama`) and writes every layer's KV into
+  (:class:`~lmcache_p2p.integration.vllm.blend_model.VllmDecoder`) and writes every layer's KV into
   the request's blocks through the attention backend's own cache writer. New segments are computed
   on their own (positions from 0) and stored under their keys, in the tiers' pages, token-major:
   ``[layers, 2 (K, V), tokens, kv_heads, head_dim]`` in the KV's dtype, a page per chunk of the
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from lmcache_p2p.blend.segments import segment_chunks, separator_ids, split_segments
-from lmcache_p2p.blend.support import check_architecture
+from lmcache_p2p.blend.support import check_architecture, check_full_attention
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, BlendSpec, SegmentStoreSpec
 
@@ -44,6 +44,7 @@ class BlendPlanner:
             )
         try:
             check_architecture(list(getattr(model_config.hf_config, "architectures", None) or []))
+            check_full_attention(model_config.hf_config)
         except ValueError as e:
             raise ConfigError("enable_blending", str(e), value=True) from None
         from transformers import AutoTokenizer
@@ -107,7 +108,7 @@ class SegmentBlender:
         self.rank = rank
         import torch
 
-        from lmcache_p2p.integration.vllm.blend_model import VllmLlama, tracked_model
+        from lmcache_p2p.integration.vllm.blend_model import VllmDecoder, tracked_model
 
         model = tracked_model()
         if model is None:
@@ -117,7 +118,7 @@ class SegmentBlender:
                 "plugin loaded in this process (VLLM_PLUGINS), and LMCACHE_ENABLE_BLENDING set where vLLM starts?",
                 value=True,
             )
-        self.adapter = VllmLlama(model)
+        self.adapter = VllmDecoder(model)
         self.ratio = config.blend_recompute_ratios[0]
         self.check_layer = config.blend_check_layers[0]
         if self.check_layer >= self.adapter.num_layers:

@@ -122,9 +122,10 @@ def _decide() -> str:
 
 
 def _register_blend_model() -> None:
-    """With ``enable_blending`` in this process's lmcache-p2p configuration, vLLM builds Llama
-    models through a class that lets the connector reach them (blend_model.py). A configuration
-    that does not load is left to the connector, which names the bad key when it starts."""
+    """With ``enable_blending`` in this process's lmcache-p2p configuration, vLLM builds the models
+    blending supports (Llama, Qwen2, Qwen3) through classes that let the connector reach them
+    (blend_model.py). A configuration that does not load is left to the connector, which names the
+    bad key when it starts."""
     from lmcache_p2p.config import ConfigError, LMCacheConfig
 
     try:
@@ -135,8 +136,11 @@ def _register_blend_model() -> None:
         return
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model("LlamaForCausalLM", "lmcache_p2p.integration.vllm.blend_model:LlamaForCausalLM")
-    logger.info("enable_blending: LlamaForCausalLM is built by lmcache_p2p.integration.vllm.blend_model")
+    from lmcache_p2p.blend.support import SUPPORTED
+
+    for architecture in SUPPORTED:
+        ModelRegistry.register_model(architecture, f"lmcache_p2p.integration.vllm.blend_model:{architecture}")
+    logger.info("enable_blending: %s built by lmcache_p2p.integration.vllm.blend_model", ", ".join(SUPPORTED))
 
 
 def register() -> None:
