@@ -3,8 +3,8 @@
 One real vLLM CPU engine (``LLM``, no connector) and transformers load the same checkpoint. A
 prompt of three segments joined by the separator gets its cached KV the way a store makes it
 (each segment alone through transformers, moved to its place), then is blended at each ratio
-twice: inside the engine's worker through :class:`VllmLlama` (``LLM.apply_model``), and here
-through :class:`HFLlama`. Prints one JSON line: the largest difference per ratio, the tokens
+twice: inside the engine's worker through :class:`VllmDecoder` (``LLM.apply_model``), and here
+through :class:`HFDecoder`. Prints one JSON line: the largest difference per ratio, the tokens
 recomputed, and how far the engine's full blend (ratio 1.0) is from transformers' plain prefill.
 
     python -m lmcache_p2p.testing.blend_check MODEL_DIR [--ratios 1.0,0.15]
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lmcache_p2p.blend.blender import blend
-from lmcache_p2p.blend.models import HFLlama, hf_prefill_kv
+from lmcache_p2p.blend.models import HFDecoder, hf_prefill_kv
 from lmcache_p2p.blend.rope import rotate_keys
 from lmcache_p2p.blend.segments import separator_ids, split_segments
 from lmcache_p2p.testing.tiny_model import sample_text
@@ -32,9 +32,9 @@ def engine_blend(
     model: Any, token_ids: torch.Tensor, keys: list, values: list, cached: torch.Tensor, ratio: float
 ) -> dict:
     """Runs in the engine's worker (``LLM.apply_model``): the blend through vLLM's modules."""
-    from lmcache_p2p.integration.vllm.blend_model import VllmLlama
+    from lmcache_p2p.integration.vllm.blend_model import VllmDecoder
 
-    result = blend(VllmLlama(model), token_ids, keys, values, cached, ratio=ratio)
+    result = blend(VllmDecoder(model), token_ids, keys, values, cached, ratio=ratio)
     return {"keys": result.keys, "values": result.values, "recomputed": result.recomputed}
 
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    hf_adapter = HFLlama(hf)
+    hf_adapter = HFDecoder(hf)
     sep = separator_ids(lambda t: tokenizer.encode(t, add_special_tokens=False))
     text = " # # ".join(sample_text(args.words, seed) for seed in (11, 12, 13))
     ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))
