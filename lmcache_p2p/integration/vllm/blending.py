@@ -179,19 +179,22 @@ class SegmentBlender:
         )
         return torch.stack(result.keys), torch.stack(result.values)
 
-    def _store(self, token_ids: Any, keys: np.ndarray) -> int:
+    def _store(self, token_ids: Any, keys: np.ndarray, timer: Any) -> int:
         """Computes a segment alone (positions 0..n-1) and stores its chunks; returns the chunks newly held."""
         import torch
 
         k, v = self._alone(token_ids)
+        timer.mark("compute")
         # [layers, 2, tokens, kv_heads, head_dim] on the host, in one copy: the pages are there.
         stacked = torch.stack((k, v), dim=1).cpu()
+        timer.mark("to host")
         stored = 0
         for i, key in enumerate(keys.tolist()):
             page = torch.zeros(self._page_shape(), dtype=self.dtype)
             part = stacked[:, :, i * self.chunk_size : (i + 1) * self.chunk_size]
             page[:, :, : part.shape[2]] = part
             stored += bool(self.storage.put(int(key), page.view(torch.uint8).reshape(-1)))
+        timer.mark("pages")
         return stored
 
     @staticmethod
@@ -226,20 +229,25 @@ class SegmentBlender:
     def store(self, spec: SegmentStoreSpec) -> None:
         import torch
 
+        from lmcache_p2p.blend.timing import PhaseTimer
+
         started = time.perf_counter()
+        timer = PhaseTimer(self.device)
         tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
         total = chunks = 0
         for segment in spec.segments:
-            chunks += self._store(tokens[segment.start : segment.end], segment.keys)
+            chunks += self._store(tokens[segment.start : segment.end], segment.keys, timer)
             total += segment.end - segment.start
         logger.info(
-            "request %s rank %d: stored %d segment(s) of %d tokens as %d chunk(s), computed on their own in %.1f ms",
+            "request %s rank %d: stored %d segment(s) of %d tokens as %d chunk(s), computed on their own in %.1f ms "
+            "(%s)",
             spec.req_id,
             self.rank,
             len(spec.segments),
             total,
             chunks,
             (time.perf_counter() - started) * 1e3,
+            timer.describe(),
         )
 
     # -- load ------------------------------------------------------------------------------------
