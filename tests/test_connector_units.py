@@ -134,6 +134,7 @@ def _scheduler(engine_id: str, tp_size: int = 1, **extra):
         cache_config=SimpleNamespace(block_size=16),
         kv_transfer_config=SimpleNamespace(engine_id=engine_id, is_kv_consumer=True, is_kv_producer=True),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, pipeline_parallel_size=1, data_parallel_rank=0),
+        model_config=SimpleNamespace(model="unit", hf_config=SimpleNamespace(num_hidden_layers=2)),  # full attention
     )
     # The rank (a stand-in handler below) does the pulling; the scheduler side only asks.
     config = LMCacheConfig.from_dict(
@@ -687,6 +688,7 @@ def _engine_config(transfer):
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_rank=0),
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=True),
         device_config=SimpleNamespace(device_type="cpu"),
+        model_config=SimpleNamespace(model="unit", hf_config=SimpleNamespace(num_hidden_layers=2)),  # full attention
     )
 
 

@@ -180,11 +180,14 @@ def build(
     initializer_range: float = 0.2,
     device: str = "cpu",
     family: str = "llama",
+    sliding_window: int | None = None,
 ) -> str:
     """Write the model and tokenizer into ``out_dir`` (skipped when already built there).
     The defaults are the tiny test model; benchmarks/gpu/e2e.py builds Llama-3.1-8B's shape in
     bf16 with a trained model's initializer range, on the GPU (``device``). ``family``: ``llama``,
-    or ``qwen3`` (the same shape as Qwen3: per-head q/k norms; for blending's other family)."""
+    or ``qwen3`` (the same shape as Qwen3: per-head q/k norms; for blending's other family).
+    ``sliding_window``: every other layer (the first, third, ...) attends only to that many past
+    tokens (``layer_types``, as Gemma 3 and gpt-oss alternate them), the others to all."""
     marker = os.path.join(out_dir, "lmcache_p2p_tiny_model.json")
     recipe = dict(
         seed=seed,
@@ -198,6 +201,7 @@ def build(
         dtype=dtype,
         initializer_range=initializer_range,
         **({"family": family} if family != "llama" else {}),  # (a Llama's recipe reads as before)
+        **({"sliding_window": sliding_window} if sliding_window else {}),
     )
     if os.path.exists(marker):
         with open(marker) as f:
@@ -228,6 +232,9 @@ def build(
         dtype=dtype,  # transformers >= 4.56; its old name torch_dtype is deprecated
         initializer_range=initializer_range,
     )
+    if sliding_window:
+        config.sliding_window = sliding_window
+        config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_class(config).to(getattr(torch, dtype))

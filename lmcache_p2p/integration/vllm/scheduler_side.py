@@ -24,6 +24,7 @@ from lmcache_p2p.integration.vllm.blending import BlendPlanner
 from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents, kv_events_enabled
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path, tokens_by_source
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PConnectorMetadata, StoreSpec
+from lmcache_p2p.integration.vllm.model_kinds import check_model
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, SOURCE_REMOTE
 
@@ -104,6 +105,7 @@ class SchedulerSide:
                 "lmcache-p2p supports tensor parallelism only",
                 value=parallel.pipeline_parallel_size,
             )
+        check_model(vllm_config.model_config)  # refuses models whose layers keep no KV per token
         paths = [engine_socket_path(vllm_config, r) for r in range(parallel.tensor_parallel_size)]
         self.client = LookupClient(paths, self.chunk_size)
         # Beyond the local tiers: peers (enable_p2p) and the remote store (remote_url).
