@@ -27,6 +27,8 @@
 #   offload-async    seed 002's offload runs with the connector on, then on with async_kv_loads
 #                (side by side, alternating twice)
 #   offload-profile  run 2 with use_layerwise under torch.profiler, then again under cProfile
+#   blend        the blend's GPU tests, benchmarks/gpu/blend_profile.py (8,192 tokens, 8B shape, no vLLM), then
+#                bench_blend.py --engine with a 20 GB pool (BLEND_PROMPTS prompts, default 6)
 #   offload@A,B  seed 002's offload, connector on, run 2 three times, with e2e.py arguments A B
 #                as they are (offload@--graphs,--async-loads; offload@--connector,off,--graphs)
 #
@@ -47,7 +49,7 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
     $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
-[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads tests-engines tests-v1 pd tp peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads tests-engines tests-v1 pd tp blend peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 : > "$W/status"  # this run's steps only (--poll waits for its "all done")
@@ -109,6 +111,12 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
       && offload offload_layerwise --connector on --layerwise ;;
     offload-async) for i in 1 2; do offload "offload_on_$i" --connector on && offload "offload_async_$i" --connector on --async-loads || return; done ;;
     offload-profile) offload offload_profile --connector on --layerwise --profile-dir "$W/profile" ;;
+    blend) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_blend_core.py > "$W/blend_tests$AGAIN.txt" 2>&1
+      $PY benchmarks/gpu/blend_profile.py --tokens 8192 --segments 6 --repeats 3 > "$W/blend_profile$AGAIN.json" \
+        2> "$W/blend_profile$AGAIN.log"
+      model && $PY benchmarks/bench_blend.py --engine --model "$MODEL" --dtype bfloat16 --kv-cache-mib 16384 \
+        --cpu-gb 20 --prompts "${BLEND_PROMPTS:-6}" --long-docs 2000 --max-model-len 20000 \
+        > "$W/blend_engine$AGAIN.json" 2> "$W/blend_engine$AGAIN.log" ;;
     *) echo "unknown step $s" >&2; return 2 ;;
   esac
 }

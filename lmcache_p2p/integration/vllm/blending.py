@@ -16,7 +16,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -99,6 +101,21 @@ class BlendPlanner:
         return SegmentStoreSpec(req_id, tokens, missing) if missing else None
 
 
+@dataclass
+class _SegmentStore:
+    """A request's new segments, computed alone and copied to host memory (on a GPU by the store
+    stream, behind the step: ``copied`` is recorded after the copies); their pages are written
+    once the copies are done (:meth:`SegmentBlender.poll_stores`)."""
+
+    req_id: str
+    segments: list[tuple[Any, np.ndarray]]  # per segment: host KV [layers, 2, tokens, kv_heads, dim], chunk keys
+    tokens: int
+    copied: Any  # torch.cuda.Event, or None when the copies were made synchronously
+    keep: list[Any]  # the device tensors the copies read, alive until they are done
+    timer: Any  # PhaseTimer
+    started: float
+
+
 class SegmentBlender:
     """The worker side: blends loads and stores segments for one rank. Under tensor parallelism
     every rank gets the same specs in the same order each step and blends in step (the model's
@@ -144,6 +161,14 @@ class SegmentBlender:
         self.block_size = int(vllm_config.cache_config.block_size)
         self.chunk_size = config.chunk_size
         self.storage = storage
+        # New segments are computed on a stream of their own on a GPU, so the request's first
+        # token does not wait for them (on the H200 a store of 1.5-4.5k tokens took 0.3-1 s in
+        # the step). Not under tensor parallelism: the computation all-reduces, and collectives
+        # of one communicator on two streams could interleave differently on two ranks.
+        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1))
+        self._store_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" and tp == 1 else None
+        self._pending: list[_SegmentStore] = []
+        self._pending_lock = threading.Lock()  # the step thread adds, the lookup thread may finish them
         # Naive reuse (ratio 0 at check layer 0) recomputes nothing: the gaps between segments
         # (separators) take their own KV, computed alone once, like a segment's.
         self.naive = self.ratio == 0.0 and self.check_layer == 0
@@ -179,22 +204,16 @@ class SegmentBlender:
         )
         return torch.stack(result.keys), torch.stack(result.values)
 
-    def _store(self, token_ids: Any, keys: np.ndarray, timer: Any) -> int:
-        """Computes a segment alone (positions 0..n-1) and stores its chunks; returns the chunks newly held."""
+    def _write_pages(self, host: Any, keys: np.ndarray) -> int:
+        """A segment's chunks from its host KV into the tiers' pages; returns the chunks newly held."""
         import torch
 
-        k, v = self._alone(token_ids)
-        timer.mark("compute")
-        # [layers, 2, tokens, kv_heads, head_dim] on the host, in one copy: the pages are there.
-        stacked = torch.stack((k, v), dim=1).cpu()
-        timer.mark("to host")
         stored = 0
         for i, key in enumerate(keys.tolist()):
             page = torch.zeros(self._page_shape(), dtype=self.dtype)
-            part = stacked[:, :, i * self.chunk_size : (i + 1) * self.chunk_size]
+            part = host[:, :, i * self.chunk_size : (i + 1) * self.chunk_size]
             page[:, :, : part.shape[2]] = part
             stored += bool(self.storage.put(int(key), page.view(torch.uint8).reshape(-1)))
-        timer.mark("pages")
         return stored
 
     @staticmethod
@@ -227,28 +246,75 @@ class SegmentBlender:
         return found
 
     def store(self, spec: SegmentStoreSpec) -> None:
+        """Computes the spec's new segments on their own (positions from 0) and queues their copy to
+        the host; on a GPU without tensor parallelism that runs on the store stream, behind the
+        step, and the pages are written by a later :meth:`poll_stores` (the next step's, or a
+        lookup's: a segment stored is visible to every later lookup); elsewhere at once."""
+        import contextlib
+
         import torch
 
         from lmcache_p2p.blend.timing import PhaseTimer
 
         started = time.perf_counter()
-        timer = PhaseTimer(self.device)
-        tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
-        total = chunks = 0
-        for segment in spec.segments:
-            chunks += self._store(tokens[segment.start : segment.end], segment.keys, timer)
-            total += segment.end - segment.start
+        side = self._store_stream
+        step_stream = torch.cuda.current_stream(self.device) if side is not None else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            if side is not None and step_stream is not None:
+                side.wait_stream(step_stream)  # the step's work first (it may still be queued)
+            timer = PhaseTimer(self.device)
+            tokens = torch.as_tensor(spec.token_ids, dtype=torch.long, device=self.device)
+            segments, keep, total = [], [], 0
+            for segment in spec.segments:
+                k, v = self._alone(tokens[segment.start : segment.end])
+                stacked = torch.stack((k, v), dim=1)  # [layers, 2, tokens, kv_heads, head_dim]
+                host = torch.empty(stacked.shape, dtype=self.dtype, pin_memory=side is not None)
+                host.copy_(stacked, non_blocking=side is not None)
+                segments.append((host, segment.keys))
+                keep.append(stacked)
+                total += segment.end - segment.start
+            timer.mark("compute and copy")
+            copied = None
+            if side is not None:
+                copied = torch.cuda.Event()
+                copied.record(side)
+        with self._pending_lock:
+            self._pending.append(_SegmentStore(spec.req_id, segments, total, copied, keep, timer, started))
+        if side is None:
+            self.poll_stores()
+
+    def poll_stores(self, wait: bool = False) -> None:
+        """Writes the pages of every queued store whose copies are done (``wait``: of every queued
+        store, waiting for their copies: a lookup must see the segments stored before it)."""
+        with self._pending_lock:
+            for store in list(self._pending):
+                if store.copied is not None and not wait and not store.copied.query():
+                    continue
+                self._pending.remove(store)
+                if store.copied is not None:
+                    store.copied.synchronize()
+                self._finish(store)
+
+    def _finish(self, store: _SegmentStore) -> None:
+        phases = store.timer.describe()  # (its events are done: no wait here)
+        written = time.perf_counter()
+        chunks = sum(self._write_pages(host, keys) for host, keys in store.segments)
         logger.info(
-            "request %s rank %d: stored %d segment(s) of %d tokens as %d chunk(s), computed on their own in %.1f ms "
-            "(%s)",
-            spec.req_id,
+            "request %s rank %d: stored %d segment(s) of %d tokens as %d chunk(s), computed on their own "
+            "(%s; pages %.1f ms), %.1f ms after the step queued them",
+            store.req_id,
             self.rank,
-            len(spec.segments),
-            total,
+            len(store.segments),
+            store.tokens,
             chunks,
-            (time.perf_counter() - started) * 1e3,
-            timer.describe(),
+            phases,
+            (time.perf_counter() - written) * 1e3,
+            (time.perf_counter() - store.started) * 1e3,
         )
+
+    def close(self) -> None:
+        """Writes what is still queued (the copies are waited for)."""
+        self.poll_stores(wait=True)
 
     # -- load ------------------------------------------------------------------------------------
 

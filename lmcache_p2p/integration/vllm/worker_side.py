@@ -317,6 +317,8 @@ class WorkerSide:
         engine = self._engine
         storage = engine.storage
         self._release_segments(request.req_id)  # asked again (a preempted request): the new answer stands
+        if self.blender is not None:
+            self.blender.poll_stores(wait=True)  # segments stored behind an earlier step count
         held, pins = [], {}
         for packed in request.segments or []:
             keys = unpack_hashes(packed).tolist()
@@ -383,6 +385,8 @@ class WorkerSide:
     def start_load_kv(self, meta: P2PConnectorMetadata) -> None:
         engine, loads = self._engine, self._loads
         engine.poll_stores()
+        if self.blender is not None:
+            self.blender.poll_stores()
         loads.begin_step(meta)
         for req_id in meta.released:
             loads.abort(req_id)  # finished (aborted) while its load pulls: its blocks are freed once reported
@@ -480,6 +484,8 @@ class WorkerSide:
         their blocks now (the scheduler side delayed it)."""
         engine = self._engine
         engine.poll_stores()
+        if self.blender is not None:
+            self.blender.poll_stores()
         self._loads.poll_step_loads()
         self._finishing.update(r for r in finished_req_ids if r in self._saving)
         done = {r for r in self._finishing if not engine.stores_pending(r)}
@@ -514,6 +520,9 @@ class WorkerSide:
         if self.loads is not None:
             self.loads.close()
             self.loads = None
+        if self.blender is not None:
+            self.blender.close()  # its queued segment stores are written before the tiers close
+            self.blender = None
         self._clock = None
         if self.engine is not None:
             self.engine.close()
