@@ -8,6 +8,7 @@ output of a cold run, and KV corrupted on purpose changes it (so a hit really fe
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -36,6 +37,18 @@ def counters(engine: InstanceProcess) -> dict:
     return engine.status()["engine"]
 
 
+def metrics(engine: InstanceProcess) -> dict[str, tuple[str, float]]:
+    """vLLM's /metrics page in the engine's process, our series: name -> (type, value summed
+    over label sets). A rank's counters reach vLLM with its next step: a short request first."""
+    engine.request("generate", prompt_ids=[5, 6, 7], max_tokens=2)
+    text = engine.request("metrics")["text"]
+    types = dict(re.findall(r"^# TYPE (lmcache:\S+) (\w+)$", text, re.M))
+    values: dict[str, float] = {}
+    for name, value in re.findall(r"^(lmcache:[^{\s]+)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        values[name] = values.get(name, 0.0) + float(value)
+    return {name: (types.get(name.removesuffix("_total"), types.get(name, "?")), v) for name, v in values.items()}
+
+
 def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, prompt):
     eng = engine({"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25})
     cold = eng.generate(prompt)
@@ -43,6 +56,14 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
 
     warm = eng.generate(prompt)
     assert counters(eng)["retrieved_tokens"] == 2 * CHUNK
+    # The same counts in vLLM's own /metrics, as counters, with the CPU pool's occupancy.
+    seen = metrics(eng)
+    assert seen["lmcache:num_hit_tokens_total"] == ("counter", 2 * CHUNK), seen
+    assert seen["lmcache:num_stored_tokens_total"] == ("counter", 2 * CHUNK), seen
+    kind, lookups = seen["lmcache:num_lookup_requests_total"]
+    assert kind == "counter" and lookups >= 2, seen
+    kind, used = seen["lmcache:local_cache_usage"]
+    assert kind == "gauge" and used > 0, seen
     assert warm == cold
     log = eng.log()
     assert f"Storing KV cache for {2 * CHUNK} out of {2 * CHUNK} tokens" in log
@@ -154,6 +175,9 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         b_counts = counters(b)
         assert b_counts["retrieved_tokens"] == 2 * CHUNK and b_counts["stored_tokens"] == 0
         assert b.status()["p2p_client"]["chunks_pulled"] == 2
+        seen = metrics(b)  # the pull in vLLM's /metrics
+        assert seen["lmcache:p2p_chunks_pulled_total"] == ("counter", 2), seen
+        assert seen["lmcache:p2p_bytes_pulled_total"][1] == b.status()["p2p_client"]["bytes_pulled"] > 0
         assert f"over {channel}" in b.log()
         assert "Python's thread switch interval: 5.00 ms -> 0.50 ms (switch_interval_ms)" in b.log()
         assert "thread switch interval" not in a.log()  # unset on a CPU engine: Python's own

@@ -26,6 +26,8 @@ stderr). Operations:
   dropped a request's output in flight or kept it (``preemptions_dropping_output``,
   ``preemptions_keeping_output``);
 * ``{"op": "status"}`` -> the cache engine's status (tiers, counters, worker);
+* ``{"op": "metrics"}`` -> ``text``: vLLM's Prometheus exposition in this process (its ``/metrics``
+  page, with the connector's ``lmcache:`` series);
 * ``{"op": "flush"}`` waits for disk writes and the controller reports;
 * ``{"op": "quit"}``.
 """
@@ -163,6 +165,10 @@ def handler(llm):
         if op == "flush":
             _engine().flush()
             return {}
+        if op == "metrics":  # vLLM's Prometheus registry in this process, ours included
+            from prometheus_client import REGISTRY, generate_latest
+
+            return {"text": generate_latest(REGISTRY).decode()}
         raise ValueError(f"unknown op {op!r}")
 
     return handle

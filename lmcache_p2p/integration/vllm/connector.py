@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from lmcache_p2p import logs
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.integration.vllm import compat
+from lmcache_p2p.integration.vllm import compat, engine_metrics
 from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
 
 if TYPE_CHECKING:
@@ -216,6 +216,25 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         if self._worker is None or self._worker.storage_events is None:
             return None
         return self._worker.storage_events.take()
+
+    # -- metrics (vLLM's /metrics: engine_metrics.py) ------------------------------------------
+
+    def get_kv_connector_stats(self) -> Any:
+        """This rank's counters' growth since its last report, and its tiers' occupancy."""
+        if self._worker is None:
+            return None
+        data = self._worker.take_metrics()
+        return engine_metrics.build_stats(data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return engine_metrics.build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
+    ) -> Any:
+        return engine_metrics.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

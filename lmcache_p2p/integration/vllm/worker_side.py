@@ -32,6 +32,7 @@ import torch
 from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import kv_layout
+from lmcache_p2p.integration.vllm.engine_metrics import RankMetrics
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
 from lmcache_p2p.integration.vllm.load_executor import LANDED_CHECK_TIMEOUT_S, LoadExecutor
 from lmcache_p2p.integration.vllm.lookup_channel import (
@@ -131,6 +132,7 @@ class WorkerSide:
         self._clock: _StepClock | None = None  # times prefill steps (register_kv_caches makes it)
         self.storage_events: StorageEventBuffer | None = None  # with --kv-events-config
         self.blender: Any = None  # blending.SegmentBlender, with enable_blending
+        self.metrics: RankMetrics | None = None  # built with the engine (register_kv_caches)
         self._segment_pins: dict[str, tuple[float, dict[int, Any]]] = {}  # req_id -> (when, key -> pinned chunk)
         self.tp_rank, self.tp_size = self._tp_rank_and_size()
 
@@ -188,6 +190,7 @@ class WorkerSide:
         if self.config.async_kv_loads is not False and first.is_cuda:  # True, or "auto": from host memory
             staging = self._make_load_staging(first.device, self.engine.storage.page_bytes)
         self.loads = LoadExecutor(self.engine, self.planes, self.layer_planes, staging)
+        self.metrics = RankMetrics(self.engine.status, self.tp_rank)
         if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
             self.storage_events = StorageEventBuffer(self.tp_rank, self.engine.storage.record_events())
         if self.config.enable_blending:
@@ -492,6 +495,11 @@ class WorkerSide:
         self._finishing -= done
         self._saving -= done
         return done
+
+    def take_metrics(self) -> dict | None:
+        """For vLLM's /metrics (engine_metrics.py): this rank's counters' growth since its last
+        report and its tiers' occupancy, at most every 50 ms; None between reports."""
+        return self.metrics.take() if self.metrics is not None and self.engine is not None else None
 
     def take_load_errors(self) -> set[int]:
         # Also here: vLLM asks for the errors before wait_for_save when it defers that call

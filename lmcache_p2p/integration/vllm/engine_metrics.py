@@ -1,0 +1,221 @@
+"""The engine's lmcache-p2p metrics, in vLLM's own ``/metrics``, through vLLM's public hooks for
+connector metrics.
+
+vLLM asks each rank's connector for its stats after every step (``get_kv_connector_stats``),
+sums them over the ranks (:meth:`ConnectorStats.aggregate`) and hands the sum to the metrics
+object the connector class built in the API server's process (``build_prom_metrics``), which
+records them in vLLM's Prometheus registry: the engine needs no port of its own, and the series
+carry vLLM's labels (``model_name``, ``engine``). A rank reports the growth of its counters since
+its last report (:class:`RankMetrics`) and its tiers' occupancy.
+
+Names follow the original LMCache's where the quantity is the same (``lmcache:num_hit_tokens``,
+``lmcache:local_cache_usage``, ...), so its dashboards carry over; the mesh's own are
+``lmcache:p2p_*``. docs/vllm.md lists them all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# (name, help, where a rank's status answer keeps the running total)
+COUNTERS: list[tuple[str, str, Callable[[dict], float]]] = [
+    (
+        "lmcache:num_lookup_requests",
+        "Prompts looked up (each once, when its hit is final)",
+        lambda s: s["engine"]["lookups"],
+    ),
+    ("lmcache:num_lookup_tokens", "Tokens of the prompts looked up", lambda s: s["engine"]["lookup_tokens"]),
+    (
+        "lmcache:num_lookup_hits",
+        "Of those, tokens found in the tiers or offered by a peer",
+        lambda s: s["engine"]["hit_tokens"],
+    ),
+    ("lmcache:num_retrieve_requests", "Loads into vLLM's blocks", lambda s: s["engine"]["retrieves"]),
+    (
+        "lmcache:num_hit_tokens",
+        "Tokens loaded into vLLM's blocks (not recomputed)",
+        lambda s: s["engine"]["retrieved_tokens"],
+    ),
+    ("lmcache:num_stored_tokens", "Tokens stored from vLLM's blocks", lambda s: s["engine"]["stored_tokens"]),
+    ("lmcache:p2p_pulls", "Pulls from peers", lambda s: _client(s, "pulls")),
+    ("lmcache:p2p_chunks_pulled", "Chunks pulled from peers", lambda s: _client(s, "chunks_pulled")),
+    ("lmcache:p2p_bytes_pulled", "Bytes pulled from peers", lambda s: _client(s, "bytes_pulled")),
+    (
+        "lmcache:p2p_pull_seconds",
+        "Time pulls spent moving bytes (rate of bytes over this: GB/s)",
+        lambda s: _client(s, "transfer_ms") / 1e3,
+    ),
+    (
+        "lmcache:p2p_pull_failures",
+        "Pulls that failed (a dead or stalled peer, a refused channel)",
+        lambda s: _client(s, "pull_failures"),
+    ),
+    (
+        "lmcache:p2p_checksum_mismatches",
+        "Pulled chunks whose checksum differed (dropped, recomputed)",
+        lambda s: _client(s, "checksum_mismatches"),
+    ),
+    (
+        "lmcache:p2p_pulls_skipped",
+        "Pull-or-recompute decisions that recomputed (the pull policy)",
+        lambda s: _client(s, "pulls_skipped"),
+    ),
+    (
+        "lmcache:p2p_chunks_skipped",
+        "Chunks peers offered that were recomputed instead",
+        lambda s: _client(s, "chunks_skipped"),
+    ),
+    ("lmcache:num_remote_read_bytes", "Bytes read from the remote store", lambda s: _remote(s, "bytes_read")),
+    ("lmcache:num_remote_write_bytes", "Bytes written to the remote store", lambda s: _remote(s, "bytes_written")),
+    (
+        "lmcache:remote_errors",
+        "Remote store operations that failed (an outage is a run of these)",
+        lambda s: _remote(s, "errors"),
+    ),
+    (
+        "lmcache:disk_writes_dropped",
+        "Chunks the disk write-behind dropped (its queue full)",
+        lambda s: float(s["storage"].get("disk_writes_dropped", 0)),
+    ),
+]
+
+# (name, help, the current value in a rank's status answer); summed over the ranks
+GAUGES: list[tuple[str, str, Callable[[dict], float]]] = [
+    ("lmcache:local_cache_usage", "Bytes held in the CPU pool", lambda s: _tier_bytes(s, "cpu")),
+    (
+        "lmcache:local_storage_usage",
+        "Bytes held on the local disk",
+        lambda s: float(s["storage"].get("disk", {}).get("used_bytes", 0)),
+    ),
+    ("lmcache:gpu_tier_usage", "Bytes held in the GPU tier", lambda s: _tier_bytes(s, "gpu")),
+]
+
+
+def _client(status: dict, key: str) -> float:
+    return float((status.get("p2p_client") or {}).get(key, 0))
+
+
+def _remote(status: dict, key: str) -> float:
+    return float((status["storage"].get("remote") or {}).get(key, 0))
+
+
+def _tier_bytes(status: dict, tier: str) -> float:
+    stats = status["storage"].get(tier)
+    if not stats:
+        return 0.0
+    page_bytes = int(status["storage"].get("page_bytes", 0))
+    return float(stats.get("chunks", 0) * page_bytes)
+
+
+class RankMetrics:
+    """One rank's reports: its counters' growth since the last report and its gauges, read from
+    the engine's status answer at most every ``interval_s`` (vLLM asks after every step)."""
+
+    def __init__(self, read_status: Callable[[], dict], rank: int, interval_s: float = 0.05):
+        self._read = read_status
+        self._rank = rank
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._last_at = 0.0
+
+    def take(self, now: float | None = None) -> dict[str, Any] | None:
+        now = time.monotonic() if now is None else now
+        if now - self._last_at < self._interval_s:
+            return None
+        self._last_at = now
+        status = self._read()
+        counters = {name: read(status) for name, _, read in COUNTERS}
+        grown = {name: value - self._last.get(name, 0.0) for name, value in counters.items()}
+        self._last = counters
+        return {
+            "counters": {name: delta for name, delta in grown.items() if delta > 0},
+            "gauges": {str(self._rank): {name: read(status) for name, _, read in GAUGES}},
+        }
+
+
+def _stats_base() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+    return KVConnectorStats
+
+
+def build_stats(data: dict[str, Any] | None) -> Any:
+    """vLLM's ``build_kv_connector_stats``: our stats object around ``data``."""
+    return _stats_class()(data=dict(data or {}))
+
+
+_STATS_CLASS: type | None = None
+
+
+def _stats_class() -> type:
+    """:class:`ConnectorStats`, made on first use (its base class is vLLM's)."""
+    global _STATS_CLASS
+    if _STATS_CLASS is None:
+
+        @dataclass
+        class ConnectorStats(_stats_base()):  # type: ignore[misc]
+            """Counter growth summed over ranks and steps; gauges per rank (the newest wins)."""
+
+            def reset(self) -> None:
+                self.data: dict[str, Any] = {}
+
+            def aggregate(self, other: Any) -> Any:
+                counters = dict(self.data.get("counters", {}))
+                for name, delta in other.data.get("counters", {}).items():
+                    counters[name] = counters.get(name, 0.0) + delta
+                gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}
+                self.data = {"counters": counters, "gauges": gauges}
+                return self
+
+            def reduce(self) -> dict[str, int | float]:
+                out: dict[str, int | float] = {
+                    n.split(":", 1)[1]: round(v, 3) for n, v in self.data.get("counters", {}).items()
+                }
+                return out
+
+            def is_empty(self) -> bool:
+                return not self.data.get("counters")
+
+        _STATS_CLASS = ConnectorStats
+    return _STATS_CLASS
+
+
+def build_prom_metrics(
+    vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+) -> Any:
+    """vLLM's ``build_prom_metrics``: the series above, in vLLM's registry, with its labels."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    class PromMetrics(KVConnectorPromMetrics):
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            # (vLLM hands the classes to build with: prometheus-client's, or its multiprocess ones)
+            counter: Any = self._counter_cls
+            gauge: Any = self._gauge_cls
+            self._counters = {
+                name: counter(name=name, documentation=text, labelnames=labelnames) for name, text, _ in COUNTERS
+            }
+            self._gauges = {
+                name: gauge(name=name, documentation=text, labelnames=labelnames, multiprocess_mode="mostrecent")
+                for name, text, _ in GAUGES
+            }
+            # Each rank's newest gauge values: ranks report on their own clocks, so one step's
+            # sum may carry only some of them.
+            self._ranks: dict[int, dict[str, dict[str, float]]] = {}
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            labels = self.per_engine_labelvalues[engine_idx]
+            for name, delta in transfer_stats_data.get("counters", {}).items():
+                if name in self._counters and delta > 0:
+                    self._counters[name].labels(*labels).inc(delta)
+            reported = transfer_stats_data.get("gauges", {})
+            if reported:
+                ranks = self._ranks.setdefault(engine_idx, {})
+                ranks.update(reported)
+                for name in self._gauges:
+                    self._gauges[name].labels(*labels).set(sum(r.get(name, 0.0) for r in ranks.values()))
+
+    return PromMetrics()
