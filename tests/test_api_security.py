@@ -21,6 +21,7 @@ import time
 
 import pytest
 from protocol_client import CPU, ControllerProcess, FakeWorker, wait_for
+from raw_http import peak_rss, read_response
 
 from lmcache_p2p.controller.api import MAX_BODY_BYTES
 from lmcache_p2p.protocol import ClearCommand, MoveCommand, PinCommand
@@ -279,32 +280,6 @@ def test_a_post_that_is_not_json_is_refused_with_415_and_changes_nothing(open_fl
 # -- body size --------------------------------------------------------------------------------------
 
 
-def _peak_rss(pid: int) -> tuple[int, int]:
-    """(VmHWM, VmRSS) in bytes: the process's peak and current resident memory."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields["VmHWM"], fields["VmRSS"]
-
-
-def _read_response(sock: socket.socket, timeout: float) -> tuple[int, bytes]:
-    """One HTTP/1.1 response (status, body) with a Content-Length, read off a raw socket."""
-    sock.settimeout(timeout)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before a response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return int(head.split()[1]), body
-
-
 def _warm(controller: ControllerProcess) -> None:
     # A few lookups first, so that allocations of the first requests are not counted as growth.
     for _ in range(3):
@@ -320,7 +295,7 @@ def test_a_100_mb_body_is_refused_before_it_is_read(open_fleet):
     r = controller.http.post("/lookup", content=prompt, headers={"Content-Type": "application/json"})
     assert r.status_code == 200, r.text[:300]
     _warm(controller)
-    hwm0, _ = _peak_rss(controller.proc.pid)
+    hwm0, _ = peak_rss(controller.proc.pid)
     with socket.create_connection(("127.0.0.1", controller.http_port)) as sock:
         sock.sendall(
             b"POST /lookup HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -328,7 +303,7 @@ def test_a_100_mb_body_is_refused_before_it_is_read(open_fleet):
         )
         # The answer comes before a byte of the body is sent.
         t0 = time.monotonic()
-        status, body = _read_response(sock, timeout=5)
+        status, body = read_response(sock, timeout=5)
         assert status == 413, body
         assert str(HUNDRED_MB) in body.decode() and str(MAX_BODY_BYTES) in body.decode(), body
         answered_in = time.monotonic() - t0
@@ -338,9 +313,9 @@ def test_a_100_mb_body_is_refused_before_it_is_read(open_fleet):
             sock.sendall(block)
         sock.sendall(b" " * (HUNDRED_MB % len(block)))
         sock.sendall(b"GET /controller/workers HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        status, _ = _read_response(sock, timeout=30)
+        status, _ = read_response(sock, timeout=30)
         assert status == 200
-    hwm1, rss1 = _peak_rss(controller.proc.pid)
+    hwm1, rss1 = peak_rss(controller.proc.pid)
     print(f"peak RSS growth {(hwm1 - hwm0) / 2**20:.1f} MiB, RSS now {rss1 / 2**20:.1f} MiB")
     assert hwm1 - hwm0 < RSS_GROWTH_BOUND, f"peak RSS grew {(hwm1 - hwm0) / 2**20:.1f} MiB"
     assert answered_in < 2.0
@@ -349,7 +324,7 @@ def test_a_100_mb_body_is_refused_before_it_is_read(open_fleet):
 def test_a_chunked_100_mb_body_is_cut_off_at_the_limit(open_fleet):
     controller = open_fleet.controller
     _warm(controller)
-    hwm0, _ = _peak_rss(controller.proc.pid)
+    hwm0, _ = peak_rss(controller.proc.pid)
     block = b"[" + b"1," * ((1 << 20) // 2 - 1)  # 1 MiB chunks of a JSON array that never ends
     sent = 0
     with socket.create_connection(("127.0.0.1", controller.http_port)) as sock:
@@ -364,13 +339,13 @@ def test_a_chunked_100_mb_body_is_cut_off_at_the_limit(open_fleet):
                 break  # the controller answered before the body ended
         else:
             sock.sendall(b"0\r\n\r\n")
-        status, body = _read_response(sock, timeout=30)
+        status, body = read_response(sock, timeout=30)
     assert status == 413, body
     assert f"over the limit of {MAX_BODY_BYTES} bytes" in body.decode(), body
     # What was sent before the answer arrived: the limit, plus what the kernel's socket buffers
     # held on the way (up to tens of MB on loopback), never the whole 100 MB.
     assert sent < HUNDRED_MB, f"{sent} bytes sent before the answer"
-    hwm1, rss1 = _peak_rss(controller.proc.pid)
+    hwm1, rss1 = peak_rss(controller.proc.pid)
     print(f"{sent / 2**20:.0f} MiB sent before the 413; peak RSS growth {(hwm1 - hwm0) / 2**20:.1f} MiB")
     assert hwm1 - hwm0 < RSS_GROWTH_BOUND, f"peak RSS grew {(hwm1 - hwm0) / 2**20:.1f} MiB"
 

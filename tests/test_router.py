@@ -8,6 +8,7 @@ is down."""
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,9 @@ import httpx
 import pytest
 from openai_standin import ServedApp, StandinEngine, chat_text, standin_tokens
 from protocol_client import ControllerProcess, FakeWorker, registered_workers, wait_for
+from raw_http import peak_rss, read_response
 
+from lmcache_p2p.http_body import DEFAULT_MAX_BODY_BYTES
 from lmcache_p2p.protocol import EngineLoad
 from lmcache_p2p.router import cli
 from lmcache_p2p.router.app import create_app
@@ -359,9 +362,11 @@ def test_flags_are_checked_with_their_names(capsys, tmp_path):
         "--controller-url", "c:9000", "--api-token-file", "f", env={"LMCACHE_API_TOKEN": TOKEN}
     )
     assert "--request-timeout 0.0" in error("--controller-url", "c:9000", "--request-timeout", "0")
+    assert "--max-body-bytes 0" in error("--controller-url", "c:9000", "--max-body-bytes", "0")
     args = cli.build_parser().parse_args(["--controller-url", "127.0.0.1:9000/"])
     config = cli.config_from_args(args, {"LMCACHE_API_TOKEN": TOKEN})
     assert (config.controller_url, config.api_token, config.policy) == ("http://127.0.0.1:9000", TOKEN, "kv-aware")
+    assert config.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 4 * 2**20
     with pytest.raises(SystemExit):
         cli.main(["--controller-url", "c:9000", "--policy", "fastest"])
     assert "--policy: invalid choice: 'fastest'" in capsys.readouterr().err
@@ -410,3 +415,56 @@ def test_the_command_routes_through_a_controller_with_a_token(tmp_path, engines,
     out = log.read_text()
     assert "routing with policy kv-aware via controller" in out
     assert "/v1/completions model=tiny-llama stream=False policy=kv-aware prompt_tokens=64 -> inst-a" in out
+
+
+HUNDRED_MIB = 100 * 2**20
+
+
+def test_a_100_mib_body_is_refused_with_413_and_never_held(fleet, tmp_path):
+    """Issue 47 item 5: the router read a 100 MiB completions body whole and forwarded it (59 -> 603
+    MB). Now a declared one is refused before a byte is read, a chunked one once past the limit,
+    and the router's memory stays near where it was; a normal completion still routes."""
+    port = free_ports(1)[0]
+    proc = ServedProcess(
+        "lmcache_router",
+        [sys.executable, "-m", "lmcache_p2p.router.cli", "--controller-url", fleet.controller.url]
+        + ["--port", str(port), "--log-level", "warning"],
+        tmp_path / "router.log",
+    ).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(f"{url}/health", 20)
+        assert answered_by(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": DOC}))
+        hwm0, _ = peak_rss(proc.process.pid)
+        # Declared: the 413 comes before the body is sent.
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % HUNDRED_MIB
+            )
+            status, body = read_response(sock, timeout=5)
+        assert status == 413, body
+        error = httpx.Response(413, content=body).json()["error"]
+        assert str(DEFAULT_MAX_BODY_BYTES) in error["message"] and str(HUNDRED_MIB) in error["message"], error
+        assert (error["param"], error["max_body_bytes"]) == ("Content-Length", DEFAULT_MAX_BODY_BYTES)
+
+        # Chunked, streamed from a generator (never built here): cut off at the limit.
+        def blocks():
+            yield b'{"model": "tiny-llama", "prompt": "'
+            block = b"x" * 2**20
+            for _ in range(HUNDRED_MIB // len(block)):
+                yield block
+            yield b'"}'
+
+        r = httpx.post(f"{url}/v1/completions", content=blocks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text[:300]
+        assert f"over the limit of {DEFAULT_MAX_BODY_BYTES} bytes" in r.json()["error"]["message"]
+        hwm1, rss1 = peak_rss(proc.process.pid)
+        print(f"router peak RSS growth {(hwm1 - hwm0) / 2**20:.1f} MiB, RSS now {rss1 / 2**20:.1f} MiB")
+        assert hwm1 - hwm0 < 3 * DEFAULT_MAX_BODY_BYTES + 8 * 2**20, f"peak RSS grew {(hwm1 - hwm0) / 2**20:.1f} MiB"
+        # Nothing of it reached an engine, and the next request routes as before.
+        assert sum(len(e.paths("/v1/completions")) for e in fleet.engines.values()) == 1
+        assert answered_by(httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": DOC}))
+        assert httpx.get(f"{url}/router/stats").json()["bad_requests"] == 2
+    finally:
+        proc.stop()

@@ -50,6 +50,7 @@ from lmcache_p2p.controller.errors import (
 )
 from lmcache_p2p.controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lmcache_p2p.controller.service import Controller
+from lmcache_p2p.http_body import DEFAULT_MAX_BODY_BYTES, BadContentLength, BodyTooLarge, read_bounded_body
 
 logger = logging.getLogger("lmcache_p2p.controller")
 
@@ -57,7 +58,7 @@ logger = logging.getLogger("lmcache_p2p.controller")
 # token ids. 131,072 tokens as compact JSON take 0.89 MiB with a 128k-entry vocabulary (6-digit
 # ids) and 1.44 MiB at worst (ids up to 2**31 - 1, 10 digits, plus ", "); indented, 2.0 MiB. 4 MiB
 # leaves room for all of them and still bounds what one request can make the controller hold.
-MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES
 
 # Client errors that belong to HTTP itself, not to the core: they are raised before a body is
 # decoded, so the core never sees them.
@@ -257,11 +258,8 @@ def _media_type(content_type: str) -> str:
 
 
 async def json_body(request: Request) -> bytes:
-    """A POST's body, once its Content-Type says JSON and never more than :data:`MAX_BODY_BYTES` of it.
-
-    A declared Content-Length over the limit is refused before a byte is read; a chunked body is
-    read chunk by chunk and refused as soon as it passes the limit, so a 100 MB body costs at most
-    the limit in memory. (What the client still sends after the 413 is read and dropped by uvicorn.)"""
+    """A POST's body, once its Content-Type says JSON and never more than :data:`MAX_BODY_BYTES` of it
+    (read by :func:`lmcache_p2p.http_body.read_bounded_body`, which lmcache_router uses too)."""
     content_type = request.headers.get("content-type")
     if content_type is None:
         raise UnsupportedMediaType(
@@ -273,24 +271,12 @@ async def json_body(request: Request) -> bytes:
             "'Content-Type: application/json'",
             "Content-Type",
         )
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            length = int(declared)
-        except ValueError:
-            raise InvalidRequest(f"Content-Length {declared!r} is not a number", "Content-Length") from None
-        if length > MAX_BODY_BYTES:
-            raise PayloadTooLarge(
-                f"body of {length} bytes (Content-Length) is over the limit of {MAX_BODY_BYTES} bytes", "Content-Length"
-            )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"body is over the limit of {MAX_BODY_BYTES} bytes (stopped reading there)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await read_bounded_body(request, MAX_BODY_BYTES)
+    except BodyTooLarge as e:
+        raise PayloadTooLarge(str(e), e.field) from None
+    except BadContentLength as e:
+        raise InvalidRequest(str(e), e.field) from None
 
 
 JsonBody = Annotated[bytes, Depends(json_body)]

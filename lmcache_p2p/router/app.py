@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi_offline import FastAPIOffline
 from starlette.background import BackgroundTask
 
+from lmcache_p2p.http_body import BadContentLength, BodyTooLarge, read_bounded_body
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import Candidate, RoundRobin, demote, make_policy
@@ -616,7 +617,16 @@ class RouterService:
 
     async def handle(self, request: Request, path: str) -> Response:
         self.stats.requests += 1
-        raw = await request.body()
+        try:
+            # Bounded as the controller bounds its bodies: a 100 MB body is refused, not held and forwarded.
+            raw = await read_bounded_body(request, self.config.max_body_bytes)
+        except BodyTooLarge as e:
+            self.stats.bad_requests += 1
+            logger.warning("%s refused with 413: %s", path, e)
+            return openai_error(413, str(e), "invalid_request_error", e.field, max_body_bytes=e.limit)
+        except BadContentLength as e:
+            self.stats.bad_requests += 1
+            return openai_error(400, str(e), "invalid_request_error", e.field)
         try:
             body, prompt = parse_body(raw, path)
         except BadRequest as e:

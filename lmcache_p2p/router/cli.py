@@ -18,6 +18,7 @@ import urllib.parse
 from collections.abc import Mapping
 
 from lmcache_p2p import version_line
+from lmcache_p2p.http_body import DEFAULT_MAX_BODY_BYTES
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import POLICY_NAMES
 from lmcache_p2p.router.tokenizer import LocalTokenizer, TokenizerError
@@ -81,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds an engine that could not be reached is tried last (default 10)",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help=f"largest request body accepted; a bigger one is refused with 413 before it is read "
+        f"(default {DEFAULT_MAX_BODY_BYTES}, 4 MiB, as the controller's)",
+    )
     return p
 
 
@@ -135,6 +144,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
     ):
         if not value > 0 or value == float("inf"):
             raise FlagError(f"{flag} {value}: expected seconds > 0")
+    if args.max_body_bytes < 1:
+        raise FlagError(f"--max-body-bytes {args.max_body_bytes}: expected a number of bytes >= 1")
     if args.model is not None and not args.model.strip():
         raise FlagError("--model '': expected a model name")
     return RouterConfig(
@@ -147,6 +158,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
         request_timeout_s=args.request_timeout,
         cooldown_s=args.engine_cooldown,
         tokenizer=args.tokenizer,
+        max_body_bytes=args.max_body_bytes,
     )
 
 

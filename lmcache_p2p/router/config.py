@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmcache_p2p.http_body import DEFAULT_MAX_BODY_BYTES
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -20,3 +22,5 @@ class RouterConfig:
     request_timeout_s: float = 600.0  # a non-streamed generation answers only at its end
     cooldown_s: float = 10.0  # an unreachable engine goes last in every order for this long
     tokenizer: str | None = None  # a local tokenizer (model dir or hub id); None: the engines' /tokenize
+    # A request body over this is a 413 before it is read (the controller's bound, http_body.py).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
