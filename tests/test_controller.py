@@ -397,6 +397,56 @@ def test_with_an_events_file_the_event_history_survives_a_restart(tmp_path):
         controller.stop()
 
 
+def test_a_damaged_events_file_is_survived_line_by_line(tmp_path):
+    """Issue 47 item 6: a non-UTF-8 line, a 100,000-deep one or ``num_tokens: 1e400`` stopped start-up
+    with a traceback; a string ``finished_at`` started, then /controller/events and the dashboard
+    reset the connection. Now each bad line is skipped with a WARNING naming its number and why,
+    and the good records are served."""
+    base = {"kind": "move", "instance_id": "inst-a", "detail": "inst-a/LocalCPUBackend -> inst-b/LocalCPUBackend"}
+    base |= {"status": "done", "num_tokens": 64, "error": None, "created_at": 1.7e9, "finished_at": 1.7e9 + 1.5}
+    good = [
+        {**base, "event_id": "move-00000000000000a1"},
+        {**base, "event_id": "clear-00000000000000a2", "kind": "clear", "detail": "LocalCPUBackend"},
+        {**base, "event_id": "pin-00000000000000a3", "kind": "pin", "status": "failed", "error": "rank 0: no pool"},
+    ]
+
+    def line(record: dict) -> bytes:
+        return json.dumps(record).encode() + b"\n"
+
+    damaged = {  # line number -> (the line, what its WARNING says)
+        2: (line({**base, "event_id": "move-X"}).replace(b"move-X", b"move-\xff\xfe"), "not valid UTF-8"),
+        3: (b"[" * 100_000 + b"]" * 100_000 + b"\n", "200000 bytes long"),
+        5: (line({**base, "event_id": "move-b3"}).replace(b'"num_tokens": 64', b'"num_tokens": 1e400'), "out of range"),
+        6: (line({**base, "event_id": "move-b4", "finished_at": "yesterday"}), "$.finished_at"),
+        7: (line({k: v for k, v in base.items() if k != "status"} | {"event_id": "move-b5"}), "field `status`"),
+        9: (line({**base, "event_id": "move-b6"})[:60] + b"\n", "truncated"),
+    }
+    lines = [line(good[0]), damaged[2][0], damaged[3][0], line(good[1]), damaged[5][0], damaged[6][0]]
+    lines += [damaged[7][0], line(good[2]), damaged[9][0]]
+    journal = tmp_path / "events.jsonl"
+    journal.write_bytes(b"".join(lines))
+    controller = ControllerProcess(*FAST, "--events-file", str(journal)).start()
+    try:
+        events = controller.http.get("/controller/events").json()["events"]
+        assert sorted(e["event_id"] for e in events) == sorted(r["event_id"] for r in good)
+        by_id = {e["event_id"]: e for e in events}
+        assert by_id["pin-00000000000000a3"]["error"] == "rank 0: no pool"
+        assert by_id["move-00000000000000a1"]["duration_ms"] == 1500.0
+        dashboard = controller.http.get("/controller/dashboard")
+        assert dashboard.status_code == 200
+        assert {e["event_id"] for e in dashboard.json()["events"]} == set(by_id)
+        assert controller.post("/check_finish", {"event_id": "move-00000000000000a1"}).json()["num_tokens"] == 64
+    finally:
+        out = controller.stop()
+    warnings = [text for text in out.splitlines() if "WARNING" in text and "events journal" in text]
+    assert len(warnings) == len(damaged), out
+    for (number, (_, why)), warning in zip(sorted(damaged.items()), warnings, strict=True):
+        assert f"line {number} skipped" in warning and why in warning, warning
+    assert "Traceback" not in out, out
+    # Rewritten with the good records only: the next start reads them without a warning.
+    assert [json.loads(text)["event_id"] for text in journal.read_text().splitlines()] == [r["event_id"] for r in good]
+
+
 # -- commands -------------------------------------------------------------------------------------
 
 

@@ -10,19 +10,30 @@ With a journal (``--events-file``), command events survive a restart: each is ap
 line when it is created and again when it finishes (the later line wins), the newest
 ``capacity`` are read back at start, and one still pending then is failed as interrupted. The
 file is rewritten with only those once it holds twice as many lines, so it stays bounded.
+
+A journal line is trusted no more than a live event (issue 47): each is decoded as a
+:class:`JournalRecord` and checked by :func:`check_event`, the check :meth:`EventLog.create`
+makes of every live event. A line that fails (not UTF-8, nested too deeply, a number out of range,
+a string where a time belongs, cut short, a field missing) is skipped with one WARNING naming its
+line number and why, and the controller starts with the rest.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import uuid
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
+
+import msgspec
+
+from lmcache_p2p.controller.admission import MAX_ID_CHARS, shown
 
 Status = Literal["pending", "done", "failed"]
 
@@ -33,6 +44,41 @@ INTERRUPTED = "the controller restarted before this command finished; its outcom
 
 # An event's error joins its ranks' reasons; bounded, as a TP group of many ranks could say a lot.
 MAX_ERROR_CHARS = 2000
+# The commands orchestration.py issues; an event of any other kind is not one this controller made.
+COMMAND_KINDS = ("move", "copy", "clear", "pin", "unpin", "health", "status")
+STATUSES = ("pending", "done", "failed")
+# An event id is "<kind>-<16 hex digits>"; a detail names two instance/location pairs at most.
+MAX_EVENT_ID_CHARS = 64
+MAX_DETAIL_CHARS = 2 * MAX_ID_CHARS + 256
+MAX_NUM_TOKENS = 2**53  # exact in a float, so the dashboard's JavaScript shows it as it is
+# A journal line is one event (under 3 KiB with the longest error); a longer line is not ours.
+MAX_JOURNAL_LINE_BYTES = 64 * 1024
+# Warnings about bad journal lines, one a line up to here; past it only their count (a file of
+# garbage must not flood the log).
+MAX_LINE_WARNINGS = 100
+
+
+class EventInvalid(ValueError):
+    """An event (live or read back) whose ``field`` holds ``value``, which no event can."""
+
+    def __init__(self, field: str, value: Any, expected: str):
+        super().__init__(f"{field}={shown(value)}: expected {expected}")
+        self.field, self.value = field, value
+
+
+class JournalRecord(msgspec.Struct, forbid_unknown_fields=True):
+    """One journal line, typed: what :meth:`EventLog._line` writes. Decoding checks the types (a
+    string ``finished_at`` or a float ``num_tokens`` is refused here); :func:`check_event` the values."""
+
+    event_id: str
+    kind: str
+    instance_id: str
+    detail: str
+    status: str
+    num_tokens: int
+    error: str | None
+    created_at: float
+    finished_at: float | None
 
 
 @dataclass
@@ -64,6 +110,73 @@ class CommandEvent:
         }
 
 
+def _check_time(name: str, value: float | None, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise EventInvalid(name, value, "a finite Unix time >= 0" + (", or null" if optional else ""))
+
+
+def check_event(event: CommandEvent) -> None:
+    """Raise :class:`EventInvalid` naming the first field of ``event`` no event of ours can hold:
+    what /check_finish, /controller/events and the dashboard rely on (a string ``finished_at`` made
+    ``duration_ms`` raise mid-answer)."""
+    if event.kind not in COMMAND_KINDS:
+        raise EventInvalid("kind", event.kind, f"one of {', '.join(COMMAND_KINDS)}")
+    if not (0 < len(event.event_id) <= MAX_EVENT_ID_CHARS and event.event_id.startswith(f"{event.kind}-")):
+        raise EventInvalid("event_id", event.event_id, f"'{event.kind}-' and an id, at most {MAX_EVENT_ID_CHARS} chars")
+    if not event.event_id.isprintable():
+        raise EventInvalid("event_id", event.event_id, "printable characters")
+    if not 0 < len(event.instance_id) <= MAX_ID_CHARS or not event.instance_id.isprintable():
+        raise EventInvalid("instance_id", event.instance_id, f"1..{MAX_ID_CHARS} printable characters")
+    if len(event.detail) > MAX_DETAIL_CHARS or not event.detail.isprintable():
+        raise EventInvalid("detail", event.detail, f"at most {MAX_DETAIL_CHARS} printable characters")
+    if event.status not in STATUSES:
+        raise EventInvalid("status", event.status, f"one of {', '.join(STATUSES)}")
+    tokens = event.num_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_NUM_TOKENS:
+        raise EventInvalid("num_tokens", tokens, f"an integer 0..{MAX_NUM_TOKENS}")
+    if event.error is not None and len(event.error) > MAX_ERROR_CHARS:
+        raise EventInvalid("error", event.error, f"at most {MAX_ERROR_CHARS} characters, or null")
+    _check_time("created_at", event.created_at, optional=False)
+    _check_time("finished_at", event.finished_at, optional=True)
+
+
+_JOURNAL_DECODER = msgspec.json.Decoder(JournalRecord)
+
+
+def read_journal_line(line: bytes) -> CommandEvent:
+    """One journal line as the event it records; a ValueError (:class:`EventInvalid` for a value
+    out of bounds) says why it cannot be one."""
+    line = line.rstrip(b"\r\n")
+    if len(line) > MAX_JOURNAL_LINE_BYTES:
+        raise ValueError(f"{len(line)} bytes long; an event record is at most {MAX_JOURNAL_LINE_BYTES} bytes")
+    try:
+        r = _JOURNAL_DECODER.decode(line)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"not an event record: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("nests arrays or objects too deeply (an event record nests none)") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid UTF-8: {e.object[e.start : e.end]!r} ({e.reason})") from None
+    event = CommandEvent(
+        r.event_id,
+        r.kind,
+        r.instance_id,
+        r.detail,
+        set(),
+        status=r.status,  # type: ignore[arg-type]  # check_event refuses any other
+        num_tokens=r.num_tokens,
+        error=r.error,
+        created_at=r.created_at,
+        finished_at=r.finished_at,
+    )
+    check_event(event)
+    return event
+
+
 class EventLog:
     """The newest ``capacity`` events, by id; kept in ``journal`` (a JSON-lines file) when given."""
 
@@ -79,6 +192,7 @@ class EventLog:
 
     def create(self, kind: str, instance_id: str, ranks: set[int], detail: str = "") -> CommandEvent:
         event = CommandEvent(f"{kind}-{uuid.uuid4().hex[:16]}", kind, instance_id, detail, set(ranks))
+        check_event(event)  # the same check a journal line passes on the next start
         self._events[event.event_id] = event
         while len(self._events) > self.capacity:
             self._events.popitem(last=False)
@@ -110,29 +224,26 @@ class EventLog:
     def _load(self, path: str) -> None:
         bad = 0
         try:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
+            # Binary: a line that is not UTF-8 is one bad line, not an exception for the whole file.
+            with open(path, "rb") as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
                     try:
-                        r = json.loads(line)
-                        event = CommandEvent(
-                            str(r["event_id"]),
-                            str(r["kind"]),
-                            str(r["instance_id"]),
-                            str(r["detail"]),
-                            set(),
-                            status=r["status"] if r["status"] in ("pending", "done", "failed") else "failed",
-                            num_tokens=int(r["num_tokens"]),
-                            error=r["error"],
-                            created_at=float(r["created_at"]),
-                            finished_at=r["finished_at"],
-                        )
-                    except (ValueError, KeyError, TypeError):
-                        bad += 1  # a line cut short by a crash, or not ours
+                        event = read_journal_line(line)
+                    except ValueError as e:  # EventInvalid too
+                        bad += 1
+                        if bad <= MAX_LINE_WARNINGS:
+                            logger.warning("events journal %s line %d skipped: %s", path, number, e)
                         continue
                     self._events.pop(event.event_id, None)
                     self._events[event.event_id] = event  # the later line (its finish) wins
         except FileNotFoundError:
             return
+        if bad > MAX_LINE_WARNINGS:
+            logger.warning(
+                "events journal %s: %d more lines skipped, not listed (%d in all)", path, bad - MAX_LINE_WARNINGS, bad
+            )
         interrupted = 0
         for event in self._events.values():
             if event.status == "pending":
