@@ -5,6 +5,8 @@ bad frames writes a bounded log."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import msgspec
@@ -12,6 +14,9 @@ import pytest
 import zmq
 from protocol_client import CHUNK, CPU, ControllerProcess, FakeWorker, layout, wait_for
 
+from lmcache_p2p.controller.admission import ThreadedResolver
+from lmcache_p2p.controller.service import Controller
+from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.keys import LayoutFingerprint
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION,
@@ -238,3 +243,106 @@ def test_ten_thousand_bad_frames_write_a_bounded_log():
         log = controller.stop()
     lines = [line for line in log.splitlines() if "bad frame on pull socket" in line]
     assert 1 <= len(lines) <= 2, f"{len(lines)} lines"
+
+
+# -- slow name resolution ---------------------------------------------------------------------------
+
+
+class HangingResolver:
+    """Answers every name as the system would, except ``hung``, which never answers (a DNS server
+    that drops the query); counts the lookups of each name."""
+
+    def __init__(self, hung: str):
+        self.hung = hung
+        self.asked: dict[str, int] = {}
+        self.system = ThreadedResolver(4)
+
+    async def ipv4_addresses(self, host: str) -> list[str]:
+        self.asked[host] = self.asked.get(host, 0) + 1
+        if host == self.hung:
+            await asyncio.Event().wait()
+        return await self.system.ipv4_addresses(host)
+
+    def close(self) -> None:
+        self.system.close()
+
+
+class InProcessController:
+    """The controller's service (its real ZMQ monitor sockets) on a loop in a thread of this test,
+    so that the test can hand it a resolver; ``pull``/``reply``/``heartbeat`` as ControllerProcess has them."""
+
+    def __init__(self, resolver: HangingResolver):
+        http, self.pull, self.reply, self.heartbeat = free_ports(4)
+        ports = {"pull": self.pull, "reply": self.reply, "heartbeat": self.heartbeat}
+        settings = ControllerSettings(host="127.0.0.1", port=http, monitor_ports=ports, worker_timeout=30.0)
+        self.loop = asyncio.new_event_loop()
+        self.service = Controller(settings, resolver=resolver)
+        self.service.bind()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(5)
+
+    async def _start(self) -> None:
+        self.service.start()
+
+    async def _close(self) -> None:
+        self.service.close()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.service.ctx.destroy(0)
+
+
+def test_a_host_whose_name_never_resolves_delays_only_its_own_registrations():
+    """Issue 47 item 3: eight Registers whose DNS never answered held the reply socket 16 s, other
+    workers' peer lookups waited up to 3.99 s, and a Register from localhost was refused "did not
+    resolve within 2 s". Now the eight wait (and are refused) on their own, sharing one lookup."""
+    resolver = HangingResolver("slow.invalid")
+    controller = InProcessController(resolver)
+    member = slow = registrar = None
+    registrar_ctx = zmq.Context()
+    try:
+        member = FakeWorker(controller, "member")  # type: ignore[arg-type]  (has the ports it needs)
+        assert member.register().ok
+        hashes = member.admit_tokens(DOC)
+        assert member.p2p_lookup(hashes).holders == []  # itself only: no peer to offer
+        slow = registrar_ctx.socket(zmq.DEALER)
+        slow.setsockopt(zmq.LINGER, 0)
+        slow.connect(f"tcp://127.0.0.1:{controller.reply}")
+        registrar = Registrar(controller)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        for i in range(8):
+            message = registrar.good(f"slow-{i}", host="slow.invalid")
+            slow.send_multipart([i.to_bytes(8, "little"), encode(message)])
+        # The member's peer lookups and heartbeats go on at their usual pace meanwhile.
+        worst = 0.0
+        while time.monotonic() - t0 < 1.0:
+            started = time.monotonic()
+            member.p2p_lookup(hashes)
+            assert member.heartbeat().status == "ok"
+            worst = max(worst, time.monotonic() - started)
+        assert worst < 0.5, f"a lookup and heartbeat took {worst:.2f} s behind the hung registrations"
+        # A Register from localhost right after is accepted (nothing cached for slow.invalid applies).
+        started = time.monotonic()
+        assert registrar.send(registrar.good("local", host="localhost")).ok
+        assert time.monotonic() - started < 0.5
+        # Each of the eight is refused once its own 2 s are up, all together, not one after another.
+        refused = []
+        while len(refused) < 8:
+            assert slow.poll(5_000), f"{len(refused)} of 8 slow registrations answered"
+            _, payload = slow.recv_multipart()
+            refused.append(controller_reply_decoder.decode(payload))
+        elapsed = time.monotonic() - t0
+        assert all(not r.ok and "host='slow.invalid'" in r.error and "within 2 s" in r.error for r in refused)
+        assert elapsed < 3.0, f"the eight took {elapsed:.1f} s"
+        assert resolver.asked["slow.invalid"] == 1  # one lookup shared, not a thread each
+    finally:
+        for closeable in (member, registrar):
+            if closeable is not None:
+                closeable.close()
+        if slow is not None:
+            slow.close(0)
+        registrar_ctx.term()
+        controller.stop()

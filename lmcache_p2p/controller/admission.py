@@ -22,6 +22,7 @@ for ``worker_timeout`` (see orchestration.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import math
 import re
@@ -29,7 +30,8 @@ import socket
 import time
 import urllib.parse
 from collections import OrderedDict
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 from lmcache_p2p.controller.errors import ControllerError
 from lmcache_p2p.protocol import PROTOCOL_VERSION, EngineLoad, Register
@@ -254,18 +256,74 @@ def validate_load(load: EngineLoad) -> None:
 # -- does the host resolve? -----------------------------------------------------------------------
 
 
+class Resolver(Protocol):
+    """Names to IPv4 addresses: :class:`ThreadedResolver` in the controller, another in a test."""
+
+    async def ipv4_addresses(self, host: str) -> list[str]:
+        """``host``'s IPv4 addresses; OSError (socket.gaierror) when it has none."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ThreadedResolver:
+    """The system resolver (``getaddrinfo``: /etc/hosts, DNS, nsswitch) on threads of its own.
+
+    Not the loop's default executor: a lookup that never answers holds its thread until the
+    resolver library gives up (or forever), and hung lookups there once queued every other
+    ``run_in_executor`` behind them, so a legitimate ``localhost`` timed out too (issue 47)."""
+
+    def __init__(self, max_threads: int):
+        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="lmcache-controller-resolver")
+
+    async def ipv4_addresses(self, host: str) -> list[str]:
+        lookup = functools.partial(socket.getaddrinfo, host, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+        found = await asyncio.get_running_loop().run_in_executor(self._pool, lookup)
+        return [str(info[4][0]) for info in found]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class HostCheck:
     """Refuses a Register whose host does not resolve to an IPv4 address (the command channel and
-    every peer would fail on it). Answers are cached: ranks of one host register together, and a
-    hostile sender must not make the controller ask the resolver for every message. IPv4 literals
-    need no lookup."""
+    every peer would fail on it). IPv4 literals need no lookup.
 
-    def __init__(self, timeout_s: float = 2.0, ttl_s: float = 60.0, failed_ttl_s: float = 10.0, max_hosts: int = 4096):
+    One slow name delays only the registrations that carry it (issue 47: eight Registers whose DNS
+    never answered held the reply socket 16 s, and got ``localhost`` refused):
+
+    * each registration waits at most ``timeout_s`` for its host, and the caller (the reply socket,
+      now concurrent) goes on meanwhile;
+    * registrations of one host share one lookup (ranks of a host register together; a sender
+      repeating a hung name must not take a thread each), and at most ``max_lookups`` hosts are
+      looked up at once (a new one past that is refused at once, not queued behind hung ones);
+    * answers are cached per host (``ttl_s``; a failure ``failed_ttl_s``), and only the resolver's
+      own answer: a registration that gave up waiting caches nothing, so it can never refuse
+      another host, nor the same host once its lookup does answer.
+    """
+
+    def __init__(
+        self,
+        resolver: Resolver | None = None,
+        timeout_s: float = 2.0,
+        ttl_s: float = 60.0,
+        failed_ttl_s: float = 10.0,
+        max_hosts: int = 4096,
+        max_lookups: int = 16,
+    ):
+        self.resolver = resolver if resolver is not None else ThreadedResolver(max_lookups)
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self.failed_ttl_s = failed_ttl_s
         self.max_hosts = max_hosts
+        self.max_lookups = max_lookups
         self._cache: OrderedDict[str, tuple[float, str | None]] = OrderedDict()  # host -> (expires, why not)
+        self._lookups: dict[str, asyncio.Task[str | None]] = {}  # host -> its lookup in flight
+
+    def close(self) -> None:
+        for task in self._lookups.values():
+            task.cancel()
+        self.resolver.close()
 
     async def check(self, host: str) -> None:
         try:
@@ -273,27 +331,40 @@ class HostCheck:
             return
         except ValueError:
             pass
-        now = time.monotonic()
         cached = self._cache.get(host)
-        if cached is None or cached[0] <= now:
-            why = await self._resolve(host)
-            self._cache[host] = (now + (self.failed_ttl_s if why else self.ttl_s), why)
-            self._cache.move_to_end(host)
-            while len(self._cache) > self.max_hosts:
-                self._cache.popitem(last=False)
-        else:
+        if cached is not None and cached[0] > time.monotonic():
             why = cached[1]
+        else:
+            why = await self._wait_for_lookup(host)
         if why is not None:
             raise RegisterRefused(f"Register field host={shown(host)} refused: {why}", "host", host)
 
-    async def _resolve(self, host: str) -> str | None:
-        loop = asyncio.get_running_loop()
+    async def _wait_for_lookup(self, host: str) -> str | None:
+        lookup = self._lookups.get(host)
+        if lookup is None:
+            if len(self._lookups) >= self.max_lookups:
+                return (
+                    f"{len(self._lookups)} other host names are being looked up (at most {self.max_lookups} at "
+                    "once); register again shortly, or advertise an IPv4 address"
+                )
+            lookup = asyncio.ensure_future(self._lookup(host))
+            self._lookups[host] = lookup
+            lookup.add_done_callback(lambda _: self._lookups.pop(host, None))
         try:
-            found = await asyncio.wait_for(
-                loop.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_STREAM), self.timeout_s
-            )
+            # shield: this registration giving up must not cancel the lookup others share.
+            return await asyncio.wait_for(asyncio.shield(lookup), self.timeout_s)
         except asyncio.TimeoutError:
             return f"it did not resolve within {self.timeout_s:g} s"
+
+    async def _lookup(self, host: str) -> str | None:
+        try:
+            found = await self.resolver.ipv4_addresses(host)
         except OSError as e:  # socket.gaierror
-            return f"it does not resolve to an IPv4 address ({e.strerror or e})"
-        return None if found else "it resolves to no IPv4 address"
+            why: str | None = f"it does not resolve to an IPv4 address ({e.strerror or e})"
+        else:
+            why = None if found else "it resolves to no IPv4 address"
+        self._cache[host] = (time.monotonic() + (self.failed_ttl_s if why else self.ttl_s), why)
+        self._cache.move_to_end(host)
+        while len(self._cache) > self.max_hosts:
+            self._cache.popitem(last=False)
+        return why

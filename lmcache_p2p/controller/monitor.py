@@ -109,8 +109,15 @@ class Monitor:
         server_socket(self._pull, self.security, "controller pull socket", MONITOR_MAX_MESSAGE_BYTES["pull"])
         self._bind("pull", self._pull.bind)
         self._servers = {
+            # Concurrent: a Register waiting on its host's name (up to HostCheck.timeout_s) answers
+            # in a task of its own, and the lookups and re-syncs behind it are not held (issue 47:
+            # eight Registers whose DNS never answered held this socket 16 s). ResyncBatch and
+            # P2PLookup handlers never await, so each runs whole in its task's first step, and
+            # tasks start in the order they were made: they are still applied in arrival order.
             "reply": self._server(
-                "reply", {Register: self._on_register, ResyncBatch: self._on_resync, P2PLookup: self._on_p2p_lookup}
+                "reply",
+                {Register: self._on_register, ResyncBatch: self._on_resync, P2PLookup: self._on_p2p_lookup},
+                concurrent=True,
             ),
             "heartbeat": self._server("heartbeat", {Heartbeat: self._on_heartbeat}),
         }
@@ -122,11 +129,12 @@ class Monitor:
             self.epoch,
         )
 
-    def _server(self, socket: str, handlers: dict[type, Handler]) -> RpcServer:
+    def _server(self, socket: str, handlers: dict[type, Handler], concurrent: bool = False) -> RpcServer:
         return RpcServer(
             self.ctx,
             f"controller {socket} socket",
             handlers,
+            concurrent=concurrent,
             on_message=self._count_message,
             on_bad_frame=lambda why: self._count_bad_frame(socket),
             on_error=lambda msg, e: self._count_handler_error(socket),

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lmcache_p2p.controller.admission import HostCheck, RegisterRefused, shown, validate_register
+from lmcache_p2p.controller.admission import HostCheck, RegisterRefused, Resolver, shown, validate_register
 from lmcache_p2p.controller.commands import CommandBus
 from lmcache_p2p.controller.errors import CommandRefused, Conflict, InvalidRequest
 from lmcache_p2p.controller.events import CommandEvent, EventLog
@@ -62,7 +62,13 @@ UNREACHABLE_KEPT = 4096
 
 class Orchestrator:
     def __init__(
-        self, settings: ControllerSettings, registry: Registry, events: EventLog, bus: CommandBus, metrics: Metrics
+        self,
+        settings: ControllerSettings,
+        registry: Registry,
+        events: EventLog,
+        bus: CommandBus,
+        metrics: Metrics,
+        resolver: Resolver | None = None,
     ):
         self.settings = settings
         self.registry = registry
@@ -80,7 +86,7 @@ class Orchestrator:
         metrics.counter(
             "lmcache_controller_workers_unreachable_total", "Workers removed: their command port could not be reached"
         )
-        self.hosts = HostCheck()
+        self.hosts = HostCheck(resolver)  # None: the system resolver, on threads of its own
         # (host, worker_port) -> (when its probe failed, why): registrations from it are refused meanwhile.
         self._unreachable: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
         self._probes: set[asyncio.Task] = set()
@@ -90,6 +96,7 @@ class Orchestrator:
     def close(self) -> None:
         for task in self._probes:
             task.cancel()
+        self.hosts.close()
         self.bus.close()
 
     # -- workers coming and going ------------------------------------------------------------------

@@ -16,6 +16,7 @@ import uuid
 
 import zmq.asyncio
 
+from lmcache_p2p.controller.admission import Resolver
 from lmcache_p2p.controller.commands import CommandBus
 from lmcache_p2p.controller.events import EventLog
 from lmcache_p2p.controller.metrics import Metrics
@@ -31,7 +32,9 @@ logger = logging.getLogger("lmcache_p2p.controller")
 
 
 class Controller:
-    def __init__(self, settings: ControllerSettings):
+    """``resolver``: how registrants' host names are looked up (None: the system's; a test's own)."""
+
+    def __init__(self, settings: ControllerSettings, resolver: Resolver | None = None):
         self.settings = settings
         # A new epoch on every start: a worker that heartbeats with another epoch re-registers.
         self.epoch = f"{int(time.time())}-{uuid.uuid4().hex[:8]}"
@@ -46,7 +49,9 @@ class Controller:
         # context, attached (its ZAP handler started) only once the bus is built: the bus sizes
         # the context's socket table, which ZMQ fixes at the first socket.
         self.security = MeshSecurity(settings.mesh_secret) if settings.mesh_secret else None
-        self.orchestrator = Orchestrator(settings, self.registry, self.events, CommandBus(self.ctx), self.metrics)
+        self.orchestrator = Orchestrator(
+            settings, self.registry, self.events, CommandBus(self.ctx), self.metrics, resolver
+        )
         if self.security is not None:
             self.security.attach(self.ctx)
         self.monitor = Monitor(
