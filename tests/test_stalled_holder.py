@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_p2p.testing.stalled_holder import run
-from lmcache_p2p.worker.p2p_client import BASE_TIMEOUT_S
+from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 

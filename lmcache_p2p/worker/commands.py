@@ -46,7 +46,9 @@ from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
-from lmcache_p2p.worker.p2p_client import BASE_TIMEOUT_S, SLOWEST_RATE_BPS, P2PClient, Peer
+from lmcache_p2p.worker.p2p_client import P2PClient
+from lmcache_p2p.worker.peer_links import Peer
+from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, SLOWEST_RATE_BPS
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,8 @@ from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.vocab import GPU
 from lmcache_p2p.worker.identity import WorkerIdentity
-from lmcache_p2p.worker.p2p_client import P2PClient, Peer
+from lmcache_p2p.worker.p2p_client import P2PClient
+from lmcache_p2p.worker.peer_links import Peer
 
 logger = logging.getLogger(__name__)
 

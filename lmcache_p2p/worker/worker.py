@@ -36,8 +36,10 @@ from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.engine_load import EngineLoadProbe
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
-from lmcache_p2p.worker.p2p_client import P2PClient, PeerOffer
+from lmcache_p2p.worker.offers import PeerOffer
+from lmcache_p2p.worker.p2p_client import P2PClient
 from lmcache_p2p.worker.p2p_server import PeerServer
+from lmcache_p2p.worker.pull_stats import PullStats
 
 logger = logging.getLogger(__name__)
 
@@ -339,21 +341,20 @@ class Worker:
     def traffic(self) -> Traffic:
         """This rank's totals for the controller's dashboard (sent with each heartbeat)."""
         engine = self.counters
-        client = self.client.stats if self.client else {}
+        pulls = self.client.stats if self.client else PullStats()
         server = self.server.stats if self.server else {}
         return Traffic(
             started_at=self.started_at,
             lookups=engine.lookups,
             lookup_tokens=engine.lookup_tokens,
             hit_tokens=engine.hit_tokens,
-            # (the client's stats hold float timings too, so mypy types its counts as floats: they are ints)
-            peer_hit_tokens=int(client.get("prefix_hit_chunks", 0)) * self.config.chunk_size,
-            pulls=int(client.get("pulls", 0)),
-            pull_failures=int(client.get("pull_failures", 0)),
-            pulled_bytes=int(client.get("bytes_pulled", 0)),
+            peer_hit_tokens=pulls.prefix_hit_chunks * self.config.chunk_size,
+            pulls=pulls.pulls,
+            pull_failures=pulls.pull_failures,
+            pulled_bytes=pulls.bytes_pulled,
             served_bytes=server.get("bytes_served", 0),
-            pulls_skipped=int(client.get("pulls_skipped", 0)),
-            skipped_tokens=int(client.get("chunks_skipped", 0)) * self.config.chunk_size,
+            pulls_skipped=pulls.pulls_skipped,
+            skipped_tokens=pulls.chunks_skipped * self.config.chunk_size,
         )
 
     def status(self) -> dict:
@@ -370,7 +371,7 @@ class Worker:
         if self.link:
             out["link"] = dict(self.link.stats)
         if self.client:
-            out["p2p_client"] = dict(self.client.stats)
+            out["p2p_client"] = self.client.stats.as_dict()
         if self.server:
             out["p2p_server"] = dict(self.server.stats)
             out["channels"] = list(self.transports)

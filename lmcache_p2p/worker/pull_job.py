@@ -1,0 +1,189 @@
+"""One pull of chunks from one peer into this rank's tiers, as a job object.
+
+A job connects (or finds the connection agreed), splits its chunks into batches of
+``batch_chunks``, keeps ``pipeline_depth`` of them in flight (checksums of one batch are verified
+while the next is on the wire) and commits them in order. The run ends at the first failure;
+those chunks are a miss, logged with the reason. Nothing here raises into the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from lmcache_p2p.rpc import RequestFailed
+from lmcache_p2p.transfer import TransferError, Transport
+from lmcache_p2p.worker.identity import WorkerIdentity
+from lmcache_p2p.worker.peer_links import Peer, PeerConnections
+from lmcache_p2p.worker.pull_batch import PHASES, BatchFetch, PullPages, describe_phases
+from lmcache_p2p.worker.pull_stats import PullStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PullResult:
+    held: list[int] = field(default_factory=list)  # hashes now held here (in order of the request)
+    error: str | None = None  # why the run ended early, if it did
+    gpu_landed: int = 0  # of those, chunks the holder wrote into our GPU tier
+    gpu_checked_on_device: int = 0  # of those, checked against the holder's device checksums
+
+
+@dataclass(frozen=True)
+class PullSetup:
+    """What every pull of a rank shares: its connections, channels, pages and counters."""
+
+    me: WorkerIdentity
+    connections: PeerConnections
+    transports: dict[str, Transport]
+    pages: PullPages
+    stats: PullStats
+    batch_chunks: int = 8  # chunks per request (config p2p_batch_chunks)
+    pipeline_depth: int = 3  # requests in flight per pull (p2p_pipeline_depth)
+
+
+def _split(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+class PullJob:
+    """Pull ``hashes`` from ``peer`` into ``location``, in order. With ``skip_missing``
+    (move/copy of an arbitrary key set) a chunk the holder merely lacks (or sent damaged) is
+    skipped instead of ending the run; a full pool here ends it either way. With
+    ``into_gpu_tier`` (the engine's prefix pulls) a same-host holder may write them into our GPU
+    tier, where the engine loads them at once; other pulls (move, copy) land in the CPU tier,
+    whose index their callers read right after."""
+
+    def __init__(
+        self,
+        setup: PullSetup,
+        peer: Peer,
+        hashes,
+        location: str,
+        skip_missing: bool = False,
+        into_gpu_tier: bool = False,
+    ):
+        self.setup = setup
+        self.peer = peer
+        self.hashes = [int(h) for h in hashes]
+        self.location = location
+        self.skip_missing = skip_missing
+        self.into_gpu_tier = into_gpu_tier
+        self.result = PullResult()
+        self.channel = "?"  # as the log line names it, once connected
+        self._fetch: BatchFetch | None = None
+        self._todo: deque[list[int]] = deque()
+        self._connected = False  # the connection was asked for (it may have failed: result.error)
+        self._started = time.perf_counter()
+        self._batches = 0
+        self._phases_ms = dict.fromkeys(PHASES, 0.0)
+
+    async def connect(self) -> bool:
+        """Find (or make) the peer's agreed connection and cut the chunks into batches its
+        channel carries; False, with the pull's error set, when the hello failed."""
+        self._connected = True
+        setup = self.setup
+        try:
+            conn = await setup.connections.connect(self.peer)
+        except (RequestFailed, TransferError) as e:
+            self.result.error = str(e)
+            return False
+        self.channel = conn.describe_channel() or "?"
+        transport = setup.transports[conn.agreed]
+        limit = transport.max_batch(self.into_gpu_tier and conn.staged)
+        batch_chunks = min(setup.batch_chunks, limit or setup.batch_chunks)
+        self._todo.extend(_split(self.hashes, batch_chunks))
+        self._fetch = BatchFetch(self.peer, conn, transport, setup.pages, setup.pipeline_depth, self.into_gpu_tier)
+        return True
+
+    async def run(self) -> PullResult:
+        """The pull, start to end (connecting first unless :meth:`connect` ran); logged once."""
+        self._started = time.perf_counter()
+        if not self._connected:
+            await self.connect()
+        pages, todo, result = self.setup.pages, self._todo, self.result
+        window: deque[asyncio.Task] = deque()
+        stopped = False
+        while todo or window:
+            while todo and not stopped and len(window) < self.setup.pipeline_depth:
+                assert self._fetch is not None  # batches exist only once connected
+                window.append(asyncio.ensure_future(self._fetch.fetch(todo.popleft())))
+            try:
+                # Shielded: a caller that gives up (the engine's timeout) leaves the batches to
+                # finish their own requests, and their pages (CPU and GPU tier) are given back then.
+                batch = await asyncio.shield(window[0])
+            except BaseException:  # given up on (or a batch raised): nothing commits what is in flight
+                for task in window:
+                    task.add_done_callback(pages.abandon_finished)
+                raise
+            window.popleft()
+            self._batches += 1
+            for phase, ms in batch.phases_ms.items():
+                self._phases_ms[phase] += ms
+            if stopped:  # an earlier batch failed: what follows it is a miss
+                pages.abandon(batch)
+                continue
+            landed = min(batch.good, len(batch.gpu_pages))
+            result.gpu_landed += landed
+            if batch.device_checksums is not None:
+                result.gpu_checked_on_device += landed
+                self.setup.stats.gpu_landed_checked_on_device += landed
+            result.held += pages.commit(batch, self.location)
+            if batch.error is None:
+                continue
+            result.error = batch.error
+            if batch.peer_failed:
+                self.setup.connections.drop(self.peer)
+            if self.skip_missing and batch.skippable:
+                if batch.rest:
+                    todo.appendleft(batch.rest)  # go on after the chunk the holder lacked
+            else:
+                stopped = True
+                todo.clear()
+        self._report(time.perf_counter() - self._started)
+        return result
+
+    def _report(self, elapsed: float) -> None:
+        """Count the pull and log it: the seed's line for what came, a warning for the rest."""
+        setup, result, peer = self.setup, self.result, self.peer
+        stats, me, asked = setup.stats, setup.me, len(self.hashes)
+        nbytes = len(result.held) * setup.pages.storage.page_bytes
+        stats.pulls += 1
+        stats.chunks_pulled += len(result.held)
+        stats.bytes_pulled += nbytes
+        if result.held:
+            # The seed's line, then where the batches' time went (summed: batches overlap).
+            # benchmarks/gpu/e2e.py and testing.processes.P2P_LINE parse it: keep its wording.
+            logger.info(
+                "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
+                "(from %s over %s, to rank %d) [%d batches, ms summed: %s]%s",
+                len(result.held) * me.chunk_size,
+                asked * me.chunk_size,
+                nbytes / 1e9,
+                elapsed * 1e3,
+                nbytes / 1e9 / max(elapsed, 1e-9),
+                peer.describe(),
+                self.channel,
+                me.rank,  # vLLM's per-process line prefixes interleave when ranks log at once
+                self._batches,
+                describe_phases(self._phases_ms),
+                (
+                    f"; {result.gpu_landed} chunk(s) landed in the GPU tier"
+                    f" ({result.gpu_checked_on_device} checked on the device)"
+                )
+                if result.gpu_landed
+                else "",
+            )
+            stats.gpu_landed_chunks += result.gpu_landed
+        if result.error:
+            stats.pull_failures += 1
+            logger.warning(
+                "peer pull from %s: %d of %d chunks; the rest is a miss: %s",
+                peer.describe(),
+                len(result.held),
+                asked,
+                result.error,
+            )
