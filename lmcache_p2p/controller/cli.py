@@ -22,17 +22,21 @@ from lmcache_p2p.controller.settings import ControllerSettings, SettingsError, b
 logger = logging.getLogger("lmcache_p2p.controller")
 
 
+# Connections waiting in the kernel for accept: bursts of clients connecting at once wait here
+# rather than being refused by the kernel; the cap applies once they are accepted.
+HTTP_BACKLOG = 1024
+
+
 def _bind_http(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     addr = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4]
-    return socket.create_server(addr, family=family, backlog=1024)
+    return socket.create_server(addr, family=family, backlog=HTTP_BACKLOG)
 
 
 async def _serve(settings: ControllerSettings, http_socket: socket.socket, t0: float) -> int:
-    import uvicorn
-
     from lmcache_p2p.controller.api import create_app
     from lmcache_p2p.controller.service import Controller
+    from lmcache_p2p.http_listener import BoundedServer, ConnectionLimits
 
     controller = Controller(settings)
     try:
@@ -41,7 +45,26 @@ async def _serve(settings: ControllerSettings, http_socket: socket.socket, t0: f
         print(f"lmcache_controller: {e}", file=sys.stderr)
         return 1
     app = create_app(controller)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    limits = ConnectionLimits(
+        max_connections=settings.http_max_connections,
+        header_timeout_s=settings.http_header_timeout,
+        keep_alive_s=settings.http_keep_alive,
+        backlog=HTTP_BACKLOG,
+    )
+    server = BoundedServer(
+        app, http_socket, limits, "controller", log_level="warning", access_log=False, lifespan="off"
+    )
+    counts = server.counts
+    controller.metrics.read_counter(
+        "lmcache_controller_http_connections_refused_total",
+        "HTTP connections closed on accept: at_cap (--http-max-connections), no_descriptors (EMFILE)",
+        lambda: [({"reason": k}, float(v)) for k, v in counts.refused.items()],
+    )
+    controller.metrics.read_counter(
+        "lmcache_controller_http_connections_closed_total",
+        "HTTP connections closed before a complete request header: header_timeout, header_too_large",
+        lambda: [({"reason": k}, float(v)) for k, v in counts.closed.items()],
+    )
     controller.start()
     logger.info(
         "HTTP API on http://%s:%d (WebUI at /, metrics at /metrics), ready in %.0f ms",
@@ -50,7 +73,7 @@ async def _serve(settings: ControllerSettings, http_socket: socket.socket, t0: f
         (time.perf_counter() - t0) * 1e3,
     )
     try:
-        await server.serve(sockets=[http_socket])
+        await server.serve()
     finally:
         controller.close()
     return 0

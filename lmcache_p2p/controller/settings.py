@@ -50,6 +50,14 @@ API_TOKEN_ENV = "LMCACHE_API_TOKEN"
 #   loop is coalesced into one batch: 32 MiB holds 4M keys. A bigger one would be dropped with
 #   the connection and recovered like any lost batch (the sequence gap asks for a re-sync).
 MONITOR_MAX_MESSAGE_BYTES = {"pull": 32 * 2**20, "reply": 4 * 2**20, "heartbeat": 1 * 2**20}
+# The HTTP API's connection bounds (lmcache_p2p/http_listener.py). Its clients are a few operators'
+# browsers and scripts and the routers, each with a handful of keep-alive connections: 1,024 is
+# far past that, and far below the descriptors a controller of many ranks needs for ZMQ. A legitimate
+# client sends a request's headers in one packet right after connecting: 10 s is for slow links.
+# Keep-alive: uvicorn's default.
+DEFAULT_HTTP_MAX_CONNECTIONS = 1024
+DEFAULT_HTTP_HEADER_TIMEOUT = 10.0
+DEFAULT_HTTP_KEEP_ALIVE = 5.0
 
 
 # POST /route's weights (routing.py: expected_ttft_ms). Each is a ControllerSettings field, a
@@ -108,6 +116,10 @@ class ControllerSettings:
     protect_reads: bool = False  # read-only HTTP routes need the API token too
     # A JSON-lines file keeping the command event log across restarts; None: in memory only.
     events_file: str | None = None
+    # HTTP connection bounds (DEFAULT_HTTP_* say why these numbers).
+    http_max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS
+    http_header_timeout: float = DEFAULT_HTTP_HEADER_TIMEOUT
+    http_keep_alive: float = DEFAULT_HTTP_KEEP_ALIVE
     # POST /route's weights (ROUTE_WEIGHTS says what each is).
     route_prefill_tokens_per_s: float = ROUTE_WEIGHTS["route_prefill_tokens_per_s"][0]
     route_prefill_min_steps: float = ROUTE_WEIGHTS["route_prefill_min_steps"][0]
@@ -138,9 +150,13 @@ class ControllerSettings:
         ports = [self.port, *self.monitor_ports.values()]
         if len(set(ports)) != len(ports):
             raise SettingsError(f"--port and --monitor-ports must all differ, got {ports}")
-        for name in ("health_check_interval", "worker_timeout", "command_timeout"):
+        for name in ("health_check_interval", "worker_timeout", "command_timeout", "http_header_timeout"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected seconds > 0")
+        if self.http_keep_alive < 1:
+            raise SettingsError(f"--http-keep-alive {self.http_keep_alive}: expected seconds >= 1")
+        if isinstance(self.http_max_connections, bool) or self.http_max_connections < 1:
+            raise SettingsError(f"--http-max-connections {self.http_max_connections!r}: expected a number >= 1")
         if self.worker_timeout < self.health_check_interval:
             raise SettingsError(
                 f"--worker-timeout {self.worker_timeout} is shorter than --health-check-interval "
@@ -240,6 +256,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the command event log (/check_finish, the WebUI's events) in this JSON-lines file, "
         "so it survives a restart (default: in memory only)",
     )
+    p.add_argument(
+        "--http-max-connections",
+        type=int,
+        metavar="N",
+        help=f"open HTTP connections at most; more are closed at once, counted in /metrics "
+        f"(default {DEFAULT_HTTP_MAX_CONNECTIONS}, lowered to half the free file descriptors)",
+    )
+    p.add_argument(
+        "--http-header-timeout",
+        type=float,
+        metavar="S",
+        help=f"close an HTTP connection that sends no complete request header within S seconds of connecting "
+        f"or of its last response (default {DEFAULT_HTTP_HEADER_TIMEOUT:g})",
+    )
+    p.add_argument(
+        "--http-keep-alive",
+        type=float,
+        metavar="S",
+        help=f"close an idle keep-alive HTTP connection after S seconds (default {DEFAULT_HTTP_KEEP_ALIVE:g})",
+    )
     for name, (default, _, what) in ROUTE_WEIGHTS.items():
         p.add_argument(
             "--" + name.replace("_", "-"), type=float, metavar="N", help=f"POST /route: {what} (default {default:g})"
@@ -324,6 +360,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
             "health_check_interval": float,
             "worker_timeout": float,
             "command_timeout": float,
+            "http_max_connections": int,
+            "http_header_timeout": float,
+            "http_keep_alive": float,
             **dict.fromkeys(ROUTE_WEIGHTS, float),
         }.get(name)
         if name == "protect_reads" and not isinstance(value, bool):

@@ -1,0 +1,228 @@
+"""An HTTP listener with bounds: what the controller's API and ``lmcache_router`` both serve with.
+
+uvicorn alone leaves three holes (uvicorn 0.54; docs/architecture.md, "Listener bounds"):
+
+* ``limit_concurrency`` answers 503 to a *request* past the limit, but every connection is still
+  accepted and held, so idle ones pile up until descriptors run out;
+* a connection that never sends a request is never closed (``timeout_keep_alive`` starts only
+  after a response), and httptools keeps whatever header bytes arrive;
+* running out of descriptors is the event loop's business: asyncio logs a traceback for every
+  failed accept, uvloop silently drops the pending connections.
+
+So :class:`BoundedServer` accepts connections itself (:class:`Acceptor`): past the cap, or with no
+descriptor left, a connection is closed at once, counted and logged (rate-limited); and
+:class:`BoundedHTTPProtocol` closes a connection whose request headers are not complete within the
+header timeout, or pass :data:`MAX_HEADER_BYTES`. Keep-alive idling is uvicorn's own
+``timeout_keep_alive``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from lmcache_p2p.descriptors import OUT_OF_DESCRIPTORS, SpareDescriptor, connection_cap, descriptor_limit
+from lmcache_p2p.logs import RateLimitedLog
+
+logger = logging.getLogger("lmcache_p2p.http")
+
+# A request line and headers larger than this close the connection: the controller's and the
+# router's largest legitimate ones (a bearer token, a few standard headers) are under 4 KiB.
+# h11's own default limit is 16 KiB; httptools has none.
+MAX_HEADER_BYTES = 64 * 1024
+# At most this share of the descriptors free at start goes to HTTP connections: the rest stay for
+# the controller's ZMQ sockets and its commands' connections, or the router's connections to
+# engines (one per request it forwards).
+DESCRIPTOR_SHARE = 0.5
+DESCRIPTOR_RESERVE = 32
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What a listener allows. ``max_connections`` is the configured cap; the one applied may be
+    lower (:func:`lmcache_p2p.descriptors.connection_cap`)."""
+
+    max_connections: int
+    header_timeout_s: float  # from connect (or the end of the last response) to a complete header
+    keep_alive_s: float  # an idle keep-alive connection is closed after this (uvicorn's)
+    backlog: int = 1024
+
+
+@dataclass
+class ListenerCounts:
+    """Connections turned away, by reason (the controller's /metrics reads them)."""
+
+    refused: dict[str, int] = field(default_factory=lambda: {"at_cap": 0, "no_descriptors": 0})
+    closed: dict[str, int] = field(default_factory=lambda: {"header_timeout": 0, "header_too_large": 0})
+
+
+class BoundedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+    """uvicorn's HTTP protocol (httptools or h11), plus a deadline for each request's header.
+
+    The deadline is armed when the connection is made and again when a response completes, and it
+    is met once uvicorn starts a new request cycle (``self.cycle`` changes: its headers are in).
+    """
+
+    counts: ListenerCounts
+    header_timeout_s: float
+    log: RateLimitedLog
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is None or self.transport.is_closing():
+            return
+        if self.cycle is not self._waiting_for:
+            self._header_timer.cancel()  # a request's headers are in: uvicorn has it from here
+            self._header_timer = None
+            return
+        self._header_bytes += len(data)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            self._close("header_too_large", "sent %d header bytes (limit %d)", self._header_bytes, MAX_HEADER_BYTES)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._waiting_for = self.cycle
+        self._header_bytes = 0
+        self._header_timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._header_deadline)
+
+    def _header_deadline(self) -> None:
+        self._header_timer = None
+        if self.cycle is self._waiting_for and not self.transport.is_closing():
+            self._close("header_timeout", "sent no complete request header within %g s", self.header_timeout_s)
+
+    def _close(self, reason: str, what: str, *args: Any) -> None:
+        self.counts.closed[reason] += 1
+        self.log.info(reason, "closed a connection that " + what + " (%d so far)", *args, self.counts.closed[reason])
+        self.transport.close()
+
+
+class Acceptor:
+    """Accepts on one listening socket and hands each connection to uvicorn's protocol, up to a cap."""
+
+    def __init__(self, listener: socket.socket, cap: int, counts: ListenerCounts, log: RateLimitedLog):
+        self.listener = listener
+        self.cap = cap
+        self.counts = counts
+        self.log = log
+        self.spare = SpareDescriptor()
+
+    async def run(self, protocol_factory: Any, connections: set[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        self.listener.setblocking(False)
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self.listener)
+            except OSError as e:
+                if e.errno not in OUT_OF_DESCRIPTORS:
+                    logger.debug("accept failed: %s", e)  # e.g. ECONNABORTED: that client is gone
+                    continue
+                self.counts.refused["no_descriptors"] += 1
+                self.log.warning(
+                    "no_descriptors",
+                    "refused a connection: no file descriptor left (limit %d, %d open connections; %d refused so far)",
+                    descriptor_limit(),
+                    len(connections),
+                    self.counts.refused["no_descriptors"],
+                )
+                if not self.spare.refuse_one(self.listener):
+                    await asyncio.sleep(0.05)  # nothing could be shed: wait, rather than spin on the listener
+                continue
+            if len(connections) >= self.cap:
+                sock.close()
+                self.counts.refused["at_cap"] += 1
+                self.log.warning(
+                    "at_cap",
+                    "refused a connection: %d open, the cap (%d refused so far)",
+                    len(connections),
+                    self.counts.refused["at_cap"],
+                )
+                continue
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                await loop.connect_accepted_socket(protocol_factory, sock)
+            except OSError as e:
+                logger.debug("could not set up an accepted connection: %s", e)
+                sock.close()
+
+    def close(self) -> None:
+        self.spare.close()
+        self.listener.close()
+
+
+class BoundedServer(uvicorn.Server):
+    """``uvicorn.Server`` serving ``app`` on ``listener`` within ``limits``; ``name`` heads its log
+    lines. Use ``await server.serve()`` (no sockets: the acceptor owns the listener)."""
+
+    def __init__(self, app: Any, listener: socket.socket, limits: ConnectionLimits, name: str, **config: Any):
+        counts = ListenerCounts()
+        log = RateLimitedLog(logging.getLogger(f"lmcache_p2p.{name}"))
+        # A class of this server's own: uvicorn builds protocols from a class, never an instance.
+        protocol = type(
+            "BoundedHTTPProtocol",
+            (BoundedHTTPProtocol,),
+            {"counts": counts, "header_timeout_s": limits.header_timeout_s, "log": log},
+        )
+        super().__init__(
+            uvicorn.Config(
+                app,
+                http=protocol,
+                timeout_keep_alive=max(1, round(limits.keep_alive_s)),
+                backlog=limits.backlog,
+                **config,
+            )
+        )
+        self.counts = counts
+        self.cap = connection_cap(limits.max_connections, DESCRIPTOR_SHARE, DESCRIPTOR_RESERVE)
+        self.acceptor = Acceptor(listener, self.cap, counts, log)
+        self._accepting: asyncio.Task[None] | None = None
+        logging.getLogger(f"lmcache_p2p.{name}").info(
+            "HTTP connections: at most %d (configured %d, descriptor limit %d), header timeout %g s, keep-alive %g s",
+            self.cap,
+            limits.max_connections,
+            descriptor_limit(),
+            limits.header_timeout_s,
+            limits.keep_alive_s,
+        )
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=[])  # the lifespan and server state, no listener of uvicorn's
+        config = self.config
+
+        def create_protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        self._accepting = asyncio.create_task(self.acceptor.run(create_protocol, self.server_state.connections))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        self.acceptor.close()
+        await super().shutdown(sockets=[])

@@ -1,0 +1,140 @@
+"""Every listener bounded (issue 47, items 2 and 4): idle-connection floods against a real
+``lmcache_controller`` and ``lmcache_server``, with and without a low descriptor limit. Idle
+connections are closed, connections past the cap are refused and counted, a legitimate client
+is answered meanwhile, and registered ranks keep heartbeating."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import httpx
+from protocol_client import CONTROLLER_SCRIPT, ControllerProcess, FakeWorker, wait_for
+from remote_stores import SCRIPT as SERVER
+from remote_stores import LmServer
+
+from lmcache_p2p.testing.ports import free_ports
+
+
+def flood(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that never send a byte (the kernel's backlog takes what is not accepted)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        socks.append(s)
+    return socks
+
+
+def closed_by_server(socks: list[socket.socket]) -> int:
+    closed = 0
+    for s in socks:
+        try:
+            closed += s.recv(1) == b""
+        except BlockingIOError:
+            pass
+        except OSError:  # reset, or never connected: the server is not holding it
+            closed += 1
+    return closed
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def health_answers(url: str, within: float) -> float:
+    """Seconds until GET /controller/workers answers 200 on a new connection."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if httpx.get(url + "/controller/workers", timeout=1.0).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() - t0 < within, f"no answer within {within} s"
+        time.sleep(0.1)
+
+
+def test_controller_closes_idle_connections_refuses_past_its_cap_and_ranks_keep_heartbeating():
+    controller = ControllerProcess("--http-max-connections", "64", "--http-header-timeout", "1").start()
+    worker = FakeWorker(controller, "inst-flood")
+    socks: list[socket.socket] = []
+    try:
+        assert worker.register().ok
+        cpu0 = cpu_seconds(controller.proc.pid)
+        socks = flood(controller.http_port, 200)
+        t0 = time.monotonic()
+        worst_beat = 0.0
+        while time.monotonic() - t0 < 3.0:
+            started = time.monotonic()
+            assert worker.heartbeat().status == "ok"
+            worst_beat = max(worst_beat, time.monotonic() - started)
+            time.sleep(0.1)
+        # The flood is still open on our side; the controller let go of all of it.
+        wait_for(lambda: closed_by_server(socks) == len(socks), 5, "the controller closes all 200 idle connections")
+        assert health_answers(controller.url, 3.0) < 3.0
+        busy = cpu_seconds(controller.proc.pid) - cpu0
+        assert busy < 2.0, f"{busy:.2f} CPU seconds in {time.monotonic() - t0:.1f} s: spinning"
+        assert worst_beat < 0.5, f"a heartbeat took {worst_beat:.2f} s during the flood"
+        assert controller.metric("lmcache_controller_http_connections_refused_total", reason="at_cap") > 0
+        assert controller.metric("lmcache_controller_http_connections_closed_total", reason="header_timeout") >= 64
+    finally:
+        for s in socks:
+            s.close()
+        worker.close()
+        log = controller.stop()
+    assert "Traceback" not in log
+    assert "refused a connection: 64 open, the cap" in log
+
+
+def test_controller_under_a_low_descriptor_limit_refuses_what_it_cannot_hold_without_a_traceback():
+    http, pull, reply, heartbeat = free_ports(4)
+    argv = ["prlimit", "--nofile=256:256", CONTROLLER_SCRIPT, "--host", "127.0.0.1", "--port", str(http)]
+    argv += ["--monitor-ports", f'{{"pull": {pull}, "reply": {reply}, "heartbeat": {heartbeat}}}']
+    controller = ControllerProcess(ports=[http, pull, reply, heartbeat], argv=[*argv, "--http-header-timeout", "1"])
+    controller.start()
+    socks: list[socket.socket] = []
+    try:
+        socks = flood(http, 400)
+        time.sleep(0.5)
+        # Answered while the flood is still held open by its sender.
+        assert health_answers(controller.url, 5.0) < 5.0
+        assert controller.metric("lmcache_controller_http_connections_refused_total", reason="at_cap") > 0
+    finally:
+        for s in socks:
+            s.close()
+        log = controller.stop()
+    assert "Traceback" not in log and "Too many open files" not in log, log[-2000:]
+    assert "descriptor limit 256" in log
+
+
+def test_lmcache_server_health_answers_through_an_idle_flood_at_its_descriptor_limit(tmp_path):
+    port = free_ports(1)[0]
+    argv = ["prlimit", "--nofile=256:256", SERVER, "127.0.0.1", str(port), "--idle-timeout", "1"]
+    server = LmServer(port=port, argv=argv, log_dir=tmp_path).start()
+    socks: list[socket.socket] = []
+    try:
+        socks = flood(port, 300)  # past the 256 descriptors the server may hold
+        time.sleep(0.5)
+        client = server.client(timeout_s=1.0)
+        t0 = time.monotonic()
+        while True:
+            try:
+                health = client.health()
+                break
+            except Exception:
+                assert time.monotonic() - t0 < 5.0, "no health answer within 5 s"
+                time.sleep(0.1)
+        assert health["capacity"] > 0
+        wait_for(lambda: closed_by_server(socks) == len(socks), 5, "the server closes every idle connection")
+    finally:
+        for s in socks:
+            s.close()
+        server.stop()
+    log = server.log()
+    assert "Traceback" not in log and "Too many open files" not in log, log[-2000:]
+    assert "refused a connection" in log
