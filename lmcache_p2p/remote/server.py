@@ -12,7 +12,10 @@ from them (``sock_sendall`` of memoryviews), so a 32 MiB chunk is copied only by
 What a client cannot do: make the server allocate past :mod:`.wire`'s bounds (every length is
 checked before its buffer exists, and a value is allocated only once its frame passed), crash it
 (a malformed frame closes that connection, with the reason logged), or hold a connection's memory
-forever by stalling mid-frame (closed after :data:`STALL_S`). The server holds at most its
+forever by stalling mid-frame (closed after :data:`STALL_S`), or exhaust its descriptors with idle
+connections: at most ``--max-connections`` are open (lowered to what the descriptor limit allows),
+one more is closed at once and counted, and a connection with no request for ``--idle-timeout``
+seconds is closed (a pooled client notices and reconnects). The server holds at most its
 capacity plus, per connection, the one value being received (or the values of the reply being
 sent, when they were evicted meanwhile).
 
@@ -36,6 +39,7 @@ from collections import OrderedDict
 from typing import TypeAlias
 
 from lmcache_p2p import version_line
+from lmcache_p2p.descriptors import OUT_OF_DESCRIPTORS, SpareDescriptor, connection_cap, descriptor_limit
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.remote import wire
 
@@ -46,6 +50,13 @@ STATS_EVERY_S = 10.0
 # A connection that stops sending (or reading) in the middle of a frame for this long is closed:
 # otherwise a stalled client would pin its half-received value, or a reply, indefinitely.
 STALL_S = 30.0
+# Connection bounds. Engines keep a small pool each (LmServerStore's max_connections), so 1,024
+# serves hundreds of engines; the descriptor limit may lower it (DESCRIPTOR_RESERVE stay for the
+# listeners, the log, and the spare used to refuse on EMFILE). An idle pooled connection closed
+# after IDLE_S costs its client one reconnect (LmServerStore checks a pooled socket before use).
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_IDLE_S = 60.0
+DESCRIPTOR_RESERVE = 16
 # Replies go out in slices this large so the stall watchdog sees progress on slow readers.
 SEND_SLICE = 4 << 20
 # Smaller values are gathered into one send: a GET of many small values is not a send each.
@@ -289,10 +300,21 @@ class _Connection:
 
 
 class Server:
-    def __init__(self, listeners: list[socket.socket], capacity: int):
+    def __init__(
+        self,
+        listeners: list[socket.socket],
+        capacity: int,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_s: float = DEFAULT_IDLE_S,
+    ):
         self.listeners = listeners
         self.store = LruStore(capacity)
         self.connections: set[_Connection] = set()
+        self.max_connections = max_connections
+        self.idle_s = idle_s
+        self.refused = {"at_cap": 0, "no_descriptors": 0}
+        self.idle_closed = 0
+        self.spare = SpareDescriptor()
         self.malformed = 0
         self.bad_frames = RateLimitedLog(logger)
         self.started = time.monotonic()
@@ -317,7 +339,9 @@ class Server:
         s = self.store
         return (
             f"{len(s)} chunks, {_gib(s.bytes)} of {_gib(s.capacity)}, {s.hits} hits / {s.misses} misses, "
-            f"{s.evictions} evictions, {len(self.connections)} clients"
+            f"{s.evictions} evictions, {len(self.connections)} clients, "
+            f"{self.refused['at_cap']} refused at the cap of {self.max_connections}, "
+            f"{self.refused['no_descriptors']} for want of a descriptor, {self.idle_closed} closed idle"
         )
 
     async def _accept(self, listener: socket.socket) -> None:
@@ -325,9 +349,31 @@ class Server:
         while True:
             try:
                 sock, addr = await loop.sock_accept(listener)
-            except OSError as e:  # EMFILE and the like: keep serving those already connected
-                self.bad_frames.warning(("accept", e.errno), "cannot accept a connection: %s", e)
-                await asyncio.sleep(0.1)
+            except OSError as e:
+                if e.errno not in OUT_OF_DESCRIPTORS:
+                    logger.debug("accept failed: %s", e)  # e.g. ECONNABORTED: that client is gone
+                    continue
+                # Refused rather than left in the backlog, where it would wait for nothing.
+                self.refused["no_descriptors"] += 1
+                self.bad_frames.warning(
+                    "no_descriptors",
+                    "refused a connection: no file descriptor left (limit %d, %d clients; %d refused so far)",
+                    descriptor_limit(),
+                    len(self.connections),
+                    self.refused["no_descriptors"],
+                )
+                if not self.spare.refuse_one(listener):
+                    await asyncio.sleep(0.05)  # nothing could be shed: wait, rather than spin
+                continue
+            if len(self.connections) >= self.max_connections:
+                sock.close()
+                self.refused["at_cap"] += 1
+                self.bad_frames.warning(
+                    "at_cap",
+                    "refused a connection: %d clients, the cap (--max-connections; %d refused so far)",
+                    len(self.connections),
+                    self.refused["at_cap"],
+                )
                 continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
@@ -346,6 +392,10 @@ class Server:
             for conn in list(self.connections):
                 if conn.busy and now - conn.last_progress > STALL_S and conn.task is not None:
                     logger.warning("closing the connection from %s: stalled mid-frame for %.0f s", conn.peer, STALL_S)
+                    conn.task.cancel()
+                elif not conn.busy and now - conn.last_progress > self.idle_s and conn.task is not None:
+                    self.idle_closed += 1
+                    logger.debug("closing the connection from %s: no request for %.0f s", conn.peer, self.idle_s)
                     conn.task.cancel()
             if now >= next_stats:
                 next_stats = now + STATS_EVERY_S
@@ -377,6 +427,7 @@ class Server:
         await asyncio.gather(*tasks, *conn_tasks, return_exceptions=True)
         for listener in self.listeners:
             listener.close()
+        self.spare.close()
 
 
 class BindError(Exception):
@@ -447,6 +498,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="hold at most N GiB (2**30 bytes) of keys and values; past it the least recently used go (default 4)",
     )
     parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"open client connections at most; one more is closed at once and counted (default "
+        f"{DEFAULT_MAX_CONNECTIONS}, lowered to what the file descriptor limit allows)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=DEFAULT_IDLE_S,
+        metavar="S",
+        help=f"close a connection that sends no request for S seconds (default {DEFAULT_IDLE_S:g})",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         default="INFO",
@@ -463,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"port {args.port} is outside 0-65535")
     if not (math.isfinite(args.max_size_gb) and args.max_size_gb > 0):
         parser.error(f"--max-size-gb {args.max_size_gb} is not a positive size")
+    if args.max_connections < 1:
+        parser.error(f"--max-connections {args.max_connections}: expected a number >= 1")
+    if not (math.isfinite(args.idle_timeout) and args.idle_timeout > 0):
+        parser.error(f"--idle-timeout {args.idle_timeout}: expected seconds > 0")
     if args.device.lower() != "cpu":
         print(
             f"lmcache_server: DEVICE {args.device!r} is not supported: this server keeps every chunk in CPU "
@@ -477,9 +547,19 @@ def main(argv: list[str] | None = None) -> int:
     except BindError as e:
         print(f"lmcache_server: {e}", file=sys.stderr)
         return 2
-    server = Server(listeners, capacity)
+    max_connections = connection_cap(args.max_connections, 1.0, DESCRIPTOR_RESERVE)
+    server = Server(listeners, capacity, max_connections, args.idle_timeout)
     addrs = ", ".join(_fmt_addr(*s.getsockname()[:2]) for s in listeners)
-    logger.info("listening on %s (device cpu, capacity %s)", addrs, _gib(capacity))
+    logger.info(
+        "listening on %s (device cpu, capacity %s; at most %d connections of --max-connections %d under a "
+        "descriptor limit of %d, idle ones closed after %g s)",
+        addrs,
+        _gib(capacity),
+        max_connections,
+        args.max_connections,
+        descriptor_limit(),
+        args.idle_timeout,
+    )
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C before the loop's own handler was in place
         asyncio.run(server.serve())
     return 0
