@@ -138,3 +138,30 @@ def test_lmcache_server_health_answers_through_an_idle_flood_at_its_descriptor_l
     log = server.log()
     assert "Traceback" not in log and "Too many open files" not in log, log[-2000:]
     assert "refused a connection" in log
+
+
+def test_router_closes_idle_connections_and_refuses_past_its_cap(tmp_path):
+    import subprocess
+    import sys
+
+    port, nobody = free_ports(2)
+    router = os.path.join(os.path.dirname(sys.executable), "lmcache_router")
+    argv = [router, "--controller-url", f"http://127.0.0.1:{nobody}", "--port", str(port)]
+    log_path = tmp_path / "router.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*argv, "--max-connections", "16", "--header-timeout", "1"], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    socks: list[socket.socket] = []
+    try:
+        wait_for(lambda: b"serving on" in log_path.read_bytes(), 15, "lmcache_router")
+        socks = flood(port, 100)
+        wait_for(lambda: closed_by_server(socks) == len(socks), 5, "the router closes all 100 idle connections")
+        assert httpx.get(url + "/router/stats", timeout=3).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        proc.wait(10)
+    text = log_path.read_text()
+    assert "Traceback" not in text
+    assert "refused a connection: 16 open, the cap" in text

@@ -27,6 +27,8 @@ PROG = "lmcache_router"
 API_TOKEN_ENV = "LMCACHE_API_TOKEN"  # the controller's variable: one token for both
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
+BACKLOG = 2048  # connections the kernel queues for accept; the cap applies once accepted
+
 logger = logging.getLogger("lmcache_p2p.router")
 
 
@@ -90,6 +92,29 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"largest request body accepted; a bigger one is refused with 413 before it is read "
         f"(default {DEFAULT_MAX_BODY_BYTES}, 4 MiB, as the controller's)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=RouterConfig.max_connections,
+        metavar="N",
+        help=f"open client connections at most; more are closed at once, counted and logged "
+        f"(default {RouterConfig.max_connections}, lowered to half the free file descriptors)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=RouterConfig.header_timeout_s,
+        metavar="S",
+        help="close a connection that sends no complete request header within S seconds of connecting or of "
+        f"its last response (default {RouterConfig.header_timeout_s:g})",
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=RouterConfig.keep_alive_s,
+        metavar="S",
+        help=f"close an idle keep-alive connection after S seconds (default {RouterConfig.keep_alive_s:g})",
+    )
     return p
 
 
@@ -141,9 +166,14 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
         ("--request-timeout", args.request_timeout),
         ("--connect-timeout", args.connect_timeout),
         ("--engine-cooldown", args.engine_cooldown),
+        ("--header-timeout", args.header_timeout),
     ):
         if not value > 0 or value == float("inf"):
             raise FlagError(f"{flag} {value}: expected seconds > 0")
+    if not 1 <= args.keep_alive_timeout < float("inf"):
+        raise FlagError(f"--keep-alive-timeout {args.keep_alive_timeout}: expected seconds >= 1")
+    if args.max_connections < 1:
+        raise FlagError(f"--max-connections {args.max_connections}: expected a number >= 1")
     if args.max_body_bytes < 1:
         raise FlagError(f"--max-body-bytes {args.max_body_bytes}: expected a number of bytes >= 1")
     if args.model is not None and not args.model.strip():
@@ -159,25 +189,28 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
         cooldown_s=args.engine_cooldown,
         tokenizer=args.tokenizer,
         max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        keep_alive_s=args.keep_alive_timeout,
     )
 
 
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     addr = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)[0][4]
-    return socket.create_server(addr, family=family, backlog=2048)
+    return socket.create_server(addr, family=family, backlog=BACKLOG)
 
 
 async def serve(config: RouterConfig, sock: socket.socket, tokenizer: LocalTokenizer | None = None) -> None:
-    import uvicorn
-
+    from lmcache_p2p.http_listener import BoundedServer, ConnectionLimits
     from lmcache_p2p.router.app import create_app
 
     app = create_app(config, tokenizer=tokenizer)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    limits = ConnectionLimits(config.max_connections, config.header_timeout_s, config.keep_alive_s, BACKLOG)
+    server = BoundedServer(app, sock, limits, "router", log_level="warning", access_log=False, lifespan="on")
     host, port = sock.getsockname()[:2]
     logger.info("lmcache_router serving on http://%s:%d", host if ":" not in host else f"[{host}]", port)
-    await server.serve(sockets=[sock])
+    await server.serve()
 
 
 def main(argv: list[str] | None = None) -> int:

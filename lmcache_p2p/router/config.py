@@ -24,3 +24,9 @@ class RouterConfig:
     tokenizer: str | None = None  # a local tokenizer (model dir or hub id); None: the engines' /tokenize
     # A request body over this is a 413 before it is read (the controller's bound, http_body.py).
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Connection bounds (lmcache_p2p/http_listener.py). Each client connection may hold a stream for
+    # minutes, and each costs a second descriptor toward an engine: 2,048 (the listen backlog) is
+    # lowered to half the free descriptors at start. Header timeout and keep-alive: as the controller's.
+    max_connections: int = 2048
+    header_timeout_s: float = 10.0
+    keep_alive_s: float = 5.0
