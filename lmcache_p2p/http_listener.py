@@ -66,8 +66,9 @@ class ListenerCounts:
 class BoundedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     """uvicorn's HTTP protocol (httptools or h11), plus a deadline for each request's header.
 
-    The deadline is armed when the connection is made and again when a response completes, and it
-    is met once uvicorn starts a new request cycle (``self.cycle`` changes: its headers are in).
+    The deadline is armed when the connection is made and again when a response completes (or,
+    when the response went out before its request's body was read, once that body is drained), and
+    it is met once uvicorn starts a new request cycle (``self.cycle`` changes: its headers are in).
     """
 
     counts: ListenerCounts
@@ -77,20 +78,26 @@ class BoundedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._answered: Any = None  # the cycle whose response went out last
         self._arm_header_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
+        self._answered = self.cycle
+        if not self.transport.is_closing() and not self.cycle.more_body:
             self._arm_header_deadline()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._header_timer is None or self.transport.is_closing():
+        if self.transport.is_closing():
             return
         if self.cycle is not self._waiting_for:
-            self._header_timer.cancel()  # a request's headers are in: uvicorn has it from here
-            self._header_timer = None
+            if self._header_timer is not None:  # a request's headers are in: uvicorn has it from here
+                self._header_timer.cancel()
+                self._header_timer = None
+            elif self.cycle is self._answered and not self.cycle.more_body:
+                # A refused request's body (a 413) drained: the next request's header is due now.
+                self._arm_header_deadline()
             return
         self._header_bytes += len(data)
         if self._header_bytes > MAX_HEADER_BYTES:
