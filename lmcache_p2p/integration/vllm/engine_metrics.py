@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
 # (name, help, where a rank's status answer keeps the running total)
 COUNTERS: list[tuple[str, str, Callable[[dict], float]]] = [
     (
@@ -136,51 +138,33 @@ class RankMetrics:
         }
 
 
-def _stats_base() -> type:
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+@dataclass
+class ConnectorStats(KVConnectorStats):
+    """Counter growth summed over ranks and steps; gauges per rank (the newest wins). At module
+    level: vLLM pickles it from the ranks' processes to the scheduler's."""
 
-    return KVConnectorStats
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: Any) -> Any:
+        counters = dict(self.data.get("counters", {}))
+        for name, delta in other.data.get("counters", {}).items():
+            counters[name] = counters.get(name, 0.0) + delta
+        gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}
+        self.data = {"counters": counters, "gauges": gauges}
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        counters = self.data.get("counters", {})
+        return {name.split(":", 1)[1]: round(value, 3) for name, value in counters.items()}
+
+    def is_empty(self) -> bool:
+        return not self.data.get("counters")
 
 
-def build_stats(data: dict[str, Any] | None) -> Any:
+def build_stats(data: dict[str, Any] | None) -> ConnectorStats:
     """vLLM's ``build_kv_connector_stats``: our stats object around ``data``."""
-    return _stats_class()(data=dict(data or {}))
-
-
-_STATS_CLASS: type | None = None
-
-
-def _stats_class() -> type:
-    """:class:`ConnectorStats`, made on first use (its base class is vLLM's)."""
-    global _STATS_CLASS
-    if _STATS_CLASS is None:
-
-        @dataclass
-        class ConnectorStats(_stats_base()):  # type: ignore[misc]
-            """Counter growth summed over ranks and steps; gauges per rank (the newest wins)."""
-
-            def reset(self) -> None:
-                self.data: dict[str, Any] = {}
-
-            def aggregate(self, other: Any) -> Any:
-                counters = dict(self.data.get("counters", {}))
-                for name, delta in other.data.get("counters", {}).items():
-                    counters[name] = counters.get(name, 0.0) + delta
-                gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}
-                self.data = {"counters": counters, "gauges": gauges}
-                return self
-
-            def reduce(self) -> dict[str, int | float]:
-                out: dict[str, int | float] = {
-                    n.split(":", 1)[1]: round(v, 3) for n, v in self.data.get("counters", {}).items()
-                }
-                return out
-
-            def is_empty(self) -> bool:
-                return not self.data.get("counters")
-
-        _STATS_CLASS = ConnectorStats
-    return _STATS_CLASS
+    return ConnectorStats(data=dict(data or {}))
 
 
 def build_prom_metrics(
