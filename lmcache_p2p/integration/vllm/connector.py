@@ -234,7 +234,7 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
     def build_prom_metrics(
         cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: Any
     ) -> Any:
-        return engine_metrics.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return engine_metrics.PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 # (name, help, where a rank's status answer keeps the running total)
 COUNTERS: list[tuple[str, str, Callable[[dict], float]]] = [
@@ -167,39 +167,36 @@ def build_stats(data: dict[str, Any] | None) -> ConnectorStats:
     return ConnectorStats(data=dict(data or {}))
 
 
-def build_prom_metrics(
-    vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
-) -> Any:
-    """vLLM's ``build_prom_metrics``: the series above, in vLLM's registry, with its labels."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+class PromMetrics(KVConnectorPromMetrics):
+    """The series above in vLLM's registry, with its labels (vLLM's ``build_prom_metrics``
+    builds it in the API server's process, :class:`ConnectorStats` sums reach :meth:`observe`)."""
 
-    class PromMetrics(KVConnectorPromMetrics):
-        def __init__(self) -> None:
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            # (vLLM hands the classes to build with: prometheus-client's, or its multiprocess ones)
-            counter: Any = self._counter_cls
-            gauge: Any = self._gauge_cls
-            self._counters = {
-                name: counter(name=name, documentation=text, labelnames=labelnames) for name, text, _ in COUNTERS
-            }
-            self._gauges = {
-                name: gauge(name=name, documentation=text, labelnames=labelnames, multiprocess_mode="mostrecent")
-                for name, text, _ in GAUGES
-            }
-            # Each rank's newest gauge values: ranks report on their own clocks, so one step's
-            # sum may carry only some of them.
-            self._ranks: dict[int, dict[str, dict[str, float]]] = {}
+    def __init__(
+        self, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # (vLLM hands the classes to build with: prometheus-client's, or its multiprocess ones)
+        counter: Any = self._counter_cls
+        gauge: Any = self._gauge_cls
+        self._counters = {
+            name: counter(name=name, documentation=text, labelnames=labelnames) for name, text, _ in COUNTERS
+        }
+        self._gauges = {
+            name: gauge(name=name, documentation=text, labelnames=labelnames, multiprocess_mode="mostrecent")
+            for name, text, _ in GAUGES
+        }
+        # Each rank's newest gauge values: ranks report on their own clocks, so one step's sum may
+        # carry only some of them.
+        self._ranks: dict[int, dict[str, dict[str, float]]] = {}
 
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            labels = self.per_engine_labelvalues[engine_idx]
-            for name, delta in transfer_stats_data.get("counters", {}).items():
-                if name in self._counters and delta > 0:
-                    self._counters[name].labels(*labels).inc(delta)
-            reported = transfer_stats_data.get("gauges", {})
-            if reported:
-                ranks = self._ranks.setdefault(engine_idx, {})
-                ranks.update(reported)
-                for name in self._gauges:
-                    self._gauges[name].labels(*labels).set(sum(r.get(name, 0.0) for r in ranks.values()))
-
-    return PromMetrics()
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, delta in transfer_stats_data.get("counters", {}).items():
+            if name in self._counters and delta > 0:
+                self._counters[name].labels(*labels).inc(delta)
+        reported = transfer_stats_data.get("gauges", {})
+        if reported:
+            ranks = self._ranks.setdefault(engine_idx, {})
+            ranks.update(reported)
+            for name in self._gauges:
+                self._gauges[name].labels(*labels).set(sum(r.get(name, 0.0) for r in ranks.values()))
