@@ -98,8 +98,10 @@ def test_two_instances_pulling_from_each_other_at_once(controller, spawn):
     # Registration is batched: wait for every chunk, not the first batch (a lookup racing the
     # rest pulls what is registered so far).
     wait_for(
-        lambda: (controller.holders(pa).get("lmcache_instance_1") or [None, 0])[1] == 16 * CHUNK
-        and (controller.holders(pb).get("lmcache_instance_2") or [None, 0])[1] == 16 * CHUNK,
+        lambda: (
+            (controller.holders(pa).get("lmcache_instance_1") or [None, 0])[1] == 16 * CHUNK
+            and (controller.holders(pb).get("lmcache_instance_2") or [None, 0])[1] == 16 * CHUNK
+        ),
         what="both instances' keys, every chunk",
     )
     hits = {}
