@@ -42,7 +42,7 @@ common=(pyzmq msgspec cbor2 jiter distro pydantic pydantic-core annotated-types 
   "starlette>=1.0.1" uvicorn "prometheus-fastapi-instrumentator>=8.0.0" diskcache lark==1.2.2
   depyf==0.20.0 astor dill compressed-tensors==0.17.0 gguf "llguidance<1.8,>=1.7" outlines_core==0.2.14
   lm-format-enforcer==0.11.3 interegular watchfiles python-json-logger ijson loguru
-  truststore xxhash redis nixl-cu13==1.5.1)
+  truststore xxhash redis fastapi-offline nixl-cu13==1.5.1)
 case "$VERSION" in
   0.25.1)
     extra=(vllm==0.25.1 openai openai-harmony typing_extensions==4.16.0 "xgrammar<1.0.0,>=0.2.1" httpx2 httpcore2
@@ -50,7 +50,7 @@ case "$VERSION" in
   0.33.*)
     extra=("vllm==$VERSION" torch==2.14.0 "triton~=3.8.0" torchvision==0.29.0 "openai>=2.25.0" orjson
       "jsonschema>=4.23.0" jsonschema-specifications referencing rpds-py "mistral_common>=1.11.6"
-      "oss-harmony>=0.0.11" xgrammar==0.2.8 "model-hosting-container-standards<1.0.0,>=0.1.14"
+      "oss-harmony>=0.0.11" xgrammar==0.2.8 "model-hosting-container-standards<1.0.0,>=0.1.14" jmespath
       "anthropic>=0.71.0" docstring-parser "opentelemetry-api>=1.27.0" "opentelemetry-sdk>=1.27.0"
       opentelemetry-semantic-conventions "opentelemetry-semantic-conventions-ai>=0.4.1" nvtx==0.2.15
       "numba==0.65.0" "llvmlite<0.48,>=0.47" pycountry pydantic-extra-types apache-tvm-ffi==0.1.11 httpx2 httpcore2
