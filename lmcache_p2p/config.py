@@ -854,8 +854,11 @@ class LMCacheConfig:
 
     @property
     def remote(self) -> RemoteUrl | None:
-        """``remote_url`` parsed (validated at load), or None when there is no remote tier."""
-        return parse_remote_url(self.remote_url) if self.remote_url else None
+        """``remote_url`` parsed (validated at load), or None when there is no remote tier. It
+        carries the mesh secret: the remote tier MACs values with it, an lm:// client authenticates."""
+        if not self.remote_url:
+            return None
+        return parse_remote_url(self.remote_url).with_mesh_secret(self.resolved_mesh_secret())
 
     @property
     def max_local_disk_bytes(self) -> int:

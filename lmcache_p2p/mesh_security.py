@@ -127,6 +127,21 @@ def derive_keys(secret: str) -> MeshKeys:
     return MeshKeys(public=zmq.curve_public(secret_key), secret=secret_key)
 
 
+# HKDF's salt for every key derive_key makes (RFC 5869: a fixed, public, per-application value).
+_HKDF_SALT = b"lmcache-p2p/mesh-secret/hkdf/v1"
+
+
+def derive_key(secret: str, label: bytes) -> bytes:
+    """A 32-byte key for one use of the mesh secret other than CurveZMQ, named by ``label``
+    (e.g. the remote store's value MACs, ``lmcache_server``'s handshake): HKDF-SHA256 (RFC 5869)
+    of the normalised secret, ``label`` as its info. Keys for two labels are unrelated, so a key
+    leaked from one use (or a protocol bug in it) gives nothing for another."""
+    if not label:
+        raise ValueError("derive_key needs a label naming the key's use")
+    prk = hmac.digest(_HKDF_SALT, normalize_secret(secret).encode("utf-8"), "sha256")  # extract
+    return hmac.digest(prk, label + b"\x01", "sha256")  # expand: one block is the 32 bytes asked for
+
+
 class _RefusalLog:
     """Counts refusals and logs them rate-limited: at most one WARNING per key per period."""
 

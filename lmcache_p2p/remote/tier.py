@@ -5,9 +5,18 @@ What it adds to a bare :class:`RemoteStore`:
 * **Keys carry the layout.** ``lmcache-p2p:v1:<layout digest>:<chunk hash>``: the digest covers
   model, dtype, block shape, TP size and rank (``LayoutFingerprint``), so two models or two
   ranks never read each other's bytes. Keys have no hash tag, so a Redis Cluster spreads them.
-* **Values are framed and checked.** A 40-byte header (magic, version, layout digest, chunk
-  hash, payload length, XXH3 of the payload) precedes the raw page (``remote_serde: naive``).
-  A read whose header or checksum does not match is a miss, logged and counted.
+* **Values are framed and checked.** A 40-byte header (magic, version, flags, layout digest,
+  chunk hash, payload length, XXH3 of the payload) precedes the raw page (``remote_serde:
+  naive``). A read whose header or checksum does not match is a miss, logged and counted.
+* **Values are authenticated with the mesh secret.** With one (the store's URL carries the
+  config's), every value written carries a 32-byte HMAC-SHA256 tag over its key, header and
+  payload (flag :data:`FLAG_MAC`; the tag sits between header and payload), keyed from the
+  secret (:class:`~lmcache_p2p.remote.auth.ValueMac`). A reader with the secret refuses any
+  value whose tag does not match, or that has none, as a miss: counted (``mac_failures``) and
+  logged at most once a minute with the key and the store. XXH3 catches bit rot; only the tag
+  stops a stranger who can write to the store, since anyone can compute an XXH3. A reader
+  without a secret skips the tag and checks the rest: it loads whatever well-formed value it
+  finds, a stranger's included.
 * **Writes are behind.** The CPU tier's admits are queued (bounded; a full queue drops and
   counts) and written by one thread in batches, after one ``exists`` round that skips chunks
   another instance already wrote. The engine's store path only appends a key to a queue.
@@ -35,6 +44,7 @@ import numpy as np
 
 from lmcache_p2p.keys import ChunkKey, payload_checksum
 from lmcache_p2p.logs import RateLimitedLog
+from lmcache_p2p.remote.auth import MAC_BYTES, ValueMac
 from lmcache_p2p.remote.store import RemoteRefused, RemoteStore
 from lmcache_p2p.vocab import CPU
 from lmcache_p2p.write_behind import WriteBehind
@@ -45,11 +55,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = b"lmcache-p2p:v1:"
-# magic, version, reserved, layout digest, chunk hash, payload bytes, XXH3-64 of the payload
+# magic, version, flags, layout digest, chunk hash, payload bytes, XXH3-64 of the payload
 HEADER = struct.Struct("<4sHHQQQQ")
 MAGIC = b"LMKV"
 VERSION = 1
 HEADER_BYTES = HEADER.size  # 40 bytes
+# Flags (the header's third field, 0 in every value written before MACs): FLAG_MAC says a
+# MAC_BYTES tag follows the header. A reader that does not know a flag refuses the value (an
+# older reader finds the payload MAC_BYTES longer than a page: a counted miss, never bad KV).
+FLAG_MAC = 0x0001
+KNOWN_FLAGS = FLAG_MAC
 
 # One get round moves at most this much (a 40-chunk prompt of 32 MiB pages is 1.3 GB: the
 # values of one round sit in this process's memory until copied into pages).
@@ -63,11 +78,17 @@ def remote_key(key: ChunkKey) -> bytes:
     return b"%s%016x:%016x" % (KEY_PREFIX, key.fingerprint, key.chunk_hash)
 
 
-def frame_value(key: ChunkKey, payload: np.ndarray, checksum: int) -> bytearray:
-    """Header + payload (a page's uint8 array) in one buffer: the one copy a write makes."""
-    out = bytearray(HEADER_BYTES + payload.nbytes)
-    HEADER.pack_into(out, 0, MAGIC, VERSION, 0, key.fingerprint, key.chunk_hash, payload.nbytes, checksum)
-    np.frombuffer(out, dtype=np.uint8, offset=HEADER_BYTES)[:] = payload.reshape(-1).view(np.uint8)
+def frame_value(key: ChunkKey, payload: np.ndarray, checksum: int, mac: ValueMac | None = None) -> bytearray:
+    """Header (+ tag, with ``mac``) + payload (a page's uint8 array) in one buffer: the one copy a
+    write makes. The tag is computed over the copy, so it covers the bytes that are sent."""
+    offset = HEADER_BYTES + (MAC_BYTES if mac is not None else 0)
+    out = bytearray(offset + payload.nbytes)
+    flags = FLAG_MAC if mac is not None else 0
+    HEADER.pack_into(out, 0, MAGIC, VERSION, flags, key.fingerprint, key.chunk_hash, payload.nbytes, checksum)
+    np.frombuffer(out, dtype=np.uint8, offset=offset)[:] = payload.reshape(-1).view(np.uint8)
+    if mac is not None:
+        view = memoryview(out)
+        view[HEADER_BYTES:offset] = mac.tag(remote_key(key), view[:HEADER_BYTES], view[offset:])
     return out
 
 
@@ -75,20 +96,37 @@ class BadValue(Exception):
     """A stored value that is not this chunk's page (another layout, truncated, bit rot)."""
 
 
-def unframe_value(key: ChunkKey, value: bytes | memoryview, page_bytes: int) -> tuple[memoryview, int]:
-    """The payload and its checksum, checked against ``key`` and the page size; :class:`BadValue`
-    saying what differs otherwise."""
+class MacFailure(BadValue):
+    """A value this reader cannot authenticate: no tag, or one its mesh secret does not give.
+    Whoever wrote it did not hold the secret (a stranger with access to the store, or an engine
+    with another secret or none)."""
+
+
+def unframe_value(
+    key: ChunkKey, value: bytes | memoryview, page_bytes: int, mac: ValueMac | None = None
+) -> tuple[memoryview, int]:
+    """The payload and its checksum, checked against ``key`` and the page size, and with ``mac``
+    authenticated first; :class:`MacFailure` or :class:`BadValue` saying what differs otherwise.
+    Without ``mac`` a value's tag is skipped, unchecked."""
     view = memoryview(value)
     if view.nbytes < HEADER_BYTES:
         raise BadValue(f"{view.nbytes} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, version, _, fingerprint, chunk_hash, length, checksum = HEADER.unpack_from(view, 0)
+    magic, version, flags, fingerprint, chunk_hash, length, checksum = HEADER.unpack_from(view, 0)
     if magic != MAGIC or version != VERSION:
         raise BadValue(f"not a v{VERSION} lmcache-p2p value (magic {magic!r}, version {version})")
+    if flags & ~KNOWN_FLAGS:
+        raise BadValue(f"unknown flags {flags:#06x} (this reader knows {KNOWN_FLAGS:#06x})")
+    offset = HEADER_BYTES + (MAC_BYTES if flags & FLAG_MAC else 0)
+    if length != page_bytes or view.nbytes - offset != length:
+        raise BadValue(f"payload {view.nbytes - offset} bytes (header {length}), page is {page_bytes}")
+    payload = view[offset:]
+    if mac is not None:
+        if not flags & FLAG_MAC:
+            raise MacFailure("it has no MAC: written without the mesh secret")
+        if not mac.verify(remote_key(key), view[:HEADER_BYTES], payload, view[HEADER_BYTES:offset]):
+            raise MacFailure("its MAC does not match: written with another mesh secret, or forged")
     if (fingerprint, chunk_hash) != (key.fingerprint, key.chunk_hash):
         raise BadValue(f"header names {fingerprint:016x}:{chunk_hash:016x}")
-    if length != page_bytes or view.nbytes - HEADER_BYTES != length:
-        raise BadValue(f"payload {view.nbytes - HEADER_BYTES} bytes (header {length}), page is {page_bytes}")
-    payload = view[HEADER_BYTES:]
     actual = payload_checksum(payload)
     if actual != checksum:
         raise BadValue(f"checksum {actual:016x} != stored {checksum:016x}")
@@ -108,6 +146,7 @@ class RemoteCounters:
     writes_missed: int = 0  # left the CPU tier before its turn
     writes_refused: int = 0  # the store answered with an error (out of memory, value too large)
     bad_values: int = 0
+    mac_failures: int = 0  # values refused because the mesh secret does not authenticate them
     errors: int = 0
     last_error: str = ""
     read_s: float = field(default=0.0, repr=False)
@@ -152,7 +191,13 @@ class RemoteTier:
         self._write_queue_chunks = write_queue_chunks
         self._pin: Callable[[ChunkKey], PinnedChunk | None] | None = None
         self._refused_log = RateLimitedLog(logger, every_s=60.0)
+        self._mac_log = RateLimitedLog(logger, every_s=60.0)
         self._writes: WriteBehind | None = None  # started by start_writer
+        # With the mesh secret (carried by the store's URL) values are written with a MAC and
+        # read only with a matching one; without, neither.
+        secret = store.url.mesh_secret
+        self._mac = ValueMac(secret) if secret else None
+        self._value_bytes = HEADER_BYTES + (MAC_BYTES if self._mac is not None else 0) + page_bytes
 
     @property
     def name(self) -> str:
@@ -227,7 +272,7 @@ class RemoteTier:
     def fetch(self, keys: Sequence[ChunkKey]) -> Iterator[tuple[ChunkKey, memoryview, int]]:
         """Each of ``keys`` in order as (key, checked payload, checksum), in get rounds of at most
         ``FETCH_BATCH_BYTES``; stops at the first chunk that is gone, bad or unreachable."""
-        per_round = max(1, FETCH_BATCH_BYTES // (self.page_bytes + HEADER_BYTES))
+        per_round = max(1, FETCH_BATCH_BYTES // self._value_bytes)
         for start in range(0, len(keys), per_round):
             batch = keys[start : start + per_round]
             t0 = time.perf_counter()
@@ -243,7 +288,10 @@ class RemoteTier:
                     logger.info("remote tier %s: %s is gone (evicted since the exists round)", self.name, key)
                     return
                 try:
-                    payload, checksum = unframe_value(key, value, self.page_bytes)
+                    payload, checksum = unframe_value(key, value, self.page_bytes, self._mac)
+                except MacFailure as e:
+                    self._refuse_unauthenticated(key, str(e))
+                    return
                 except BadValue as e:
                     self.counters.bad_values += 1
                     logger.warning(
@@ -253,6 +301,20 @@ class RemoteTier:
                 self.counters.chunks_read += 1
                 self.counters.bytes_read += payload.nbytes
                 yield key, payload, checksum
+
+    def _refuse_unauthenticated(self, key: ChunkKey, why: str) -> None:
+        self.counters.mac_failures += 1
+        self._mac_log.warning(
+            "mac",
+            "remote tier %s: value of %s (%s) failed authentication: %s; treating it as a miss (%d in all). "
+            "Whoever can write to the store can poison it: give every engine the same mesh secret and keep "
+            "strangers off the store",
+            self.name,
+            key,
+            remote_key(key).decode(),
+            why,
+            self.counters.mac_failures,
+        )
 
     def fetch_prefix_into(self, storage: PageSink, chunk_hashes: Sequence[int]) -> int:
         """Copy the leading chunks of ``chunk_hashes`` the store holds into ``storage``'s CPU tier:
@@ -340,7 +402,7 @@ class RemoteTier:
                 self.counters.writes_missed += 1
                 continue
             with chunk:
-                items.append((name, frame_value(key, chunk.data.numpy(), chunk.checksum)))
+                items.append((name, frame_value(key, chunk.data.numpy(), chunk.checksum, self._mac)))
         if not items:
             return
         try:
@@ -409,6 +471,8 @@ class RemoteTier:
             "writes_refused": c.writes_refused,
             "write_queue": self._writes.queued if self._writes is not None else 0,
             "bad_values": c.bad_values,
+            "values_authenticated": self._mac is not None,
+            "mac_failures": c.mac_failures,
             "errors": c.errors,
             "last_error": c.last_error,
         }

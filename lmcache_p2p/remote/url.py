@@ -13,6 +13,7 @@ A bad URL raises :class:`ValueError` saying which part is wrong; the config laye
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.parse
 from dataclasses import dataclass
 
@@ -28,6 +29,13 @@ class RemoteUrl:
     password: str | None = None
     db: int = 0
     master_name: str | None = None  # redis-sentinel only
+    # Not part of the URL: the engine's mesh secret (config mesh_secret_file / mesh_secret), which
+    # the tier keys its value MACs from and an lm:// client authenticates with. None: neither.
+    mesh_secret: str | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def with_mesh_secret(self, secret: str | None) -> RemoteUrl:
+        """This URL with ``secret`` as the mesh secret its store and tier use (None: none)."""
+        return dataclasses.replace(self, mesh_secret=secret)
 
     @property
     def tls(self) -> bool:
