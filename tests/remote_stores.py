@@ -22,7 +22,8 @@ SCRIPT = str(Path(sys.executable).with_name("lmcache_server"))
 class LmServer:
     """``lmcache_server HOST PORT`` as users start it (the console script), on loopback, its log
     in a file (a pipe nobody reads would stall the server once full). ``argv`` replaces the whole
-    command (bad-argument tests); ``extra`` arguments follow the defaults."""
+    command (bad-argument tests); ``extra`` arguments follow the defaults. With ``mesh_secret`` it
+    is started with ``--mesh-secret-file`` (a file beside its log) and :meth:`client` authenticates."""
 
     def __init__(
         self,
@@ -31,20 +32,29 @@ class LmServer:
         max_size_gb: float | None = 0.5,
         argv: list[str] | None = None,
         log_dir: Path | None = None,
+        mesh_secret: str | None = None,
     ):
         self.port = port or free_ports(1)[0]
         self.max_size_gb = max_size_gb
+        self.mesh_secret = mesh_secret
         size = ["--max-size-gb", str(max_size_gb)] if max_size_gb is not None else []
-        self.argv = argv or [SCRIPT, "127.0.0.1", str(self.port), "--log-level", "debug", *size, *extra]
         self.log_path = Path(log_dir or tempfile.gettempdir()) / f"lmcache_server-{self.port}-{time.monotonic_ns()}.log"
+        secret: list[str] = []
+        if mesh_secret is not None:
+            secret_file = self.log_path.with_suffix(".secret")
+            secret_file.write_text(mesh_secret + "\n")
+            secret = ["--mesh-secret-file", str(secret_file)]
+        self.argv = argv or [SCRIPT, "127.0.0.1", str(self.port), "--log-level", "debug", *size, *secret, *extra]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"lm://127.0.0.1:{self.port}"
 
-    def client(self, timeout_s: float = 5.0) -> LmServerStore:
-        return LmServerStore(parse_remote_url(self.url), timeout_s)
+    def client(self, timeout_s: float = 5.0, mesh_secret: str | None = None) -> LmServerStore:
+        """A client with the server's own secret unless ``mesh_secret`` names another ("" for none)."""
+        secret = self.mesh_secret if mesh_secret is None else (mesh_secret or None)
+        return LmServerStore(parse_remote_url(self.url), timeout_s, mesh_secret=secret)
 
     def start(self, wait: bool = True) -> LmServer:
         with open(self.log_path, "wb") as log:
@@ -79,7 +89,7 @@ class LmServer:
 
 def restarted(server: LmServer) -> LmServer:
     """A fresh (empty) server on ``server``'s port."""
-    return LmServer(port=server.port, max_size_gb=server.max_size_gb).start()
+    return LmServer(port=server.port, max_size_gb=server.max_size_gb, mesh_secret=server.mesh_secret).start()
 
 
 def store_url(store) -> str:

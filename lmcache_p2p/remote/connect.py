@@ -10,9 +10,11 @@ from lmcache_p2p.remote.url import RemoteUrl
 
 
 def open_store(url: RemoteUrl, timeout_s: float = 5.0) -> RemoteStore:
-    """A client for ``url`` (it connects lazily: a server that is down now is no error here)."""
+    """A client for ``url`` (it connects lazily: a server that is down now is no error here).
+    An lm:// client authenticates with ``url``'s mesh secret, when it carries one; Redis has its
+    own password, and the tier MACs values whatever the store."""
     if url.scheme == "lm":
-        return LmServerStore(url, timeout_s)
+        return LmServerStore(url, timeout_s, mesh_secret=url.mesh_secret)
     if url.scheme == "redis-cluster":
         return RedisClusterStore(url, timeout_s)
     return RedisStore(url, timeout_s)

@@ -10,6 +10,11 @@ used (a zero-wait peek), so the first call after a restart does not fail on it.
 Timeouts are the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO`` on a blocking socket, ``timeout_s``
 with no progress), which lets a value be read with one ``recv(n, MSG_WAITALL)``: the kernel
 copies it straight into the ``bytes`` the caller gets, with no buffer to assemble and copy out of.
+
+With the mesh secret (``mesh_secret``; the engine's config) every new connection runs
+:mod:`.wire`'s AUTH handshake before its first request, and a server that cannot prove it holds
+the same secret (another secret, none, an impostor on the address) is unavailable, with the
+reason: the engine never sends its KV to it or takes values from it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from lmcache_p2p.remote import wire
+from lmcache_p2p.remote.auth import LmAuth
 from lmcache_p2p.remote.store import RemoteRefused, RemoteUnavailable
 from lmcache_p2p.remote.url import RemoteUrl
 
@@ -35,6 +41,10 @@ T = TypeVar("T")
 
 class _ServerError(Exception):
     """An ERROR reply: the server did not serve the request and closes the connection."""
+
+
+class _NotAMember(Exception):
+    """The server's AUTH proof does not match this client's mesh secret."""
 
 
 def _timeval(seconds: float) -> bytes:
@@ -99,7 +109,13 @@ def _stale(sock: socket.socket) -> bool:
 class LmServerStore:
     """:class:`~lmcache_p2p.remote.store.RemoteStore` on an ``lmcache_server``; safe to share between threads."""
 
-    def __init__(self, url: RemoteUrl, timeout_s: float = 5.0, max_connections: int = MAX_CONNECTIONS):
+    def __init__(
+        self,
+        url: RemoteUrl,
+        timeout_s: float = 5.0,
+        max_connections: int = MAX_CONNECTIONS,
+        mesh_secret: str | None = None,
+    ):
         if url.scheme != "lm":
             raise ValueError(f"LmServerStore serves lm:// URLs, not {url.describe()}")
         if not timeout_s > 0:
@@ -108,6 +124,7 @@ class LmServerStore:
         self.timeout_s = timeout_s
         self.max_connections = max(1, max_connections)
         self._where = url.describe()
+        self._auth = LmAuth(mesh_secret) if mesh_secret else None  # None: no handshake
         self._cond = threading.Condition()
         self._idle: list[socket.socket] = []
         self._open = 0  # idle and checked out
@@ -211,6 +228,26 @@ class LmServerStore:
             raise wire.ProtocolError("a HEALTH reply with a data section")
         return wire.decode_health(_recv_exact(sock, h.meta_len), h.count)
 
+    def _read_auth(self, sock: socket.socket) -> bytes:
+        h = self._reply_header(sock, wire.Op.AUTH)
+        if h.meta_len != wire.AUTH_BYTES or h.data_len:
+            raise wire.ProtocolError(f"an AUTH reply with {h.meta_len} bytes of meta (expected {wire.AUTH_BYTES})")
+        return _recv_exact(sock, h.meta_len)
+
+    def _authenticate(self, sock: socket.socket, auth: LmAuth) -> None:
+        """The client's side of AUTH on a new connection (see :mod:`.wire`): hello, proof, and
+        the server's proof checked; raises when the server refuses or cannot prove itself."""
+        client_nonce = auth.nonce()
+        hello = wire.pack_header(wire.Op.AUTH, wire.AUTH_HELLO, len(client_nonce)) + client_nonce
+        _send_all(sock, [memoryview(hello)])
+        server_nonce = self._read_auth(sock)
+        proof = auth.client_proof(client_nonce, server_nonce)
+        _send_all(sock, [memoryview(wire.pack_header(wire.Op.AUTH, wire.AUTH_PROOF, len(proof)) + proof)])
+        if not auth.server_proved(client_nonce, server_nonce, self._read_auth(sock)):
+            raise _NotAMember(
+                "the server's proof does not match this engine's mesh secret: it is not a member of this mesh"
+            )
+
     def _read_clear(self, sock: socket.socket) -> int:
         h = self._reply_header(sock, wire.Op.CLEAR)
         if h.meta_len or h.data_len:
@@ -248,6 +285,8 @@ class LmServerStore:
             return f"protocol error: {e}"
         if isinstance(e, _ServerError):
             return f"the server refused the request: {e}"
+        if isinstance(e, _NotAMember):
+            return str(e)
         if isinstance(e, socket.gaierror):
             return f"cannot resolve {self.url.host!r}: {e.strerror}"
         if isinstance(e, OSError) and e.strerror:
@@ -268,6 +307,12 @@ class LmServerStore:
         except OSError as e:
             sock.close()
             raise RemoteUnavailable(f"{self._where}: cannot set up the connection: {self._explain(e)}") from e
+        if self._auth is not None:
+            try:
+                self._authenticate(sock, self._auth)
+            except (OSError, wire.ProtocolError, _ServerError, _NotAMember) as e:
+                sock.close()
+                raise RemoteUnavailable(f"{self._where}: cannot authenticate: {self._explain(e)}") from e
         return sock
 
     def _checkout(self) -> tuple[socket.socket, int]:

@@ -19,6 +19,13 @@ seconds is closed (a pooled client notices and reconnects). The server holds at 
 capacity plus, per connection, the one value being received (or the values of the reply being
 sent, when they were evicted meanwhile).
 
+With the mesh secret (``--mesh-secret-file PATH`` or ``LMCACHE_MESH_SECRET``, as the controller
+takes it) a connection must complete :mod:`.wire`'s AUTH handshake before any command is served;
+a stranger's first command is answered with an ERROR naming the mesh secret, the connection
+closed, the refusal counted (HEALTH ``auth_refused``) and logged at most once a minute. Without a
+secret whoever reaches the port can read, overwrite and clear every engine's chunks, so the
+server then listens only on loopback addresses unless started with ``--insecure``.
+
 Imports nothing heavy (no torch, numpy or vllm): it runs on a box with none of them.
 """
 
@@ -28,20 +35,25 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import math
 import mmap
+import os
 import signal
 import socket
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TypeAlias
 
 from lmcache_p2p import version_line
 from lmcache_p2p.descriptors import OUT_OF_DESCRIPTORS, SpareDescriptor, connection_cap, descriptor_limit
 from lmcache_p2p.logs import RateLimitedLog
+from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
 from lmcache_p2p.remote import wire
+from lmcache_p2p.remote.auth import LmAuth
 
 logger = logging.getLogger("lmcache_p2p.remote.server")
 
@@ -56,6 +68,12 @@ STALL_S = 30.0
 # after IDLE_S costs its client one reconnect (LmServerStore checks a pooled socket before use).
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_IDLE_S = 60.0
+# Refused strangers are logged at most this often (with the count since), as the mesh's ZMQ
+# sockets log theirs: a scanner hammering the port must not flood the log.
+REFUSAL_LOG_PERIOD_S = 60.0
+# A refused client's request is drained for at most this long and this many bytes (see _refuse).
+REFUSED_DRAIN_S = 1.0
+REFUSED_DRAIN_BYTES = 64 << 20
 DESCRIPTOR_RESERVE = 16
 # Replies go out in slices this large so the stall watchdog sees progress on slow readers.
 SEND_SLICE = 4 << 20
@@ -149,6 +167,11 @@ class _PeerGone(Exception):
     """The client closed the connection or it broke: nothing to answer."""
 
 
+class _Refused(Exception):
+    """A client that did not prove it holds the mesh secret: answered ERROR (this message),
+    counted, logged rate-limited, and its connection closed before anything was served."""
+
+
 class _Connection:
     def __init__(self, server: Server, sock: socket.socket, peer: str):
         self.server = server
@@ -160,6 +183,9 @@ class _Connection:
         self.last_progress = time.monotonic()
         self.task: asyncio.Task[None] | None = None
         self._scratch: bytearray | None = None
+        # Without a secret every connection is served; with one, only after the AUTH handshake.
+        self.authenticated = server.auth is None
+        self._nonces: tuple[bytes, bytes] | None = None  # (client's, server's) once hello is answered
 
     async def run(self) -> None:
         store = self.server.store
@@ -167,7 +193,15 @@ class _Connection:
             while await self._read_header():
                 header = wire.unpack_header(self.header)
                 op = wire.check_request(header)
-                if op is wire.Op.PUT:
+                if op is wire.Op.AUTH:
+                    await self._auth(header)
+                elif not self.authenticated:
+                    # Refused on the header alone: none of its sections is read, nothing served.
+                    raise _Refused(
+                        f"{op.name} before authenticating: this lmcache_server requires the mesh secret "
+                        f"(give the engine the mesh secret: mesh_secret_file or {MESH_SECRET_ENV})"
+                    )
+                elif op is wire.Op.PUT:
                     await self._put(header)
                 elif op is wire.Op.GET:
                     await self._get(header)
@@ -183,6 +217,9 @@ class _Connection:
                     logger.info("CLEAR from %s dropped %d chunks", self.peer, dropped)
                     await self._send(wire.pack_header(wire.Status.OK, dropped))
                 self.busy = False
+        except _Refused as e:
+            self.server.note_refusal(self.peer, str(e))
+            await self._refuse(str(e))
         except wire.ProtocolError as e:
             self.server.malformed += 1
             self.server.bad_frames.warning("malformed", "closing the connection from %s: %s", self.peer, e)
@@ -243,6 +280,55 @@ class _Connection:
         for start in range(0, len(view), SEND_SLICE):
             await self.loop.sock_sendall(self.sock, view[start : start + SEND_SLICE])
             self.last_progress = time.monotonic()
+
+    async def _refuse(self, why: str) -> None:
+        """Answer ERROR, then read (and drop) what the client already sent, for a moment, before
+        the connection closes: closing with a request's bytes unread makes the kernel send a
+        reset, which can destroy the ERROR in the client's buffer, and the reason with it."""
+        with contextlib.suppress(OSError, _PeerGone, TimeoutError):
+            await self._send(wire.message_frame(wire.Status.ERROR, why))
+            self.sock.shutdown(socket.SHUT_WR)
+            await asyncio.wait_for(self._drain_until_closed(REFUSED_DRAIN_BYTES), REFUSED_DRAIN_S)
+
+    async def _drain_until_closed(self, limit: int) -> None:
+        if self._scratch is None:
+            self._scratch = bytearray(1 << 20)
+        view = memoryview(self._scratch)
+        while limit > 0:
+            n = await self.loop.sock_recv_into(self.sock, view[: min(limit, len(view))])
+            if n == 0:
+                return
+            limit -= n
+
+    async def _auth(self, header: wire.Header) -> None:
+        """One step of the AUTH handshake (see :mod:`.wire`): hello gets the server's nonce, a
+        matching proof gets the server's proof and opens the connection to every command."""
+        received = bytes(await self._recv_meta(header))
+        auth = self.server.auth
+        if auth is None:
+            raise _Refused(
+                "this lmcache_server runs without a mesh secret and the client has one: start the server with "
+                f"--mesh-secret-file PATH or {MESH_SECRET_ENV} (the engines' secret), or take it off the engines"
+            )
+        if self.authenticated:
+            raise wire.ProtocolError("AUTH on a connection already authenticated")
+        if header.count == wire.AUTH_HELLO:
+            if self._nonces is not None:
+                raise wire.ProtocolError("a second AUTH hello")
+            self._nonces = (received, auth.nonce())
+            reply = self._nonces[1]
+        else:
+            if self._nonces is None:
+                raise wire.ProtocolError("an AUTH proof before the hello")
+            if not auth.client_proved(*self._nonces, received):
+                raise _Refused(
+                    "authentication failed: the client's proof does not match this server's mesh secret "
+                    "(the client runs with another mesh secret)"
+                )
+            self.authenticated = True
+            reply = auth.server_proof(*self._nonces)
+            logger.debug("%s authenticated", self.peer)
+        await self._send(wire.pack_header(wire.Status.OK, 0, len(reply)) + reply)
 
     async def _put(self, header: wire.Header) -> None:
         store = self.server.store
@@ -306,8 +392,10 @@ class Server:
         capacity: int,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_s: float = DEFAULT_IDLE_S,
+        auth: LmAuth | None = None,
     ):
         self.listeners = listeners
+        self.auth = auth  # None: no mesh secret, every connection is served
         self.store = LruStore(capacity)
         self.connections: set[_Connection] = set()
         self.max_connections = max_connections
@@ -317,7 +405,20 @@ class Server:
         self.spare = SpareDescriptor()
         self.malformed = 0
         self.bad_frames = RateLimitedLog(logger)
+        self.auth_refused = 0
+        self._refusals = RateLimitedLog(logger, every_s=REFUSAL_LOG_PERIOD_S)
         self.started = time.monotonic()
+
+    def note_refusal(self, peer: str, why: str) -> None:
+        """Count a client turned away for want of the mesh secret; one WARNING a minute at most."""
+        self.auth_refused += 1
+        self._refusals.warning(
+            "auth",
+            "refused the connection from %s: %s (%d refused in all; nothing was read, written or cleared)",
+            peer,
+            why,
+            self.auth_refused,
+        )
 
     def stats(self) -> dict[str, int]:
         s = self.store
@@ -333,6 +434,7 @@ class Server:
             "refused": s.refused,
             "malformed": self.malformed,
             "uptime_s": int(time.monotonic() - self.started),
+            "auth_refused": self.auth_refused,
         }
 
     def stats_line(self) -> str:
@@ -342,6 +444,7 @@ class Server:
             f"{s.evictions} evictions, {len(self.connections)} clients, "
             f"{self.refused['at_cap']} refused at the cap of {self.max_connections}, "
             f"{self.refused['no_descriptors']} for want of a descriptor, {self.idle_closed} closed idle"
+            + (f", {self.auth_refused} refused without the mesh secret" if self.auth is not None else "")
         )
 
     async def _accept(self, listener: socket.socket) -> None:
@@ -481,6 +584,42 @@ def bind(host: str, port: int) -> list[socket.socket]:
     return listeners
 
 
+class SecretError(Exception):
+    """One line for the user: which source of the mesh secret is wrong and why (never the value)."""
+
+
+def resolve_mesh_secret(path: str | None, env: Mapping[str, str]) -> str | None:
+    """The mesh secret from its one source, ``--mesh-secret-file`` or ``LMCACHE_MESH_SECRET``,
+    as the controller takes it; None from neither. :class:`SecretError` naming the source when
+    both are given, or the file or value cannot be used."""
+    from_env = env.get(MESH_SECRET_ENV) or None
+    if path is not None and from_env is not None:
+        raise SecretError(
+            f"the mesh secret is given 2 times (--mesh-secret-file, {MESH_SECRET_ENV}); give it in one place only"
+        )
+    if path is not None:
+        try:
+            return read_secret_file(path)
+        except MeshSecretError as e:
+            raise SecretError(f"--mesh-secret-file {path} {e}") from None
+    if from_env is not None:
+        try:
+            return check_secret(from_env)
+        except MeshSecretError as e:  # the message never holds the value
+            raise SecretError(f"{MESH_SECRET_ENV} {e}") from None
+    return None
+
+
+def exposed_addresses(listeners: list[socket.socket]) -> list[str]:
+    """The listeners' addresses other hosts could reach (anything but loopback)."""
+    out = []
+    for sock in listeners:
+        host, port = sock.getsockname()[:2]
+        if not ipaddress.ip_address(host).is_loopback:
+            out.append(_fmt_addr(host, port))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmcache_server",
@@ -513,6 +652,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"close a connection that sends no request for S seconds (default {DEFAULT_IDLE_S:g})",
     )
     parser.add_argument(
+        "--mesh-secret-file",
+        metavar="PATH",
+        help=f"file holding the mesh secret (16+ characters) the engines have; or set {MESH_SECRET_ENV}. Clients "
+        "must then prove they hold it before any command. Without one anyone who reaches the port can read, "
+        "overwrite and clear every chunk",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen on a non-loopback address without a mesh secret (refused otherwise)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         default="INFO",
@@ -540,6 +691,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        secret = resolve_mesh_secret(args.mesh_secret_file, os.environ)
+    except SecretError as e:
+        print(f"lmcache_server: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level, format="[%(asctime)s] lmcache_server %(levelname)s: %(message)s")
     capacity = max(1, int(args.max_size_gb * GiB))
     try:
@@ -547,8 +703,27 @@ def main(argv: list[str] | None = None) -> int:
     except BindError as e:
         print(f"lmcache_server: {e}", file=sys.stderr)
         return 2
+    exposed = exposed_addresses(listeners)
+    if exposed and secret is None and not args.insecure:
+        for listener in listeners:
+            listener.close()
+        print(
+            f"lmcache_server: refusing to listen on {', '.join(exposed)} without a mesh secret: whoever reaches it "
+            f"could read, overwrite and clear every engine's KV chunks. Start it with --mesh-secret-file PATH "
+            f"(or {MESH_SECRET_ENV}), the engines' mesh secret, or pass --insecure to listen there anyway",
+            file=sys.stderr,
+        )
+        return 2
     max_connections = connection_cap(args.max_connections, 1.0, DESCRIPTOR_RESERVE)
-    server = Server(listeners, capacity, max_connections, args.idle_timeout)
+    server = Server(listeners, capacity, max_connections, args.idle_timeout, LmAuth(secret) if secret else None)
+    if secret is None:
+        logger.warning(
+            "unauthenticated: anyone who can reach this port can read, overwrite and clear every engine's chunks. "
+            "Give it the engines' mesh secret: --mesh-secret-file PATH or %s",
+            MESH_SECRET_ENV,
+        )
+    else:
+        logger.info("clients must prove they hold the mesh secret before any command")
     addrs = ", ".join(_fmt_addr(*s.getsockname()[:2]) for s in listeners)
     logger.info(
         "listening on %s (device cpu, capacity %s; at most %d connections of --max-connections %d under a "

@@ -12,7 +12,7 @@ Header (24 bytes, :data:`HEADER`)::
          0     4  magic     b"LMKV" in every frame: a stray client (HTTP, a port scanner) or a
                             connection out of step is caught at its first frame
          4     1  version   1
-         5     1  kind      request: op (1 PUT, 2 GET, 3 EXISTS, 4 HEALTH, 5 CLEAR)
+         5     1  kind      request: op (1 PUT, 2 GET, 3 EXISTS, 4 HEALTH, 5 CLEAR, 6 AUTH)
                             reply: status (0 OK, 1 ERROR, 2 REFUSED)
          6     2  reserved  0
          8     4  count     items in the batch (see below)
@@ -36,6 +36,15 @@ Per op (``n`` is ``count``; ``u16[n]`` is n u16s back to back; keys are opaque b
                                                                            HEALTH_FIELDS (a newer server may
                                                                            append fields; readers ignore them)
     CLEAR   - (count 0)                                 -                  chunks dropped; -; -
+    AUTH    count 1 (hello): the client's 32-byte nonce  -                  0; the server's 32-byte nonce; -
+            count 2 (proof): the client's 32-byte proof  -                  0; the server's 32-byte proof; -
+
+AUTH (:class:`~lmcache_p2p.remote.auth.LmAuth`): a server started with the mesh secret serves
+nothing but AUTH until the connection has proved it holds the secret: hello, then proof, each
+answered OK; any other op first, or a proof that does not match, is answered ERROR (a message
+naming the mesh secret) and the connection closed. The client checks the server's proof in
+turn. A server without a secret answers AUTH with ERROR ("runs without a mesh secret"); a
+server older than AUTH, with "unknown op 6". A client without a secret sends no AUTH.
 
 Other replies: ERROR (the request was not served; meta is a UTF-8 message; the server closes
 the connection after it, as the stream may be out of step) and REFUSED (PUT only: ``count``
@@ -88,6 +97,7 @@ HEALTH_FIELDS = (
     "refused",
     "malformed",
     "uptime_s",
+    "auth_refused",
 )
 
 
@@ -97,6 +107,13 @@ class Op(enum.IntEnum):
     EXISTS = 3
     HEALTH = 4
     CLEAR = 5
+    AUTH = 6
+
+
+# AUTH's count says which step of the handshake a frame is.
+AUTH_HELLO = 1
+AUTH_PROOF = 2
+AUTH_BYTES = 32  # a nonce or a proof (an HMAC-SHA256)
 
 
 class Status(enum.IntEnum):
@@ -148,6 +165,10 @@ def check_request(h: Header) -> Op:
         low, high = n * (2 + 8 + 1), n * (2 + 8 + MAX_KEY)
     elif op in (Op.GET, Op.EXISTS):
         low, high = n * (2 + 1), n * (2 + MAX_KEY)
+    elif op is Op.AUTH:
+        if n not in (AUTH_HELLO, AUTH_PROOF):
+            raise ProtocolError(f"AUTH step {n} (expected {AUTH_HELLO}, hello, or {AUTH_PROOF}, proof)")
+        low = high = AUTH_BYTES
     else:
         low = high = 0
         if n:
