@@ -39,12 +39,23 @@ after one untimed pull; nixl, and tcp unless ``--p2p nixl``).
 
     .venv/bin/python benchmarks/bench_remote.py [--chunks 16] [--reps 3] [--lookups 200] \
         [--backends lm,redis,redis-cluster] [--p2p nixl,tcp]     # prints one JSON object
+
+``--mac-comparison`` measures instead what the mesh secret costs (docs/security.md): per store,
+``put`` and ``get`` as above by a pair of storage managers without a mesh secret and a pair with
+one (values MAC'd with HMAC-SHA256 and checked on read; ``lmcache_server`` started a second time
+with ``--mesh-secret-file``, its clients authenticating), the two taking turns within each rep
+(which goes first alternates). It prints JSON lines: the hash rates on one 32 MiB page (the MAC,
+keyed BLAKE2b beside it, XXH3), then one line per store with both sets of figures side by side.
+
+    .venv/bin/python benchmarks/bench_remote.py --mac-comparison [--backends lm,redis] [--reps 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -65,6 +76,7 @@ from remote_stores import LmServer  # noqa: E402
 
 from lmcache_p2p.config import LMCacheConfig  # noqa: E402
 from lmcache_p2p.keys import ChunkKey, payload_checksum  # noqa: E402
+from lmcache_p2p.remote.auth import ValueMac  # noqa: E402
 from lmcache_p2p.remote.connect import open_store  # noqa: E402
 from lmcache_p2p.remote.store import RemoteStore  # noqa: E402
 from lmcache_p2p.remote.tier import (  # noqa: E402
@@ -92,6 +104,7 @@ TIMEOUT_S = 10.0
 BACKENDS = ("lm", "redis", "redis-cluster")
 HIT_BASE = 0x7E57 << 40
 MISS_BASE = 0x3155 << 40
+MESH_SECRET = "bench-remote-mesh-secret-0123456789"  # --mac-comparison's
 
 
 def log(msg: str) -> None:
@@ -116,13 +129,16 @@ def percentiles_ms(seconds: list[float]) -> dict:
     return {"p50": round(float(p50), 3), "p90": round(float(p90), 3), "p99": round(float(p99), 3), "calls": len(ms)}
 
 
-def manager(pages: int, url: str | None = None) -> StorageManager:
-    """A storage manager whose CPU pool holds ``pages`` chunks, every page written once."""
+def manager(pages: int, url: str | None = None, mesh_secret: str | None = None) -> StorageManager:
+    """A storage manager whose CPU pool holds ``pages`` chunks, every page written once; with
+    ``mesh_secret`` its remote tier MACs what it writes and checks what it reads."""
     raw: dict = {
         "chunk_size": CHUNK_TOKENS,
         "local_cpu": True,
         "max_local_cpu_size": (pages + 0.5) * PAGE_BYTES / 2**30,
     }
+    if mesh_secret is not None:
+        raw["mesh_secret"] = mesh_secret
     if url is not None:
         raw.update(remote_url=url, remote_timeout_s=TIMEOUT_S, remote_write_queue_chunks=max(1024, 2 * pages))
     mgr = StorageManager(LMCacheConfig.from_dict(raw), LAYOUT)
@@ -188,14 +204,15 @@ def cpu_tier(sources: torch.Tensor, reps: int) -> dict:
 class Backend:
     """A store started for the bench: its URL, how to empty it, its processes; stopped by close()."""
 
-    def __init__(self, kind: str, n: int):
+    def __init__(self, kind: str, n: int, mesh_secret: str | None = None):
         self.kind = kind
         self.lm: LmServer | None = None
         self.redis: RedisServer | None = None
         self.cluster: RedisCluster | None = None
         if kind == "lm":
             # N chunks and the lookup keys, with room to spare: nothing is evicted.
-            self.lm = LmServer(max_size_gb=round((n + 2) * PAGE_BYTES / 2**30 + 0.25, 3))
+            size = round((n + 2) * PAGE_BYTES / 2**30 + 0.25, 3)
+            self.lm = LmServer(max_size_gb=size, mesh_secret=mesh_secret)
         elif kind == "redis":
             self.redis = RedisServer()
         elif kind == "redis-cluster":
@@ -392,6 +409,96 @@ def remote_backend(kind: str, sources: torch.Tensor, frames: list[bytearray], re
         log(f"{kind}: stopped")
 
 
+# -- --mac-comparison -----------------------------------------------------------------------------------
+
+
+def hash_rates(page: np.ndarray, tries: int = 5) -> dict:
+    """GB/s of the value MAC (HMAC-SHA256), keyed BLAKE2b and XXH3 on one page, best of ``tries``."""
+    key = bytes(32)
+
+    def best(f: Callable[[], object]) -> float:
+        times = []
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return round(gbps(page.nbytes, min(times)), 3)
+
+    return {
+        "hmac_sha256_GB/s": best(lambda: hmac.digest(key, page, "sha256")),
+        "blake2b_keyed_GB/s": best(lambda: hashlib.blake2b(page, key=key, digest_size=32).digest()),
+        "xxh3_GB/s": best(lambda: payload_checksum(page)),
+        "value_mac_GB/s": best(lambda: ValueMac(MESH_SECRET).tag(b"k", bytes(HEADER_BYTES), page)),
+    }
+
+
+def mac_comparison(kind: str, sources: torch.Tensor, reps: int) -> dict:
+    """put and get GB/s of one store without and with the mesh secret, taking turns each rep."""
+    n = len(sources)
+    nbytes = n * PAGE_BYTES
+    plain = Backend(kind, n)
+    # lmcache_server with a secret refuses clients without one: the MAC'd pair gets its own.
+    secured = Backend(kind, n, MESH_SECRET) if kind == "lm" else plain
+    backends = [plain] if secured is plain else [plain, secured]
+    modes = {"plain": (plain, None), "mac": (secured, MESH_SECRET)}
+    pairs: dict[str, tuple[StorageManager, StorageManager]] = {}
+    stores: dict[str, RemoteStore] = {}
+    try:
+        for backend in backends:
+            backend.start()
+        for k, (mode, (backend, secret)) in enumerate(modes.items()):
+            pairs[mode] = (manager(n, backend.url, secret), manager(n, backend.url, secret))
+            stores[mode] = open_store(parse_remote_url(backend.url).with_mesh_secret(secret), TIMEOUT_S)
+            # Keys of their own: on Redis both pairs share the store, and a writer skips keys held.
+            warm = [(0xFFFF << 32) | (k << 16) | i for i in range(WARMUP_CHUNKS)]
+            write_behind(pairs[mode][0], warm, sources[:WARMUP_CHUNKS])
+            fetch(pairs[mode][1], warm, sources[:WARMUP_CHUNKS])
+        figures: dict[str, dict[str, list[float]]] = {m: {"put": [], "get": []} for m in modes}
+        for rep in range(reps):
+            for i, mode in enumerate(("plain", "mac") if rep % 2 == 0 else ("mac", "plain")):
+                writer, reader = pairs[mode]
+                modes[mode][0].clear(stores[mode])
+                writer.clear()
+                hashes = [((2 * rep + i + 1) << 32) | j for j in range(n)]
+                took, _ = write_behind(writer, hashes, sources)
+                figures[mode]["put"].append(gbps(nbytes, took))
+                figures[mode]["get"].append(gbps(nbytes, fetch(reader, hashes, sources)))
+                put, get = figures[mode]["put"][-1], figures[mode]["get"][-1]
+                log(f"{kind} rep {rep + 1}/{reps} {mode}: put {put:.2f}, get {get:.2f} GB/s")
+        for mode, (_, reader) in pairs.items():
+            stats = reader.remote.stats() if reader.remote is not None else {}
+            assert stats["mac_failures"] == 0 and stats["values_authenticated"] == (mode == "mac"), stats
+        med = {m: {op: statistics.median(v) for op, v in f.items()} for m, f in figures.items()}
+        return {
+            "bench": "remote-mac",
+            "store": kind,
+            "chunks": n,
+            "reps": reps,
+            "put_GB/s": spread(figures["plain"]["put"]),
+            "put_mac_GB/s": spread(figures["mac"]["put"]),
+            "get_GB/s": spread(figures["plain"]["get"]),
+            "get_mac_GB/s": spread(figures["mac"]["get"]),
+            "put_mac_vs_plain": round(med["mac"]["put"] / med["plain"]["put"], 3),
+            "get_mac_vs_plain": round(med["mac"]["get"] / med["plain"]["get"], 3),
+        }
+    finally:
+        for writer, reader in pairs.values():
+            writer.close()
+            reader.close()
+        for store in stores.values():
+            store.close()
+        for backend in backends:
+            backend.close()
+
+
+def run_mac_comparison(backends: list[str], n: int, reps: int) -> None:
+    sources = make_sources(n)
+    print(json.dumps({"bench": "remote-mac", "hashes_on_one_page": hash_rates(sources[0].numpy())}), flush=True)
+    for kind in backends:
+        print(json.dumps(mac_comparison(kind, sources, reps)), flush=True)
+        gc.collect()
+
+
 # -- main ------------------------------------------------------------------------------------------------
 
 
@@ -402,6 +509,11 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=200, help="timed prefix_length calls per case")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="stores to measure, in order")
     parser.add_argument("--p2p", default="nixl,tcp", help="P2P channels to pull over ('none': no P2P)")
+    parser.add_argument(
+        "--mac-comparison",
+        action="store_true",
+        help="put and get with and without the mesh secret's value MACs, side by side (JSON lines)",
+    )
     args = parser.parse_args()
     if args.chunks < WARMUP_CHUNKS or args.reps < 1 or args.lookups < 1:
         parser.error(f"--chunks must be at least {WARMUP_CHUNKS}, --reps and --lookups at least 1")
@@ -412,6 +524,9 @@ def main() -> None:
     channels = [] if args.p2p == "none" else [c for c in args.p2p.split(",") if c]
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     n, reps = args.chunks, args.reps
+    if args.mac_comparison:
+        run_mac_comparison(backends, n, reps)
+        return
     t_run = time.perf_counter()
 
     log(f"{n} chunks of {PAGE_BYTES / 2**20:.0f} MiB ({n * PAGE_BYTES / 2**20:.0f} MiB), {reps} reps")
