@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -35,6 +36,16 @@ import torch
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
+from lmcache_p2p.miss_reasons import (
+    HOLDER_GONE,
+    NEVER_STORED,
+    NOT_HELD,
+    TIMEOUT,
+    EvictionMemory,
+    Miss,
+    MissTally,
+    PulledChunks,
+)
 from lmcache_p2p.peer_service import EngineCounters, Offer, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
 from lmcache_p2p.storage.manager import StorageManager
@@ -82,6 +93,12 @@ class CacheEngine:
         self.counters = counters  # shared with the peers' reports and their pull policy
         self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None  # remote fetches (lookup_async)
+        # Every missed chunk's reason (miss_reasons), and this rank's evictions to tell an
+        # evicted chunk from one never stored: read from the store's event queue at each lookup.
+        self.misses = MissTally(f"rank {rank}")
+        self._evictions = EvictionMemory()
+        self._storage_events = storage.record_events()
+        self._evictions_lock = threading.Lock()  # lookups run on the lookup thread and the step's
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -190,6 +207,8 @@ class CacheEngine:
         ]
         self.storage.keep_device_checksums(in_gpu_tier)
         self.counters.stored_tokens += stored
+        with self._evictions_lock:
+            self._note_storage_events()
         took = (
             ""
             if launched is None
@@ -211,12 +230,39 @@ class CacheEngine:
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+    def count_lookup(
+        self, num_tokens: int, hit_tokens: int, miss: Miss | None = None, count_misses: bool = True
+    ) -> None:
         """One prompt looked up and what was found (local tiers or peers), once per request:
-        the totals the controller's dashboard turns into a hit ratio."""
+        the totals the controller's dashboard turns into a hit ratio; the prompt's full chunks
+        past the hit are counted as missed for ``miss`` (default: never_stored)."""
         self.counters.lookups += 1
         self.counters.lookup_tokens += num_tokens
         self.counters.hit_tokens += hit_tokens
+        if not count_misses:
+            return
+        prompt_chunks, hit_chunks = num_tokens // self.chunk_size, hit_tokens // self.chunk_size
+        self.misses.count(prompt_chunks - hit_chunks, miss or Miss(NEVER_STORED), prompt_chunks, hit_chunks)
+
+    def local_miss(self, chunk_hash: int) -> Miss:
+        """Why this rank lacks ``chunk_hash`` when no live peer holds it: evicted here (from
+        which tier, when), or never stored."""
+        with self._evictions_lock:
+            self._note_storage_events()
+            return self._evictions.miss_for(chunk_hash)
+
+    def _note_storage_events(self) -> None:
+        """Drain the store's admits and evicts into the eviction memory (also after each
+        store, so that a rank that stores and never looks up keeps no backlog)."""
+        for event in self._storage_events.take_events():
+            if event.kind == "evict":
+                self._evictions.evicted(event.key.chunk_hash, event.location)
+            else:
+                self._evictions.admitted(event.key.chunk_hash)
+
+    def _miss_after(self, hashes: list[int], at: int, miss: Miss) -> Miss:
+        """``miss`` for chunk ``at`` of ``hashes``, with ``not_held`` told apart here."""
+        return self.local_miss(hashes[at]) if miss.reason == NOT_HELD else miss
 
     def lookup(self, chunk_hashes: ChunkHashes, num_tokens: int | None = None, fetch_missing: bool = True) -> int:
         """Leading tokens of the prompt ``chunk_hashes`` names that :meth:`retrieve` can load now
@@ -224,9 +270,42 @@ class CacheEngine:
         fetched from the remote store: :meth:`_fetch_missing`). ``num_tokens`` is the prompt's
         length for the counters (default: its full chunks' tokens)."""
         hashes = hash_list(chunk_hashes)
-        hit = self.fetch(hashes) if fetch_missing else self.storage.lookup_prefix(hashes).num_chunks
-        self.count_lookup(self._prompt_tokens(hashes, num_tokens), hit * self.chunk_size)
+        if fetch_missing:
+            hit, miss = self._fetch_explained(hashes)
+        else:
+            hit = self.storage.lookup_prefix(hashes).num_chunks
+            miss = self.local_miss(hashes[hit]) if hit < len(hashes) else None
+        self.count_lookup(self._prompt_tokens(hashes, num_tokens), hit * self.chunk_size, miss)
         return hit * self.chunk_size
+
+    def _fetch_explained(self, hashes: list[int]) -> tuple[int, Miss | None]:
+        """:meth:`lookup_async`'s answer, waited for: a peer's offer pulled (then the remote
+        store asked for the rest), or the remote fetch; the leading chunks now held, and why
+        the next one is not."""
+        first = self.lookup_async(hashes)
+        miss = first.miss
+        if first.offer is not None:
+            pull = self.pull_offer_async(first.offer)
+            try:
+                pulled: PulledChunks = pull.result(PEER_FETCH_TIMEOUT_S)
+                if pulled.chunks < first.offer.chunks:
+                    miss = pulled.miss
+            except concurrent.futures.TimeoutError:
+                pull.cancel()
+                miss = Miss(TIMEOUT, f"the pull took over {PEER_FETCH_TIMEOUT_S:.0f} s")
+            except Exception as e:
+                logger.exception("a peer pull of %d chunk(s) failed; treating them as a miss", first.offer.chunks)
+                miss = Miss(HOLDER_GONE, f"the pull failed: {e}")
+            remote, hit = self.storage.remote, self.storage.lookup_prefix(hashes).num_chunks
+            if remote is not None and hit < len(hashes):
+                remote.fetch_prefix_into(self.storage, hashes[hit:])
+        elif first.fetch is not None:
+            try:
+                first.fetch.result()
+            except Exception:
+                logger.exception("a remote fetch of %d chunk(s) failed; treating them as a miss", len(hashes))
+        hit = self.storage.lookup_prefix(hashes).num_chunks
+        return hit, (miss if hit < len(hashes) else None)
 
     def fetch(self, chunk_hashes: ChunkHashes) -> int:
         """Leading chunks of ``chunk_hashes`` held locally once what the local tiers lack has
@@ -248,17 +327,25 @@ class CacheEngine:
         hit = len(sources)
         if hit == len(hashes):
             return PrefixLookup(sources)
+        miss = Miss(NOT_HELD)
         if self.peers is not None:
-            offer = self.peers.offer_prefix(hashes[hit:], OFFER_TIMEOUT_S)
-            if offer is not None:
-                return PrefixLookup(sources, offer=offer)
+            answer = self.peers.offer_prefix(hashes[hit:], OFFER_TIMEOUT_S)
+            if not isinstance(answer, Miss):
+                then = answer.then
+                after = hit + answer.chunks
+                return PrefixLookup(
+                    sources, offer=answer, miss=None if then is None else self._miss_after(hashes, after, then)
+                )
+            miss = answer
+        miss = self._miss_after(hashes, hit, miss)
         remote = self.storage.remote
         if remote is None:
-            return PrefixLookup(sources)
+            return PrefixLookup(sources, miss=miss)
         if self._fetcher is None:
             # Several: one slow store must not queue every other request's fetch.
             self._fetcher = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-fetch")
-        return PrefixLookup(sources, fetch=self._fetcher.submit(remote.fetch_prefix_into, self.storage, hashes[hit:]))
+        fetch = self._fetcher.submit(remote.fetch_prefix_into, self.storage, hashes[hit:])
+        return PrefixLookup(sources, fetch=fetch, miss=miss)
 
     def pull_offer_async(self, offer: Offer) -> concurrent.futures.Future:
         """Start pulling what a lookup's offer promised; the future gives how many chunks came."""
@@ -429,6 +516,7 @@ class CacheEngine:
     def status(self) -> dict:
         out = self.peers.status() if self.peers is not None else {"storage": self.storage.stats()}
         out["engine"] = self.counters.totals()
+        out["engine"]["missed_chunks"] = self.misses.totals()
         out["prefill"] = self.counters.prefill.snapshot()
         return out
 
@@ -457,6 +545,9 @@ class PrefixLookup:
     sources: list[str]
     offer: Offer | None = None
     fetch: concurrent.futures.Future | None = None
+    # Why the first chunk past the local hit and the offer cannot be served (miss_reasons);
+    # None when they cover the prompt.
+    miss: Miss | None = None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from lmcache_p2p.keys import ChunkHashes
+from lmcache_p2p.miss_reasons import Miss
 from lmcache_p2p.pull_policy import PrefillRate
 
 
@@ -48,6 +49,11 @@ class Offer(Protocol):
     @property
     def chunks(self) -> int: ...
 
+    @property
+    def then(self) -> Miss | None:
+        """Why the chunk after the offered ones is not offered (None: the offer ends the prompt)."""
+        ...
+
     def first(self, chunks: int) -> Offer:
         """The same offer cut to its first ``chunks`` chunks (what the load needs)."""
         ...
@@ -56,14 +62,16 @@ class Offer(Protocol):
 class PeerService(Protocol):
     """What the engine needs from the network side (the rank's worker)."""
 
-    def offer_prefix(self, hashes: ChunkHashes, timeout: float) -> Offer | None:
+    def offer_prefix(self, hashes: ChunkHashes, timeout: float) -> Offer | Miss:
         """The leading chunks of ``hashes`` a live peer holds and the pull policy would pull
-        (no bytes moved); None when none, or the controller did not answer within ``timeout``."""
+        (no bytes moved); or why no peer offers the first one (miss_reasons; ``not_held``: no
+        live instance holds it, for the engine to tell evicted from never stored)."""
 
     # ``Any``: the service takes back the offers it made (its own type), which a parameter typed
     # with the Offer protocol would not admit.
     def pull_offer_async(self, offer: Any) -> concurrent.futures.Future:
-        """Pull an offer's chunks; a future of how many leading chunks are now held locally."""
+        """Pull an offer's chunks; a future of a :class:`~lmcache_p2p.miss_reasons.PulledChunks`
+        (the leading chunks now held locally, and why not more)."""
 
     def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
         """Pull the leading chunks of ``hashes`` a peer holds, waiting up to ``timeout``; the

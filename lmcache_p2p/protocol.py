@@ -254,6 +254,10 @@ class PeerHolder(msgspec.Struct, kw_only=True):
 
 class P2PLookupReply(_Msg, tag="p2p_lookup_reply"):
     holders: list[PeerHolder]  # longest prefix first; never the asking instance
+    # Why the first chunk no holder offers is not offered (miss_reasons: layout_mismatch,
+    # partial_tp, or not_held when no live instance holds it), with the instance and numbers.
+    miss_reason: str = ""
+    miss_detail: str = ""
 
 
 class CommandDone(_Msg, tag="command_done"):

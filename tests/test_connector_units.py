@@ -884,6 +884,7 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
 
     from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
     from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
+    from lmcache_p2p.miss_reasons import HOLDER_GONE, Miss, PulledChunks
     from lmcache_p2p.protocol import pack_hashes
 
     side = _cpu_worker_side(engine_id)
@@ -900,7 +901,7 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
         def pull(offer):  # brings chunk 1 (from blocks 2-3), then the holder is gone
             side.engine.store(hashes[:2], side.planes, [0, 1, 2, 3])
             done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(1)
+            done.set_result(PulledChunks(1, Miss(HOLDER_GONE, "the holder left mid-pull")))
             return done
 
         monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host"], offer=TwoChunks()))
@@ -917,6 +918,9 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
         assert (received, failed) == (set(), {"p"})
         assert side.take_load_errors() == {3, 2}  # chunk 2's blocks, and only those
         assert side.engine.counters.retrieved_tokens == 64
+        # The chunk the pull did not bring is a miss, with the pull's reason.
+        assert side.engine.misses.totals()["holder_gone"] == 1
+        assert sum(side.engine.misses.totals().values()) == 1
         for plane in side.planes:  # chunks 0 and 1 are in the request's blocks
             assert torch.equal(plane[[7, 6, 5, 4]], plane[[0, 1, 2, 3]])
     finally:

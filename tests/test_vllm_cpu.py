@@ -64,6 +64,10 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
     assert kind == "counter" and lookups >= 2, seen
     kind, used = seen["lmcache:local_cache_usage"]
     assert kind == "gauge" and used > 0, seen
+    # The cold prompt's two chunks were missed, never stored anywhere: one series per reason.
+    assert seen["lmcache:num_missed_chunks_total"] == ("counter", 2), seen
+    assert "lmcache:num_missed_chunks_total{" in (text := eng.request("metrics")["text"])
+    assert 'reason="never_stored"' in text
     assert warm == cold
     log = eng.log()
     assert f"Storing KV cache for {2 * CHUNK} out of {2 * CHUNK} tokens" in log

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.controller.admission import RegisterRefused
+from lmcache_p2p.controller.compatibility import Difference, differences, model_name
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.orchestration import Orchestrator
 from lmcache_p2p.controller.registry import Registry, WorkerKey, WorkerRecord
@@ -37,6 +38,7 @@ from lmcache_p2p.controller.settings import MONITOR_MAX_MESSAGE_BYTES, Controlle
 from lmcache_p2p.controller.traffic import FleetTraffic
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.mesh_security import MeshSecurity, server_socket
+from lmcache_p2p.miss_reasons import LAYOUT_MISMATCH, NOT_HELD, PARTIAL_TP
 from lmcache_p2p.protocol import (
     Ack,
     CommandDone,
@@ -276,7 +278,33 @@ class Monitor:
             )
         holders.sort(key=lambda h: -h.matched_chunks)
         self.metrics.inc("lmcache_controller_p2p_lookups_total")
-        return P2PLookupReply(holders=holders)
+        offered = holders[0].matched_chunks if holders else 0
+        if offered >= len(hashes):
+            return P2PLookupReply(holders=holders)
+        reason, detail = self._why_not_offered(asker, held, offered)
+        return P2PLookupReply(holders=holders, miss_reason=reason, miss_detail=detail)
+
+    def _why_not_offered(self, asker: WorkerRecord, held: dict, chunk: int) -> tuple[str, str]:
+        """Why no peer offers the asker chunk ``chunk`` of its prompt (miss_reasons): the other
+        instances holding it either lay their KV out otherwise, or hold it on some TP ranks only;
+        nobody at all: not_held (the asking rank knows whether it evicted it)."""
+        holding: dict[str, list[int]] = {}
+        for (instance_id, rank), (prefix, _) in held.items():
+            if prefix > chunk and instance_id != asker.info.instance_id:
+                holding.setdefault(instance_id, []).append(rank)
+        for instance_id, ranks in sorted(holding.items()):
+            records = [r for r in (self.registry.workers.get((instance_id, rank)) for rank in ranks) if r is not None]
+            if not records:
+                continue
+            peer = records[0]
+            found = differences(asker.info, peer.info)
+            if not found and model_name(asker.info.layout.model) != model_name(peer.info.layout.model):
+                found = [Difference("model", asker.info.layout.model, peer.info.layout.model)]
+            if found:
+                return LAYOUT_MISMATCH, f"held by {instance_id}: {', '.join(map(str, found))}"
+            # The same layout: the rank matching the asker's, or another of its ranks, lacks it.
+            return PARTIAL_TP, f"held by {instance_id} on rank(s) {sorted(ranks)} of {peer.info.layout.tp_size}"
+        return NOT_HELD, ""
 
     # -- heartbeat socket --------------------------------------------------------------------------
 

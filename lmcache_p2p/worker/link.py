@@ -35,6 +35,7 @@ import zmq.asyncio
 
 from lmcache_p2p.config import split_host_port
 from lmcache_p2p.mesh_security import MeshSecurity, client_socket
+from lmcache_p2p.miss_reasons import TIMEOUT
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION,
     Ack,
@@ -46,7 +47,6 @@ from lmcache_p2p.protocol import (
     MeshPeer,
     P2PLookup,
     P2PLookupReply,
-    PeerHolder,
     Register,
     RegisterReply,
     ResyncBatch,
@@ -475,18 +475,22 @@ class ControllerLink:
 
     # -- peer lookup -----------------------------------------------------------------------------
 
-    async def p2p_lookup(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> list[PeerHolder]:
-        """Holders of a prefix of ``hashes`` (longest first); none when the controller is away."""
-        if not self.registered or not len(hashes):
-            return []
+    async def p2p_lookup(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> P2PLookupReply:
+        """Holders of a prefix of ``hashes`` (longest first) and why the rest is not offered
+        (``miss_reason``: ``timeout`` when the controller is away)."""
+        if not len(hashes):
+            return P2PLookupReply(holders=[])
+        if not self.registered:
+            return _no_answer("not registered with the controller yet")
         if self._lookups_failing_since is not None:
             # The last lookup got no answer: until a heartbeat (sent now) hears the controller
             # again, a lookup is a miss at once instead of one more full timeout per request.
             self.stats["p2p_lookups_skipped"] += 1
-            return []
+            away = time.monotonic() - self._lookups_failing_since
+            return _no_answer(f"controller unanswered for {away:.1f} s")
         self.stats["p2p_lookups"] += 1
         try:
-            reply = await self.reply.request(
+            return await self.reply.request(
                 P2PLookup(instance_id=self.me.instance_id, rank=self.me.rank, hashes=pack_hashes(hashes)),
                 P2PLookupReply,
                 timeout,
@@ -501,8 +505,12 @@ class ControllerLink:
                 e,
             )
             self.beat_soon("a peer lookup went unanswered")
-            return []
+            return _no_answer(f"holder lookup unanswered in {timeout} s")
         except RemoteError as e:
             logger.warning("%s: peer lookup of %d chunk(s) failed: %s", self.me.describe(), len(hashes), e)
-            return []
-        return reply.holders
+            return _no_answer(f"holder lookup failed: {e}")
+
+
+def _no_answer(why: str) -> P2PLookupReply:
+    """A holder lookup the controller did not answer: no holders, and a ``timeout`` miss."""
+    return P2PLookupReply(holders=[], miss_reason=TIMEOUT, miss_detail=why)

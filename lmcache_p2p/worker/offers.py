@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lmcache_p2p.miss_reasons import BELOW_BREAK_EVEN, NOT_HELD, Miss
 from lmcache_p2p.pull_policy import PullPolicy
 from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S, ControllerLink
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
@@ -29,6 +30,7 @@ class PeerOffer:
     peer: Peer
     hashes: np.ndarray  # uint64, in prompt order
     made: float = field(default_factory=time.perf_counter)
+    then: Miss | None = None  # why the chunk after the offered ones is not offered (None: none is left)
 
     @property
     def chunks(self) -> int:
@@ -49,32 +51,38 @@ class OfferMaker:
         self.stats = stats
         self.policy = policy  # whether a prefix pull beats recomputing it; None: always pull
 
-    async def offer(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> PeerOffer | None:
+    async def offer(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> PeerOffer | Miss:
         """The holder the controller names for ``hashes`` (a prompt's chunks after the local hit)
-        and the leading chunks the pull policy says to pull from it; None: no live peer holds the
-        first one, or recomputing wins."""
+        and the leading chunks the pull policy says to pull from it; or why there are none (no
+        live peer holds the first one, the controller did not answer, or recomputing wins)."""
         t0 = time.perf_counter()
+        reply = await self.link.p2p_lookup(hashes, timeout)
         holders = [
             (h.matched_chunks, Peer(h.instance_id, h.rank, h.host, h.p2p_init_port, h.p2p_lookup_port))
-            for h in await self.link.p2p_lookup(hashes, timeout)
+            for h in reply.holders
             if h.p2p_lookup_port and h.p2p_init_port and h.matched_chunks > 0
         ]
+        # Past the longest prefix a holder offers: why no one offers the next chunk.
+        beyond = Miss(reply.miss_reason or NOT_HELD, reply.miss_detail)
         if not holders:
-            return None
+            return beyond
         asked_ms = (time.perf_counter() - t0) * 1e3
         # Longest prefix first; among equals the peer we have the fewest requests in flight to.
         holders.sort(key=lambda h: (-h[0], self.connections.busy(h[1].key)))
-        peer, chunks = self._decide(holders, asked_ms)
+        peer, chunks, declined = self._decide(holders, asked_ms)
         if not chunks:
-            return None
-        return PeerOffer(peer, np.asarray(hashes[:chunks], dtype=np.uint64))
+            return declined or beyond
+        then = declined if declined is not None else (beyond if chunks < len(hashes) else None)
+        return PeerOffer(peer, np.asarray(hashes[:chunks], dtype=np.uint64), then=then)
 
-    def _decide(self, holders: list[tuple[int, Peer]], asked_ms: float = 0.0) -> tuple[Peer, int]:
+    def _decide(self, holders: list[tuple[int, Peer]], asked_ms: float = 0.0) -> tuple[Peer, int, Miss | None]:
         """The holder to pull from and how many leading chunks, by the pull policy: the longest
-        prefix whose pull beats recomputing it (holders come longest first). Logs the decision."""
+        prefix whose pull beats recomputing it (holders come longest first), and, where it
+        pulls less than the longest prefix held, the miss of the chunks it leaves (the
+        estimates behind it). Logs the decision."""
         matched, peer = holders[0]
         if self.policy is None:
-            return peer, matched
+            return peer, matched, None
         channel_of = self.connections.channel_of
         first = chosen = None
         seen = set()
@@ -103,4 +111,5 @@ class OfferMaker:
             by_peer = self.stats.pulls_skipped_by_peer
             by_peer[peer.describe()] = by_peer.get(peer.describe(), 0) + 1
         self.stats.pull_policy = self.policy.snapshot()
-        return peer, decision.chunks
+        declined = Miss(BELOW_BREAK_EVEN, f"{first[0].describe()}: {first[1].numbers()}") if recomputed > 0 else None
+        return peer, decision.chunks, declined

@@ -22,6 +22,7 @@ import numpy as np
 import zmq.asyncio
 
 from lmcache_p2p.mesh_security import MeshSecurity
+from lmcache_p2p.miss_reasons import HOLDER_GONE, Miss, PulledChunks
 from lmcache_p2p.protocol import MeshPeer
 from lmcache_p2p.pull_policy import PullPolicy
 from lmcache_p2p.rpc import RpcClient
@@ -110,18 +111,19 @@ class P2PClient:
         where the pull policy says pulling beats recomputing; returns how many leading chunks are
         now held locally."""
         offer = await self.offer_prefix(hashes)
-        return 0 if offer is None else await self.pull_offer(offer)
+        return (await self.pull_offer(offer)).chunks if isinstance(offer, PeerOffer) else 0
 
-    async def offer_prefix(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> PeerOffer | None:
+    async def offer_prefix(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> PeerOffer | Miss:
         """What a pull of ``hashes`` (a prompt's chunks after the local hit) would bring, without
         moving a byte: the holder the controller names and the leading chunks the pull policy
-        says to pull from it (None: no live peer holds the first one, or recomputing wins). The
-        engine's scheduler promises these chunks at once; :meth:`pull_offer` brings them."""
+        says to pull from it; or why none (no live peer holds the first one, or recomputing
+        wins). The engine's scheduler promises these chunks at once; :meth:`pull_offer` brings them."""
         return await self.offers.offer(hashes, timeout)
 
-    async def pull_offer(self, offer: PeerOffer) -> int:
+    async def pull_offer(self, offer: PeerOffer) -> PulledChunks:
         """Pull an offer's chunks from its holder, in the engine's turn (prefix pulls take turns
-        unless ``prefix_pull_turns`` is off); how many leading chunks are now held locally."""
+        unless ``prefix_pull_turns`` is off): how many leading chunks are now held locally, and
+        if fewer than offered, why."""
         peer, hashes = offer.peer, offer.hashes
         t_turn = time.perf_counter()
         async with self.turns.turn:
@@ -137,8 +139,8 @@ class P2PClient:
             # Say hello first: a hello is no part of a pull's time, and a failed one is reported
             # as the pull's failure (the job's run logs and counts it).
             if self.connections.channel_of(peer) is None and not await job.connect():
-                await job.run()
-                return 0
+                failed = await job.run()
+                return PulledChunks(0, failed.miss or Miss(HOLDER_GONE, failed.error or ""))
             started_alone, number = self.turns.begin()
             t0 = time.perf_counter()
             try:
@@ -151,7 +153,9 @@ class P2PClient:
             self.policy.observe_pull(peer.describe(), job.channel, len(result.held) * self.storage.page_bytes, elapsed)
             self.stats.pull_policy = self.policy.snapshot()
         self.stats.prefix_hit_chunks += len(result.held)  # pulled for the engine (not for a move)
-        return len(result.held)
+        if len(result.held) >= len(hashes):
+            return PulledChunks(len(result.held))
+        return PulledChunks(len(result.held), result.miss or Miss(HOLDER_GONE, result.error or "the pull ended early"))
 
     # -- move/copy destinations, and the command server ------------------------------------------
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from lmcache_p2p import device_checksum
 from lmcache_p2p.keys import in_parallel, payload_checksum
+from lmcache_p2p.miss_reasons import CHECKSUM_FAILED, EVICTED, HOLDER_GONE, POOL_FULL, Miss
 from lmcache_p2p.protocol import ChunkPull, ChunkPullReply, pack_hashes, pack_pages, unpack_hashes
 from lmcache_p2p.rpc import RemoteError, RequestFailed
 from lmcache_p2p.storage.manager import StorageManager
@@ -75,6 +76,7 @@ class Batch:
     peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
     pool_full: str | None = None  # fewer pages were free than the batch had chunks: the run ends here
     error: str | None = None
+    miss: Miss | None = None  # the error as a miss reason, for the chunk it stopped at
     # The error is a chunk the holder lacks or sent damaged: a move/copy (skip_missing) goes on
     # with ``rest``, the hashes after it.
     skippable: bool = False
@@ -216,7 +218,7 @@ class BatchFetch:
         self.pages.reserve(batch)
         hashes = batch.hashes
         if not batch.pages:
-            batch.error = batch.pool_full
+            batch.error, batch.miss = batch.pool_full, Miss(POOL_FULL, batch.pool_full or "")
             return batch
         transport, conn = self.transport, self.conn
         direct = conn.agreed != "tcp"  # the holder writes into our pages (or slots) itself
@@ -259,11 +261,13 @@ class BatchFetch:
             else:
                 transport.release(slots)
             batch.error, batch.peer_failed = str(e), True
+            batch.miss = Miss(HOLDER_GONE, f"{self.peer.describe()} did not answer (dead or stalled): {e}")
             self.pages.close_landing(batch)
             return batch
         except RemoteError as e:  # the holder refused (unknown session, layout, its transfer failed)
             transport.release(slots)
             batch.error, batch.peer_failed = str(e), True
+            batch.miss = Miss(HOLDER_GONE, f"{self.peer.describe()} failed the request: {e}")
             self.pages.close_landing(batch)
             return batch
         return await self._land(batch, reply, frames, slots, t0, timeout)
@@ -314,6 +318,7 @@ class BatchFetch:
                 batch.good = await asyncio.to_thread(self.pages.verify, batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
             batch.good, batch.peer_failed, batch.error = 0, True, str(e)
+            batch.miss = Miss(HOLDER_GONE, f"{peer.describe()}: {e}")
             return batch
         batch.phases_ms["verify"] = (time.perf_counter() - t1) * 1e3 - batch.phases_ms["land"]
         self.stats.transfer_ms += (t1 - t0) * 1e3
@@ -321,11 +326,14 @@ class BatchFetch:
         if batch.good < served:
             self.stats.checksum_mismatches += 1
             batch.error = f"checksum mismatch on chunk {hashes[batch.good]:016x}"
+            batch.miss = Miss(CHECKSUM_FAILED, f"chunk {hashes[batch.good]:016x} from {peer.describe()}")
         elif served < len(hashes):
             batch.error = f"{peer.instance_id} does not hold chunk {hashes[served]:016x}"
+            batch.miss = Miss(EVICTED, f"by the holder {peer.describe()} since its offer")
         if batch.error:
             batch.skippable, batch.rest = True, hashes[batch.good + 1 :]
         if batch.pool_full:
             batch.skippable = False
             batch.error = f"{batch.error}; {batch.pool_full}" if batch.error else batch.pool_full
+            batch.miss = batch.miss or Miss(POOL_FULL, batch.pool_full)
         return batch

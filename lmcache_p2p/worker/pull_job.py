@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from lmcache_p2p.miss_reasons import HOLDER_GONE, REFUSED, Miss
 from lmcache_p2p.rpc import RequestFailed
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 class PullResult:
     held: list[int] = field(default_factory=list)  # hashes now held here (in order of the request)
     error: str | None = None  # why the run ended early, if it did
+    miss: Miss | None = None  # that, as the miss reason of the chunk it stopped at
     gpu_landed: int = 0  # of those, chunks the holder wrote into our GPU tier
     gpu_checked_on_device: int = 0  # of those, checked against the holder's device checksums
 
@@ -90,6 +92,8 @@ class PullJob:
             conn = await setup.connections.connect(self.peer)
         except (RequestFailed, TransferError) as e:
             self.result.error = str(e)
+            refused = "refus" in str(e).lower()
+            self.result.miss = Miss(REFUSED if refused else HOLDER_GONE, f"{self.peer.describe()}: {e}")
             return False
         self.channel = conn.describe_channel() or "?"
         transport = setup.transports[conn.agreed]
@@ -135,6 +139,7 @@ class PullJob:
             if batch.error is None:
                 continue
             result.error = batch.error
+            result.miss = result.miss or batch.miss
             if batch.peer_failed:
                 self.setup.connections.drop(self.peer)
             if self.skip_missing and batch.skippable:

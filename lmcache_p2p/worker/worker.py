@@ -27,6 +27,7 @@ from lmcache_p2p.cache_engine import CacheEngine
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint
 from lmcache_p2p.mesh_security import HOW_TO_SET_WORKER, MeshSecurity, warn_unauthenticated
+from lmcache_p2p.miss_reasons import NOT_HELD, TIMEOUT, Miss
 from lmcache_p2p.peer_service import EngineCounters
 from lmcache_p2p.protocol import Traffic
 from lmcache_p2p.pull_policy import PrefillRate, PullPolicy
@@ -289,17 +290,18 @@ class Worker:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def offer_prefix(self, hashes: ChunkHashes, timeout: float) -> PeerOffer | None:
+    def offer_prefix(self, hashes: ChunkHashes, timeout: float) -> PeerOffer | Miss:
         """What a pull of ``hashes`` from a peer would bring (the controller's holders and the
-        pull policy's decision, no bytes moved); None when no peer offers the first chunk, P2P
-        is off, or the controller does not answer within ``timeout`` (then it is a miss)."""
+        pull policy's decision, no bytes moved); or why no peer offers the first chunk (the
+        controller not answering within ``timeout`` is a ``timeout`` miss)."""
         if self.client is None or not len(hashes):
-            return None
+            return Miss(NOT_HELD)
         coro = self.client.offer_prefix(np.asarray(hashes, dtype=np.uint64), timeout)
-        return self._wait(coro, timeout + OFFER_SLACK_S, f"naming the holders of {len(hashes)} chunk(s)", None)
+        unanswered = Miss(TIMEOUT, f"naming the holders took over {timeout + OFFER_SLACK_S:.1f} s")
+        return self._wait(coro, timeout + OFFER_SLACK_S, f"naming the holders of {len(hashes)} chunk(s)", unanswered)
 
     def pull_offer_async(self, offer: PeerOffer) -> concurrent.futures.Future:
-        """Start pulling an offer's chunks; the future gives how many are now held locally."""
+        """Start pulling an offer's chunks; the future gives a :class:`PulledChunks`."""
         assert self.client is not None  # an offer came from it
         return self.submit(self.client.pull_offer(offer))
 

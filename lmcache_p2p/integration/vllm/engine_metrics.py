@@ -84,6 +84,11 @@ COUNTERS: list[tuple[str, str, Callable[[dict], float]]] = [
     ),
 ]
 
+# Missed chunks by reason (miss_reasons.REASONS), one series per reason under the label
+# ``reason``; a rank reports them as counters named MISSED|reason.
+MISSED = "lmcache:num_missed_chunks"
+MISSED_HELP = "Chunks of looked-up prompts not served, by reason (the first miss ends a prefix: later chunks share it)"
+
 # (name, help, the current value in a rank's status answer); summed over the ranks
 GAUGES: list[tuple[str, str, Callable[[dict], float]]] = [
     ("lmcache:local_cache_usage", "Bytes held in the CPU pool", lambda s: _tier_bytes(s, "cpu")),
@@ -130,6 +135,8 @@ class RankMetrics:
         self._last_at = now
         status = self._read()
         counters = {name: read(status) for name, _, read in COUNTERS}
+        for reason, chunks in (status.get("engine", {}).get("missed_chunks") or {}).items():
+            counters[f"{MISSED}|{reason}"] = float(chunks)
         grown = {name: value - self._last.get(name, 0.0) for name, value in counters.items()}
         self._last = counters
         return {
@@ -181,6 +188,7 @@ class PromMetrics(KVConnectorPromMetrics):
         self._counters = {
             name: counter(name=name, documentation=text, labelnames=labelnames) for name, text, _ in COUNTERS
         }
+        self._missed = counter(name=MISSED, documentation=MISSED_HELP, labelnames=[*labelnames, "reason"])
         self._gauges = {
             name: gauge(name=name, documentation=text, labelnames=labelnames, multiprocess_mode="mostrecent")
             for name, text, _ in GAUGES
@@ -192,8 +200,12 @@ class PromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for name, delta in transfer_stats_data.get("counters", {}).items():
-            if name in self._counters and delta > 0:
+            if delta <= 0:
+                continue
+            if name in self._counters:
                 self._counters[name].labels(*labels).inc(delta)
+            elif name.startswith(f"{MISSED}|"):
+                self._missed.labels(*labels, name.split("|", 1)[1]).inc(delta)
         reported = transfer_stats_data.get("gauges", {})
         if reported:
             ranks = self._ranks.setdefault(engine_idx, {})

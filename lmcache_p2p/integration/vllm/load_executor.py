@@ -31,6 +31,7 @@ from lmcache_p2p import layerwise
 from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.layerwise import LayerwiseLoad
+from lmcache_p2p.miss_reasons import HOLDER_GONE, TIMEOUT, Miss, PulledChunks
 from lmcache_p2p.peer_service import Offer
 from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S
 
@@ -76,9 +77,10 @@ class _PullJob:
 
     spec: LoadSpec
     local: PinnedPrefix  # the local hit, held until the load pins the whole prefix
-    pull: concurrent.futures.Future  # how many chunks came
+    pull: concurrent.futures.Future  # of PulledChunks: how many chunks came, and why not more
     offered: int  # chunks asked for
     started: float
+    then: Miss | None = None  # why the chunk after the offered ones is missed (the lookup's answer)
     aborted: bool = False  # the request finished meanwhile: the pull is given up
 
 
@@ -201,7 +203,7 @@ class LoadExecutor:
             self._received.add(spec.req_id)
         return None
 
-    def pull_then_load(self, spec: LoadSpec, offer: Offer, local: PinnedPrefix) -> bool:
+    def pull_then_load(self, spec: LoadSpec, offer: Offer, local: PinnedPrefix, then: Miss | None = None) -> bool:
         """A granted load whose chunks past the local hit a peer offered: start pulling them (on
         the worker's loop); :meth:`_advance_pull_jobs` loads them once they are here. False
         where nothing needs pulling (the engine's own cache covers the offered part)."""
@@ -210,7 +212,7 @@ class LoadExecutor:
         if needed <= 0:
             return False
         offer = offer.first(min(needed, offer.chunks))
-        job = _PullJob(spec, local, self.engine.pull_offer_async(offer), offer.chunks, time.monotonic())
+        job = _PullJob(spec, local, self.engine.pull_offer_async(offer), offer.chunks, time.monotonic(), then)
         self._pull_jobs[spec.req_id] = job
         logger.info(
             "request %s: pulling %d chunk(s) a peer offered (tokens [%d, %d)), then loading [%d, %d) beside the steps",
@@ -242,21 +244,27 @@ class LoadExecutor:
             if not (job.pull.done() or late or job.aborted):
                 continue
             del self._pull_jobs[req_id]
-            pulled = 0
+            pulled, miss = 0, job.then
             if job.pull.done():
                 try:
-                    pulled = int(job.pull.result())
-                except Exception:
+                    outcome: PulledChunks = job.pull.result()
+                    pulled = outcome.chunks
+                    if pulled < job.offered:
+                        miss = outcome.miss
+                except Exception as e:
                     logger.exception("request %s: pulling the chunks a peer offered failed", req_id)
+                    miss = Miss(HOLDER_GONE, f"the pull failed: {e}")
             else:  # late, or aborted
                 job.pull.cancel()
                 why = "aborted while pulling" if job.aborted else f"pull past its {PEER_FETCH_TIMEOUT_S:.0f} s deadline"
                 logger.warning("request %s: %s after %.1f s: its blocks are recomputed", req_id, why, now - job.started)
+                miss = None if job.aborted else Miss(TIMEOUT, why)
             spec = job.spec
             engine = self.engine
             prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
             job.local.release()  # the lookup's pin of the local hit: the new pin holds it
-            engine.count_lookup(spec.num_tokens, prefix.num_tokens)
+            # (A request aborted meanwhile missed nothing it still wants.)
+            engine.count_lookup(spec.num_tokens, prefix.num_tokens, miss, count_misses=not job.aborted)
             logger.info(
                 "request %s: pulled %d of the %d chunk(s) offered in %.1f ms; %d of its tokens [%d, %d) held to load",
                 req_id,

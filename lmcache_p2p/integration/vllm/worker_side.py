@@ -43,6 +43,7 @@ from lmcache_p2p.integration.vllm.lookup_channel import (
     pack_sources,
 )
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
+from lmcache_p2p.miss_reasons import EVICTED, Miss
 from lmcache_p2p.peer_service import Offer
 from lmcache_p2p.protocol import unpack_hashes
 from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
@@ -65,6 +66,7 @@ class _Lookup:
     started: float
     offer: Offer | None = None  # chunks after the local hit a peer offers: the load pulls them
     prefix: PinnedPrefix | None = None
+    miss: Miss | None = None  # why the first chunk past the hit and the offer is missed
 
 
 class _StepClock:
@@ -264,7 +266,8 @@ class WorkerSide:
                 first = self._engine.lookup_async(chunk_hashes)
             else:
                 first = PrefixLookup(self._engine.local_sources(chunk_hashes))
-            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, first.fetch, time.monotonic(), first.offer)
+            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, first.fetch, time.monotonic())
+            state.offer, state.miss = first.offer, first.miss
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
@@ -279,8 +282,9 @@ class WorkerSide:
             if state.offer is not None and len(state.prefix.chunks) != len(state.local_sources):
                 # Part of the local hit was evicted since: the offer no longer continues it.
                 state.offer = None
+                state.miss = Miss(EVICTED, "from this rank's tiers while its lookup ran")
             if state.offer is None:  # with an offer, counted once its load pulled it
-                self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens)
+                self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens, state.miss)
         # A GPU rank says how far loading the hit crosses PCIe and whether it fetched part of it
         # (async_kv_loads "auto" decides on both); a CPU rank's loads cross no link.
         host_until = state.prefix.host_until() if self.planes[0].is_cuda else 0
@@ -410,7 +414,8 @@ class WorkerSide:
             state = self._take_lookup(spec.req_id)
             prefix = state.prefix if state is not None else None
             offer = state.offer if state is not None and spec.beside_steps else None
-            if offer is not None and prefix is not None and loads.pull_then_load(spec, offer, prefix):
+            then = state.miss if state is not None else None
+            if offer is not None and prefix is not None and loads.pull_then_load(spec, offer, prefix, then):
                 continue  # loaded once the pull ends (get_finished)
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
