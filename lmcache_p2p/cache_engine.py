@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -96,9 +95,7 @@ class CacheEngine:
         # Every missed chunk's reason (miss_reasons), and this rank's evictions to tell an
         # evicted chunk from one never stored: read from the store's event queue at each lookup.
         self.misses = MissTally(f"rank {rank}")
-        self._evictions = EvictionMemory()
-        self._storage_events = storage.record_events()
-        self._evictions_lock = threading.Lock()  # lookups run on the lookup thread and the step's
+        self._evictions = EvictionMemory(storage.record_events())
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -207,8 +204,7 @@ class CacheEngine:
         ]
         self.storage.keep_device_checksums(in_gpu_tier)
         self.counters.stored_tokens += stored
-        with self._evictions_lock:
-            self._note_storage_events()
+        self._evictions.note()
         took = (
             ""
             if launched is None
@@ -247,18 +243,7 @@ class CacheEngine:
     def local_miss(self, chunk_hash: int) -> Miss:
         """Why this rank lacks ``chunk_hash`` when no live peer holds it: evicted here (from
         which tier, when), or never stored."""
-        with self._evictions_lock:
-            self._note_storage_events()
-            return self._evictions.miss_for(chunk_hash)
-
-    def _note_storage_events(self) -> None:
-        """Drain the store's admits and evicts into the eviction memory (also after each
-        store, so that a rank that stores and never looks up keeps no backlog)."""
-        for event in self._storage_events.take_events():
-            if event.kind == "evict":
-                self._evictions.evicted(event.key.chunk_hash, event.location)
-            else:
-                self._evictions.admitted(event.key.chunk_hash)
+        return self._evictions.miss_for(chunk_hash)
 
     def _miss_after(self, hashes: list[int], at: int, miss: Miss) -> Miss:
         """``miss`` for chunk ``at`` of ``hashes``, with ``not_held`` told apart here."""

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 NEVER_STORED = "never_stored"
 EVICTED = "evicted"
@@ -124,24 +125,35 @@ class MissTally:
 
 class EvictionMemory:
     """Chunks this rank evicted from the last tier holding them, newest last, bounded: tells an
-    ``evicted`` miss from a ``never_stored`` one, with where and how long ago."""
+    ``evicted`` miss from a ``never_stored`` one, with where and how long ago. Fed by its own
+    queue of the store's admits and evicts (``ChunkStore.record_events``), drained when asked
+    and after each store (:meth:`note`), so that a rank that stores and never looks up keeps
+    no backlog."""
 
-    def __init__(self, capacity: int = 1 << 17):
+    def __init__(self, events: Any, capacity: int = 1 << 17):
+        self._events = events  # a StorageEventQueue, ours alone
         self.capacity = capacity
         self._evicted: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._lock = threading.Lock()  # the lookup thread asks, the step thread notes
 
-    def evicted(self, chunk_hash: int, location: str) -> None:
-        self._evicted.pop(chunk_hash, None)
-        self._evicted[chunk_hash] = (location, time.monotonic())
-        if len(self._evicted) > self.capacity:
-            self._evicted.popitem(last=False)
-
-    def admitted(self, chunk_hash: int) -> None:
-        self._evicted.pop(chunk_hash, None)
+    def note(self) -> None:
+        with self._lock:
+            self._drain()
 
     def miss_for(self, chunk_hash: int) -> Miss:
-        found = self._evicted.get(chunk_hash)
+        with self._lock:
+            self._drain()
+            found = self._evicted.get(chunk_hash)
         if found is None:
             return Miss(NEVER_STORED)
         location, at = found
         return Miss(EVICTED, f"from {location} {time.monotonic() - at:.1f} s ago")
+
+    def _drain(self) -> None:
+        for event in self._events.take_events():
+            chunk_hash = event.key.chunk_hash
+            self._evicted.pop(chunk_hash, None)
+            if event.kind == "evict":
+                self._evicted[chunk_hash] = (event.location, time.monotonic())
+                if len(self._evicted) > self.capacity:
+                    self._evicted.popitem(last=False)

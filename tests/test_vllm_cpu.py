@@ -7,9 +7,11 @@ output of a cold run, and KV corrupted on purpose changes it (so a hit really fe
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ENGINE_ENV
@@ -68,6 +70,18 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
     assert seen["lmcache:num_missed_chunks_total"] == ("counter", 2), seen
     assert "lmcache:num_missed_chunks_total{" in (text := eng.request("metrics")["text"])
     assert 'reason="never_stored"' in text
+    # The engines' Grafana dashboard queries only series this engine exports, each as its type.
+    exported = dict(re.findall(r"^# TYPE (lmcache:\S+) (\w+)$", text, re.M))
+    dashboard = json.loads((Path(__file__).parent.parent / "dashboards" / "lmcache-p2p-engines.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name in re.findall(r"lmcache:[a-z0-9_]+", target["expr"]):
+                # (a counter's TYPE line names it with or without _total, by client version)
+                family = name if name in exported else name.removesuffix("_total")
+                assert family in exported, (panel["title"], name)
+                over_time = re.search(rf"(rate|increase)\(\s*{name}\b", target["expr"]) is not None
+                assert over_time == (exported[family] == "counter"), (panel["title"], name)
+                assert name.endswith("_total") == (exported[family] == "counter"), (panel["title"], name)
     assert warm == cold
     log = eng.log()
     assert f"Storing KV cache for {2 * CHUNK} out of {2 * CHUNK} tokens" in log
