@@ -34,6 +34,7 @@ import torch
 
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.config import LMCacheConfig
+from lmcache_p2p.durations import RecentDurations
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
 from lmcache_p2p.miss_reasons import (
     HOLDER_GONE,
@@ -94,6 +95,7 @@ class CacheEngine:
         self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None  # remote fetches (lookup_async)
         # Every missed chunk's reason (miss_reasons), and this rank's evictions to tell an
         # evicted chunk from one never stored: read from the store's event queue at each lookup.
+        self.load_durations = RecentDurations()  # each load's copy time (a latency histogram)
         self.misses = MissTally(f"rank {rank}")
         self._evictions = EvictionMemory(storage.record_events())
 
@@ -451,6 +453,7 @@ class CacheEngine:
         """Count and log a finished load (the seed's line, with where its chunks came from)."""
         self.counters.retrieved_tokens += plan.loaded_to - plan.start
         self.counters.retrieves += 1
+        self.load_durations.add(seconds * 1e3)
         notes = [how] if how else []
         if plan.from_gpu:
             notes.append(f"{plan.from_gpu} of {len(plan.pages)} chunks from the GPU tier")
@@ -502,6 +505,7 @@ class CacheEngine:
         out = self.peers.status() if self.peers is not None else {"storage": self.storage.stats()}
         out["engine"] = self.counters.totals()
         out["engine"]["missed_chunks"] = self.misses.totals()
+        out["engine"]["load_ms"] = self.load_durations.snapshot()
         out["prefill"] = self.counters.prefill.snapshot()
         return out
 

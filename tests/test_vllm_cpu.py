@@ -66,6 +66,9 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
     assert kind == "counter" and lookups >= 2, seen
     kind, used = seen["lmcache:local_cache_usage"]
     assert kind == "gauge" and used > 0, seen
+    # The warm prompt's load in the load-latency histogram.
+    assert seen["lmcache:load_duration_seconds_count"][1] >= 1, seen
+    assert seen["lmcache:load_duration_seconds_sum"][1] > 0, seen
     # The cold prompt's two chunks were missed, never stored anywhere: one series per reason.
     assert seen["lmcache:num_missed_chunks_total"] == ("counter", 2), seen
     assert "lmcache:num_missed_chunks_total{" in (text := eng.request("metrics")["text"])
@@ -77,6 +80,10 @@ def test_a_cpu_tier_hit_gives_the_cold_output_and_corrupted_kv_does_not(engine, 
         for target in panel["targets"]:
             for name in re.findall(r"lmcache:[a-z0-9_]+", target["expr"]):
                 # (a counter's TYPE line names it with or without _total, by client version)
+                if name.endswith("_bucket"):  # a histogram's buckets, read by rate()
+                    assert exported.get(name.removesuffix("_bucket")) == "histogram", (panel["title"], name)
+                    assert re.search(rf"rate\(\s*{name}\b", target["expr"]), (panel["title"], name)
+                    continue
                 family = name if name in exported else name.removesuffix("_total")
                 assert family in exported, (panel["title"], name)
                 over_time = re.search(rf"(rate|increase)\(\s*{name}\b", target["expr"]) is not None
@@ -196,6 +203,7 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         seen = metrics(b)  # the pull in vLLM's /metrics
         assert seen["lmcache:p2p_chunks_pulled_total"] == ("counter", 2), seen
         assert seen["lmcache:p2p_bytes_pulled_total"][1] == b.status()["p2p_client"]["bytes_pulled"] > 0
+        assert seen["lmcache:p2p_pull_duration_seconds_count"][1] == 1, seen  # the one pull, timed
         assert f"over {channel}" in b.log()
         assert "Python's thread switch interval: 5.00 ms -> 0.50 ms (switch_interval_ms)" in b.log()
         assert "thread switch interval" not in a.log()  # unset on a CPU engine: Python's own

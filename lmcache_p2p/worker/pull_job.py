@@ -157,6 +157,7 @@ class PullJob:
         stats, me, asked = setup.stats, setup.me, len(self.hashes)
         nbytes = len(result.held) * setup.pages.storage.page_bytes
         stats.pulls += 1
+        stats.durations.add(elapsed * 1e3)
         stats.chunks_pulled += len(result.held)
         stats.bytes_pulled += nbytes
         if result.held:

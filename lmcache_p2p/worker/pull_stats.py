@@ -6,8 +6,11 @@ counting its own fields; only the worker's loop writes it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
+
+from lmcache_p2p.durations import RecentDurations
 
 
 @dataclass
@@ -32,7 +35,11 @@ class PullStats:
     chunks_skipped: int = 0
     pulls_skipped_by_peer: dict[str, int] = field(default_factory=dict)
     pull_policy: dict | None = None
+    # Each pull's time, start to end (the engine's lmcache:p2p_pull_duration_seconds histogram).
+    durations: RecentDurations = field(default_factory=RecentDurations, compare=False)
 
     def as_dict(self) -> dict:
         """A copy for /status (read from the engine's thread too)."""
-        return dataclasses.asdict(self)
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "durations"}
+        out["pull_ms"] = self.durations.snapshot()
+        return out

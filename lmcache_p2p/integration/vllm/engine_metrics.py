@@ -22,6 +22,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from lmcache_p2p.durations import taken_since
+
 # (name, help, where a rank's status answer keeps the running total)
 COUNTERS: list[tuple[str, str, Callable[[dict], float]]] = [
     (
@@ -89,6 +91,23 @@ COUNTERS: list[tuple[str, str, Callable[[dict], float]]] = [
 MISSED = "lmcache:num_missed_chunks"
 MISSED_HELP = "Chunks of looked-up prompts not served, by reason (the first miss ends a prefix: later chunks share it)"
 
+# (name, help, where a rank's status answer keeps its latest durations: durations.RecentDurations)
+HISTOGRAMS: list[tuple[str, str, Callable[[dict], dict | None]]] = [
+    (
+        "lmcache:p2p_pull_duration_seconds",
+        "A peer pull, start to end (connecting, the holder's reads, the wire, landing, checks)",
+        lambda s: (s.get("p2p_client") or {}).get("pull_ms"),
+    ),
+    (
+        "lmcache:load_duration_seconds",
+        "A load of held chunks into vLLM's blocks (the copies; a load beside the steps: until done)",
+        lambda s: s.get("engine", {}).get("load_ms"),
+    ),
+]
+# From a loaded page (~0.3 ms) to a pull stuck behind a slow peer (seconds).
+DURATION_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MAX_OBSERVATIONS = 4096  # per histogram in one summed report (a rank keeps 512 at most)
+
 # (name, help, the current value in a rank's status answer); summed over the ranks
 GAUGES: list[tuple[str, str, Callable[[dict], float]]] = [
     ("lmcache:local_cache_usage", "Bytes held in the CPU pool", lambda s: _tier_bytes(s, "cpu")),
@@ -126,6 +145,7 @@ class RankMetrics:
         self._rank = rank
         self._interval_s = interval_s
         self._last: dict[str, float] = {}
+        self._last_seq: dict[str, int] = {}  # per histogram, the durations already reported
         self._last_at = 0.0
 
     def take(self, now: float | None = None) -> dict[str, Any] | None:
@@ -139,9 +159,15 @@ class RankMetrics:
             counters[f"{MISSED}|{reason}"] = float(chunks)
         grown = {name: value - self._last.get(name, 0.0) for name, value in counters.items()}
         self._last = counters
+        observed = {}
+        for name, _, read_durations in HISTOGRAMS:
+            self._last_seq[name], new = taken_since(read_durations(status), self._last_seq.get(name, 0))
+            if new:
+                observed[name] = new
         return {
             "counters": {name: delta for name, delta in grown.items() if delta > 0},
             "gauges": {str(self._rank): {name: read(status) for name, _, read in GAUGES}},
+            "observed_ms": observed,
         }
 
 
@@ -158,7 +184,10 @@ class ConnectorStats(KVConnectorStats):
         for name, delta in other.data.get("counters", {}).items():
             counters[name] = counters.get(name, 0.0) + delta
         gauges = {**self.data.get("gauges", {}), **other.data.get("gauges", {})}
-        self.data = {"counters": counters, "gauges": gauges}
+        observed = {name: list(values) for name, values in self.data.get("observed_ms", {}).items()}
+        for name, values in other.data.get("observed_ms", {}).items():
+            observed[name] = (observed.get(name, []) + list(values))[-MAX_OBSERVATIONS:]
+        self.data = {"counters": counters, "gauges": gauges, "observed_ms": observed}
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -166,7 +195,7 @@ class ConnectorStats(KVConnectorStats):
         return {name.split(":", 1)[1]: round(value, 3) for name, value in counters.items()}
 
     def is_empty(self) -> bool:
-        return not self.data.get("counters")
+        return not self.data.get("counters") and not self.data.get("observed_ms")
 
 
 def build_stats(data: dict[str, Any] | None) -> ConnectorStats:
@@ -188,6 +217,11 @@ class PromMetrics(KVConnectorPromMetrics):
         self._counters = {
             name: counter(name=name, documentation=text, labelnames=labelnames) for name, text, _ in COUNTERS
         }
+        histogram: Any = self._histogram_cls
+        self._histograms = {
+            name: histogram(name=name, documentation=text, labelnames=labelnames, buckets=DURATION_BUCKETS_S)
+            for name, text, _ in HISTOGRAMS
+        }
         self._missed = counter(name=MISSED, documentation=MISSED_HELP, labelnames=[*labelnames, "reason"])
         self._gauges = {
             name: gauge(name=name, documentation=text, labelnames=labelnames, multiprocess_mode="mostrecent")
@@ -206,6 +240,10 @@ class PromMetrics(KVConnectorPromMetrics):
                 self._counters[name].labels(*labels).inc(delta)
             elif name.startswith(f"{MISSED}|"):
                 self._missed.labels(*labels, name.split("|", 1)[1]).inc(delta)
+        for name, values in transfer_stats_data.get("observed_ms", {}).items():
+            if name in self._histograms:
+                for ms in values:
+                    self._histograms[name].labels(*labels).observe(ms / 1e3)
         reported = transfer_stats_data.get("gauges", {})
         if reported:
             ranks = self._ranks.setdefault(engine_idx, {})
