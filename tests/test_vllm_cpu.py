@@ -204,6 +204,11 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         assert seen["lmcache:p2p_chunks_pulled_total"] == ("counter", 2), seen
         assert seen["lmcache:p2p_bytes_pulled_total"][1] == b.status()["p2p_client"]["bytes_pulled"] > 0
         assert seen["lmcache:p2p_pull_duration_seconds_count"][1] == 1, seen  # the one pull, timed
+        # ...and by holder and channel
+        text = b.request("metrics")["text"]
+        pulls = [line for line in text.splitlines() if line.startswith("lmcache:p2p_peer_pulls_total{")]
+        assert len(pulls) == 1 and pulls[0].endswith(" 1.0"), pulls
+        assert 'peer="lmcache_instance_1 rank 0"' in pulls[0] and f'channel="{channel}"' in pulls[0], pulls
         assert f"over {channel}" in b.log()
         assert "Python's thread switch interval: 5.00 ms -> 0.50 ms (switch_interval_ms)" in b.log()
         assert "thread switch interval" not in a.log()  # unset on a CPU engine: Python's own

@@ -160,6 +160,9 @@ class PullJob:
         stats.durations.add(elapsed * 1e3)
         stats.chunks_pulled += len(result.held)
         stats.bytes_pulled += nbytes
+        per_peer = stats.by_peer.setdefault(f"{peer.instance_id} rank {peer.rank} over {self.channel}", {})
+        for key, n in (("pulls", 1), ("bytes", nbytes), ("failures", 1 if result.error else 0)):
+            per_peer[key] = per_peer.get(key, 0) + n
         if result.held:
             # The seed's line, then where the batches' time went (summed: batches overlap).
             # benchmarks/gpu/e2e.py and testing.processes.P2P_LINE parse it: keep its wording.

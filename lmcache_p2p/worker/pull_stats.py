@@ -35,6 +35,9 @@ class PullStats:
     chunks_skipped: int = 0
     pulls_skipped_by_peer: dict[str, int] = field(default_factory=dict)
     pull_policy: dict | None = None
+    # Per holder rank and channel ("instance rank R over CHANNEL"): pulls, bytes, failures (the
+    # engine's lmcache:p2p_peer_* series; bounded by the fleet's size).
+    by_peer: dict[str, dict[str, int]] = field(default_factory=dict)
     # Each pull's time, start to end (the engine's lmcache:p2p_pull_duration_seconds histogram).
     durations: RecentDurations = field(default_factory=RecentDurations, compare=False)
 

@@ -91,6 +91,14 @@ COUNTERS: list[tuple[str, str, Callable[[dict], float]]] = [
 MISSED = "lmcache:num_missed_chunks"
 MISSED_HELP = "Chunks of looked-up prompts not served, by reason (the first miss ends a prefix: later chunks share it)"
 
+# Pulls, bytes and failed pulls per holder rank and channel: series with the labels ``peer``
+# (instance and rank) and ``channel``; a rank reports them as counters named NAME|peer|channel.
+PER_PEER: list[tuple[str, str, str]] = [
+    ("lmcache:p2p_peer_pulls", "Pulls from each holder rank, per channel", "pulls"),
+    ("lmcache:p2p_peer_bytes_pulled", "Bytes pulled from each holder rank, per channel", "bytes"),
+    ("lmcache:p2p_peer_pull_failures", "Failed pulls from each holder rank, per channel", "failures"),
+]
+
 # (name, help, where a rank's status answer keeps its latest durations: durations.RecentDurations)
 HISTOGRAMS: list[tuple[str, str, Callable[[dict], dict | None]]] = [
     (
@@ -157,6 +165,10 @@ class RankMetrics:
         counters = {name: read(status) for name, _, read in COUNTERS}
         for reason, chunks in (status.get("engine", {}).get("missed_chunks") or {}).items():
             counters[f"{MISSED}|{reason}"] = float(chunks)
+        for where, counts in ((status.get("p2p_client") or {}).get("by_peer") or {}).items():
+            peer, _, channel = where.rpartition(" over ")
+            for name, _, key in PER_PEER:
+                counters[f"{name}|{peer}|{channel}"] = float(counts.get(key, 0))
         grown = {name: value - self._last.get(name, 0.0) for name, value in counters.items()}
         self._last = counters
         observed = {}
@@ -222,6 +234,10 @@ class PromMetrics(KVConnectorPromMetrics):
             name: histogram(name=name, documentation=text, labelnames=labelnames, buckets=DURATION_BUCKETS_S)
             for name, text, _ in HISTOGRAMS
         }
+        self._per_peer = {
+            name: counter(name=name, documentation=text, labelnames=[*labelnames, "peer", "channel"])
+            for name, text, _ in PER_PEER
+        }
         self._missed = counter(name=MISSED, documentation=MISSED_HELP, labelnames=[*labelnames, "reason"])
         self._gauges = {
             name: gauge(name=name, documentation=text, labelnames=labelnames, multiprocess_mode="mostrecent")
@@ -240,6 +256,9 @@ class PromMetrics(KVConnectorPromMetrics):
                 self._counters[name].labels(*labels).inc(delta)
             elif name.startswith(f"{MISSED}|"):
                 self._missed.labels(*labels, name.split("|", 1)[1]).inc(delta)
+            elif name.count("|") == 2 and name.split("|", 1)[0] in self._per_peer:
+                family, peer, channel = name.split("|")
+                self._per_peer[family].labels(*labels, peer, channel).inc(delta)
         for name, values in transfer_stats_data.get("observed_ms", {}).items():
             if name in self._histograms:
                 for ms in values:
