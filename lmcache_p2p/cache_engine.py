@@ -248,8 +248,12 @@ class CacheEngine:
         return self._evictions.miss_for(chunk_hash)
 
     def _miss_after(self, hashes: list[int], at: int, miss: Miss) -> Miss:
-        """``miss`` for chunk ``at`` of ``hashes``, with ``not_held`` told apart here."""
-        return self.local_miss(hashes[at]) if miss.reason == NOT_HELD else miss
+        """``miss`` for chunk ``at`` of ``hashes``, with ``not_held`` told apart here (the
+        controller's detail kept for a chunk never stored: who can never share with us)."""
+        if miss.reason != NOT_HELD:
+            return miss
+        here = self.local_miss(hashes[at])
+        return Miss(NEVER_STORED, miss.detail) if here.reason == NEVER_STORED and miss.detail else here
 
     def lookup(self, chunk_hashes: ChunkHashes, num_tokens: int | None = None, fetch_missing: bool = True) -> int:
         """Leading tokens of the prompt ``chunk_hashes`` names that :meth:`retrieve` can load now

@@ -216,6 +216,43 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         controller.stop()
 
 
+@pytest.mark.newest_only  # three engines: the reasons are the connector's, not vLLM's
+def test_e_mismatched_engines_miss_with_the_reason_named(engine, prompt, tiny_qwen3):
+    """Engines that can never share with the holder: another chunk size (its keys differ: never
+    stored, the controller naming the holder that cannot share) and another model (held only by
+    an instance of another layout: layout_mismatch, the field named), in their counters, their
+    log and the controller's arrival warning and /explain."""
+    controller = ControllerProcess().start()
+    try:
+        base = dict(chunk_size=CHUNK, channel="tcp", cpu_gb=0.25)
+        a = engine(instance_config("lmcache_instance_1", controller, **base), name="a")
+        a.generate(prompt)
+        a.request("flush")
+        wait_for(lambda: controller.holders(prompt), timeout=10, what="A's chunks indexed")
+
+        small = dict(base, chunk_size=CHUNK // 2)
+        b = engine(instance_config("lmcache_instance_2", controller, **small), name="b")
+        b.generate(prompt)
+        assert counters(b)["missed_chunks"]["never_stored"] == PROMPT_TOKENS // (CHUNK // 2)
+        assert (
+            "never_stored (lmcache_instance_1 serves the same model but can never share with it: "
+            f"chunk_size {CHUNK // 2} vs {CHUNK})" in b.log()
+        )
+        workers = json.dumps(controller.http.get("/controller/workers").json())  # flagged on arrival
+        assert "cannot_share_with" in workers and f"chunk_size {CHUNK // 2} vs {CHUNK}" in workers, workers
+        explained = controller.api("/explain", {"tokens": prompt, "instance_id": "lmcache_instance_2"})
+        assert "lmcache_instance_1" in json.dumps(explained["cannot_share_with"]), explained
+
+        c = engine(instance_config("lmcache_instance_3", controller, **base), name="c", model=tiny_qwen3)
+        c.generate(prompt)
+        assert counters(c)["missed_chunks"]["layout_mismatch"] == 2
+        assert "layout_mismatch (held by lmcache_instance_1: model " in c.log()
+        # The healthy holder missed only its own cold prompt.
+        assert {k: v for k, v in counters(a)["missed_chunks"].items() if v} == {"never_stored": 2}
+    finally:
+        controller.stop()
+
+
 def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_model):
     """Seed 003 with two real OpenAI servers: a request on A, /tokenize, POST /move A -> B,
     then the same request on B loads the moved KV and gives A's output."""

@@ -304,6 +304,12 @@ class Monitor:
                 return LAYOUT_MISMATCH, f"held by {instance_id}: {', '.join(map(str, found))}"
             # The same layout: the rank matching the asker's, or another of its ranks, lacks it.
             return PARTIAL_TP, f"held by {instance_id} on rank(s) {sorted(ranks)} of {peer.info.layout.tp_size}"
+        # Nobody holds it at all; an instance of the same model that can never share with the
+        # asker (another chunk size cuts other keys) is worth naming.
+        never = self.registry.cannot_share.get(asker.info.instance_id, {})
+        if never:
+            other, fields = sorted(never.items())[0]
+            return NOT_HELD, f"{other} serves the same model but can never share with it: {', '.join(fields)}"
         return NOT_HELD, ""
 
     # -- heartbeat socket --------------------------------------------------------------------------
