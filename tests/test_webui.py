@@ -252,6 +252,13 @@ def test_lookup_move_clear_from_the_page(chromium, controller, pair):
     page.click("#lookup-form button[type=submit]")
     page.wait_for_selector("#lookup-result .summary")
     assert page.locator("#lookup-result .summary").inner_text() == f"lmcache_instance_1 holds 128 of 128 tokens ({CPU})"
+    # Explain: why B would (not) reuse it, run by run.
+    page.select_option("#explain-instance", "lmcache_instance_2")
+    page.click("#explain-button")
+    page.wait_for_selector("#lookup-result table.explain")
+    assert page.locator("#lookup-result .summary").inner_text() == "lmcache_instance_2 can reuse 128 of 128 tokens"
+    row = page.locator("#lookup-result tr[data-status=peer]")
+    assert row.count() == 1 and "lmcache_instance_1" in row.inner_text()
     # ...and a bad paste names the bad token.
     page.fill("#lookup-tokens", "1, 2, three")
     page.click("#lookup-form button[type=submit]")

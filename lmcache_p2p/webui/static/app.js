@@ -446,6 +446,34 @@ document.getElementById("lookup-form").addEventListener("submit", async (event) 
   }
 });
 
+// POST /explain: chunk runs with their status (own, peer, layout_mismatch, partial_tp,
+// other_model, not_held), for the instance picked.
+function showExplain(tokens, instance, answer) {
+  const summary = `${instance} can reuse ${num(answer.usable_tokens)} of ${num(tokens.length)} tokens`;
+  const table = el("table", { class: "grid inner explain" },
+    el("thead", {}, el("tr", {}, ["Tokens", "Chunks", "Status", "Why", "Held by"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, (answer.runs || []).map((r) => el("tr", { "data-status": r.status },
+      el("td", { class: "num" }, `${num(r.start_token)}-${num(r.end_token)}`),
+      el("td", { class: "num" }, num(r.chunks)),
+      el("td", {}, r.status), el("td", {}, r.detail || ""),
+      el("td", {}, (r.holders || []).map((h) => `${h.instance_id} (${h.locations.join(", ")})`).join("; "))))));
+  const never = Object.entries(answer.cannot_share_with || {}).map(([other, fields]) =>
+    el("p", { class: "muted" }, `can never share with ${other}: ${[].concat(fields).join(", ")}`));
+  document.getElementById("lookup-result").replaceChildren(el("p", { class: "summary" }, summary), table, ...never);
+}
+
+document.getElementById("explain-button").addEventListener("click", async () => {
+  try {
+    const tokens = parseTokens(document.getElementById("lookup-tokens").value);
+    if (!tokens) throw new Error("paste token ids or choose a JSON file first");
+    const instance = document.getElementById("explain-instance").value;
+    if (!instance) throw new Error("no instance to explain for: none is registered");
+    showExplain(tokens, instance, await api("/explain", { tokens, instance_id: instance }));
+  } catch (error) {
+    showError("lookup-result", error);
+  }
+});
+
 // -- actions ---------------------------------------------------------------------------------
 
 for (const tab of document.querySelectorAll("[role=tab]")) {
