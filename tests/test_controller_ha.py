@@ -4,17 +4,23 @@ one controller's ``kill -9``, and ``lmcache_router`` given both keeps routing wh
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 from instances import instance_config, tokens
 from openai_standin import ServedApp, StandinEngine
 from protocol_client import FAST_CONTROLLER, ControllerProcess, FakeWorker, wait_for
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.miss_reasons import TIMEOUT
+from lmcache_p2p.protocol import P2PLookupReply, PeerHolder
 from lmcache_p2p.router.app import create_app
 from lmcache_p2p.router.config import RouterConfig
+from lmcache_p2p.worker.links import ControllerLinks
 
 CHUNK = 32
 CPU = "LocalCPUBackend"
@@ -105,3 +111,67 @@ def test_the_router_given_both_controllers_keeps_routing_when_one_dies(controlle
         for worker in workers:
             worker.close()
         engine.stop()
+
+
+# -- the facade's choices, with stand-in links ----------------------------------------------------
+
+
+class StandinLink:
+    """What ControllerLinks uses of a ControllerLink: a lookup answer, messages kept, a warm set."""
+
+    def __init__(self, name: str, reply: P2PLookupReply, registered: bool = True):
+        self.reply = SimpleNamespace(address=f"tcp://{name}:8400")
+        self.me = SimpleNamespace(describe=lambda: "inst rank 0")
+        self.registered, self.epoch, self.answer = registered, f"epoch-{name}", reply
+        self.stats = {"p2p_lookups": 0}
+        self._lookups_failing_since = None
+        self.effective_channel = self.channel_error = self.on_peers = None
+        self.max_warm_peers = 0
+        self.sent: list = []
+
+    async def p2p_lookup(self, hashes, timeout):
+        self.stats["p2p_lookups"] += 1
+        return self.answer
+
+    def send(self, message) -> bool:
+        self.sent.append(message)
+        return True
+
+
+def test_lookups_go_in_order_past_timeout_misses_messages_to_all_warm_set_from_the_first():
+    holder = PeerHolder(
+        instance_id="a",
+        rank=0,
+        location="LocalCPUBackend",
+        matched_chunks=3,
+        host="h",
+        p2p_init_port=1,
+        p2p_lookup_port=2,
+        transfer_channel="tcp",
+    )
+    unanswered = P2PLookupReply(holders=[], miss_reason=TIMEOUT, miss_detail="holder lookup unanswered in 1.0 s")
+    first = StandinLink("c1", unanswered)
+    second = StandinLink("c2", P2PLookupReply(holders=[holder]))
+    links = ControllerLinks([first, second])  # type: ignore[list-item]
+    hashes = np.arange(3, dtype=np.uint64)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders == [holder]
+    assert (first.stats["p2p_lookups"], second.stats["p2p_lookups"]) == (1, 1)
+    assert links.stats == {"p2p_lookups": 2}
+    second.answer = P2PLookupReply(holders=[], miss_reason="not_held")  # an answer, not a timeout
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
+    second.answer = unanswered
+    miss = asyncio.run(links.p2p_lookup(hashes, 1.0))
+    assert miss.miss_reason == TIMEOUT and "tcp://c1:8400" in miss.miss_detail and "tcp://c2:8400" in miss.miss_detail
+
+    links.send("done")
+    assert first.sent == second.sent == ["done"]
+
+    taken: list = []
+    links.on_peers = lambda peers, registered: taken.append(peers)
+    first.on_peers(["from c1"], True)
+    second.on_peers(["from c2"], False)  # dropped: c1 is registered and comes first
+    assert taken == [["from c1"]]
+    first.registered = False
+    second.on_peers(["from c2"], False)  # c1 gone: c2's set is taken
+    assert taken == [["from c1"], ["from c2"]] and links.epoch == "epoch-c2"
+    assert [s["warm_set_from_here"] for s in links.status()] == [False, True]
