@@ -18,7 +18,7 @@ from protocol_client import FAST_CONTROLLER, ControllerProcess, FakeWorker, wait
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.miss_reasons import TIMEOUT
 from lmcache_p2p.protocol import P2PLookupReply, PeerHolder
-from lmcache_p2p.router.app import create_app
+from lmcache_p2p.router.app import RouterService, create_app
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.worker.links import ControllerLinks
 
@@ -175,3 +175,25 @@ def test_lookups_go_in_order_past_timeout_misses_messages_to_all_warm_set_from_t
     second.on_peers(["from c2"], False)  # c1 gone: c2's set is taken
     assert taken == [["from c1"], ["from c2"]] and links.epoch == "epoch-c2"
     assert [s["warm_set_from_here"] for s in links.status()] == [False, True]
+
+
+def test_the_router_switches_on_a_5xx_or_no_connection_and_not_on_a_4xx():
+    answers = {"a": 503, "b": 200}
+
+    def controller(request: httpx.Request) -> httpx.Response:
+        status = answers[request.url.host]
+        if status == 0:
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(status, json={"ranked": []} if status == 200 else {"detail": "no"})
+
+    service = RouterService(RouterConfig(controller_url="http://a:9000,http://b:9000"))
+    service._client = httpx.AsyncClient(transport=httpx.MockTransport(controller))
+    assert asyncio.run(service.ask_route([])) == ({"ranked": []}, None)
+    assert (service.controllers.current, service.controllers.switches) == ("http://b:9000", 1)
+    answers.update(a=200, b=401)  # b refuses: a 4xx another controller would give too
+    answer, error = asyncio.run(service.ask_route([]))
+    assert answer is None and error is not None and "http://b:9000: HTTP 401" in error
+    assert service.controllers.current == "http://b:9000"
+    answers.update(b=0)  # b down: back to a
+    assert asyncio.run(service.ask_route([]))[0] == {"ranked": []}
+    assert (service.controllers.current, service.controllers.switches) == ("http://a:9000", 2)
