@@ -217,6 +217,27 @@ def _to_url(raw: Any) -> str:
     return f"{host}:{port}"
 
 
+def _to_url_list(raw: Any) -> str:
+    """One controller socket or several, comma-separated (or a YAML list): each normalised to
+    ``host:port``, joined by commas. An empty item is an error, not skipped: a stray comma would
+    otherwise pair the next pull URL with the wrong reply URL."""
+    items = [str(x) for x in raw] if isinstance(raw, (list, tuple)) else _to_str(raw).split(",")
+    out = []
+    for i, item in enumerate(items, 1):
+        if not item.strip():
+            raise _Invalid(f"item {i} of {len(items)} is empty: expected host:port items separated by commas")
+        try:
+            out.append(_to_url(item))
+        except _Invalid as e:
+            raise _Invalid(f"item {i} ({item.strip()!r}): {e}" if len(items) > 1 else str(e)) from None
+    return ",".join(out)
+
+
+def controller_url_list(value: str | None) -> list[str]:
+    """A controller URL key's value as its items (``controller_pull_url`` or ``controller_reply_url``)."""
+    return value.split(",") if value else []
+
+
 def _to_remote_url(raw: Any) -> str:
     """A remote store URL (see lmcache_p2p.remote.url); kept as written, checked here."""
     s = _to_str(raw)
@@ -564,12 +585,18 @@ class LMCacheConfig:
         default_text="`{hostname}-{engine_id}`",
     )
     controller_pull_url: str | None = _key(
-        _optional(_to_url), None, "the controller's PULL socket (events), `host:port` or `tcp://host:port`", group="p2p"
+        _optional(_to_url_list),
+        None,
+        "the controller's PULL socket (events), `host:port` or `tcp://host:port`; several controllers: a "
+        "comma-separated list, paired by position with `controller_reply_url`'s (see [High "
+        "availability](controller.md#high-availability))",
+        group="p2p",
     )
     controller_reply_url: str | None = _key(
-        _optional(_to_url),
+        _optional(_to_url_list),
         None,
-        "the controller's ROUTER socket (register, lookups, commands), `host:port` or `tcp://host:port`",
+        "the controller's ROUTER socket (register, lookups, commands), `host:port` or `tcp://host:port`; "
+        "several controllers: a comma-separated list, as many as `controller_pull_url` has",
         group="p2p",
     )
     lmcache_worker_ports: list[int] | None = _key(
@@ -776,6 +803,14 @@ class LMCacheConfig:
             for key in ("controller_pull_url", "controller_reply_url", "lmcache_worker_ports"):
                 if getattr(self, key) is None:
                     raise self._err(key, "required when enable_controller is true")
+            pulls, replies = self.controller_urls()
+            if len(pulls) != len(replies):
+                raise self._err(
+                    "controller_reply_url",
+                    f"lists {len(replies)} controller(s) but controller_pull_url={self.controller_pull_url!r} "
+                    f"({self.sources.get('controller_pull_url', 'default')}) lists {len(pulls)}: give one pull URL "
+                    "and one reply URL per controller, in the same order",
+                )
         if self.enable_p2p:
             if not self.enable_controller:
                 raise self._err(
@@ -822,6 +857,11 @@ class LMCacheConfig:
             )
 
     # -- derived values -------------------------------------------------------------------------
+
+    def controller_urls(self) -> tuple[list[str], list[str]]:
+        """The controllers' pull and reply sockets (``host:port``), one of each per controller,
+        paired by position (validate() checks the lengths match)."""
+        return controller_url_list(self.controller_pull_url), controller_url_list(self.controller_reply_url)
 
     def resolved_mesh_secret(self) -> str | None:
         """The mesh secret, read from ``mesh_secret_file`` or taken from ``mesh_secret``; None

@@ -86,6 +86,11 @@ class Orchestrator:
         metrics.counter(
             "lmcache_controller_workers_unreachable_total", "Workers removed: their command port could not be reached"
         )
+        metrics.counter(
+            "lmcache_controller_completions_unknown_total",
+            "CommandDone for an event this controller did not issue or no longer keeps (with several controllers, "
+            "every worker reports each completion to all of them)",
+        )
         self.hosts = HostCheck(resolver)  # None: the system resolver, on threads of its own
         # (host, worker_port) -> (when its probe failed, why): registrations from it are refused meanwhile.
         self._unreachable: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
@@ -175,9 +180,12 @@ class Orchestrator:
         """A rank finished a command it had accepted as pending."""
         event = self.events.get(msg.event_id)
         if event is None:
-            self._refusals.warning(
-                "unknown event",
-                "completion for unknown event %s from %s rank %d",
+            # Not an error: with several controllers a worker reports each completion to all of
+            # them (it cannot tell which one issued the command), so the others' events arrive
+            # here too. Counted; a DEBUG line only.
+            self.metrics.inc("lmcache_controller_completions_unknown_total")
+            logger.debug(
+                "completion for event %s from %s rank %d: not one of ours (another controller's, or forgotten)",
                 shown(msg.event_id),
                 shown(msg.instance_id),
                 msg.rank,

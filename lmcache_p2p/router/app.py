@@ -14,8 +14,9 @@ One request, in order:
    the next one gets them. An engine that accepted the request is never asked again elsewhere:
    that could generate twice.
 
-The controller being down does not stop traffic: the instances of the last good ``/route``
-answer are kept and served round-robin, with a WARNING saying why.
+The controller being down does not stop traffic: with several controllers the next one is asked
+(controllers.py), and with none answering the instances of the last good ``/route`` answer are
+kept and served round-robin, with a WARNING saying why.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from starlette.background import BackgroundTask
 from lmcache_p2p.http_body import BadContentLength, BodyTooLarge, read_bounded_body
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.router.config import RouterConfig
+from lmcache_p2p.router.controllers import ControllerChoice
 from lmcache_p2p.router.policies import Candidate, RoundRobin, demote, make_policy
 from lmcache_p2p.router.tokenizer import TEMPLATE_FIELDS, LocalTokenizer, TokenizerError
 
@@ -298,6 +300,7 @@ class RouterService:
         self._cooling: dict[str, float] = {}  # instance_id -> monotonic time it may go first again
         self._warn = RateLimitedLog(logger, every_s=10.0)
         self._client: httpx.AsyncClient | None = None
+        self.controllers = ControllerChoice(config.controller_urls)
         self._controller_headers = {"content-type": "application/json"}
         if config.api_token:
             self._controller_headers["authorization"] = f"Bearer {config.api_token}"
@@ -323,12 +326,14 @@ class RouterService:
         error = await self.discover()
         if error:
             logger.warning(
-                "controller %s not reachable at start-up (%s); will ask again per request", c.controller_url, error
+                "controller %s not reachable at start-up (%s); will ask again per request",
+                self.controllers.describe(),
+                error,
             )
         logger.info(
             "routing with policy %s via controller %s; %d engine(s) known",
             self.policy.name,
-            c.controller_url,
+            self.controllers.describe(),
             len(self.engines.engines),
         )
 
@@ -339,32 +344,53 @@ class RouterService:
 
     # -- the controller --------------------------------------------------------------------------
 
+    def _controller_words(self) -> str:
+        """Who failed, for messages: "controller URL", or "controllers URL, URL" when several."""
+        if len(self.controllers.urls) == 1:
+            return f"controller {self.controllers.current}"
+        return f"controllers {self.controllers.describe()}"
+
     async def ask_route(self, tokens: list[int]) -> tuple[dict[str, Any] | None, str | None]:
         """The controller's /route answer for ``tokens`` (an empty list ranks by load alone),
         or None and why not."""
         body: dict[str, Any] = {"tokens": tokens if len(tokens) <= MAX_ROUTE_TOKENS else tokens[:MAX_ROUTE_TOKENS]}
         if self.config.model:
             body["model"] = self.config.model
+        content = msgspec.json.encode(body)
+        failures: list[str] = []
+        for url in self.controllers.order():
+            answer, error, next_one = await self._ask_route_at(url, content)
+            if answer is not None:
+                self.controllers.answered(url, failures)
+                return answer, None
+            assert error is not None
+            if len(self.controllers.urls) == 1:
+                return None, error
+            failures.append(f"{url}: {error}")
+            if not next_one:
+                break
+        return None, "; ".join(failures)
+
+    async def _ask_route_at(self, url: str, content: bytes) -> tuple[dict[str, Any] | None, str | None, bool]:
+        """One controller's /route answer, or None, why not, and whether another controller might
+        answer (a connection error or a 5xx: yes; a 4xx or a bad answer: it would say the same)."""
         try:
             response = await self.client.post(
-                f"{self.config.controller_url}/route",
-                content=msgspec.json.encode(body),
-                headers=self._controller_headers,
-                timeout=self._route_timeout,
+                f"{url}/route", content=content, headers=self._controller_headers, timeout=self._route_timeout
             )
         except httpx.HTTPError as e:
-            return None, _describe_error(e)
+            return None, _describe_error(e), True
         if response.status_code != 200:
             hint = " (set --api-token-file or LMCACHE_API_TOKEN)" if response.status_code == 401 else ""
-            return None, f"HTTP {response.status_code}: {_brief(response.content)}{hint}"
+            return None, f"HTTP {response.status_code}: {_brief(response.content)}{hint}", response.status_code >= 500
         try:
             answer = response.json()
             ranked = answer["ranked"]
             if not isinstance(ranked, list):
                 raise TypeError("'ranked' is not a list")
         except (ValueError, KeyError, TypeError) as e:
-            return None, f"unexpected answer ({_describe_error(e)}): {_brief(response.content)}"
-        return answer, None
+            return None, f"unexpected answer ({_describe_error(e)}): {_brief(response.content)}", False
+        return answer, None, False
 
     @staticmethod
     def _candidates(answer: Mapping[str, Any]) -> list[Candidate]:
@@ -392,7 +418,7 @@ class RouterService:
         self.stats.route_calls += 1
         if answer is None:
             self.stats.route_errors += 1
-            kind, why = "error", f"controller {self.config.controller_url} /route failed: {error}"
+            kind, why = "error", f"{self._controller_words()} /route failed: {error}"
         else:
             ranked = self._candidates(answer)
             self.engines.update(ranked)
@@ -603,7 +629,7 @@ class RouterService:
         self.stats.failures += 1
         if not candidates:
             message = (
-                f"no engine to send the request to: the controller ({self.config.controller_url}) lists no instance "
+                f"no engine to send the request to: the controller ({self.controllers.current}) lists no instance "
                 "with a serve_url, and none is known from earlier answers"
             )
         else:
@@ -729,17 +755,19 @@ class RouterService:
         error = await self.discover()
         n = len(self.engines.engines)
         if error is not None:
-            reason = f"controller {self.config.controller_url} /route failed: {error}"
+            reason = f"{self._controller_words()} /route failed: {error}"
             return JSONResponse({"status": "unavailable", "reason": reason, "engines": n}, status_code=503)
         if not n:
-            reason = f"the controller ({self.config.controller_url}) lists no live instance with a serve_url"
+            reason = f"the controller ({self.controllers.current}) lists no live instance with a serve_url"
             return JSONResponse({"status": "unavailable", "reason": reason, "engines": 0}, status_code=503)
         return JSONResponse({"status": "ok", "engines": n, "policy": self.policy.name})
 
     def stats_json(self) -> dict[str, Any]:
         return {
             **self.stats.to_json(),
-            "controller_url": self.config.controller_url,
+            "controller_url": self.controllers.current,
+            "controller_urls": list(self.controllers.urls),
+            "controller_switches": self.controllers.switches,
             "engines": {i: e.serve_url for i, e in sorted(self.engines.engines.items())},
             "cooling": sorted(self.cooling()),
         }

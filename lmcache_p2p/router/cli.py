@@ -43,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         "POST /route ranks first (or as --policy orders them), falling back to the next when one is down.",
     )
     p.add_argument("--version", action="version", version=version_line(PROG))
-    p.add_argument("--controller-url", required=True, help="the controller's HTTP API, e.g. http://127.0.0.1:9000")
+    p.add_argument(
+        "--controller-url",
+        required=True,
+        help="the controller's HTTP API, e.g. http://127.0.0.1:9000; several controllers of one mesh: "
+        "comma-separated, asked in that order (the next on a connection error or a 5xx)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8100, help="port to serve on (default 8100; 0: any free port)")
     p.add_argument(
@@ -137,6 +142,15 @@ def normalize_controller_url(raw: str) -> str:
     return url.rstrip("/")
 
 
+def normalize_controller_urls(raw: str) -> str:
+    """``--controller-url``'s one URL or comma-separated URLs, each normalised, joined by commas."""
+    items = raw.split(",")
+    for i, item in enumerate(items, 1):
+        if not item.strip():
+            raise FlagError(f"--controller-url {raw!r}: item {i} of {len(items)} is empty")
+    return ",".join(normalize_controller_url(item) for item in items)
+
+
 def read_api_token(path: str | None, env: Mapping[str, str]) -> str | None:
     """The controller's API token from ``--api-token-file`` or ``LMCACHE_API_TOKEN`` (one of them:
     two sources that could disagree are refused, as the controller refuses them). Checked like the
@@ -179,7 +193,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
     if args.model is not None and not args.model.strip():
         raise FlagError("--model '': expected a model name")
     return RouterConfig(
-        controller_url=normalize_controller_url(args.controller_url),
+        controller_url=normalize_controller_urls(args.controller_url),
         policy=args.policy,
         api_token=read_api_token(args.api_token_file, env),
         model=args.model,

@@ -12,7 +12,9 @@ from lmcache_p2p.http_body import DEFAULT_MAX_BODY_BYTES
 class RouterConfig:
     """What ``lmcache_router``'s flags set (cli.py validates them)."""
 
-    controller_url: str  # e.g. http://127.0.0.1:9000, no trailing slash
+    # e.g. http://127.0.0.1:9000, no trailing slash; several controllers: comma-separated, asked
+    # in that order (controllers.py)
+    controller_url: str
     policy: str = "kv-aware"
     api_token: str | None = None  # the controller's API token (sent as a bearer token)
     model: str | None = None  # only instances serving this model (passed to /route)
@@ -30,3 +32,7 @@ class RouterConfig:
     max_connections: int = 2048
     header_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
+
+    @property
+    def controller_urls(self) -> tuple[str, ...]:
+        return tuple(self.controller_url.split(","))

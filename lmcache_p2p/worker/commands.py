@@ -45,7 +45,7 @@ from lmcache_p2p.storage.cpu_tier import PinnedChunk
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
-from lmcache_p2p.worker.link import ControllerLink
+from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.p2p_client import P2PClient
 from lmcache_p2p.worker.peer_links import Peer
 from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, SLOWEST_RATE_BPS
@@ -59,7 +59,7 @@ class CommandServer:
         ctx: zmq.asyncio.Context,
         identity: WorkerIdentity,
         storage: StorageManager,
-        link: ControllerLink,
+        link: ControllerLinks,
         peers: P2PClient | None,
         status: Callable[[], dict],
     ):
@@ -246,8 +246,8 @@ class CommandServer:
             error = f"worker error: {e}"
         if error and not ok:
             logger.warning("%s: %s %s failed: %s", me.describe(), kind, command.event_id, error)
-        # ControllerLink.send puts the removals above (batched events) ahead of the done: once a
-        # move is done, /lookup no longer lists its source.
+        # Sent to every controller; each ControllerLink.send puts the removals above (batched
+        # events) ahead of the done: once a move is done, /lookup no longer lists its source.
         self.link.send(
             CommandDone(
                 event_id=command.event_id,

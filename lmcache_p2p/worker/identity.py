@@ -37,7 +37,9 @@ class WorkerIdentity:
     @classmethod
     def from_config(cls, config: LMCacheConfig, layout: LayoutFingerprint, rank: int) -> WorkerIdentity:
         config.validate_for_tp(rank + 1)
-        host = config.p2p_host or _route_address(config.controller_reply_url)
+        # Several controllers: the first one's route (they are expected on one network).
+        replies = config.controller_urls()[1]
+        host = config.p2p_host or _route_address(replies[0] if replies else None)
         instance_id, worker_ports = config.lmcache_instance_id, config.lmcache_worker_ports
         # A worker runs only with enable_controller, where config.validate() requires the ports
         # and config.for_engine() fills in the instance id.

@@ -15,7 +15,8 @@ import numpy as np
 
 from lmcache_p2p.miss_reasons import BELOW_BREAK_EVEN, NOT_HELD, Miss
 from lmcache_p2p.pull_policy import PullPolicy
-from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S, ControllerLink
+from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S
+from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
 from lmcache_p2p.worker.pull_stats import PullStats
 
@@ -44,7 +45,7 @@ class OfferMaker:
     """Asks the controller who holds a prompt's chunks and the pull policy what to pull."""
 
     def __init__(
-        self, link: ControllerLink, connections: PeerConnections, stats: PullStats, policy: PullPolicy | None = None
+        self, link: ControllerLinks, connections: PeerConnections, stats: PullStats, policy: PullPolicy | None = None
     ):
         self.link = link
         self.connections = connections  # the channels agreed so far, and the requests in flight

@@ -30,7 +30,8 @@ from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import Transport
 from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
-from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S, ControllerLink
+from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S
+from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.offers import OfferMaker, PeerOffer
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
 from lmcache_p2p.worker.pull_batch import PullPages
@@ -76,7 +77,7 @@ class P2PClient:
         ctx: zmq.asyncio.Context,
         identity: WorkerIdentity,
         storage: StorageManager,
-        link: ControllerLink,
+        link: ControllerLinks,
         transports: dict[str, Transport],
         preferred: str,
         batch_chunks: int = 8,

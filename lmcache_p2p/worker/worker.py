@@ -37,6 +37,7 @@ from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.engine_load import EngineLoadProbe
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
+from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.offers import PeerOffer
 from lmcache_p2p.worker.p2p_client import P2PClient
 from lmcache_p2p.worker.p2p_server import PeerServer
@@ -93,7 +94,7 @@ class Worker:
         self.counters = counters  # the engine's totals: the lookup ones go out with each heartbeat
         self.identity = WorkerIdentity.from_config(config, layout, rank)
         self.started_at = time.time()
-        self.link: ControllerLink | None = None
+        self.link: ControllerLinks | None = None  # one ControllerLink per configured controller
         self.client: P2PClient | None = None
         self.server: PeerServer | None = None
         self.commands: CommandServer | None = None
@@ -138,8 +139,9 @@ class Worker:
 
     async def _start(self) -> None:
         config, me = self.config, self.identity
-        pull_url, reply_url = config.controller_pull_url, config.controller_reply_url
-        assert pull_url is not None and reply_url is not None  # config.validate(): required with enable_controller
+        pull_urls, reply_urls = config.controller_urls()
+        # config.validate(): required with enable_controller, as many pull URLs as reply URLs
+        assert pull_urls and len(pull_urls) == len(reply_urls)
         self.ctx = zmq.asyncio.Context()
         # Rank 0 reads the engine's queue from its API server; every rank reports its own rates.
         self.load_probe = EngineLoadProbe(
@@ -156,16 +158,22 @@ class Worker:
             security.attach(self.ctx)
         else:
             warn_unauthenticated("instance", HOW_TO_SET_WORKER)
-        self.link = ControllerLink(
-            self.ctx,
-            me,
-            self.storage,
-            pull_url,
-            reply_url,
-            config.lmcache_worker_heartbeat_time,
-            traffic=self.traffic,
-            security=security,
-            load=self.load_probe.current,
+        # Each link takes its own queue of the store's events: every controller indexes every key.
+        self.link = ControllerLinks(
+            [
+                ControllerLink(
+                    self.ctx,
+                    me,
+                    self.storage,
+                    pull_url,
+                    reply_url,
+                    config.lmcache_worker_heartbeat_time,
+                    traffic=self.traffic,
+                    security=security,
+                    load=self.load_probe.current,
+                )
+                for pull_url, reply_url in zip(pull_urls, reply_urls, strict=True)
+            ]
         )
         try:
             if config.enable_p2p:
@@ -372,6 +380,7 @@ class Worker:
         }
         if self.link:
             out["link"] = dict(self.link.stats)
+            out["controllers"] = self.link.status()
         if self.client:
             out["p2p_client"] = self.client.stats.as_dict()
         if self.server:
