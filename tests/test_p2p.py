@@ -199,6 +199,20 @@ def test_a_move_from_disk_leaves_no_promoted_copy_at_the_source(controller, spaw
     controller.api("/clear", {"instance_id": "lmcache_instance_1", "location": CPU})  # only on disk now
     a.prefill(kept)  # CPU and disk: its CPU copy predates the move
     wait_for(lambda: a.status()["storage"]["disk"]["chunks"] == 5, what="A's disk writes")
+
+    def on_disk_at_the_controller(prompt) -> bool:
+        # A move plans from the controller's index: A's disk admits reach it batched, after the
+        # writes (a move racing them moved 2 of 3 chunks in 1 run of 4).
+        runs = controller.api("/explain", {"tokens": prompt, "chunk_size": CHUNK})["runs"]
+        on_disk = [
+            r["chunks"]
+            for r in runs
+            if any(h["instance_id"] == "lmcache_instance_1" and DISK in h["locations"] for h in r["holders"])
+        ]
+        return sum(on_disk) == len(prompt) // CHUNK
+
+    for prompt in (moved, kept):
+        wait_for(lambda prompt=prompt: on_disk_at_the_controller(prompt), what="A's disk copies indexed")
     answer = controller.api(
         "/move",
         {"old_position": ["lmcache_instance_1", DISK], "new_position": ["lmcache_instance_2", CPU], "tokens": moved},
