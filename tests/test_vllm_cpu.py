@@ -253,6 +253,32 @@ def test_e_mismatched_engines_miss_with_the_reason_named(engine, prompt, tiny_qw
         controller.stop()
 
 
+@pytest.mark.newest_only  # the failover is the worker's, not vLLM's
+def test_f_two_controllers_engine_b_hits_after_the_first_dies(engine, prompt):
+    """Two controllers serving one mesh: engine A stores, the first controller is killed (-9)
+    between A's store and B's request, and B's request is still a peer hit with A's output."""
+    first, second = ControllerProcess().start(), ControllerProcess().start()
+    try:
+        both = {
+            "controller_pull_url": f"127.0.0.1:{first.pull},127.0.0.1:{second.pull}",
+            "controller_reply_url": f"127.0.0.1:{first.reply},127.0.0.1:{second.reply}",
+        }
+        base = dict(chunk_size=CHUNK, channel="tcp", cpu_gb=0.25, **both)
+        a = engine(instance_config("lmcache_instance_1", first, **base), name="a")
+        b = engine(instance_config("lmcache_instance_2", first, **base), name="b")
+        cold = a.generate(prompt)
+        a.request("flush")
+        for controller in (first, second):
+            wait_for(lambda c=controller: c.holders(prompt), timeout=10, what="A's chunks at both controllers")
+        first.kill()
+        assert b.generate(prompt) == cold
+        assert counters(b)["retrieved_tokens"] == 2 * CHUNK and counters(b)["stored_tokens"] == 0
+        assert b.status()["p2p_client"]["chunks_pulled"] == 2
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_d_seed_003_move_then_engine_b_hits_without_recomputing(tmp_path, tiny_model):
     """Seed 003 with two real OpenAI servers: a request on A, /tokenize, POST /move A -> B,
     then the same request on B loads the moved KV and gives A's output."""
