@@ -26,7 +26,9 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import time
 import warnings
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -446,9 +448,27 @@ def create_app(controller: Controller) -> FastAPI:
 
     # -- GET views ---------------------------------------------------------------------------------
 
+    # The expensive views at 10k ranks: built at most once per view_cache_s, the bytes shared by
+    # every client meanwhile; a worker joining or leaving (the count changes) rebuilds at once.
+    view_cache: dict[str, tuple[tuple, float, bytes]] = {}
+    controller.metrics.counter(
+        "lmcache_controller_view_builds_total", "GET /controller/workers and /controller/dashboard built (not cached)"
+    )
+
+    def _cached(name: str, args: tuple, build: Callable[[], Any]) -> Response:
+        interval = settings.view_cache_s
+        now = time.monotonic()
+        stamp = (*args, len(controller.registry.workers))
+        hit = view_cache.get(name)
+        if interval <= 0 or hit is None or hit[0] != stamp or now - hit[1] >= interval:
+            hit = (stamp, now, msgspec.json.encode(build()))
+            view_cache[name] = hit
+            controller.metrics.inc("lmcache_controller_view_builds_total", view=name)
+        return Response(hit[2], media_type="application/json", headers={"X-View-Age-S": f"{now - hit[1]:.3f}"})
+
     @app.get("/controller/workers", summary="Every worker with status, ports, layout and keys", dependencies=reads)
     async def workers() -> Response:
-        return _json(views.workers())
+        return _cached("workers", (), views.workers)
 
     @app.get("/controller/key-stats", summary="Keys held per instance and location", dependencies=reads)
     async def key_stats() -> Response:
@@ -468,7 +488,8 @@ def create_app(controller: Controller) -> FastAPI:
         dependencies=reads,
     )
     async def dashboard(events: int = 50) -> Response:
-        return _json(views.dashboard(events_limit=max(0, min(events, 1000))))
+        limit = max(0, min(events, 1000))
+        return _cached("dashboard", (limit,), lambda: views.dashboard(events_limit=limit))
 
     templates = webui.environment()
     version = webui.asset_version()

@@ -131,6 +131,9 @@ class ControllerSettings:
     route_waiting_ms: float = ROUTE_WEIGHTS["route_waiting_ms"][0]
     route_kv_full_ms: float = ROUTE_WEIGHTS["route_kv_full_ms"][0]
     route_kv_knee: float = ROUTE_WEIGHTS["route_kv_knee"][0]
+    # GET /controller/workers and /controller/dashboard are computed at most once per this many
+    # seconds and the same bytes served to every client meanwhile (header X-View-Age-S); 0: off.
+    view_cache_s: float = 1.0
 
     @property
     def heartbeat_interval(self) -> float:
@@ -275,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="S",
         help=f"close an idle keep-alive HTTP connection after S seconds (default {DEFAULT_HTTP_KEEP_ALIVE:g})",
+    )
+    p.add_argument(
+        "--view-cache-s",
+        type=float,
+        metavar="S",
+        help="build GET /controller/workers and /controller/dashboard at most once per S seconds, "
+        "serving the same bytes meanwhile (default 1; 0: build per request)",
     )
     for name, (default, _, what) in ROUTE_WEIGHTS.items():
         p.add_argument(

@@ -1,0 +1,60 @@
+"""GET /controller/workers and /controller/dashboard under polling (a real ``lmcache_controller``,
+fake ranks of one process): however many clients poll, each view is built at most about once per
+--view-cache-s, every answer says its age, and a newly registered worker shows at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from fake_fleet import FakeFleet
+from protocol_client import ControllerProcess
+
+RANKS = 300
+INTERVAL = 1.0
+
+
+@pytest.fixture
+def controller():
+    c = ControllerProcess("--log-level", "warning", "--view-cache-s", str(INTERVAL)).start()
+    yield c
+    c.stop()
+
+
+def test_polled_views_are_built_once_per_interval_and_show_new_workers(controller):
+    fleet = FakeFleet(controller, RANKS, tp=1)
+    try:
+        replies = fleet.register_all(list(range(RANKS - 1)))
+        assert all(r.ok for r in replies.values())
+        base = controller.http.base_url
+        stop = threading.Event()
+        served = [0]
+
+        def poll() -> None:
+            with httpx.Client(base_url=base, timeout=30) as http:
+                while not stop.is_set():
+                    for path in ("/controller/workers", "/controller/dashboard"):
+                        r = http.get(path)
+                        assert r.status_code == 200
+                        assert 0 <= float(r.headers["X-View-Age-S"]) < INTERVAL + 0.5
+                        served[0] += 1
+
+        before = controller.metric("lmcache_controller_view_builds_total", view="workers")
+        clients = [threading.Thread(target=poll, daemon=True) for _ in range(4)]
+        for t in clients:
+            t.start()
+        time.sleep(4.0)
+        stop.set()
+        for t in clients:
+            t.join(30)
+        builds = controller.metric("lmcache_controller_view_builds_total", view="workers") - before
+        assert served[0] > 20
+        assert builds <= 4.0 / INTERVAL + 2, (builds, served[0])
+
+        # A newly registered worker is in both views on the next read.
+        assert fleet.register_all([RANKS - 1])[RANKS - 1].ok
+        assert len(controller.http.get("/controller/workers").json()["workers"]) == RANKS
+    finally:
+        fleet.close()
