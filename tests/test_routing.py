@@ -154,7 +154,12 @@ def test_with_nothing_cached_the_load_spreads(controller, workers):
 def test_workers_view_shows_serve_url_and_load_and_a_bad_load_is_dropped(controller, workers):
     a = workers("inst-a")
     a.beat(running=3, waiting=1, kv_usage=0.25, prefill_tokens_per_s=12_000.0)
-    worker = controller.http.get("/controller/workers").json()["workers"][0]
+
+    def workers_view() -> dict:
+        return controller.http.get("/controller/workers").json()["workers"][0]
+
+    # (the view is rebuilt at most once a second: --view-cache-s)
+    worker = wait_for(lambda: (w := workers_view())["load"] and w, 5, "the load in the workers view")
     assert worker["serve_url"] == a.serve_url
     assert {k: worker["load"][k] for k in ("running", "waiting", "kv_usage", "prefill_tokens_per_s")} == {
         "running": 3,
@@ -164,7 +169,7 @@ def test_workers_view_shows_serve_url_and_load_and_a_bad_load_is_dropped(control
     }
     assert entry(route(controller), "inst-a")["prefill_tokens_per_s"] == 12_000.0
     a.beat(running=3, waiting=1, kv_usage=1.5)  # out of bounds: dropped, the heartbeat still answered ok
-    assert controller.http.get("/controller/workers").json()["workers"][0]["load"] is None
+    wait_for(lambda: workers_view()["load"] is None, 5, "the refused load gone from the workers view")
     out = controller.stop()
     assert "Heartbeat field load.kv_usage=1.5 refused" in out
 
