@@ -58,6 +58,7 @@ from lmcache_p2p.vocab import (
     SOURCE_DEVICE,
     SOURCE_DISK,
     SOURCE_HOST,
+    WAITING_OFFER_TIMEOUT_S,
 )
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ class CacheEngine:
     def lookup(self, chunk_hashes: ChunkHashes, num_tokens: int | None = None, fetch_missing: bool = True) -> int:
         """Leading tokens of the prompt ``chunk_hashes`` names that :meth:`retrieve` can load now
         (with ``fetch_missing``, what the local tiers lack is first pulled from a peer and then
-        fetched from the remote store: :meth:`_fetch_missing`). ``num_tokens`` is the prompt's
+        fetched from the remote store: :meth:`_fetch_explained`). ``num_tokens`` is the prompt's
         length for the counters (default: its full chunks' tokens)."""
         hashes = hash_list(chunk_hashes)
         if fetch_missing:
@@ -272,8 +273,10 @@ class CacheEngine:
     def _fetch_explained(self, hashes: list[int]) -> tuple[int, Miss | None]:
         """:meth:`lookup_async`'s answer, waited for: a peer's offer pulled (then the remote
         store asked for the rest), or the remote fetch; the leading chunks now held, and why
-        the next one is not."""
-        first = self.lookup_async(hashes)
+        the next one is not. Peers come first because the controller's index is exact and a
+        peer's pages cross one link with no server between; the remote store serves what no
+        live peer holds (the holder restarted or left)."""
+        first = self.lookup_async(hashes, WAITING_OFFER_TIMEOUT_S)
         miss = first.miss
         if first.offer is not None:
             pull = self.pull_offer_async(first.offer)
@@ -300,13 +303,11 @@ class CacheEngine:
 
     def fetch(self, chunk_hashes: ChunkHashes) -> int:
         """Leading chunks of ``chunk_hashes`` held locally once what the local tiers lack has
-        been fetched (:meth:`_fetch_missing`). Counts no lookup: for chunks that are not a
+        been fetched (:meth:`_fetch_explained`). Counts no lookup: for chunks that are not a
         prompt's prefix (a blended prompt's segments)."""
-        hashes = hash_list(chunk_hashes)
-        hit = self.storage.lookup_prefix(hashes).num_chunks
-        return self._fetch_missing(hashes, hit)[0] if hit < len(hashes) else hit
+        return self._fetch_explained(hash_list(chunk_hashes))[0]
 
-    def lookup_async(self, chunk_hashes: ChunkHashes) -> PrefixLookup:
+    def lookup_async(self, chunk_hashes: ChunkHashes, offer_timeout: float = OFFER_TIMEOUT_S) -> PrefixLookup:
         """What a prompt's lookup can promise without waiting for bytes: the local hit, as the
         source of each leading chunk held here (``vocab``'s hit sources); after it, the chunks a
         live peer offers (the controller's holders and the pull policy's decision: a pull the
@@ -320,7 +321,7 @@ class CacheEngine:
             return PrefixLookup(sources)
         miss = Miss(NOT_HELD)
         if self.peers is not None:
-            answer = self.peers.offer_prefix(hashes[hit:], OFFER_TIMEOUT_S)
+            answer = self.peers.offer_prefix(hashes[hit:], offer_timeout)
             if not isinstance(answer, Miss):
                 then = answer.then
                 after = hit + answer.chunks
@@ -353,20 +354,6 @@ class CacheEngine:
                 break
             sources.append(_SOURCE_OF_LOCATION[location])
         return sources
-
-    def _fetch_missing(self, hashes: list[int], hit: int) -> tuple[int, int]:
-        """Peers first, then the remote store, for the chunks after the local ``hit``; returns
-        the leading chunks held locally afterwards, and of those the ones held after the peers'
-        turn. Peers come first because the controller's index is exact and a peer's pages cross
-        one link (NIXL, or tcp) with no server between; the remote store serves what no live peer
-        holds (the holder restarted or left)."""
-        if self.peers is not None and self.peers.fetch_prefix(hashes[hit:], PEER_FETCH_TIMEOUT_S):
-            hit = self.storage.lookup_prefix(hashes).num_chunks
-        after_peers = hit
-        remote = self.storage.remote
-        if remote is not None and hit < len(hashes) and remote.fetch_prefix_into(self.storage, hashes[hit:]):
-            hit = self.storage.lookup_prefix(hashes).num_chunks
-        return hit, after_peers
 
     # -- retrieve --------------------------------------------------------------------------------
 

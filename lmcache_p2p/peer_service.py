@@ -73,10 +73,6 @@ class PeerService(Protocol):
         """Pull an offer's chunks; a future of a :class:`~lmcache_p2p.miss_reasons.PulledChunks`
         (the leading chunks now held locally, and why not more)."""
 
-    def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
-        """Pull the leading chunks of ``hashes`` a peer holds, waiting up to ``timeout``; the
-        number of leading chunks now held locally (0 on any failure)."""
-
     def status(self) -> dict:
         """The rank's state for operators and tests, its storage's stats under ``"storage"``."""
 

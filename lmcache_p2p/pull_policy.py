@@ -2,7 +2,7 @@
 
 Owns :class:`PrefillRate` (how fast this rank's engine prefills, measured), :class:`LinkEstimate`
 (how long a pull over one (peer, channel) takes, measured), :func:`decide` (the rule) and
-:class:`PullPolicy` (the three put together for ``P2PClient.fetch_prefix``). Torch-free: the
+:class:`PullPolicy` (the three put together for ``OfferMaker.offer``). Torch-free: the
 engine feeds :class:`PrefillRate` from its forward passes, the worker reads it.
 
 The model, for a pull of the next ``n`` chunks of a prompt (``c`` tokens and ``p`` bytes each):

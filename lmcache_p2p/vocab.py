@@ -45,6 +45,10 @@ PEER_FETCH_TIMEOUT_S = 30.0
 # How long an engine's lookup waits for the controller to name a prefix's holders (past it the
 # rest is a miss): the scheduler waits on this, never on a peer's bytes.
 OFFER_TIMEOUT_S = 1.0
+# ... and a lookup that waits for the bytes anyway (a synchronous lookup, a blended prompt's
+# segment fetch): as long as any request to the controller, so that a busy controller host
+# delays that lookup instead of turning a peer's hit into a recompute.
+WAITING_OFFER_TIMEOUT_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ Redis and Redis Cluster are in :mod:`redis_servers`. :func:`store_url` is any of
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -95,3 +96,19 @@ def restarted(server: LmServer) -> LmServer:
 def store_url(store) -> str:
     """The remote_url of an LmServer, a RedisServer (whose url is a method) or a RedisCluster."""
     return store.url() if callable(store.url) else store.url
+
+
+def raw_frame(frame: bytes, port: int) -> tuple[bytes, bool]:
+    """Send ``frame`` to an ``lmcache_server`` on a fresh plain connection; (what came back,
+    whether the server then closed it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(frame)
+        data = b""
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+        except TimeoutError:
+            return data, False
+        except ConnectionResetError:
+            pass
+        return data, True

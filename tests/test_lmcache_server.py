@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from protocol_client import wait_for
 from remote_stores import SCRIPT as SERVER
-from remote_stores import LmServer
+from remote_stores import LmServer, raw_frame
 
 from lmcache_p2p.remote import wire
 from lmcache_p2p.remote.lm_store import LmServerStore, RemoteRefused
@@ -172,21 +172,6 @@ def test_bind_failures_and_a_device_other_than_cpu_exit_2_with_one_line(servers)
     assert running.client().exists([b"x"]) == [False]  # the one on the port is unharmed
 
 
-def _raw_frame(frame: bytes, port: int) -> tuple[bytes, bool]:
-    """Send ``frame`` on a fresh connection; (what came back, whether the server then closed it)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(frame)
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except TimeoutError:
-            return data, False
-        except ConnectionResetError:
-            pass
-        return data, True
-
-
 def test_malformed_frames_close_only_their_connection(servers):
     server = servers()
     good = server.client()
@@ -213,7 +198,7 @@ def test_malformed_frames_close_only_their_connection(servers):
         + b"k",
     }
     for reason, frame in bad.items():
-        data, closed = _raw_frame(frame, server.port)
+        data, closed = raw_frame(frame, server.port)
         assert closed, reason
         reply = wire.unpack_header(data[: H.size])
         assert reply.kind == wire.Status.ERROR, reason

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import struct
 import subprocess
 
 import pytest
 import torch
 from remote_stores import SCRIPT as SERVER
-from remote_stores import LmServer
+from remote_stores import LmServer, raw_frame
 from test_remote_tier import PAGE, hashes, held_bytes, payload, store_chunks
 from test_remote_tier import manager as plain_manager
 
@@ -190,25 +189,10 @@ def test_lm_server_with_a_secret_refuses_a_stranger_before_any_command(secured_l
         reader.close()
 
 
-def _raw_exchange(port: int, frame: bytes) -> tuple[bytes, bool]:
-    """``frame`` sent on a fresh plain connection; (the reply, whether the server then closed)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(frame)
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except TimeoutError:
-            return data, False
-        except ConnectionResetError:
-            pass
-        return data, True
-
-
 def test_a_strangers_raw_clear_is_refused_and_the_data_stays(secured_lm_server):
     member = secured_lm_server.client()
     member.put([(b"stays", b"value")])
-    data, closed = _raw_exchange(secured_lm_server.port, wire.pack_header(wire.Op.CLEAR))
+    data, closed = raw_frame(wire.pack_header(wire.Op.CLEAR), secured_lm_server.port)
     assert closed
     reply = wire.unpack_header(data[: wire.HEADER.size])
     assert reply.kind == wire.Status.ERROR

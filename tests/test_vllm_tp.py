@@ -104,7 +104,9 @@ def test_engine_2_pulls_rank_by_rank_and_answers_like_engine_1(fleet):
 
     warm = stream_completion(e2, fleet.model, prompt)
     assert warm["text"] == cold["text"]
-    log = fleet.processes["engine2"].log()
+    engine2 = fleet.processes["engine2"]
+    wait_for(lambda: len(pulls(engine2.log())) >= 2, 10, "both ranks' pull lines")  # see below
+    log = engine2.log()
     assert sorted(pulls(log)) == [(0, full_chunks(tokens), "engine1", 0), (1, full_chunks(tokens), "engine1", 1)]
     assert hit_tokens(log, len(tokens))[-1] == full_chunks(tokens)
 
@@ -146,10 +148,14 @@ def test_when_the_ranks_hold_different_prefixes_only_what_both_hold_is_offered_a
     before = len(pulls(fleet.processes["engine2"].log()))
     warm = stream_completion(e2, fleet.model, tokens)
     assert warm["text"] == cold["text"]
-    log = fleet.processes["engine2"].log()
     # Rank 0 of engine 2 could pull every chunk from engine 1's rank 0; it is offered, and pulls,
-    # only the two its rank 1 can get too.
-    assert sorted(pulls(log)[before:]) == [(0, 2 * CHUNK, "engine1", 0), (1, 2 * CHUNK, "engine1", 1)]
+    # only the two its rank 1 can get too. Each rank's worker logs its pull on its own process, so
+    # a line can reach the log a moment after the answer.
+    expected = [(0, 2 * CHUNK, "engine1", 0), (1, 2 * CHUNK, "engine1", 1)]
+    engine2 = fleet.processes["engine2"]
+    wait_for(lambda: len(pulls(engine2.log())) - before >= 2, 10, "both ranks' pull lines")
+    log = engine2.log()
+    assert sorted(pulls(log)[before:]) == expected
     assert hit_tokens(log, len(tokens))[-1] == 2 * CHUNK
 
 

@@ -306,7 +306,8 @@ def test_nixl_missing_is_one_error_line_naming_the_fix_and_status_shows_tcp(cont
     a.prefill(theirs)
     wait_for(lambda: controller.holders(mine).get("lmcache_instance_2") == [CPU, 2 * CHUNK], what="B's keys")
     wait_for(lambda: controller.holders(theirs).get("lmcache_instance_1") == [CPU, 2 * CHUNK], what="A's keys")
-    assert a.lookup(mine) == 2 * CHUNK and b.lookup(theirs) == 2 * CHUNK
+    assert a.lookup(mine) == 2 * CHUNK, a.log()[-3000:]
+    assert b.lookup(theirs) == 2 * CHUNK, b.log()[-3000:]
     assert "over tcp, to rank" in a.log() and "over tcp, to rank" in b.log()
 
 

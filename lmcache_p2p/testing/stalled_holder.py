@@ -73,16 +73,24 @@ def run(
         # One prompt per asker (and one for the abort): an asker that recomputed one holds it too.
         held = [sample_text(PROMPT_WORDS, seed=seed + i) for i in range(len(modes) + abort)]
         expected = [_complete(holder, model, prompt) for prompt in held]
-        for prompt in held:
-            if not wait_indexed(holder, fleet.controller_url, model, prompt, timeout=20):
+
+        def indexed(prompt: str) -> None:
+            # Before each stop too: a holder stopped for the run before may have missed heartbeats,
+            # and the controller offers its chunks again only once it has re-registered them.
+            if not wait_indexed(holder, fleet.controller_url, model, prompt, timeout=30):
                 raise RuntimeError("the controller did not index the holder's chunks")
+
+        for prompt in held:
+            indexed(prompt)
         group = os.getpgid(fleet.processes["engine1"].process.pid)
         runs = []
         for i, mode in enumerate(modes):
+            indexed(held[i])
             figures = _ask_while_stalled(fleet.engine_urls[i + 1], model, held[i], group, seed + 100 + i)
             same = figures.pop("answer") == expected[i]
             runs.append({"mode": mode, **figures, "same_output": same, "logs": str(workdir)})
         if abort:
+            indexed(held[-1])
             figures = _abort_while_stalled(fleet.engine_urls[1], model, held[-1], group)
             runs.append({"mode": "abort", **figures, "logs": str(workdir)})
         return runs

@@ -107,13 +107,6 @@ class P2PClient:
 
     # -- the engine's question: pull the rest of this prefix -------------------------------------
 
-    async def fetch_prefix(self, hashes: np.ndarray) -> int:
-        """Pull as much of ``hashes`` (a prompt's chunks after the local hit) as one peer holds,
-        where the pull policy says pulling beats recomputing; returns how many leading chunks are
-        now held locally."""
-        offer = await self.offer_prefix(hashes)
-        return (await self.pull_offer(offer)).chunks if isinstance(offer, PeerOffer) else 0
-
     async def offer_prefix(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> PeerOffer | Miss:
         """What a pull of ``hashes`` (a prompt's chunks after the local hit) would bring, without
         moving a byte: the holder the controller names and the leading chunks the pull policy

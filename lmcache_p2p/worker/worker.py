@@ -313,14 +313,6 @@ class Worker:
         assert self.client is not None  # an offer came from it
         return self.submit(self.client.pull_offer(offer))
 
-    def fetch_prefix(self, hashes: ChunkHashes, timeout: float) -> int:
-        """Pull the chunks of ``hashes`` a peer holds and the pull policy takes, waiting up to
-        ``timeout``; how many leading chunks are now held locally (0 on any failure)."""
-        if self.client is None or not len(hashes):
-            return 0
-        coro = self.client.fetch_prefix(np.asarray(hashes, dtype=np.uint64))
-        return self._wait(coro, timeout, f"a peer fetch of {len(hashes)} chunk(s)", 0)
-
     def _wait(self, coro, timeout: float, what: str, default):
         """Run ``coro`` on the worker's loop and wait up to ``timeout`` for its result; past it
         (given up on) or on a failure, ``default``, said in the log: the engine treats it as a miss."""
