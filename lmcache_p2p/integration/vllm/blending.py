@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,10 @@ class _SegmentStore:
     keep: list[Any]  # the device tensors the copies read, alive until they are done
     timer: Any  # PhaseTimer
     started: float
+
+    def lands(self, keys: Collection[int]) -> bool:
+        """Whether this store writes any of ``keys``."""
+        return any(chunk.key in keys for chunk in self.chunks)
 
 
 class SegmentBlender:
@@ -325,17 +330,30 @@ class SegmentBlender:
         if side is None:
             self.poll_stores()
 
-    def poll_stores(self, wait: bool = False) -> None:
-        """Writes the pages of every queued store whose copies are done (``wait``: of every queued
-        store, waiting for their copies: a lookup must see the segments stored before it)."""
+    def poll_stores(self, wait: bool = False, keys: Collection[int] | None = None, req_id: str = "") -> None:
+        """Writes the pages of every queued store whose copies are done. With ``wait``, first waits
+        for the copies of the queued stores landing any of ``keys`` (every queued store when None):
+        a lookup must see the segments stored before it, but need not wait for a store of segments
+        it does not use (on a GPU that store is a prefill of its own, run behind the steps)."""
         with self._pending_lock:
+            waited_for, started = 0, time.perf_counter()
             for store in list(self._pending):
-                if store.copied is not None and not wait and not store.copied.query():
+                done = store.copied is None or store.copied.query()
+                if not done and not (wait and (keys is None or store.lands(keys))):
                     continue
                 self._pending.remove(store)
-                if store.copied is not None:
+                if not done:
                     store.copied.synchronize()
+                    waited_for += 1
                 self._finish(store)
+            if waited_for and req_id:
+                logger.info(
+                    "request %s rank %d: its lookup waited %.1f ms for %d pending store(s) of segments it reuses",
+                    req_id,
+                    self.rank,
+                    (time.perf_counter() - started) * 1e3,
+                    waited_for,
+                )
 
     def _finish(self, store: _SegmentStore) -> None:
         phases = store.timer.describe()  # (its events are done: no wait here)

@@ -324,11 +324,13 @@ class WorkerSide:
         engine = self._engine
         storage = engine.storage
         self._release_segments(request.req_id)  # asked again (a preempted request): the new answer stands
+        segments = [unpack_hashes(packed).tolist() for packed in request.segments or []]
         if self.blender is not None:
-            self.blender.poll_stores(wait=True)  # segments stored behind an earlier step count
+            # Segments being stored behind an earlier step count: wait for those stores only.
+            wanted = {int(key) for keys in segments for key in keys}
+            self.blender.poll_stores(wait=True, keys=wanted, req_id=request.req_id)
         held, pins = [], {}
-        for packed in request.segments or []:
-            keys = unpack_hashes(packed).tolist()
+        for keys in segments:
             if request.fetch_missing:
                 try:
                     engine.fetch(keys)
