@@ -96,10 +96,11 @@ def test_a_clear_that_timed_out_never_runs_when_its_stopped_worker_resumes(spawn
         finally:
             a.signal(signal.SIGCONT)
         a.status()  # it runs again; its loop reads the command socket's backlog now
-        time.sleep(1.0)
+        # Once the worker has read the clear and said it refused it, the clear can never run: what
+        # it holds then is the answer (a fixed sleep could look before the backlog was read).
+        wait_for(lambda: "expired, not run" in a.log(), 30, "the worker to read and refuse the clear")
         assert a.lookup(prompt, peers=False) == 8 * 32, "the clear that answered 504 ran after all"
         assert a.status()["storage"]["cpu"]["chunks"] == 8
-        wait_for(lambda: "expired, not run" in a.log(), 10, "the worker to read and refuse the clear")
         time.sleep(0.5)  # and the controller's index was never told of evictions
         assert controller.holders(prompt).get("inst-stopped") == [CPU, 8 * 32]
         # A clear sent now runs.
