@@ -118,13 +118,13 @@ def test_check_finish_of_a_partial_move_keeps_its_reason():
         src.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=True, pending=isinstance(c, MoveCommand))
         doc = list(range(100, 100 + 4 * CHUNK))
         src.admit_tokens(doc)
-        wait_for(lambda: controller.holders(doc).get("inst-src") == [CPU, 4 * CHUNK], 5, "src keys")
+        wait_for(lambda: controller.holders(doc).get("inst-src") == [CPU, 4 * CHUNK], 15, "src keys")
         r = controller.post("/move", {"old_position": ["inst-src", CPU], "new_position": ["inst-dst", CPU]})
         assert r.status_code == 200, r.text
         event_id = r.json()["event_id"]
         reason = "CPU pool full: reserved 3 of 4 pages (every other page of 3 is pinned or in a transfer)"
         src.done(event_id, ok=True, num_tokens=3 * CHUNK, error=reason)
-        status = controller.finish(event_id, 5)
+        status = controller.finish(event_id, 15)
         assert status["status"] == "done" and status["num_tokens"] == 3 * CHUNK
         assert status["error"] == f"rank 0: {reason}"
     finally:

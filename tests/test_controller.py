@@ -46,7 +46,7 @@ def lookup(controller, tokens, **extra):
 def wait_lookup(controller, tokens, instance_id, tokens_expected, location=CPU):
     return wait_for(
         lambda: lookup(controller, tokens)["layout_info"].get(instance_id) == [location, tokens_expected],
-        5,
+        15,
         f"{instance_id} to hold {tokens_expected} tokens at {location}",
     )
 
@@ -215,11 +215,11 @@ def test_p2p_lookup_offers_a_tp_peer_only_the_prefix_every_rank_of_it_holds(pati
     p1.events(DISK, admitted=hashes[4:])
     wait_for(
         lambda: [(h.rank, h.matched_chunks, h.location) for h in a1.p2p_lookup(hashes).holders] == [(1, 10, CPU)],
-        5,
+        15,
         "rank 1's CPU and disk chunks to count together",
     )
     p1.deregister()  # pushed: the controller takes it in its own time
-    wait_for(lambda: a0.p2p_lookup(hashes).holders == [], 5, "a rank gone to leave nothing to pull from its instance")
+    wait_for(lambda: a0.p2p_lookup(hashes).holders == [], 15, "a rank gone to leave nothing to pull from its instance")
 
 
 # -- sequence gaps, re-sync, re-registration --------------------------------------------------------
@@ -231,7 +231,7 @@ def test_a_sequence_gap_asks_for_a_full_resync_that_replaces_the_keys(controller
     assert a.heartbeat().resync == []
     a.admit_tokens(DOC[: 2 * CHUNK])
     a.events(admitted=chunk_hashes(DOC, CHUNK)[2:4], seq=a.seq[CPU] + 2)  # batch 2 lost on the way
-    reply = wait_for(lambda: (r := a.heartbeat()).resync and r, 5, "a re-sync request in the heartbeat reply")
+    reply = wait_for(lambda: (r := a.heartbeat()).resync and r, 15, "a re-sync request in the heartbeat reply")
     assert reply.resync == [CPU]
     assert controller.metric("lmcache_controller_seq_gaps_total") == 1
     full = chunk_hashes(DOC, CHUNK)[:6]  # what the worker really holds
@@ -270,7 +270,7 @@ def test_events_newer_than_the_snapshot_survive_the_resync(controller, workers):
     hashes = chunk_hashes(DOC, CHUNK)
     snapshot_seq = a.seq[CPU]
     a.events(admitted=hashes[5:6])  # produced after the snapshot below was taken
-    wait_for(lambda: controller.http.get("/controller/key-stats").json()["total_keys"] == 1, 5, "the admit to land")
+    wait_for(lambda: controller.http.get("/controller/key-stats").json()["total_keys"] == 1, 15, "the admit to land")
     a.seq[CPU] = snapshot_seq
     a.resync(CPU, hashes[:5])  # the snapshot does not include chunk 5
     wait_lookup(controller, DOC, "inst-a", 6 * CHUNK)
@@ -338,7 +338,7 @@ def test_deregister_removes_at_once(controller, workers):
     a.admit_tokens(DOC)
     wait_lookup(controller, DOC, "inst-a", 160)
     a.deregister()
-    wait_for(lambda: lookup(controller, DOC)["holders"] == [], 5, "deregistered keys to vanish")
+    wait_for(lambda: lookup(controller, DOC)["holders"] == [], 15, "deregistered keys to vanish")
 
 
 def test_after_a_controller_restart_the_index_is_rebuilt_from_resyncs(controller):
@@ -376,7 +376,7 @@ def test_with_an_events_file_the_event_history_survives_a_restart(tmp_path):
         body = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU], "tokens": DOC}
         finished = controller.post("/move", body).json()["event_id"]
         src.done(finished, ok=True, num_tokens=4 * CHUNK)
-        assert controller.finish(finished, 5)["status"] == "done"
+        assert controller.finish(finished, 15)["status"] == "done"
         interrupted = controller.post("/move", body).json()["event_id"]  # never finished
         controller.kill()
         controller.start()
@@ -472,7 +472,7 @@ def test_move_sends_the_held_prefix_and_check_finish_follows_completion(controll
     )
     assert controller.post("/check_finish", {"event_id": event_id}).json()["status"] == "pending"
     src.done(event_id, ok=True, num_tokens=3 * CHUNK)  # one chunk could not be moved
-    status = controller.finish(event_id, 5)
+    status = controller.finish(event_id, 15)
     assert status == {"event_id": event_id, "status": "done", "num_tokens": 3 * CHUNK, "error": None}
     assert controller.metric("lmcache_controller_commands_total", kind="move", outcome="done") == 1
 
@@ -487,7 +487,7 @@ def test_copy_without_tokens_sends_everything_and_reports_failure(controller, wo
     (cmd,) = src.commands
     assert cmd.copy and sorted(unpack_hashes(cmd.hashes).tolist()) == sorted(hashes)
     src.done(r.json()["event_id"], ok=False, error="peer inst-b refused the transfer")
-    status = controller.finish(r.json()["event_id"], 5)
+    status = controller.finish(r.json()["event_id"], 15)
     assert status["status"] == "failed"
     assert "refused" in status["error"]
 

@@ -131,7 +131,7 @@ def test_every_bad_register_field_is_refused_by_name_and_lookup_answers_everyone
     try:
         assert good.register().ok
         good.admit_tokens(DOC)
-        wait_for(lambda: controller.holders(DOC).get("inst-good") == [CPU, len(DOC)], 5, "inst-good's keys")
+        wait_for(lambda: controller.holders(DOC).get("inst-good") == [CPU, len(DOC)], 15, "inst-good's keys")
         for n, (field, changes) in enumerate(BAD):
             reply = registrar.send(
                 registrar.good(f"hostile-{n}", **changes) if "instance_id" not in changes else registrar.good(**changes)
