@@ -14,7 +14,7 @@ import pytest
 from instances import InstanceProcess, instance_config, tokens
 from protocol_client import ControllerProcess, wait_for
 
-from lmcache_p2p.vocab import OFFER_TIMEOUT_S
+from lmcache_p2p.vocab import WAITING_OFFER_TIMEOUT_S
 
 CHUNK = 32
 CPU = "LocalCPUBackend"
@@ -346,10 +346,11 @@ def test_requester_dying_mid_transfer_releases_the_holders_pins(controller, spaw
 
 def test_a_hung_controller_turns_peer_lookups_into_fast_misses(spawn, request):
     """Before, each peer lookup waited its full timeout until a heartbeat failed (~16 s of
-    stalled requests); now only the first does (the 1 s a lookup gives the controller to name
-    holders), and the rest are misses at once until a heartbeat hears the controller again. The
-    default 5 s heartbeats: one goes unanswered only after 10 s, so fast misses cannot come from
-    the heartbeat alone. Each is a ``timeout`` miss."""
+    stalled requests); now only the first does (the 3 s a lookup that waits for the bytes gives
+    the controller to name holders: WAITING_OFFER_TIMEOUT_S), and the rest are misses at once
+    until a heartbeat hears the controller again. The default 5 s heartbeats: one goes
+    unanswered only after 10 s, so fast misses cannot come from the heartbeat alone. Each is a
+    ``timeout`` miss."""
     controller = ControllerProcess().start()
     request.addfinalizer(controller.stop)
     a, b = two_instances(controller, spawn, "tcp")
@@ -363,7 +364,7 @@ def test_a_hung_controller_turns_peer_lookups_into_fast_misses(spawn, request):
             t0 = time.monotonic()
             assert b.lookup(tokens(4 * CHUNK, seed=20 + seed)) == 0  # a miss, not an error
             took.append(time.monotonic() - t0)
-        assert took[0] >= 0.9 * OFFER_TIMEOUT_S, took  # the first waits for its answer...
+        assert took[0] >= 0.9 * WAITING_OFFER_TIMEOUT_S, took  # the first waits for its answer...
         assert max(took[1:]) < 0.5 * took[0], took  # ...the next ones do not
         assert b.status()["engine"]["missed_chunks"]["timeout"] == 5 * 4
         # (Skipped as failing lookups, or, once the early heartbeat has timed out too, as a
