@@ -23,7 +23,12 @@ from lmcache_p2p.keys import chunk_hashes
 from lmcache_p2p.protocol import Ack, CommandReply, Heartbeat, MoveCommand, Traffic, unpack_hashes
 from lmcache_p2p.testing.ports import free_ports
 
-FAST = ("--health-check-interval", "0.1", "--worker-timeout", "1.0", "--command-timeout", "1.0")
+# Commands time out after 1 s, and no rank is reaped while a test runs: fake workers speak only when
+# a test makes them, and with a 1 s --worker-timeout a busy host reaped ranks between two of their
+# messages (the 504 test and the TP lookup test each met it before getting controllers of their own).
+FAST = ("--health-check-interval", "0.1", "--worker-timeout", "30", "--command-timeout", "1.0")
+# The liveness test's: a rank silent for 3 s is reaped.
+REAPING = ("--health-check-interval", "0.1", "--worker-timeout", "3", "--command-timeout", "1.0")
 DOC = list(range(1000, 1000 + 10 * CHUNK))  # 10 chunks
 
 
@@ -158,10 +163,18 @@ def test_garbage_frames_are_counted_and_the_loops_go_on(controller, workers):
     a.send_raw("reply", b"not msgpack at all")
     a.send_raw("heartbeat", b"\x93\x01\x02")
     a.admit_tokens(DOC)
-    wait_lookup(controller, DOC, "inst-a", 160)
-    assert controller.metric("lmcache_controller_bad_frames_total", socket="pull") == 1
-    assert controller.metric("lmcache_controller_bad_frames_total", socket="reply") == 1
-    assert controller.metric("lmcache_controller_bad_frames_total", socket="heartbeat") == 1
+    wait_lookup(controller, DOC, "inst-a", 160)  # after the pull socket's garbage, on the same socket
+
+    def bad_frames() -> dict[str, float]:
+        return {
+            s: controller.metric("lmcache_controller_bad_frames_total", socket=s)
+            for s in ("pull", "reply", "heartbeat")
+        }
+
+    # The reply and heartbeat sockets are read by loops of their own: the admit's arrival says
+    # nothing of theirs, so their counts are waited for (and must then be exactly one each).
+    wait_for(lambda: all(bad_frames().values()), 15, "a bad frame counted on each socket")
+    assert bad_frames() == {"pull": 1, "reply": 1, "heartbeat": 1}
     assert a.heartbeat().status == "ok"
 
 
@@ -184,22 +197,9 @@ def test_p2p_lookup_offers_peers_with_the_same_layout_never_itself(controller, w
     assert [(h.instance_id, h.matched_chunks, h.p2p_lookup_port) for h in holders] == [("inst-a", 10, 9200)]
 
 
-@pytest.fixture
-def patient_workers():
-    """Workers of a controller that reaps nobody during a test (FAST's 1 s would reap a rank that
-    only spoke when it admitted, on a busy host)."""
-    c = ControllerProcess("--health-check-interval", "0.1", "--worker-timeout", "30").start()
-    try:
-        with registered_workers(c) as make:
-            yield c, make
-    finally:
-        c.stop()
-
-
-def test_p2p_lookup_offers_a_tp_peer_only_the_prefix_every_rank_of_it_holds(patient_workers):
+def test_p2p_lookup_offers_a_tp_peer_only_the_prefix_every_rank_of_it_holds(controller, workers):
     """The asker's ranks each pull from the same rank of the peer and load only what all of them
     got: a peer whose rank 1 evicted chunks 4+ (or left) offers rank 0's askers 4 chunks, not 10."""
-    controller, workers = patient_workers
     p0, p1 = workers("peer", rank=0, tp=2), workers("peer", rank=1, tp=2, locations=(CPU, DISK))
     a0, a1 = workers("asker", rank=0, tp=2), workers("asker", rank=1, tp=2)
     hashes = p0.admit_tokens(DOC)
@@ -279,19 +279,21 @@ def test_events_newer_than_the_snapshot_survive_the_resync(controller, workers):
 # -- liveness ---------------------------------------------------------------------------------------
 
 
-def test_a_silent_worker_is_reaped_and_its_keys_vanish(controller, workers):
-    a, b = workers("inst-a"), workers("inst-b")
-    a.admit_tokens(DOC)
-    b.admit_tokens(DOC)
-    wait_lookup(controller, DOC, "inst-b", 160)
-    deadline = time.monotonic() + 10
-    while "inst-a" in lookup(controller, DOC)["layout_info"]:
-        b.heartbeat()  # b stays alive; a says nothing
-        assert time.monotonic() < deadline, "inst-a was never reaped"
-        time.sleep(0.1)
-    assert lookup(controller, DOC)["layout_info"] == {"inst-b": [CPU, 160]}
-    assert a.heartbeat().status == "unknown", "a reaped worker is told to register again"
-    assert controller.metric("lmcache_controller_workers_reaped_total") == 1
+def test_a_silent_worker_is_reaped_and_its_keys_vanish(controllers):
+    controller = controllers(*REAPING, env={"PYTHONHASHSEED": "123"})
+    with registered_workers(controller) as workers:
+        a, b = workers("inst-a"), workers("inst-b")
+        a.admit_tokens(DOC)
+        b.admit_tokens(DOC)
+        wait_lookup(controller, DOC, "inst-b", 160)
+        deadline = time.monotonic() + 15
+        while "inst-a" in lookup(controller, DOC)["layout_info"]:
+            b.heartbeat()  # b stays alive; a says nothing
+            assert time.monotonic() < deadline, "inst-a was never reaped"
+            time.sleep(0.1)
+        assert lookup(controller, DOC)["layout_info"] == {"inst-b": [CPU, 160]}
+        assert a.heartbeat().status == "unknown", "a reaped worker is told to register again"
+        assert controller.metric("lmcache_controller_workers_reaped_total") == 1
 
 
 def test_a_second_live_engine_under_one_id_is_a_warning_naming_both_and_a_restart_is_not():
@@ -544,8 +546,8 @@ def test_error_codes_name_what_is_wrong(controller, workers):
 
 
 def test_a_worker_that_does_not_answer_is_a_504_within_the_timeout():
-    # A live worker (not reaped: a long --worker-timeout) that ignores commands. With FAST's 1 s
-    # worker timeout the silent fake was sometimes reaped first, and the answer was not a 504.
+    # A live worker (not reaped: a long --worker-timeout) that ignores commands. With a 1 s worker
+    # timeout (FAST's, then) the silent fake was sometimes reaped first, and the answer was not a 504.
     controller = ControllerProcess(
         "--health-check-interval", "0.1", "--worker-timeout", "30", "--command-timeout", "1.0"
     ).start()
