@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from protocol_client import wait_for
 
 from lmcache_p2p.testing.processes import stream_completion
 from lmcache_p2p.testing.served_fleet import ServedFleet
@@ -37,10 +38,18 @@ def test_a_tp2_engine_blends_rank_by_rank_and_a_full_blend_equals_its_cold_answe
         cold = stream_completion(url, fleet.model, other, 16)["text"]
         stream_completion(url, fleet.model, one, 16)  # blended from the segments `other` stored
         again = stream_completion(url, fleet.model, other, 16)["text"]
-        log = fleet.processes["engine1"].log()
+        engine = fleet.processes["engine1"]
+
+        def blends(log: str, rank: int) -> int:
+            return len(re.findall(rf"rank {rank}: blended \d+ tokens: \d+ cached in 3 segment\(s\) reused", log))
+
+        # Each rank's worker process writes its own lines, and the answer waits for rank 0's step
+        # only: rank 1's line of the last blend can reach the log a moment after the answer.
+        wait_for(lambda: all(blends(engine.log(), r) >= 2 for r in (0, 1)), 30, "both ranks' blend lines")
+        log = engine.log()
         for rank in (0, 1):  # each rank stores its heads of the segments, and blends both repeats
             assert len(re.findall(rf"rank {rank}: stored 3 segment\(s\)", log)) == 1, rank
-            assert len(re.findall(rf"rank {rank}: blended \d+ tokens: \d+ cached in 3 segment\(s\) reused", log)) == 2
+            assert blends(log, rank) == 2, rank
         assert again == cold
     finally:
         fleet.stop()

@@ -96,10 +96,11 @@ def test_a_clear_that_timed_out_never_runs_when_its_stopped_worker_resumes(spawn
         finally:
             a.signal(signal.SIGCONT)
         a.status()  # it runs again; its loop reads the command socket's backlog now
-        time.sleep(1.0)
+        # Once the worker has read the clear and said it refused it, the clear can never run: what
+        # it holds then is the answer (a fixed sleep could look before the backlog was read).
+        wait_for(lambda: "expired, not run" in a.log(), 30, "the worker to read and refuse the clear")
         assert a.lookup(prompt, peers=False) == 8 * 32, "the clear that answered 504 ran after all"
         assert a.status()["storage"]["cpu"]["chunks"] == 8
-        wait_for(lambda: "expired, not run" in a.log(), 10, "the worker to read and refuse the clear")
         time.sleep(0.5)  # and the controller's index was never told of evictions
         assert controller.holders(prompt).get("inst-stopped") == [CPU, 8 * 32]
         # A clear sent now runs.
@@ -117,13 +118,13 @@ def test_check_finish_of_a_partial_move_keeps_its_reason():
         src.command_reply = lambda c: CommandReply(event_id=c.event_id, ok=True, pending=isinstance(c, MoveCommand))
         doc = list(range(100, 100 + 4 * CHUNK))
         src.admit_tokens(doc)
-        wait_for(lambda: controller.holders(doc).get("inst-src") == [CPU, 4 * CHUNK], 5, "src keys")
+        wait_for(lambda: controller.holders(doc).get("inst-src") == [CPU, 4 * CHUNK], 15, "src keys")
         r = controller.post("/move", {"old_position": ["inst-src", CPU], "new_position": ["inst-dst", CPU]})
         assert r.status_code == 200, r.text
         event_id = r.json()["event_id"]
         reason = "CPU pool full: reserved 3 of 4 pages (every other page of 3 is pinned or in a transfer)"
         src.done(event_id, ok=True, num_tokens=3 * CHUNK, error=reason)
-        status = controller.finish(event_id, 5)
+        status = controller.finish(event_id, 15)
         assert status["status"] == "done" and status["num_tokens"] == 3 * CHUNK
         assert status["error"] == f"rank 0: {reason}"
     finally:

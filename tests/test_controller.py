@@ -23,7 +23,12 @@ from lmcache_p2p.keys import chunk_hashes
 from lmcache_p2p.protocol import Ack, CommandReply, Heartbeat, MoveCommand, Traffic, unpack_hashes
 from lmcache_p2p.testing.ports import free_ports
 
-FAST = ("--health-check-interval", "0.1", "--worker-timeout", "1.0", "--command-timeout", "1.0")
+# Commands time out after 1 s, and no rank is reaped while a test runs: fake workers speak only when
+# a test makes them, and with a 1 s --worker-timeout a busy host reaped ranks between two of their
+# messages (the 504 test and the TP lookup test each met it before getting controllers of their own).
+FAST = ("--health-check-interval", "0.1", "--worker-timeout", "30", "--command-timeout", "1.0")
+# The liveness test's: a rank silent for 3 s is reaped.
+REAPING = ("--health-check-interval", "0.1", "--worker-timeout", "3", "--command-timeout", "1.0")
 DOC = list(range(1000, 1000 + 10 * CHUNK))  # 10 chunks
 
 
@@ -46,7 +51,7 @@ def lookup(controller, tokens, **extra):
 def wait_lookup(controller, tokens, instance_id, tokens_expected, location=CPU):
     return wait_for(
         lambda: lookup(controller, tokens)["layout_info"].get(instance_id) == [location, tokens_expected],
-        5,
+        15,
         f"{instance_id} to hold {tokens_expected} tokens at {location}",
     )
 
@@ -158,10 +163,18 @@ def test_garbage_frames_are_counted_and_the_loops_go_on(controller, workers):
     a.send_raw("reply", b"not msgpack at all")
     a.send_raw("heartbeat", b"\x93\x01\x02")
     a.admit_tokens(DOC)
-    wait_lookup(controller, DOC, "inst-a", 160)
-    assert controller.metric("lmcache_controller_bad_frames_total", socket="pull") == 1
-    assert controller.metric("lmcache_controller_bad_frames_total", socket="reply") == 1
-    assert controller.metric("lmcache_controller_bad_frames_total", socket="heartbeat") == 1
+    wait_lookup(controller, DOC, "inst-a", 160)  # after the pull socket's garbage, on the same socket
+
+    def bad_frames() -> dict[str, float]:
+        return {
+            s: controller.metric("lmcache_controller_bad_frames_total", socket=s)
+            for s in ("pull", "reply", "heartbeat")
+        }
+
+    # The reply and heartbeat sockets are read by loops of their own: the admit's arrival says
+    # nothing of theirs, so their counts are waited for (and must then be exactly one each).
+    wait_for(lambda: all(bad_frames().values()), 15, "a bad frame counted on each socket")
+    assert bad_frames() == {"pull": 1, "reply": 1, "heartbeat": 1}
     assert a.heartbeat().status == "ok"
 
 
@@ -184,22 +197,9 @@ def test_p2p_lookup_offers_peers_with_the_same_layout_never_itself(controller, w
     assert [(h.instance_id, h.matched_chunks, h.p2p_lookup_port) for h in holders] == [("inst-a", 10, 9200)]
 
 
-@pytest.fixture
-def patient_workers():
-    """Workers of a controller that reaps nobody during a test (FAST's 1 s would reap a rank that
-    only spoke when it admitted, on a busy host)."""
-    c = ControllerProcess("--health-check-interval", "0.1", "--worker-timeout", "30").start()
-    try:
-        with registered_workers(c) as make:
-            yield c, make
-    finally:
-        c.stop()
-
-
-def test_p2p_lookup_offers_a_tp_peer_only_the_prefix_every_rank_of_it_holds(patient_workers):
+def test_p2p_lookup_offers_a_tp_peer_only_the_prefix_every_rank_of_it_holds(controller, workers):
     """The asker's ranks each pull from the same rank of the peer and load only what all of them
     got: a peer whose rank 1 evicted chunks 4+ (or left) offers rank 0's askers 4 chunks, not 10."""
-    controller, workers = patient_workers
     p0, p1 = workers("peer", rank=0, tp=2), workers("peer", rank=1, tp=2, locations=(CPU, DISK))
     a0, a1 = workers("asker", rank=0, tp=2), workers("asker", rank=1, tp=2)
     hashes = p0.admit_tokens(DOC)
@@ -215,11 +215,11 @@ def test_p2p_lookup_offers_a_tp_peer_only_the_prefix_every_rank_of_it_holds(pati
     p1.events(DISK, admitted=hashes[4:])
     wait_for(
         lambda: [(h.rank, h.matched_chunks, h.location) for h in a1.p2p_lookup(hashes).holders] == [(1, 10, CPU)],
-        5,
+        15,
         "rank 1's CPU and disk chunks to count together",
     )
     p1.deregister()  # pushed: the controller takes it in its own time
-    wait_for(lambda: a0.p2p_lookup(hashes).holders == [], 5, "a rank gone to leave nothing to pull from its instance")
+    wait_for(lambda: a0.p2p_lookup(hashes).holders == [], 15, "a rank gone to leave nothing to pull from its instance")
 
 
 # -- sequence gaps, re-sync, re-registration --------------------------------------------------------
@@ -231,7 +231,7 @@ def test_a_sequence_gap_asks_for_a_full_resync_that_replaces_the_keys(controller
     assert a.heartbeat().resync == []
     a.admit_tokens(DOC[: 2 * CHUNK])
     a.events(admitted=chunk_hashes(DOC, CHUNK)[2:4], seq=a.seq[CPU] + 2)  # batch 2 lost on the way
-    reply = wait_for(lambda: (r := a.heartbeat()).resync and r, 5, "a re-sync request in the heartbeat reply")
+    reply = wait_for(lambda: (r := a.heartbeat()).resync and r, 15, "a re-sync request in the heartbeat reply")
     assert reply.resync == [CPU]
     assert controller.metric("lmcache_controller_seq_gaps_total") == 1
     full = chunk_hashes(DOC, CHUNK)[:6]  # what the worker really holds
@@ -270,7 +270,7 @@ def test_events_newer_than_the_snapshot_survive_the_resync(controller, workers):
     hashes = chunk_hashes(DOC, CHUNK)
     snapshot_seq = a.seq[CPU]
     a.events(admitted=hashes[5:6])  # produced after the snapshot below was taken
-    wait_for(lambda: controller.http.get("/controller/key-stats").json()["total_keys"] == 1, 5, "the admit to land")
+    wait_for(lambda: controller.http.get("/controller/key-stats").json()["total_keys"] == 1, 15, "the admit to land")
     a.seq[CPU] = snapshot_seq
     a.resync(CPU, hashes[:5])  # the snapshot does not include chunk 5
     wait_lookup(controller, DOC, "inst-a", 6 * CHUNK)
@@ -279,19 +279,21 @@ def test_events_newer_than_the_snapshot_survive_the_resync(controller, workers):
 # -- liveness ---------------------------------------------------------------------------------------
 
 
-def test_a_silent_worker_is_reaped_and_its_keys_vanish(controller, workers):
-    a, b = workers("inst-a"), workers("inst-b")
-    a.admit_tokens(DOC)
-    b.admit_tokens(DOC)
-    wait_lookup(controller, DOC, "inst-b", 160)
-    deadline = time.monotonic() + 10
-    while "inst-a" in lookup(controller, DOC)["layout_info"]:
-        b.heartbeat()  # b stays alive; a says nothing
-        assert time.monotonic() < deadline, "inst-a was never reaped"
-        time.sleep(0.1)
-    assert lookup(controller, DOC)["layout_info"] == {"inst-b": [CPU, 160]}
-    assert a.heartbeat().status == "unknown", "a reaped worker is told to register again"
-    assert controller.metric("lmcache_controller_workers_reaped_total") == 1
+def test_a_silent_worker_is_reaped_and_its_keys_vanish(controllers):
+    controller = controllers(*REAPING, env={"PYTHONHASHSEED": "123"})
+    with registered_workers(controller) as workers:
+        a, b = workers("inst-a"), workers("inst-b")
+        a.admit_tokens(DOC)
+        b.admit_tokens(DOC)
+        wait_lookup(controller, DOC, "inst-b", 160)
+        deadline = time.monotonic() + 15
+        while "inst-a" in lookup(controller, DOC)["layout_info"]:
+            b.heartbeat()  # b stays alive; a says nothing
+            assert time.monotonic() < deadline, "inst-a was never reaped"
+            time.sleep(0.1)
+        assert lookup(controller, DOC)["layout_info"] == {"inst-b": [CPU, 160]}
+        assert a.heartbeat().status == "unknown", "a reaped worker is told to register again"
+        assert controller.metric("lmcache_controller_workers_reaped_total") == 1
 
 
 def test_a_second_live_engine_under_one_id_is_a_warning_naming_both_and_a_restart_is_not():
@@ -338,7 +340,7 @@ def test_deregister_removes_at_once(controller, workers):
     a.admit_tokens(DOC)
     wait_lookup(controller, DOC, "inst-a", 160)
     a.deregister()
-    wait_for(lambda: lookup(controller, DOC)["holders"] == [], 5, "deregistered keys to vanish")
+    wait_for(lambda: lookup(controller, DOC)["holders"] == [], 15, "deregistered keys to vanish")
 
 
 def test_after_a_controller_restart_the_index_is_rebuilt_from_resyncs(controller):
@@ -376,7 +378,7 @@ def test_with_an_events_file_the_event_history_survives_a_restart(tmp_path):
         body = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU], "tokens": DOC}
         finished = controller.post("/move", body).json()["event_id"]
         src.done(finished, ok=True, num_tokens=4 * CHUNK)
-        assert controller.finish(finished, 5)["status"] == "done"
+        assert controller.finish(finished, 15)["status"] == "done"
         interrupted = controller.post("/move", body).json()["event_id"]  # never finished
         controller.kill()
         controller.start()
@@ -472,7 +474,7 @@ def test_move_sends_the_held_prefix_and_check_finish_follows_completion(controll
     )
     assert controller.post("/check_finish", {"event_id": event_id}).json()["status"] == "pending"
     src.done(event_id, ok=True, num_tokens=3 * CHUNK)  # one chunk could not be moved
-    status = controller.finish(event_id, 5)
+    status = controller.finish(event_id, 15)
     assert status == {"event_id": event_id, "status": "done", "num_tokens": 3 * CHUNK, "error": None}
     assert controller.metric("lmcache_controller_commands_total", kind="move", outcome="done") == 1
 
@@ -487,7 +489,7 @@ def test_copy_without_tokens_sends_everything_and_reports_failure(controller, wo
     (cmd,) = src.commands
     assert cmd.copy and sorted(unpack_hashes(cmd.hashes).tolist()) == sorted(hashes)
     src.done(r.json()["event_id"], ok=False, error="peer inst-b refused the transfer")
-    status = controller.finish(r.json()["event_id"], 5)
+    status = controller.finish(r.json()["event_id"], 15)
     assert status["status"] == "failed"
     assert "refused" in status["error"]
 
@@ -544,8 +546,8 @@ def test_error_codes_name_what_is_wrong(controller, workers):
 
 
 def test_a_worker_that_does_not_answer_is_a_504_within_the_timeout():
-    # A live worker (not reaped: a long --worker-timeout) that ignores commands. With FAST's 1 s
-    # worker timeout the silent fake was sometimes reaped first, and the answer was not a 504.
+    # A live worker (not reaped: a long --worker-timeout) that ignores commands. With a 1 s worker
+    # timeout (FAST's, then) the silent fake was sometimes reaped first, and the answer was not a 504.
     controller = ControllerProcess(
         "--health-check-interval", "0.1", "--worker-timeout", "30", "--command-timeout", "1.0"
     ).start()

@@ -131,7 +131,7 @@ def test_every_bad_register_field_is_refused_by_name_and_lookup_answers_everyone
     try:
         assert good.register().ok
         good.admit_tokens(DOC)
-        wait_for(lambda: controller.holders(DOC).get("inst-good") == [CPU, len(DOC)], 5, "inst-good's keys")
+        wait_for(lambda: controller.holders(DOC).get("inst-good") == [CPU, len(DOC)], 15, "inst-good's keys")
         for n, (field, changes) in enumerate(BAD):
             reply = registrar.send(
                 registrar.good(f"hostile-{n}", **changes) if "instance_id" not in changes else registrar.good(**changes)
@@ -323,11 +323,13 @@ def test_a_host_whose_name_never_resolves_delays_only_its_own_registrations():
             member.p2p_lookup(hashes)
             assert member.heartbeat().status == "ok"
             worst = max(worst, time.monotonic() - started)
-        assert worst < 0.5, f"a lookup and heartbeat took {worst:.2f} s behind the hung registrations"
+        # Half the 2 s a hung resolution holds its Register (behind them, one took up to 3.99 s);
+        # the controller runs on a thread of this process, which shares the cores with the suite.
+        assert worst < 1.0, f"a lookup and heartbeat took {worst:.2f} s behind the hung registrations"
         # A Register from localhost right after is accepted (nothing cached for slow.invalid applies).
         started = time.monotonic()
         assert registrar.send(registrar.good("local", host="localhost")).ok
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 1.0
         # Each of the eight is refused once its own 2 s are up, all together, not one after another.
         refused = []
         while len(refused) < 8:
@@ -336,7 +338,7 @@ def test_a_host_whose_name_never_resolves_delays_only_its_own_registrations():
             refused.append(controller_reply_decoder.decode(payload))
         elapsed = time.monotonic() - t0
         assert all(not r.ok and "host='slow.invalid'" in r.error and "within 2 s" in r.error for r in refused)
-        assert elapsed < 3.0, f"the eight took {elapsed:.1f} s"
+        assert elapsed < 4.0, f"the eight took {elapsed:.1f} s"  # not two rounds of 2 s (in turn: 16 s)
         assert resolver.asked["slow.invalid"] == 1  # one lookup shared, not a thread each
     finally:
         for closeable in (member, registrar):

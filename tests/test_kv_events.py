@@ -8,7 +8,6 @@ subscriber."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import msgspec
@@ -36,6 +35,9 @@ class Subscriber:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # Watched until the ZMTP handshake with the publisher is done: the subscription goes out
+        # right behind it (a PUB drops whatever it sends before a subscriber has joined).
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(endpoint)
         self.events: list = []
         self._stop = False
@@ -50,12 +52,22 @@ class Subscriber:
                 *_, payload = self.sub.recv_multipart()
                 self.events.extend(self.decoder.decode(payload).events)
 
+    def wait_joined(self, timeout: float = 30.0) -> None:
+        """Until the SUB socket has completed its handshake with the engine's publisher."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        if not self._monitor.poll(int(timeout * 1000)):
+            raise AssertionError(f"the SUB socket did not join the engine's publisher within {timeout} s")
+        assert recv_monitor_message(self._monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+
     def of(self, kind: str, medium: str) -> list:
         return [e for e in list(self.events) if type(e).__name__ == kind and e.medium == medium]
 
     def close(self) -> None:
         self._stop = True
         self.thread.join(5)
+        self.sub.disable_monitor()  # on this thread only once the reader's is done with the socket
+        self._monitor.close(0)
         self.sub.close(0)
         self.ctx.term()
 
@@ -75,7 +87,7 @@ def test_cpu_and_disk_chunks_are_published_as_the_engines_own_blocks_and_evictio
     try:
         fleet.start()
         subscriber = Subscriber(fleet.kv_event_endpoints[0])
-        time.sleep(0.5)  # the SUB socket joins before anything is published
+        subscriber.wait_joined()  # before anything is published: a PUB does not queue for latecomers
         url = fleet.engine_urls[0]
 
         def complete(prompt: str) -> None:

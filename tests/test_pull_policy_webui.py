@@ -39,7 +39,7 @@ def test_the_overview_shows_pulls_skipped_as_slower_than_recomputing(chromium, c
                 Traffic(started_at=t0, lookups=3 * i, pulls=i, pulls_skipped=2 * i, skipped_tokens=512 * i)
             )
             time.sleep(1.0)
-        wait_for(lambda: card.locator(".value").inner_text() == "6", timeout=6, what="the skipped pulls card")
+        wait_for(lambda: card.locator(".value").inner_text() == "6", timeout=15, what="the skipped pulls card")
         sub = card.locator(".sub").inner_text()
         assert sub.startswith("slower than recomputing · 1,536 tokens recomputed · "), sub
         assert not log.console_errors and not log.page_errors, (log.console_errors, log.page_errors)

@@ -59,7 +59,7 @@ def entry(answer: dict, instance_id: str) -> dict:
 def wait_local(controller, instance_id: str, tokens: int, **extra) -> dict:
     return wait_for(
         lambda: (a := route(controller, **extra)) and entry(a, instance_id)["local_tokens"] == tokens and a,
-        5,
+        15,
         f"/route to see {tokens} tokens at {instance_id}",
     )
 
@@ -109,7 +109,7 @@ def test_a_peer_pull_ranks_ahead_of_recomputing_while_its_link_is_fast(controlle
         lambda: (
             (a := route(controller, candidates=["puller", "no-p2p"])) and entry(a, "puller")["pull_tokens"] == 0 and a
         ),
-        5,
+        15,
         "the slow link to count",
     )
     slow = entry(answer, "puller")
@@ -123,7 +123,7 @@ def test_a_deregistered_instance_is_never_returned(controller, workers):
     a.admit_tokens(DOC)
     assert wait_local(controller, "inst-a", len(DOC) - 1)["chosen"] == "inst-a"
     a.deregister()
-    answer = wait_for(lambda: (x := route(controller)) and "inst-a" not in ranking(x) and x, 5, "inst-a to leave")
+    answer = wait_for(lambda: (x := route(controller)) and "inst-a" not in ranking(x) and x, 15, "inst-a to leave")
     assert ranking(answer) == ["inst-b"] and (answer["chosen"], answer["serve_url"]) == ("inst-b", b.serve_url)
     assert entry(answer, "inst-b")["peer_tokens"] == 0  # its keys left with it: nothing to pull
     answer = route(controller, candidates=["inst-a"])
@@ -159,7 +159,7 @@ def test_workers_view_shows_serve_url_and_load_and_a_bad_load_is_dropped(control
         return controller.http.get("/controller/workers").json()["workers"][0]
 
     # (the view is rebuilt at most once a second: --view-cache-s)
-    worker = wait_for(lambda: (w := workers_view())["load"] and w, 5, "the load in the workers view")
+    worker = wait_for(lambda: (w := workers_view())["load"] and w, 15, "the load in the workers view")
     assert worker["serve_url"] == a.serve_url
     assert {k: worker["load"][k] for k in ("running", "waiting", "kv_usage", "prefill_tokens_per_s")} == {
         "running": 3,
@@ -169,7 +169,7 @@ def test_workers_view_shows_serve_url_and_load_and_a_bad_load_is_dropped(control
     }
     assert entry(route(controller), "inst-a")["prefill_tokens_per_s"] == 12_000.0
     a.beat(running=3, waiting=1, kv_usage=1.5)  # out of bounds: dropped, the heartbeat still answered ok
-    wait_for(lambda: workers_view()["load"] is None, 5, "the refused load gone from the workers view")
+    wait_for(lambda: workers_view()["load"] is None, 15, "the refused load gone from the workers view")
     out = controller.stop()
     assert "Heartbeat field load.kv_usage=1.5 refused" in out
 
@@ -181,7 +181,7 @@ def test_every_decision_is_logged_with_its_numbers():
         assert a.register().ok and b.register().ok
         a.admit_tokens(DOC[: 48 * CHUNK])
         a.beat(running=2, kv_usage=0.35)
-        wait_for(lambda: c.holders(DOC).get("inst-a"), 5, "inst-a's chunks")
+        wait_for(lambda: c.holders(DOC).get("inst-a"), 15, "inst-a's chunks")
         answer = route(c, candidates=["inst-a", "nobody"])
         assert answer["chosen"] == "inst-a"
     finally:

@@ -13,7 +13,10 @@ import pytest
 from lmcache_p2p.testing.stalled_holder import run
 from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+# Serial: it compares the stream's largest gap while the holder is stopped with its largest gap
+# around a cold prompt, single samples that the other xdist worker's engines perturb (make test
+# failed once at 204.7 ms against an allowance of 202.8 ms; the bug it guards against is ~2000 ms).
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.serial]
 
 
 def test_a_stalled_holder_leaves_the_asking_engines_streams_at_their_pace(tiny_model, tmp_path):
