@@ -23,6 +23,7 @@ With one controller the facade passes everything through to its one link, unchan
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -32,6 +33,10 @@ from lmcache_p2p.protocol import MeshPeer, P2PLookupReply
 from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S, ControllerLink
 
 logger = logging.getLogger(__name__)
+
+# The longest a peer lookup waits for one controller when another is left to ask: the engine's
+# own lookup wait (OFFER_TIMEOUT_S), so that a dead first controller costs one such wait at most.
+FAILOVER_WAIT_S = 1.0
 
 PeersCallback = Callable[[list[MeshPeer], bool], object]
 
@@ -176,13 +181,19 @@ class ControllerLinks:
 
     async def p2p_lookup(self, hashes: np.ndarray, timeout: float = REQUEST_TIMEOUT_S) -> P2PLookupReply:
         """The first answer from the controllers, in order. A ``timeout`` miss without holders
-        (not registered, lookups failing: at once; unanswered: after ``timeout``) moves on to the
-        next controller; when none answers, the miss says what each link said."""
+        (not registered, lookups failing: at once; unanswered: after its wait) moves on to the
+        next controller; when none answers, the miss says what each link said. Every controller
+        but the last is waited for at most FAILOVER_WAIT_S (a lookup willing to wait longer
+        would otherwise spend its whole wait on a dead controller while a live one could
+        answer); the last gets what is left of ``timeout``."""
         if len(self.links) == 1:
             return await self.links[0].p2p_lookup(hashes, timeout)
         unanswered: list[str] = []
-        for link in self.links:
-            reply = await link.p2p_lookup(hashes, timeout)
+        deadline = time.monotonic() + timeout
+        for i, link in enumerate(self.links):
+            left = max(0.0, deadline - time.monotonic())
+            wait = left if i == len(self.links) - 1 else min(left, FAILOVER_WAIT_S)
+            reply = await link.p2p_lookup(hashes, wait)
             if reply.holders or reply.miss_reason != TIMEOUT:
                 if self._answered_by is not link and unanswered:
                     logger.info(
