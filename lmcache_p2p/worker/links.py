@@ -23,7 +23,6 @@ With one controller the facade passes everything through to its one link, unchan
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -185,14 +184,12 @@ class ControllerLinks:
         next controller; when none answers, the miss says what each link said. Every controller
         but the last is waited for at most FAILOVER_WAIT_S (a lookup willing to wait longer
         would otherwise spend its whole wait on a dead controller while a live one could
-        answer); the last gets what is left of ``timeout``."""
+        answer); the last gets the whole ``timeout``, as a lone controller would."""
         if len(self.links) == 1:
             return await self.links[0].p2p_lookup(hashes, timeout)
         unanswered: list[str] = []
-        deadline = time.monotonic() + timeout
         for i, link in enumerate(self.links):
-            left = max(0.0, deadline - time.monotonic())
-            wait = left if i == len(self.links) - 1 else min(left, FAILOVER_WAIT_S)
+            wait = timeout if i == len(self.links) - 1 else min(timeout, FAILOVER_WAIT_S)
             reply = await link.p2p_lookup(hashes, wait)
             if reply.holders or reply.miss_reason != TIMEOUT:
                 if self._answered_by is not link and unanswered:
