@@ -13,7 +13,7 @@ import pytest
 import torch
 from protocol_client import wait_for
 
-from lmcache_p2p.testing.processes import peer_pulls, stream_completion
+from lmcache_p2p.testing.processes import peer_pulls, stream_completion, wait_peer_pulls
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
@@ -55,10 +55,8 @@ def test_tp2_engines_share_rank_by_rank_and_a_tp1_engine_refuses_their_chunks(tm
         # Engine 2 (TP=2): each rank pulls the prompt from the same rank of engine 1.
         warm = stream_completion(e2, fleet.model, prompt)
         assert warm["text"] == cold["text"]
-        # Each rank's worker process logs its own pull: rank 1's line can follow the answer.
-        engine2 = fleet.processes["engine2"]
-        wait_for(lambda: len(peer_pulls(engine2.log())) >= 2, 30, "both ranks' pull lines")
-        pulled = [(p["rank"], int(p["tokens"]), p["peer_instance"], p["peer_rank"]) for p in peer_pulls(engine2.log())]
+        pulls = wait_peer_pulls(fleet.processes["engine2"].log, 2)  # each rank logs its own pull
+        pulled = [(p["rank"], int(p["tokens"]), p["peer_instance"], p["peer_rank"]) for p in pulls]
         assert sorted(pulled) == [(0, whole, "engine1", 0), (1, whole, "engine1", 1)]
 
         # Engine 3 (TP=1): a chunk of a TP=2 rank holds half the heads; none may be loaded here.

@@ -26,7 +26,7 @@ from protocol_client import wait_for
 
 from lmcache_p2p.protocol import ClearCommand, CommandReply, command_reply_decoder
 from lmcache_p2p.rpc import RpcClient
-from lmcache_p2p.testing.processes import peer_pulls, stream_completion
+from lmcache_p2p.testing.processes import peer_pulls, stream_completion, wait_peer_pulls
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
@@ -105,7 +105,7 @@ def test_engine_2_pulls_rank_by_rank_and_answers_like_engine_1(fleet):
     warm = stream_completion(e2, fleet.model, prompt)
     assert warm["text"] == cold["text"]
     engine2 = fleet.processes["engine2"]
-    wait_for(lambda: len(pulls(engine2.log())) >= 2, 10, "both ranks' pull lines")  # see below
+    wait_peer_pulls(engine2.log, 2)  # each rank logs its own pull
     log = engine2.log()
     assert sorted(pulls(log)) == [(0, full_chunks(tokens), "engine1", 0), (1, full_chunks(tokens), "engine1", 1)]
     assert hit_tokens(log, len(tokens))[-1] == full_chunks(tokens)
@@ -149,13 +149,11 @@ def test_when_the_ranks_hold_different_prefixes_only_what_both_hold_is_offered_a
     warm = stream_completion(e2, fleet.model, tokens)
     assert warm["text"] == cold["text"]
     # Rank 0 of engine 2 could pull every chunk from engine 1's rank 0; it is offered, and pulls,
-    # only the two its rank 1 can get too. Each rank's worker logs its pull on its own process, so
-    # a line can reach the log a moment after the answer.
-    expected = [(0, 2 * CHUNK, "engine1", 0), (1, 2 * CHUNK, "engine1", 1)]
+    # only the two its rank 1 can get too.
     engine2 = fleet.processes["engine2"]
-    wait_for(lambda: len(pulls(engine2.log())) - before >= 2, 10, "both ranks' pull lines")
+    wait_peer_pulls(engine2.log, before + 2)  # each rank logs its own pull
     log = engine2.log()
-    assert sorted(pulls(log)[before:]) == expected
+    assert sorted(pulls(log)[before:]) == [(0, 2 * CHUNK, "engine1", 0), (1, 2 * CHUNK, "engine1", 1)]
     assert hit_tokens(log, len(tokens))[-1] == 2 * CHUNK
 
 

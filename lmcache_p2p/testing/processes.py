@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib import error as urlerror
@@ -220,4 +221,16 @@ def peer_pulls(log: str) -> list[dict]:
         pull["peer_instance"], _, rest = pull["peer"].partition(" rank ")
         pull["peer_rank"] = int(rest.split()[0])
         pulls.append(pull)
+    return pulls
+
+
+def wait_peer_pulls(read_log: Callable[[], str], count: int, timeout: float = 30.0) -> list[dict]:
+    """:func:`peer_pulls` of ``read_log()`` once it shows at least ``count`` pulls. Each TP rank's
+    worker process writes its own pull line, and the request's answer waits for rank 0's step
+    only: another rank's line can reach the log a moment after the answer."""
+    deadline = time.monotonic() + timeout
+    while len(pulls := peer_pulls(read_log())) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{len(pulls)} peer pull line(s) in the log after {timeout} s, expected {count}")
+        time.sleep(0.1)
     return pulls

@@ -75,13 +75,11 @@ def run(
         expected = [_complete(holder, model, prompt) for prompt in held]
 
         def indexed(prompt: str) -> None:
-            # Before each stop too: a holder stopped for the run before may have missed heartbeats,
-            # and the controller offers its chunks again only once it has re-registered them.
+            # Right before each stop: a holder stopped for the run before may have missed
+            # heartbeats, and the controller offers its chunks again only once it re-registered them.
             if not wait_indexed(holder, fleet.controller_url, model, prompt, timeout=30):
                 raise RuntimeError("the controller did not index the holder's chunks")
 
-        for prompt in held:
-            indexed(prompt)
         group = os.getpgid(fleet.processes["engine1"].process.pid)
         runs = []
         for i, mode in enumerate(modes):

@@ -29,13 +29,14 @@ import numpy as np
 
 from lmcache_p2p.miss_reasons import TIMEOUT
 from lmcache_p2p.protocol import MeshPeer, P2PLookupReply
+from lmcache_p2p.vocab import OFFER_TIMEOUT_S
 from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S, ControllerLink
 
 logger = logging.getLogger(__name__)
 
 # The longest a peer lookup waits for one controller when another is left to ask: the engine's
-# own lookup wait (OFFER_TIMEOUT_S), so that a dead first controller costs one such wait at most.
-FAILOVER_WAIT_S = 1.0
+# own lookup wait, so that a dead first controller costs one such wait at most.
+FAILOVER_WAIT_S = OFFER_TIMEOUT_S
 
 PeersCallback = Callable[[list[MeshPeer], bool], object]
 
