@@ -182,6 +182,11 @@ def poll_views(base_url: str, paths: list[str], clients: int, stop, out) -> None
     out.put({"served": served, "seconds": seconds, "mb": mb[0], "failed": failed[:5]})
 
 
+def progress(started: float, what: str) -> None:
+    """A line on stderr per phase, so that a slow or stuck run says where it is."""
+    print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def view_builds(controller: ControllerProcess) -> dict[str, float]:
     return {
         view: controller.metric("lmcache_controller_view_builds_total", view=view) for view in ("workers", "dashboard")
@@ -253,14 +258,19 @@ def views_under_load(args: argparse.Namespace, cache_s: float) -> dict:
         fleet = FakeFleet(controller, args.ranks, tp=args.tp, prefix="views")
         replies = fleet.register_all()
         refused = sum(not r.ok for r in replies.values())
+        progress(started, f"--view-cache-s {cache_s}: {args.ranks} ranks registered, {refused} refused")
         fleet.start_heartbeats()
         time.sleep(fleet.heartbeat_interval + 1.0)  # every rank has beaten once
-        rounds = [views_round(mp, controller, fleet, args) for _ in range(args.rounds)]
+        rounds = []
+        for n in range(args.rounds):
+            rounds.append(views_round(mp, controller, fleet, args))
+            progress(started, f"--view-cache-s {cache_s}: round {n + 1} of {args.rounds} done")
         sizes = {path: len(controller.http.get(path).content) for path in VIEW_PATHS}
     finally:
         if fleet is not None:
             fleet.close()
         controller.stop()
+        progress(started, f"--view-cache-s {cache_s}: controller and fleet stopped")
     return {
         "bench": "views_under_load",
         "view_cache_s": cache_s,
