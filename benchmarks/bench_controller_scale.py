@@ -1,6 +1,7 @@
 """Controller at fleet scale: N worker ranks registered, heartbeating, and still commandable.
 
     .venv/bin/python benchmarks/bench_controller_scale.py [--ranks 10000] [--tp 8] [--idle-s 30]
+    .venv/bin/python benchmarks/bench_controller_scale.py --views-pollers 4 [--rounds 3] [--probe-s 10]
 
 Starts a real ``lmcache_controller`` and, in this process, ``--ranks`` fake ranks (instances of
 ``--tp`` ranks): one ROUTER bound to one command port per rank answers every command, one DEALER
@@ -16,13 +17,23 @@ descriptors per rank in the controller. 10,000 real ranks need ``ulimit -n`` of 
 controller (LimitNOFILE= under systemd); the controller raises its soft limit to the hard one
 itself and logs its capacity. This process needs one descriptor per fake rank plus a few hundred.
 
-Target (issue 18): >= 10,000 ranks registered and commandable.
+With ``--views-pollers N`` it measures instead what polled read views cost the heartbeats: for
+``--view-cache-s`` 0 (every poll builds its view) and then 1 (the default), a controller with
+``--ranks`` heartbeating ranks, one member heartbeating every 20 ms from a process of its own (its
+round trips: p50, p99, max), first idle, then while N client threads in another process poll
+``/controller/workers``, ``/controller/dashboard`` and ``/`` back to back; ``--rounds`` pairs of
+that. One JSON line per setting: each round's round trips idle and loaded, loaded over idle, the
+polls served per second and the views built meanwhile (lmcache_controller_view_builds_total).
+
+Targets: >= 10,000 ranks registered and commandable; under read load a heartbeat's round trip
+within 10x its idle value.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import resource
 import statistics
@@ -30,9 +41,14 @@ import sys
 import threading
 import time
 
+import httpx
+import zmq
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from fake_fleet import FakeFleet  # noqa: E402
 from protocol_client import CPU, ControllerProcess  # noqa: E402
+
+from lmcache_p2p.protocol import Heartbeat, HeartbeatReply, controller_reply_decoder, encode  # noqa: E402
 
 
 def proc_status(pid: int, key: str) -> int:
@@ -80,17 +96,221 @@ class LogDrain:
         return [line for line in self.lines if text in line]
 
 
+# -- read views under polling (--views-pollers) ---------------------------------------------------
+
+VIEW_PATHS = ("/controller/workers", "/controller/dashboard", "/")
+PROBE_GAP_S = 0.02  # the measured member heartbeats this often (the fleet's ranks every 5 s)
+PROBE_WARMUP = 5  # first round trips not counted: the connection's handshake
+
+
+def spread_ms(samples: list[float]) -> dict:
+    samples = sorted(samples)
+    if not samples:
+        return {"n": 0}
+    return {
+        "n": len(samples),
+        "p50_ms": round(statistics.median(samples), 2),
+        "p99_ms": round(samples[min(len(samples) - 1, int(0.99 * len(samples)))], 2),
+        "max_ms": round(samples[-1], 2),
+    }
+
+
+def probe_heartbeats(port: int, epoch: str, instance_id: str, rank: int, seconds: float, out) -> None:
+    """In a process of its own (no GIL shared with the pollers or the fleet): one member's
+    heartbeats, one at a time, every PROBE_GAP_S for ``seconds``; their round trips in ms."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    beat = encode(Heartbeat(instance_id=instance_id, rank=rank, controller_epoch=epoch))
+    samples: list[float] = []
+    unanswered = unknown = 0
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+        request_id = n.to_bytes(8, "little")
+        t0 = time.perf_counter()
+        sock.send_multipart([request_id, beat])
+        answered = False
+        while sock.poll(max(1, int((t0 + 10 - time.perf_counter()) * 1000))):
+            got, payload = sock.recv_multipart()
+            if got == request_id:  # an earlier, unanswered beat's late reply is skipped
+                answered = True
+                break
+        rtt_ms = (time.perf_counter() - t0) * 1e3
+        if not answered:
+            unanswered += 1
+        else:
+            reply = controller_reply_decoder.decode(payload)
+            unknown += not (isinstance(reply, HeartbeatReply) and reply.status == "ok")
+            if n > PROBE_WARMUP:
+                samples.append(rtt_ms)
+        time.sleep(max(0.0, PROBE_GAP_S - rtt_ms / 1e3))
+    sock.close(0)
+    ctx.term()
+    out.put({"samples": samples, "unanswered": unanswered, "unknown": unknown})
+
+
+def poll_views(base_url: str, paths: list[str], clients: int, stop, out) -> None:
+    """In a process of its own: ``clients`` threads, each GETting every one of ``paths`` back to
+    back until ``stop`` is set; what they were served."""
+    served = {path: 0 for path in paths}
+    failed: list[str] = []
+    mb = [0.0]
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            while not stop.is_set():
+                for path in paths:
+                    r = http.get(path)
+                    with lock:
+                        if r.status_code == 200:
+                            served[path] += 1
+                            mb[0] += len(r.content) / 1e6
+                        else:
+                            failed.append(f"{path}: {r.status_code}")
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.monotonic() - t0
+    out.put({"served": served, "seconds": seconds, "mb": mb[0], "failed": failed[:5]})
+
+
+def progress(started: float, what: str) -> None:
+    """A line on stderr per phase, so that a slow or stuck run says where it is."""
+    print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def view_builds(controller: ControllerProcess) -> dict[str, float]:
+    return {
+        view: controller.metric("lmcache_controller_view_builds_total", view=view) for view in ("workers", "dashboard")
+    }
+
+
+def probe_round(mp, controller: ControllerProcess, fleet: FakeFleet, seconds: float) -> dict:
+    instance_id, rank = fleet.ranks[0]
+    out = mp.Queue()
+    port = fleet.heartbeat_port or controller.heartbeat
+    probe = mp.Process(target=probe_heartbeats, args=(port, fleet.epoch, instance_id, rank, seconds, out))
+    probe.start()
+    result = out.get(timeout=seconds + 120)
+    probe.join()
+    return result
+
+
+def views_round(mp, controller: ControllerProcess, fleet: FakeFleet, args: argparse.Namespace) -> dict:
+    """One member's heartbeat round trips idle, then while ``args.views_pollers`` clients poll the views."""
+    seconds = args.probe_s
+    idle = probe_round(mp, controller, fleet, seconds)
+    builds0 = view_builds(controller)
+    stop, polled = mp.Event(), mp.Queue()
+    pollers = mp.Process(target=poll_views, args=(controller.url, args.views_paths, args.views_pollers, stop, polled))
+    pollers.start()
+    time.sleep(2.0)  # the pollers' interpreter started and every client polling
+    loaded = probe_round(mp, controller, fleet, seconds)
+    stop.set()
+    polls = polled.get(timeout=300)
+    pollers.join()
+    builds = {k: v - builds0[k] for k, v in view_builds(controller).items()}
+    idle_ms, loaded_ms = spread_ms(idle["samples"]), spread_ms(loaded["samples"])
+    return {
+        "idle": idle_ms,
+        "loaded": loaded_ms,
+        "loaded_over_idle": {
+            k: round(loaded_ms[k] / idle_ms[k], 1) for k in ("p50_ms", "p99_ms", "max_ms") if k in loaded_ms
+        },
+        "unanswered": idle["unanswered"] + loaded["unanswered"],
+        "answered_unknown": idle["unknown"] + loaded["unknown"],
+        "polls_per_s": round(sum(polls["served"].values()) / polls["seconds"], 1),
+        "served": polls["served"],
+        "mb_per_s": round(polls["mb"] / polls["seconds"], 1),
+        "failed": polls["failed"],
+        "view_builds": builds,
+    }
+
+
+def rounds_spread(rounds: list[dict]) -> dict:
+    """Each figure over the rounds: [min, median, max]."""
+    figures = {
+        f"{phase}_{k}": [r[phase][k] for r in rounds]
+        for phase in ("idle", "loaded", "loaded_over_idle")
+        for k in ("p50_ms", "p99_ms", "max_ms")
+    }
+    figures["polls_per_s"] = [r["polls_per_s"] for r in rounds]
+    return {name: [min(v), statistics.median(v), max(v)] for name, v in figures.items()}
+
+
+def views_under_load(args: argparse.Namespace, cache_s: float) -> dict:
+    """A controller with ``args.ranks`` heartbeating ranks and ``--view-cache-s cache_s``, its
+    heartbeats measured idle and under polling, ``args.rounds`` times."""
+    started = time.monotonic()
+    mp = multiprocessing.get_context("spawn")  # the children share no threads or sockets with this one
+    controller = ControllerProcess("--view-cache-s", str(cache_s)).start()
+    LogDrain(controller)  # read, so that its log never fills the pipe
+    fleet = None
+    try:
+        fleet = FakeFleet(controller, args.ranks, tp=args.tp, prefix="views")
+        replies = fleet.register_all()
+        refused = sum(not r.ok for r in replies.values())
+        progress(started, f"--view-cache-s {cache_s}: {args.ranks} ranks registered, {refused} refused")
+        fleet.start_heartbeats()
+        time.sleep(fleet.heartbeat_interval + 1.0)  # every rank has beaten once
+        rounds = []
+        for n in range(args.rounds):
+            rounds.append(views_round(mp, controller, fleet, args))
+            progress(started, f"--view-cache-s {cache_s}: round {n + 1} of {args.rounds} done")
+        sizes = {path: len(controller.http.get(path).content) for path in VIEW_PATHS}
+    finally:
+        if fleet is not None:
+            fleet.close()
+        controller.stop()
+        progress(started, f"--view-cache-s {cache_s}: controller and fleet stopped")
+    return {
+        "bench": "views_under_load",
+        "view_cache_s": cache_s,
+        "ranks": args.ranks,
+        "refused": refused,
+        "pollers": args.views_pollers,
+        "paths": args.views_paths,
+        "bytes": sizes,
+        "probe_s": args.probe_s,
+        "rounds": rounds,
+        "spread": rounds_spread(rounds),
+        "fleet_heartbeats_unknown": fleet.heartbeats_unknown,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=10_000)
     ap.add_argument("--tp", type=int, default=8, help="ranks per instance")
     ap.add_argument("--idle-s", type=float, default=30.0, help="CPU is measured over this long, after one interval")
+    ap.add_argument(
+        "--views-pollers", type=int, default=0, help="measure heartbeats while this many clients poll the read views"
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--views-pollers: idle/loaded pairs per setting")
+    ap.add_argument("--probe-s", type=float, default=10.0, help="--views-pollers: seconds of heartbeats per phase")
+    ap.add_argument("--views-paths", nargs="+", default=list(VIEW_PATHS), help="--views-pollers: what they poll")
+    ap.add_argument(
+        "--view-cache-s", type=float, nargs="+", default=[0.0, 1.0], help="--views-pollers: the settings compared"
+    )
     args = ap.parse_args()
     if args.ranks % args.tp:
         ap.error(f"--ranks {args.ranks} is not a multiple of --tp {args.tp}")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < args.ranks + 512 <= hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if args.views_pollers:
+        for cache_s in args.view_cache_s:
+            print(json.dumps(views_under_load(args, cache_s)), flush=True)
+        return
 
     controller = ControllerProcess().start()
     assert controller.proc is not None

@@ -1,16 +1,21 @@
 """GET /controller/workers and /controller/dashboard under polling (a real ``lmcache_controller``,
 fake ranks of one process): however many clients poll, each view is built at most about once per
---view-cache-s, every answer says its age, and a newly registered worker shows at once."""
+--view-cache-s, every answer says its age, and a newly registered worker shows at once. The WebUI's
+page carries the cached dashboard, escaped for its script element.
+
+How long heartbeats wait meanwhile is a benchmark's figure, not a test's:
+``benchmarks/bench_controller_scale.py --views-pollers 4``."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
 import pytest
 from fake_fleet import FakeFleet
-from protocol_client import ControllerProcess
+from protocol_client import ControllerProcess, FakeWorker
 
 RANKS = 300
 INTERVAL = 1.0
@@ -61,3 +66,27 @@ def test_polled_views_are_built_once_per_interval_and_show_new_workers(controlle
         assert len(controller.http.get("/controller/workers").json()["workers"]) == RANKS
     finally:
         fleet.close()
+
+
+MARKUP = "<img/src/onerror=alert(1)>"  # an instance id that is markup
+
+
+def test_the_page_carries_the_cached_dashboard_escaped_for_its_script_element():
+    # A cache that outlives the test: the page must reuse the build, whatever the machine's pace.
+    controller = ControllerProcess("--log-level", "warning", "--view-cache-s", "600").start()
+    worker = FakeWorker(controller, MARKUP)
+    try:
+        worker.register()
+        dashboard = controller.http.get("/controller/dashboard")
+        builds = controller.metric("lmcache_controller_view_builds_total", view="dashboard")
+        page = controller.http.get("/").text
+        assert controller.metric("lmcache_controller_view_builds_total", view="dashboard") == builds
+
+        opening = '<script id="initial-state" type="application/json">'
+        state = page.split(opening, 1)[1].split("</script>", 1)[0]
+        assert "<" not in state and MARKUP not in page  # written as \\u003c...: no element can start
+        assert json.loads(state) == dashboard.json()
+        assert json.loads(state)["instances"][0]["instance_id"] == MARKUP
+    finally:
+        worker.close()
+        controller.stop()
