@@ -5,7 +5,6 @@ one controller's ``kill -9``, and ``lmcache_router`` given both keeps routing wh
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 
 import httpx
@@ -53,16 +52,21 @@ def test_every_controller_indexes_every_key_and_a_peer_hit_survives_a_kill(two_c
     assert [link["reply_url"] for link in links] == [f"tcp://127.0.0.1:{c.reply}" for c in (first, second)]
 
     first.kill()  # SIGKILL: no goodbye, its ports simply stop answering
-    t0 = time.monotonic()
     assert b.lookup(prompt) == 4 * CHUNK  # through the second controller
-    took = time.monotonic() - t0
-    assert took < 2.0, took  # one lookup timeout (1 s) at most, then the next controller
     assert b.retrieve(prompt)["exact"]
     assert "peer lookups answered by the controller at" in b.log()  # the switch, said once
-    # A keeps reporting to the survivor: a prompt stored after the kill is indexed there.
+    # The dead controller cost that lookup one unanswered request at most (its timeout; none when
+    # a heartbeat noticed first), and costs later ones nothing: its link misses at once (lookups
+    # failing, or not registered once a heartbeat went unanswered) until it is heard again.
+    asked = b.status()["controllers"][0]["p2p_lookups"]
+    assert asked <= 1, asked
+    # A keeps reporting to the survivor: a prompt stored after the kill is indexed there, and B's
+    # lookup of it does not ask the dead controller again.
     later = tokens(2 * CHUNK, seed=32)
     assert a.prefill(later) == 2 * CHUNK
     wait_for(lambda: second.holders(later).get("lmcache_instance_1") == [CPU, 2 * CHUNK], 10, "A's new keys")
+    assert b.lookup(later) == 2 * CHUNK
+    assert b.status()["controllers"][0]["p2p_lookups"] == asked
 
 
 def test_mismatched_controller_lists_are_refused_naming_the_key():
