@@ -69,6 +69,35 @@ def test_every_controller_indexes_every_key_and_a_peer_hit_survives_a_kill(two_c
     assert b.status()["controllers"][0]["p2p_lookups"] == asked
 
 
+def test_a_move_issued_on_a_killed_controller_runs_once_and_the_survivor_says_whose_it_was(two_controllers, spawn):
+    first, second = two_controllers
+    a = spawn(instance_config("lmcache_instance_1", first, chunk_size=CHUNK, **both(first, second)))
+    spawn(instance_config("lmcache_instance_2", first, chunk_size=CHUNK, **both(first, second)))
+    prompt = tokens(4 * CHUNK, seed=41)
+    assert a.prefill(prompt) == 4 * CHUNK
+    for controller in (first, second):
+        wait_for(lambda c=controller: c.holders(prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 10, "A's keys")
+        wait_for(lambda c=controller: len(c.http.get("/controller/workers").json()["workers"]) == 2, 10, "A and B")
+    body = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU], "tokens": prompt}
+    event_id = first.api("/move", body)["event_id"]
+    first.kill()  # with the move in flight, or just done: its record goes with it either way
+
+    # The rank runs the command it accepted, once, and reports it to every controller.
+    wait_for(lambda: second.holders(prompt) == {"lmcache_instance_2": [CPU, 4 * CHUNK]}, 10, "the move, at B")
+
+    def answer() -> dict | None:
+        r = second.post("/check_finish", {"event_id": event_id})
+        assert r.status_code == 404, r.text  # not the survivor's event: never "pending" forever
+        return r.json() if "ranks reported" in r.json()["error"] else None
+
+    error = wait_for(answer, 10, "the survivor's answer with the rank's report")["error"]
+    assert "was not issued by this controller" in error, error
+    assert "'lmcache_instance_1' rank 0: done, 128 tokens" in error, error
+    assert a.log().count(f"move {event_id}: 4 of 4 chunk(s) now at lmcache_instance_2") == 1
+    unknown = second.post("/check_finish", {"event_id": "move-0123456789abcdef"})
+    assert unknown.status_code == 404 and "not issued by this controller since it started" in unknown.json()["error"]
+
+
 def test_mismatched_controller_lists_are_refused_naming_the_key():
     config = {
         "enable_controller": True,
