@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 from instances import instance_config, tokens
+from msgspec.structs import replace
 from openai_standin import ServedApp, StandinEngine
 from protocol_client import FAST_CONTROLLER, ControllerProcess, FakeWorker, wait_for
 
@@ -19,6 +20,7 @@ from lmcache_p2p.miss_reasons import TIMEOUT
 from lmcache_p2p.protocol import P2PLookupReply, PeerHolder
 from lmcache_p2p.router.app import RouterService, create_app
 from lmcache_p2p.router.config import RouterConfig
+from lmcache_p2p.testing.link_fleet import standin_layout
 from lmcache_p2p.worker.links import ControllerLinks
 
 CHUNK = 32
@@ -98,6 +100,47 @@ def test_a_move_issued_on_a_killed_controller_runs_once_and_the_survivor_says_wh
     assert unknown.status_code == 404 and "not issued by this controller since it started" in unknown.json()["error"]
 
 
+def test_a_restarted_controllers_misses_are_checked_with_the_next_until_ranks_are_back(controllers, spawn):
+    # Default flags: 5 s heartbeats, so a restarted controller settles for 8 s after a rank is back.
+    first, second = controllers(), controllers()
+    # A holder rank that never heartbeats: it will not register again with the restarted controller,
+    # as a live rank would not yet have in the seconds after a restart.
+    holders = [FakeWorker(c, "holder") for c in (first, second)]
+    b = spawn(instance_config("engine_b", first, chunk_size=16, p2p_pull_policy="always", **both(first, second)))
+    prompt = tokens(4 * 16, seed=51)
+    try:
+        for holder in holders:
+            holder.layout = standin_layout("llama-3.1-8b")  # the stand-in engine's: it can pull from it
+            assert holder.register().ok
+            holder.admit_tokens(prompt)
+        for controller in (first, second):
+            wait_for(lambda c=controller: c.holders(prompt).get("holder") == [CPU, 64], 10, "the holder's keys")
+            wait_for(lambda c=controller: _listed(c, "engine_b"), 10, "B registered")
+        assert b.request("offer", tokens=prompt)["offered"] == 4  # the first controller names the holder
+
+        first.kill()
+        restarted = ControllerProcess(ports=first.ports).start()  # the same ports, an empty index
+        try:
+            # B hears "unknown" at its next heartbeat and registers again; the holder does not.
+            wait_for(lambda: _listed(restarted, "engine_b"), 15, "B registered again", interval=0.2)
+            holders[1].heartbeat()  # still live at the second controller, however long that took
+            answer = b.request("offer", tokens=prompt)
+            assert answer["offered"] == 4, answer  # the restarted one's "not held", checked with the second
+            link = b.status()["controllers"][0]
+            assert link["p2p_lookups_rechecked"] == 1, link
+            assert "restarted; its index may lack ranks not registered again" in b.log()
+        finally:
+            restarted.stop()
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def _listed(controller: ControllerProcess, instance_id: str) -> bool:
+    workers = controller.http.get("/controller/workers").json()["workers"]
+    return any(w["instance_id"] == instance_id for w in workers)
+
+
 def test_mismatched_controller_lists_are_refused_naming_the_key():
     config = {
         "enable_controller": True,
@@ -156,7 +199,8 @@ class StandinLink:
         self.reply = SimpleNamespace(address=f"tcp://{name}:8400")
         self.me = SimpleNamespace(describe=lambda: "inst rank 0")
         self.registered, self.epoch, self.answer = registered, f"epoch-{name}", reply
-        self.stats = {"p2p_lookups": 0}
+        self.settling = False
+        self.stats = {"p2p_lookups": 0, "p2p_lookups_rechecked": 0}
         self._lookups_failing_since = None
         self.effective_channel = self.channel_error = self.on_peers = None
         self.max_warm_peers = 0
@@ -189,12 +233,34 @@ def test_lookups_go_in_order_past_timeout_misses_messages_to_all_warm_set_from_t
     hashes = np.arange(3, dtype=np.uint64)
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders == [holder]
     assert (first.stats["p2p_lookups"], second.stats["p2p_lookups"]) == (1, 1)
-    assert links.stats == {"p2p_lookups": 2}
+    assert links.stats == {"p2p_lookups": 2, "p2p_lookups_rechecked": 0}
     second.answer = P2PLookupReply(holders=[], miss_reason="not_held")  # an answer, not a timeout
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
     second.answer = unanswered
     miss = asyncio.run(links.p2p_lookup(hashes, 1.0))
     assert miss.miss_reason == TIMEOUT and "tcp://c1:8400" in miss.miss_detail and "tcp://c2:8400" in miss.miss_detail
+
+    # A restarted controller, settling: an answer short of the prompt is checked with the next one,
+    # whose longer offer wins; a full answer is not checked, nor is a settled controller's.
+    def offering(chunks: int) -> P2PLookupReply:
+        return P2PLookupReply(
+            holders=[replace(holder, matched_chunks=chunks)] if chunks else [], miss_reason="not_held"
+        )
+
+    first.settling, first.answer, second.answer = True, offering(0), offering(3)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 3
+    first.answer, second.answer = offering(2), offering(1)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 2
+    first.answer = offering(3)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 3
+    second.answer = unanswered  # nobody else answers: the settling controller's answer stands
+    first.answer = offering(0)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
+    assert first.stats["p2p_lookups_rechecked"] == 3 and second.stats["p2p_lookups"] == 6
+    first.settling = False
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
+    assert second.stats["p2p_lookups"] == 6
+    first.answer = unanswered
 
     links.send("done")
     assert first.sent == second.sent == ["done"]
