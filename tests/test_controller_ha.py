@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from instances import instance_config, tokens
+from msgspec.structs import replace
 from openai_standin import ServedApp, StandinEngine
 from protocol_client import FAST_CONTROLLER, ControllerProcess, FakeWorker, wait_for
 
@@ -20,6 +21,7 @@ from lmcache_p2p.miss_reasons import TIMEOUT
 from lmcache_p2p.protocol import P2PLookupReply, PeerHolder
 from lmcache_p2p.router.app import RouterService, create_app
 from lmcache_p2p.router.config import RouterConfig
+from lmcache_p2p.testing.link_fleet import standin_layout
 from lmcache_p2p.worker.links import ControllerLinks
 
 CHUNK = 32
@@ -59,10 +61,88 @@ def test_every_controller_indexes_every_key_and_a_peer_hit_survives_a_kill(two_c
     assert took < 2.0, took  # one FAILOVER_WAIT_S (1 s) at most, then the next controller
     assert b.retrieve(prompt)["exact"]
     assert "peer lookups answered by the controller at" in b.log()  # the switch, said once
-    # A keeps reporting to the survivor: a prompt stored after the kill is indexed there.
+    # The dead controller cost that lookup one unanswered request at most (its timeout; none when
+    # a heartbeat noticed first), and costs later ones nothing: its link misses at once (lookups
+    # failing, or not registered once a heartbeat went unanswered) until it is heard again.
+    asked = b.status()["controllers"][0]["p2p_lookups"]
+    assert asked <= 1, asked
+    # A keeps reporting to the survivor: a prompt stored after the kill is indexed there, and B's
+    # lookup of it does not ask the dead controller again.
     later = tokens(2 * CHUNK, seed=32)
     assert a.prefill(later) == 2 * CHUNK
     wait_for(lambda: second.holders(later).get("lmcache_instance_1") == [CPU, 2 * CHUNK], 10, "A's new keys")
+    assert b.lookup(later) == 2 * CHUNK
+    assert b.status()["controllers"][0]["p2p_lookups"] == asked
+
+
+def test_a_move_issued_on_a_killed_controller_runs_once_and_the_survivor_says_whose_it_was(two_controllers, spawn):
+    first, second = two_controllers
+    a = spawn(instance_config("lmcache_instance_1", first, chunk_size=CHUNK, **both(first, second)))
+    spawn(instance_config("lmcache_instance_2", first, chunk_size=CHUNK, **both(first, second)))
+    prompt = tokens(4 * CHUNK, seed=41)
+    assert a.prefill(prompt) == 4 * CHUNK
+    for controller in (first, second):
+        wait_for(lambda c=controller: c.holders(prompt).get("lmcache_instance_1") == [CPU, 4 * CHUNK], 10, "A's keys")
+        wait_for(lambda c=controller: len(c.http.get("/controller/workers").json()["workers"]) == 2, 10, "A and B")
+    body = {"old_position": ["lmcache_instance_1", CPU], "new_position": ["lmcache_instance_2", CPU], "tokens": prompt}
+    event_id = first.api("/move", body)["event_id"]
+    first.kill()  # with the move in flight, or just done: its record goes with it either way
+
+    # The rank runs the command it accepted, once, and reports it to every controller.
+    wait_for(lambda: second.holders(prompt) == {"lmcache_instance_2": [CPU, 4 * CHUNK]}, 10, "the move, at B")
+
+    def answer() -> dict | None:
+        r = second.post("/check_finish", {"event_id": event_id})
+        assert r.status_code == 404, r.text  # not the survivor's event: never "pending" forever
+        return r.json() if "ranks reported" in r.json()["error"] else None
+
+    error = wait_for(answer, 10, "the survivor's answer with the rank's report")["error"]
+    assert "was not issued by this controller" in error, error
+    assert "'lmcache_instance_1' rank 0: done, 128 tokens" in error, error
+    assert a.log().count(f"move {event_id}: 4 of 4 chunk(s) now at lmcache_instance_2") == 1
+    unknown = second.post("/check_finish", {"event_id": "move-0123456789abcdef"})
+    assert unknown.status_code == 404 and "not issued by this controller since it started" in unknown.json()["error"]
+
+
+def test_a_restarted_controllers_misses_are_checked_with_the_next_until_ranks_are_back(controllers, spawn):
+    # Default flags: 5 s heartbeats, so a restarted controller settles for 8 s after a rank is back.
+    first, second = controllers(), controllers()
+    # A holder rank that never heartbeats: it will not register again with the restarted controller,
+    # as a live rank would not yet have in the seconds after a restart.
+    holders = [FakeWorker(c, "holder") for c in (first, second)]
+    b = spawn(instance_config("engine_b", first, chunk_size=16, p2p_pull_policy="always", **both(first, second)))
+    prompt = tokens(4 * 16, seed=51)
+    try:
+        for holder in holders:
+            holder.layout = standin_layout("llama-3.1-8b")  # the stand-in engine's: it can pull from it
+            assert holder.register().ok
+            holder.admit_tokens(prompt)
+        for controller in (first, second):
+            wait_for(lambda c=controller: c.holders(prompt).get("holder") == [CPU, 64], 10, "the holder's keys")
+            wait_for(lambda c=controller: _listed(c, "engine_b"), 10, "B registered")
+        assert b.request("offer", tokens=prompt)["offered"] == 4  # the first controller names the holder
+
+        first.kill()
+        restarted = ControllerProcess(ports=first.ports).start()  # the same ports, an empty index
+        try:
+            # B hears "unknown" at its next heartbeat and registers again; the holder does not.
+            wait_for(lambda: _listed(restarted, "engine_b"), 15, "B registered again", interval=0.2)
+            holders[1].heartbeat()  # still live at the second controller, however long that took
+            answer = b.request("offer", tokens=prompt)
+            assert answer["offered"] == 4, answer  # the restarted one's "not held", checked with the second
+            link = b.status()["controllers"][0]
+            assert link["p2p_lookups_rechecked"] == 1, link
+            assert "restarted; its index may lack ranks not registered again" in b.log()
+        finally:
+            restarted.stop()
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def _listed(controller: ControllerProcess, instance_id: str) -> bool:
+    workers = controller.http.get("/controller/workers").json()["workers"]
+    return any(w["instance_id"] == instance_id for w in workers)
 
 
 def test_mismatched_controller_lists_are_refused_naming_the_key():
@@ -123,7 +203,8 @@ class StandinLink:
         self.reply = SimpleNamespace(address=f"tcp://{name}:8400")
         self.me = SimpleNamespace(describe=lambda: "inst rank 0")
         self.registered, self.epoch, self.answer = registered, f"epoch-{name}", reply
-        self.stats = {"p2p_lookups": 0}
+        self.settling = False
+        self.stats = {"p2p_lookups": 0, "p2p_lookups_rechecked": 0}
         self._lookups_failing_since = None
         self.effective_channel = self.channel_error = self.on_peers = None
         self.max_warm_peers = 0
@@ -156,12 +237,34 @@ def test_lookups_go_in_order_past_timeout_misses_messages_to_all_warm_set_from_t
     hashes = np.arange(3, dtype=np.uint64)
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders == [holder]
     assert (first.stats["p2p_lookups"], second.stats["p2p_lookups"]) == (1, 1)
-    assert links.stats == {"p2p_lookups": 2}
+    assert links.stats == {"p2p_lookups": 2, "p2p_lookups_rechecked": 0}
     second.answer = P2PLookupReply(holders=[], miss_reason="not_held")  # an answer, not a timeout
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
     second.answer = unanswered
     miss = asyncio.run(links.p2p_lookup(hashes, 1.0))
     assert miss.miss_reason == TIMEOUT and "tcp://c1:8400" in miss.miss_detail and "tcp://c2:8400" in miss.miss_detail
+
+    # A restarted controller, settling: an answer short of the prompt is checked with the next one,
+    # whose longer offer wins; a full answer is not checked, nor is a settled controller's.
+    def offering(chunks: int) -> P2PLookupReply:
+        return P2PLookupReply(
+            holders=[replace(holder, matched_chunks=chunks)] if chunks else [], miss_reason="not_held"
+        )
+
+    first.settling, first.answer, second.answer = True, offering(0), offering(3)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 3
+    first.answer, second.answer = offering(2), offering(1)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 2
+    first.answer = offering(3)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 3
+    second.answer = unanswered  # nobody else answers: the settling controller's answer stands
+    first.answer = offering(0)
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
+    assert first.stats["p2p_lookups_rechecked"] == 3 and second.stats["p2p_lookups"] == 6
+    first.settling = False
+    assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
+    assert second.stats["p2p_lookups"] == 6
+    first.answer = unanswered
 
     links.send("done")
     assert first.sent == second.sent == ["done"]

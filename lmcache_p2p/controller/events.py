@@ -51,6 +51,10 @@ STATUSES = ("pending", "done", "failed")
 MAX_EVENT_ID_CHARS = 64
 MAX_DETAIL_CHARS = 2 * MAX_ID_CHARS + 256
 MAX_NUM_TOKENS = 2**53  # exact in a float, so the dashboard's JavaScript shows it as it is
+# What a controller keeps of a completion for an event it did not issue (ReportedElsewhere):
+# enough to tell an operator what the ranks said, bounded whatever a TP group reports.
+MAX_REPORTS_PER_EVENT = 16
+MAX_REPORT_ERROR_CHARS = 200
 # A journal line is one event (under 3 KiB with the longest error); a longer line is not ours.
 MAX_JOURNAL_LINE_BYTES = 64 * 1024
 # Warnings about bad journal lines, one a line up to here; past it only their count (a file of
@@ -177,12 +181,41 @@ def read_journal_line(line: bytes) -> CommandEvent:
     return event
 
 
+class ReportedElsewhere:
+    """Completions ranks reported for command events this controller did not issue: with several
+    controllers a rank reports each completion to all of them (it cannot tell which one issued
+    the command). Kept, bounded, so that ``/check_finish`` asked of the wrong controller (or of
+    the survivor after the issuing one died) answers that the event is not its own and what its
+    ranks said, instead of a bare "unknown". The newest ``capacity`` event ids, at most
+    ``MAX_REPORTS_PER_EVENT`` ranks' words each."""
+
+    def __init__(self, capacity: int = 1000):
+        self.capacity = capacity
+        self._reports: OrderedDict[str, list[str]] = OrderedDict()
+
+    def note(self, event_id: str, instance_id: str, rank: int, ok: bool, num_tokens: int, error: str | None) -> None:
+        if not 0 < len(event_id) <= MAX_EVENT_ID_CHARS:
+            return  # no event this mesh issues; nobody will ask about it
+        reports = self._reports.pop(event_id, [])
+        if len(reports) < MAX_REPORTS_PER_EVENT:
+            words = f"{shown(instance_id)} rank {rank}: {'done' if ok else 'failed'}, {num_tokens} tokens"
+            reports.append(words + (f" ({shown(error[:MAX_REPORT_ERROR_CHARS])})" if error else ""))
+        self._reports[event_id] = reports  # the newest last
+        while len(self._reports) > self.capacity:
+            self._reports.popitem(last=False)
+
+    def get(self, event_id: str) -> list[str] | None:
+        return self._reports.get(event_id)
+
+
 class EventLog:
-    """The newest ``capacity`` events, by id; kept in ``journal`` (a JSON-lines file) when given."""
+    """The newest ``capacity`` events, by id; kept in ``journal`` (a JSON-lines file) when given.
+    ``elsewhere`` keeps what ranks reported about events another controller issued."""
 
     def __init__(self, capacity: int = 10_000, journal: str | None = None):
         self.capacity = capacity
         self._events: OrderedDict[str, CommandEvent] = OrderedDict()
+        self.elsewhere = ReportedElsewhere()
         self._journal_path = journal
         self._journal: TextIO | None = None
         self._journal_lines = 0

@@ -182,8 +182,9 @@ class Orchestrator:
         if event is None:
             # Not an error: with several controllers a worker reports each completion to all of
             # them (it cannot tell which one issued the command), so the others' events arrive
-            # here too. Counted; a DEBUG line only.
+            # here too. Counted, and kept for /check_finish's answer; a DEBUG line only.
             self.metrics.inc("lmcache_controller_completions_unknown_total")
+            self.events.elsewhere.note(msg.event_id, msg.instance_id, msg.rank, msg.ok, msg.num_tokens, msg.error)
             logger.debug(
                 "completion for event %s from %s rank %d: not one of ours (another controller's, or forgotten)",
                 shown(msg.event_id),

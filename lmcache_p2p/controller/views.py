@@ -159,9 +159,18 @@ class Views:
         read = self.reads.get(event_id)
         if read is not None:
             return {"event_id": read.event_id, "status": "done", "num_tokens": read.num_tokens, "error": None}
+        reports = self.events.elsewhere.get(event_id)
+        if reports is not None:
+            # With several controllers each knows only the commands it issued; its ranks still
+            # told this one how it ended (the issuing controller may be gone with its record).
+            raise UnknownEvent(
+                f"event_id {event_id!r} was not issued by this controller (a command's status is kept by the "
+                f"controller that issued it); its ranks reported: {'; '.join(reports)}",
+                "event_id",
+            )
         raise UnknownEvent(
-            f"unknown event_id {event_id!r} (events are kept for the last {self.events.capacity} "
-            f"commands and {self.reads.capacity} reads)",
+            f"unknown event_id {event_id!r}: not issued by this controller since it started, or older than "
+            f"the last {self.events.capacity} commands and {self.reads.capacity} reads it keeps",
             "event_id",
         )
 

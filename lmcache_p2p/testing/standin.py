@@ -9,7 +9,7 @@ landed in the wrong rank or the wrong blocks is detected by :meth:`StandInKV.mat
 
 Process protocol (:mod:`lmcache_p2p.testing.jsonlines`): one JSON object per line on stdin, one
 JSON answer per line on stdout (logs go to stderr). Operations: ``prefill``, ``fill``, ``lookup``,
-``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``; see :func:`handler`.
+``offer``, ``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``; see :func:`handler`.
 Requests name prompts by their tokens; the handler hashes them into chunk keys once per request,
 as the vLLM connector's scheduler half does, and the engine sees only the keys.
 """
@@ -143,6 +143,14 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
             answer = {"dropped": engine.storage.clear()}
         elif op == "lookup":
             answer = {"hit": engine.lookup(hashes, num_tokens, fetch_missing=request.get("peers", True))}
+        elif op == "offer":  # an engine's peer lookup alone (its scheduler's question, nothing pulled)
+            first = engine.lookup_async(hashes)
+            answer = {
+                "local": len(first.sources),
+                "offered": first.offer.chunks if first.offer is not None else 0,
+                "miss": first.miss.reason if first.miss is not None else None,
+                "detail": first.miss.detail if first.miss is not None else "",
+            }
         elif op == "lookup_together":  # several prompts' peer pulls started at once, as vLLM's
             # scheduler does with requests that arrive together: when each pull ended (s from start)
             # (each prompt's peer offer, then its pull, as a granted load starts it)

@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 REQUEST_TIMEOUT_S = 3.0
 RESYNC_BATCH_KEYS = 65536
 EARLY_BEAT_MIN_S = 0.25  # beat_soon(): early heartbeats are at least this far apart
+# After a controller restart, how long beyond one heartbeat interval its index may still lack
+# live ranks: every rank hears "unknown" at its next heartbeat and registers again at once; this
+# covers that round trip and its re-sync (a rank's full key set, batches of RESYNC_BATCH_KEYS).
+SETTLE_MARGIN_S = 3.0
 
 
 class EventBatcher:
@@ -163,6 +167,7 @@ class ControllerLink:
         self.batcher = EventBatcher()
         self.registered = False
         self.epoch = ""
+        self._settling_until = 0.0  # see settling
         # Reported at registration (the worker sets them before start()): the channel running
         # here and why it is not the configured one, and how many peers to keep warm.
         self.effective_channel: str | None = identity.transfer_channel
@@ -190,6 +195,7 @@ class ControllerLink:
             "resyncs_sent": 0,
             "p2p_lookups": 0,
             "p2p_lookups_skipped": 0,  # fast misses while the controller did not answer
+            "p2p_lookups_rechecked": 0,  # its short answers while settling, checked with the next one
         }
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -219,6 +225,13 @@ class ControllerLink:
         # (pyzmq's stubs type the async send as a plain Awaitable; zmq.asyncio returns this Future.)
         sent = cast("asyncio.Future[zmq.MessageTracker | None]", self.push.send(encode(message), flags=zmq.NOBLOCK))
         return not (sent.done() and sent.exception() is not None)
+
+    @property
+    def settling(self) -> bool:
+        """The controller restarted since this rank first registered, recently enough that other
+        ranks may not have registered again yet: a miss it answers may be a key it has not heard
+        of yet (a rank's own restart is no such case: the controller it meets knows the mesh)."""
+        return time.monotonic() < self._settling_until
 
     # -- registration and heartbeats -------------------------------------------------------------
 
@@ -294,8 +307,18 @@ class ControllerLink:
             logger.error("%s: controller refused registration: %s", me.describe(), e)
             await asyncio.sleep(5.0)
             return False
+        restarted = bool(self.epoch) and reply.controller_epoch != self.epoch
         self.epoch = reply.controller_epoch
         self.interval = min(self.heartbeat_time, reply.heartbeat_interval or self.heartbeat_time)
+        if restarted:
+            self._settling_until = time.monotonic() + self.interval + SETTLE_MARGIN_S
+            logger.info(
+                "%s: the controller at %s restarted; its index may lack ranks not registered again "
+                "for %.1f s (one heartbeat interval and a re-sync)",
+                me.describe(),
+                self.reply.address,
+                self.interval + SETTLE_MARGIN_S,
+            )
         if self.heartbeat is not None:
             self.heartbeat.close()
         self.heartbeat = RpcClient(

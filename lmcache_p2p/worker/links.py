@@ -10,7 +10,10 @@ controller indexes every key. What the facade decides is only where a request go
 * a peer lookup asks the links in order and takes the first answer; a link that is not registered
   or whose last lookup went unanswered answers a ``timeout`` miss at once (ControllerLink's fast
   miss), and a lookup that goes unanswered moves on to the next link right then, so a dead first
-  controller costs one lookup timeout once, and nothing after its link has noticed;
+  controller costs one lookup timeout once, and nothing after its link has noticed. A controller
+  that restarted a moment ago (``ControllerLink.settling``: within a heartbeat interval and a
+  re-sync) knows only the ranks that registered again: an answer of it that does not offer every
+  chunk is checked with the next controller, and the longer offer wins;
 * a message (a command's ``CommandDone``, a ``Deregister``) goes to every controller: a worker
   does not know which one issued a command, and a controller counts a completion of an event it
   did not issue and otherwise ignores it;
@@ -189,19 +192,34 @@ class ControllerLinks:
         if len(self.links) == 1:
             return await self.links[0].p2p_lookup(hashes, timeout)
         unanswered: list[str] = []
+        unsettled: P2PLookupReply | None = None  # a settling controller's short answer, while others are asked
         for i, link in enumerate(self.links):
             wait = timeout if i == len(self.links) - 1 else min(timeout, FAILOVER_WAIT_S)
             reply = await link.p2p_lookup(hashes, wait)
-            if reply.holders or reply.miss_reason != TIMEOUT:
-                if self._answered_by is not link and unanswered:
-                    logger.info(
-                        "%s: peer lookups answered by the controller at %s (%s)",
-                        link.me.describe(),
-                        link.reply.address,
-                        "; ".join(unanswered),
-                    )
-                self._answered_by = link
-                return reply
-            unanswered.append(f"{link.reply.address}: {reply.miss_detail}")
+            if not reply.holders and reply.miss_reason == TIMEOUT:
+                unanswered.append(f"{link.reply.address}: {reply.miss_detail}")
+                continue
+            if unsettled is not None:  # the longer offer wins; the settling controller's on a tie
+                return reply if _offered(reply) > _offered(unsettled) else unsettled
+            if link.settling and _offered(reply) < len(hashes):
+                link.stats["p2p_lookups_rechecked"] += 1
+                unsettled = reply
+                continue
+            if self._answered_by is not link and unanswered:
+                logger.info(
+                    "%s: peer lookups answered by the controller at %s (%s)",
+                    link.me.describe(),
+                    link.reply.address,
+                    "; ".join(unanswered),
+                )
+            self._answered_by = link
+            return reply
+        if unsettled is not None:  # no other controller answered
+            return unsettled
         self._answered_by = None
         return P2PLookupReply(holders=[], miss_reason=TIMEOUT, miss_detail="; ".join(unanswered))
+
+
+def _offered(reply: P2PLookupReply) -> int:
+    """The leading chunks an answer's best holder offers."""
+    return max((holder.matched_chunks for holder in reply.holders), default=0)
