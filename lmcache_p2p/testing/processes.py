@@ -231,6 +231,10 @@ def wait_peer_pulls(read_log: Callable[[], str], count: int, timeout: float = 30
     deadline = time.monotonic() + timeout
     while len(pulls := peer_pulls(read_log())) < count:
         if time.monotonic() > deadline:
-            raise AssertionError(f"{len(pulls)} peer pull line(s) in the log after {timeout} s, expected {count}")
+            failed = [line for line in read_log().splitlines() if "peer pull from" in line]
+            raise AssertionError(
+                f"{len(pulls)} peer pull line(s) in the log after {timeout} s, expected {count}; "
+                f"failed pulls: {failed or 'none logged'}"
+            )
         time.sleep(0.1)
     return pulls
