@@ -165,6 +165,47 @@ def closed_by_server(socks: list[socket.socket]) -> int:
     return closed
 
 
+TCP_STATES = {1: "established", 2: "syn_sent"}
+
+
+def left_open(port: int, socks: list[socket.socket]) -> dict:
+    """Where the connections not closed yet stand: their TCP state on this side, and how many
+    connections the kernel has established on the server's side of the port (accepted or queued).
+    A handshake completed by a SYN cookie while the accept queue was full leaves this side
+    established and the server with nothing (the kernel drops the final ACK, and an idle client
+    never sends again)."""
+    states: dict[str, int] = {}
+    for s in socks:
+        try:
+            if s.recv(1) == b"":
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            continue
+        state = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        name = TCP_STATES.get(state, str(state))
+        states[name] = states.get(name, 0) + 1
+    try:
+        out = subprocess.run(
+            ["ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True, timeout=10
+        ).stdout
+        server_side: int | None = len(out.splitlines())
+    except (OSError, subprocess.SubprocessError):
+        server_side = None
+    return {"client_side": states, "server_side_established": server_side}
+
+
+def tcp_ext() -> dict[str, int]:
+    """The kernel's listen-queue and SYN-cookie counters (system-wide, /proc/net/netstat)."""
+    lines = Path("/proc/net/netstat").read_text().splitlines()
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], map(int, values.split()[1:]), strict=True))
+            return {k: table.get(k, 0) for k in ("ListenOverflows", "ListenDrops", "SyncookiesSent", "SyncookiesRecv")}
+    return {}
+
+
 def hold_flood(port: int, n: int, watch_s: float, go, events, release) -> None:
     """Open the flood when ``go`` is set; report how many the server closed over time; hold them
     (never closing one on this side) until ``release``. ``events`` gets ("ready",), ("opened",
@@ -190,12 +231,14 @@ def hold_flood(port: int, n: int, watch_s: float, go, events, release) -> None:
             break
         time.sleep(0.25)
     within_1s = max((c for t, c in timeline if t <= 1.0), default=0)
-    watched = {
+    watched: dict[str, Any] = {
         "closed_within_1s": within_1s,
         "all_closed_s": None if all_closed_s is None else round(all_closed_s, 2),
         "closed_at_end": timeline[-1][1],
         "timeline": [(t, c) for i, (t, c) in enumerate(timeline) if i % 4 == 0 or i == len(timeline) - 1],
     }
+    if all_closed_s is None:
+        watched["left_open"] = left_open(port, socks)
     events.put(("watched", watched))
     release.wait()
     for s in socks:
@@ -385,7 +428,7 @@ def run_phase(mp, name: str, n: int, args: argparse.Namespace, workdir: Path, st
         assert events.get(timeout=60) == ("ready",)
         beating = Heartbeats(list(workers)) if workers else None
         arrival = None
-        cpu0, go_at = cpu_seconds(listener.pid), time.monotonic()
+        cpu0, go_at, kernel0 = cpu_seconds(listener.pid), time.monotonic(), tcp_ext()
         go.set()
         _, t0, opened_s = events.get(timeout=60)  # t0: the flood's first connect (the same clock)
         if beating is not None:
@@ -447,6 +490,7 @@ def run_phase(mp, name: str, n: int, args: argparse.Namespace, workdir: Path, st
             outcomes[o] = outcomes.get(o, 0) + 1
         held_until = watched["all_closed_s"] if watched["all_closed_s"] is not None else window
         while_held = [o for t, o, _ in asked if t < held_until]
+        from_first = [o for t, o, _ in asked if answered and t >= answered[0][0]]
         result["flood_phase"] = {
             "window_s": round(window, 2),
             "requests": {
@@ -455,12 +499,14 @@ def run_phase(mp, name: str, n: int, args: argparse.Namespace, workdir: Path, st
                 "answered_frac": round(len(answered) / max(1, len(asked)), 3),
                 "answered_frac_while_held": round(sum(o == "ok" for o in while_held) / max(1, len(while_held)), 3),
                 "first_answer_s": round(answered[0][0], 2) if answered else None,
+                "answered_frac_from_first": round(len(answered) / max(1, len(from_first)), 3),
                 "latency": spread_ms([ms for _, ms in answered]),
                 "not_answered_latency": spread_ms([ms for _, o, ms in asked if o != "ok"]),
             },
             "flood": {"opened_s": opened_s, **watched},
             "cpu_pct": round(100 * (cpu1 - cpu0) / window, 1),
             "cpu_pct_quiet_after": round(100 * (cpu2 - cpu1) / QUIET_S, 1),
+            "kernel": {k: v - kernel0.get(k, 0) for k, v in tcp_ext().items()},
         }
         if beating is not None:
             result["flood_phase"]["heartbeat"] = {
@@ -498,6 +544,7 @@ FIGURES = {
     "flood_answered_frac": ("flood_phase", "requests", "answered_frac"),
     "flood_answered_frac_while_held": ("flood_phase", "requests", "answered_frac_while_held"),
     "flood_first_answer_s": ("flood_phase", "requests", "first_answer_s"),
+    "flood_answered_frac_from_first": ("flood_phase", "requests", "answered_frac_from_first"),
     "flood_p50_ms": ("flood_phase", "requests", "latency", "p50_ms"),
     "flood_p99_ms": ("flood_phase", "requests", "latency", "p99_ms"),
     "flood_max_ms": ("flood_phase", "requests", "latency", "max_ms"),
@@ -535,7 +582,7 @@ def summarize(phases: list[dict]) -> dict:
             values = [dig(p, path) for p in mine]
             numbers = [v for v in values if isinstance(v, (int, float))]
             if numbers:
-                figures[name] = [min(numbers), statistics.median(numbers), max(numbers)]
+                figures[name] = [min(numbers), round(statistics.median(numbers), 3), max(numbers)]
             if numbers and len(numbers) < len(values):  # e.g. no answer, or not all closed, in a round
                 figures[name + "_missing"] = len(values) - len(numbers)
         counters: dict[str, list] = {}
@@ -543,7 +590,13 @@ def summarize(phases: list[dict]) -> dict:
             for source in ("counters", "log"):
                 for k, v in p.get(source, {}).items():
                     counters.setdefault(k, []).append(v)
+        for p in mine:
+            for k, v in p["flood_phase"].get("kernel", {}).items():
+                counters.setdefault("kernel_" + k, []).append(v)
         figures["counters"] = counters
+        left = [dig(p, ("flood_phase", "flood", "left_open")) for p in mine]
+        if any(left):
+            figures["left_open"] = left
         if mine[0]["listener"] == "controller":
             figures["new_rank_first_ok"] = [dig(p, ("flood_phase", "new_rank", "first_ok")) for p in mine]
             figures["new_rank_first_error"] = [dig(p, ("flood_phase", "new_rank", "first_error")) for p in mine]
