@@ -49,6 +49,7 @@ from fake_fleet import FakeFleet  # noqa: E402
 from protocol_client import CPU, ControllerProcess  # noqa: E402
 
 from lmcache_p2p.protocol import Heartbeat, HeartbeatReply, controller_reply_decoder, encode  # noqa: E402
+from lmcache_p2p.testing.measure import cpu_seconds, spread_ms  # noqa: E402
 
 
 def proc_status(pid: int, key: str) -> int:
@@ -57,12 +58,6 @@ def proc_status(pid: int, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     return 0
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def open_fds(pid: int) -> int:
@@ -101,18 +96,6 @@ class LogDrain:
 VIEW_PATHS = ("/controller/workers", "/controller/dashboard", "/")
 PROBE_GAP_S = 0.02  # the measured member heartbeats this often (the fleet's ranks every 5 s)
 PROBE_WARMUP = 5  # first round trips not counted: the connection's handshake
-
-
-def spread_ms(samples: list[float]) -> dict:
-    samples = sorted(samples)
-    if not samples:
-        return {"n": 0}
-    return {
-        "n": len(samples),
-        "p50_ms": round(statistics.median(samples), 2),
-        "p99_ms": round(samples[min(len(samples) - 1, int(0.99 * len(samples)))], 2),
-        "max_ms": round(samples[-1], 2),
-    }
 
 
 def probe_heartbeats(port: int, epoch: str, instance_id: str, rank: int, seconds: float, out) -> None:

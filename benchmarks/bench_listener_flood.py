@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from protocol_client import FakeWorker  # noqa: E402
 
 from lmcache_p2p.remote import wire  # noqa: E402
+from lmcache_p2p.testing.measure import closed_by_server, cpu_seconds, idle_connections, spread_ms  # noqa: E402
 from lmcache_p2p.testing.ports import free_ports  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -62,28 +63,10 @@ LISTENERS = ("controller", "router", "server")
 REQUEST_TIMEOUT_S = 2.0
 WATCH_EXTRA_S = 10.0  # the flood is watched this long past the idle timeout
 QUIET_S = 2.0
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
 def progress(started: float, what: str) -> None:
     print(f"[{time.monotonic() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
-
-
-def spread_ms(samples: list[float]) -> dict:
-    samples = sorted(samples)
-    if not samples:
-        return {"n": 0}
-    return {
-        "n": len(samples),
-        "p50_ms": round(statistics.median(samples), 2),
-        "p99_ms": round(samples[min(len(samples) - 1, int(0.99 * len(samples)))], 2),
-        "max_ms": round(samples[-1], 2),
-    }
 
 
 # -- legitimate clients: one request on a new connection ---------------------------------------
@@ -142,29 +125,6 @@ def timed(ask) -> tuple[str, float]:
 # -- the flood, from a process of its own -------------------------------------------------------
 
 
-def flood(port: int, n: int) -> list[socket.socket]:
-    """``n`` connections that never send a byte (tests/test_listener_bounds.py's)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex(("127.0.0.1", port))
-        socks.append(s)
-    return socks
-
-
-def closed_by_server(socks: list[socket.socket]) -> int:
-    closed = 0
-    for s in socks:
-        try:
-            closed += s.recv(1) == b""
-        except BlockingIOError:
-            pass
-        except OSError:  # reset, or never connected: the server is not holding it
-            closed += 1
-    return closed
-
-
 TCP_STATES = {1: "established", 2: "syn_sent"}
 
 
@@ -216,7 +176,7 @@ def hold_flood(port: int, n: int, watch_s: float, go, events, release) -> None:
     events.put(("ready",))
     go.wait()
     t0 = time.monotonic()
-    socks = flood(port, n)
+    socks = idle_connections(port, n)
     events.put(("opened", t0, round(time.monotonic() - t0, 3)))
     timeline: list[tuple[float, int]] = []
     all_closed_s = None

@@ -14,36 +14,8 @@ from protocol_client import CONTROLLER_SCRIPT, ControllerProcess, FakeWorker, wa
 from remote_stores import SCRIPT as SERVER
 from remote_stores import LmServer
 
+from lmcache_p2p.testing.measure import closed_by_server, cpu_seconds, idle_connections
 from lmcache_p2p.testing.ports import free_ports
-
-
-def flood(port: int, n: int) -> list[socket.socket]:
-    """``n`` connections that never send a byte (the kernel's backlog takes what is not accepted)."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex(("127.0.0.1", port))
-        socks.append(s)
-    return socks
-
-
-def closed_by_server(socks: list[socket.socket]) -> int:
-    closed = 0
-    for s in socks:
-        try:
-            closed += s.recv(1) == b""
-        except BlockingIOError:
-            pass
-        except OSError:  # reset, or never connected: the server is not holding it
-            closed += 1
-    return closed
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def health_answers(url: str, within: float) -> float:
@@ -66,7 +38,7 @@ def test_controller_closes_idle_connections_refuses_past_its_cap_and_ranks_keep_
     try:
         assert worker.register().ok
         cpu0 = cpu_seconds(controller.proc.pid)
-        socks = flood(controller.http_port, 200)
+        socks = idle_connections(controller.http_port, 200)
         t0 = time.monotonic()
         worst_beat = 0.0
         while time.monotonic() - t0 < 3.0:
@@ -103,7 +75,7 @@ def test_controller_under_a_low_descriptor_limit_refuses_what_it_cannot_hold_wit
     controller.start()
     socks: list[socket.socket] = []
     try:
-        socks = flood(http, 400)
+        socks = idle_connections(http, 400)
         time.sleep(0.5)
         # Answered while the flood is still held open by its sender.
         assert health_answers(controller.url, 5.0) < 5.0
@@ -122,7 +94,7 @@ def test_lmcache_server_health_answers_through_an_idle_flood_at_its_descriptor_l
     server = LmServer(port=port, argv=argv, log_dir=tmp_path).start()
     socks: list[socket.socket] = []
     try:
-        socks = flood(port, 300)  # past the 256 descriptors the server may hold
+        socks = idle_connections(port, 300)  # past the 256 descriptors the server may hold
         time.sleep(0.5)
         client = server.client(timeout_s=1.0)
         t0 = time.monotonic()
@@ -158,7 +130,7 @@ def test_router_closes_idle_connections_and_refuses_past_its_cap(tmp_path):
     socks: list[socket.socket] = []
     try:
         wait_for(lambda: b"serving on" in log_path.read_bytes(), 15, "lmcache_router")
-        socks = flood(port, 100)
+        socks = idle_connections(port, 100)
         wait_for(lambda: closed_by_server(socks) == len(socks), 15, "the router closes all 100 idle connections")
         assert httpx.get(url + "/router/stats", timeout=3).status_code == 200
     finally:
