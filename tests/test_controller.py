@@ -105,7 +105,8 @@ def test_port_in_use_exits_with_one_line(controller, which):
     taken = ports[slot] = controller.ports[slot]
     other = ControllerProcess(*FAST, ports=ports)
     out = subprocess.run(other.args, capture_output=True, text=True, timeout=30)
-    assert out.returncode == 1 and str(taken) in out.stderr and "in use" in out.stderr
+    assert out.returncode == 1 and f"cannot bind {'HTTP' if which == 'http' else which}" in out.stderr
+    assert str(taken) in out.stderr and "the port is already in use" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.strip().count("\n") == 0
 
 

@@ -10,6 +10,7 @@ so a bad flag or a port in use ends the process with one line naming it, not a t
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import sys
@@ -93,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         http_socket = _bind_http(settings.host, settings.port)
     except OSError as e:
-        print(
-            f"lmcache_controller: cannot bind HTTP {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
+        why = (
+            "the port is already in use (another lmcache_controller running?)"
+            if e.errno == errno.EADDRINUSE
+            else e.strerror or str(e)
         )
+        print(f"lmcache_controller: cannot bind HTTP {settings.host}:{settings.port}: {why}", file=sys.stderr)
         return 1
     run: Callable[[Coroutine[Any, Any, int]], int]
     try:

@@ -150,9 +150,13 @@ class Monitor:
             bind(f"tcp://{self.settings.monitor_host}:{port}")
         except zmq.ZMQError as e:
             self.close()
-            raise SettingsError(
-                f"--monitor-ports: cannot bind {name} port {port} on {self.settings.monitor_host}: {e.strerror}"
-            ) from None
+            host = self.settings.monitor_host
+            why = (
+                "the port is already in use (another lmcache_controller running?)"
+                if e.errno == zmq.EADDRINUSE
+                else e.strerror
+            )
+            raise SettingsError(f"--monitor-ports: cannot bind {name} port {port} on {host}: {why}") from None
 
     def start(self) -> None:
         for server in self._servers.values():
