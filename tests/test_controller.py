@@ -416,13 +416,18 @@ def test_a_damaged_events_file_is_survived_line_by_line(tmp_path):
     def line(record: dict) -> bytes:
         return json.dumps(record).encode() + b"\n"
 
+    # What each WARNING says in our words (events.py); the decoder's own detail after them
+    # ("Number out of range", "- at `$.finished_at`", "Input data was truncated") is msgspec's.
     damaged = {  # line number -> (the line, what its WARNING says)
         2: (line({**base, "event_id": "move-X"}).replace(b"move-X", b"move-\xff\xfe"), "not valid UTF-8"),
         3: (b"[" * 100_000 + b"]" * 100_000 + b"\n", "200000 bytes long"),
-        5: (line({**base, "event_id": "move-b3"}).replace(b'"num_tokens": 64', b'"num_tokens": 1e400'), "out of range"),
-        6: (line({**base, "event_id": "move-b4", "finished_at": "yesterday"}), "$.finished_at"),
-        7: (line({k: v for k, v in base.items() if k != "status"} | {"event_id": "move-b5"}), "field `status`"),
-        9: (line({**base, "event_id": "move-b6"})[:60] + b"\n", "truncated"),
+        5: (
+            line({**base, "event_id": "move-b3"}).replace(b'"num_tokens": 64', b'"num_tokens": 1e400'),
+            "not an event record",
+        ),
+        6: (line({**base, "event_id": "move-b4", "finished_at": "yesterday"}), "not an event record"),
+        7: (line({k: v for k, v in base.items() if k != "status"} | {"event_id": "move-b5"}), "not an event record"),
+        9: (line({**base, "event_id": "move-b6"})[:60] + b"\n", "not valid JSON"),
     }
     lines = [line(good[0]), damaged[2][0], damaged[3][0], line(good[1]), damaged[5][0], damaged[6][0]]
     lines += [damaged[7][0], line(good[2]), damaged[9][0]]
