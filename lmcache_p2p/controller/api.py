@@ -58,6 +58,7 @@ from lmcache_p2p.controller.service import Controller
 from lmcache_p2p.controller.views import Entry, Steps
 from lmcache_p2p.http_body import DEFAULT_MAX_BODY_BYTES, BadContentLength, BodyTooLarge, read_bounded_body
 from lmcache_p2p.rpc import FairShare
+from lmcache_p2p.utf8 import utf8_fault
 
 logger = logging.getLogger("lmcache_p2p.controller")
 
@@ -249,17 +250,17 @@ def _decode(raw: bytes, body_type: type) -> Any:
     except msgspec.ValidationError as e:
         field = _field_of(str(e))
         raise InvalidRequest(f"invalid {body_type.__name__}: {e}", field) from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        # Invalid UTF-8 is named from the bytes: msgspec reports it as either exception.
+        fault = utf8_fault(raw)
+        if fault is not None:
+            raise InvalidRequest(f"body is not valid UTF-8: {fault}") from None
         raise InvalidRequest(f"body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidRequest(
             f"body nests arrays or objects too deeply to decode as a {body_type.__name__} (past the decoder's "
             "recursion limit; a valid body nests at most 3 levels)"
         ) from None
-    except UnicodeDecodeError as e:
-        # msgspec decodes each string on its own: e.start is an offset into that string, not the body.
-        bad = e.object[e.start : e.end]
-        raise InvalidRequest(f"body is not valid UTF-8: a string holds {bad!r} ({e.reason})") from None
 
 
 def _media_type(content_type: str) -> str:

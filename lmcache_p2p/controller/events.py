@@ -34,6 +34,7 @@ from typing import Any, Literal, TextIO
 import msgspec
 
 from lmcache_p2p.controller.admission import MAX_ID_CHARS, shown
+from lmcache_p2p.utf8 import utf8_fault
 
 Status = Literal["pending", "done", "failed"]
 
@@ -159,12 +160,14 @@ def read_journal_line(line: bytes) -> CommandEvent:
         r = _JOURNAL_DECODER.decode(line)
     except msgspec.ValidationError as e:
         raise ValueError(f"not an event record: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        # Invalid UTF-8 is named from the bytes: msgspec reports it as either exception.
+        fault = utf8_fault(line)
+        if fault is not None:
+            raise ValueError(f"not valid UTF-8: {fault}") from None
         raise ValueError(f"not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError("nests arrays or objects too deeply (an event record nests none)") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not valid UTF-8: {e.object[e.start : e.end]!r} ({e.reason})") from None
     event = CommandEvent(
         r.event_id,
         r.kind,
