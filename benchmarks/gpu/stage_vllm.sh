@@ -47,7 +47,7 @@ case "$VERSION" in
   0.25.1)
     extra=(vllm==0.25.1 openai openai-harmony typing_extensions==4.16.0 "xgrammar<1.0.0,>=0.2.1" httpx2 httpcore2
       apache-tvm-ffi model-hosting-container-standards jmespath supervisor) ;;
-  0.33.*)
+  0.33.*|0.34.*)
     extra=("vllm==$VERSION" torch==2.14.0 "triton~=3.8.0" torchvision==0.29.0 "openai>=2.25.0" orjson
       "jsonschema>=4.23.0" jsonschema-specifications referencing rpds-py "mistral_common>=1.11.6"
       "oss-harmony>=0.0.11" xgrammar==0.2.8 "model-hosting-container-standards<1.0.0,>=0.1.14" jmespath
