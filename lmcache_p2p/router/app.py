@@ -277,8 +277,13 @@ class RouteResult:
 
 
 def _describe_error(e: BaseException) -> str:
+    """``e`` for a message: what failed in our words where we know it (no connection), then the
+    exception's class and text (httpx's, kept as the detail)."""
     text = str(e) or type(e).__name__
-    return f"{type(e).__name__}: {text}" if type(e).__name__ not in text else text
+    described = f"{type(e).__name__}: {text}" if type(e).__name__ not in text else text
+    if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return f"cannot connect: {described}"
+    return described
 
 
 def _brief(body: bytes, limit: int = 200) -> str:
