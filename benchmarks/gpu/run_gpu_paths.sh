@@ -11,9 +11,10 @@
 #   tests        the GPU-marked tests of the tier, layer-wise loads, staging, the store and the kernels
 #   tests-loads  of those, the kernels', layer-wise loads' and loads beside the steps' only
 #   tests-engines  the GPU tests that start vLLM engines: loads beside the steps, preemption under
-#                asynchronous scheduling, the TP=2 pair (two GPUs)
+#                asynchronous scheduling and during pending loads, the cap on loads in flight
+#                (vLLM >= 0.34), the TP=2 pair (two GPUs)
 #   tests-v1     loads beside the steps and the preemption test on vLLM's V1 model runner
-#                (VLLM_USE_V2_MODEL_RUNNER=0; V2 is the default on GPUs)
+#                (VLLM_USE_V2_MODEL_RUNNER=0; V2 is the default on GPUs; 0.34 has no V1: skipped)
 #   pd           seed 000's prefill/decode through MultiConnector (benchmarks/gpu/pd.py)
 #   tp           two TP=2 engines sharing KV rank by rank (benchmarks/bench_tp.py; two GPUs)
 #   peer-base    e2e peer, both engines on GPU 0, no GPU tier (12 documents x 3 repeats)
@@ -99,8 +100,10 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
     tests-loads) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py tests/test_gpu_async_loads.py \
       tests/test_layerwise.py > "$W/gpu_tests_loads.txt" 2>&1 ;;
     tests-engines) $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_async_loads.py tests/test_vllm_hooks.py \
-      tests/test_gpu_tp.py > "$W/gpu_tests_engines.txt" 2>&1 ;;
-    tests-v1) VLLM_USE_V2_MODEL_RUNNER=0 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_async_loads.py \
+      tests/test_gpu_load_lifecycle.py tests/test_gpu_tp.py > "$W/gpu_tests_engines.txt" 2>&1 ;;
+    tests-v1) if $PY -c 'import sys, vllm; sys.exit(tuple(map(int, vllm.__version__.split(".")[:2])) < (0, 34))'; then
+        echo "vLLM $($PY -c 'import vllm; print(vllm.__version__)') has no V1 model runner: skipped" > "$W/gpu_tests_v1.txt"; return 0; fi
+      VLLM_USE_V2_MODEL_RUNNER=0 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_async_loads.py \
       tests/test_vllm_hooks.py > "$W/gpu_tests_v1.txt" 2>&1 ;;
     pd) model && $PY benchmarks/gpu/pd.py --model "$MODEL" --workdir "$W/pd$AGAIN" "$@" > "$W/pd$AGAIN.json" 2> "$W/pd$AGAIN.log" ;;
     tp) model && $PY benchmarks/bench_tp.py --tp 2 --gpu-util 0.4 --model "$MODEL" --dtype bfloat16 --channel nixl \

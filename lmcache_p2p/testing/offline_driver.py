@@ -185,6 +185,9 @@ def main(argv=None) -> None:
     parser.add_argument("--num-blocks", type=int, help="vLLM's KV cache blocks (a small cache preempts)")
     parser.add_argument("--kv-role", default="kv_both")
     parser.add_argument("--dtype", default="float32", help="the model's dtype in vLLM (on a GPU: bfloat16)")
+    parser.add_argument(
+        "--max-num-inflight-kv-loads", type=int, help="vLLM >= 0.34's cap on asynchronous KV loads in flight"
+    )
     args = parser.parse_args(argv)
 
     answers = jsonlines.claim_stdout()
@@ -213,6 +216,8 @@ def main(argv=None) -> None:
         kv_transfer_config=kv_transfer,
         seed=0,
         disable_log_stats=False,
+        # only when asked: releases before 0.34 have no such argument
+        **({"max_num_inflight_kv_loads": args.max_num_inflight_kv_loads} if args.max_num_inflight_kv_loads else {}),
     )
     _watch_preemptions(llm)
     jsonlines.answer(answers, {"ok": True, "ready": True})
