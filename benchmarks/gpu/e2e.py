@@ -103,9 +103,9 @@ def cmd_engine(args) -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     extra = (
-        {"dtype": "float32", "max_model_len": 8192}
+        {"dtype": "float32", "max_model_len": min(args.max_model_len, 8192)}
         if args.cpu_smoke
-        else {"gpu_memory_utilization": args.gpu_util, "max_model_len": 16384}
+        else {"gpu_memory_utilization": args.gpu_util, "max_model_len": args.max_model_len}
     )
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(model=args.model, enforce_eager=not args.graphs, kv_transfer_config=CONNECTOR, **extra)
@@ -170,6 +170,9 @@ def cmd_peer(args) -> dict:
     gpus = [g.strip() for g in args.gpus.split(",")]
     if len(gpus) != 2:
         raise SystemExit(f"--gpus takes two GPU indices (engine 1's, engine 2's), got {args.gpus!r}")
+    sizes = [int(t) for t in str(args.doc_tokens).split(",")]
+    # room for the longest document and its output, in whole 16-token blocks
+    max_model_len = max(16384, -(-(max(sizes) + args.output_len + 64) // 16) * 16)
     procs: list = []
     try:
         controller_bin = str(Path(sys.executable).with_name("lmcache_controller"))
@@ -200,6 +203,7 @@ def cmd_peer(args) -> dict:
             overrides.update(args.set)
             config = yaml_config(REPO / "configs" / f"example{i}.yaml", **overrides)
             cmd = [sys.executable, __file__, "engine", "--model", args.model, "--gpu-util", str(args.gpu_util)]
+            cmd += ["--max-model-len", str(max_model_len)]
             if args.graphs:
                 cmd.append("--graphs")
             env = {}
@@ -220,7 +224,7 @@ def cmd_peer(args) -> dict:
         out = {
             "step": "peer",
             "docs": args.docs,
-            "doc_tokens": args.doc_tokens,
+            "doc_tokens": sizes[0] if len(sizes) == 1 else sizes,
             "output_len": args.output_len,
             "inflight": args.inflight,
             "gpus": gpus,
@@ -241,22 +245,41 @@ def cmd_peer(args) -> dict:
                 inflight=1,
             )
         # Each repeat: new documents, engine 1 cold then from its own cache, engine 2 from engine 1.
-        waves = [
-            _peer_wave(args, engines, documents(args.model, args.docs, args.doc_tokens, first_seed=1000 * r), r)
-            for r in range(args.repeats)
-        ]
-        out.update(waves[0])
-        if args.repeats > 1:
-            out["repeats"] = waves
-            for key in ("ttft_ratio", "round_ratio"):
-                out[f"{key}_spread"] = spread([w[key] for w in waves])
+        if len(sizes) == 1:
+            out.update(_repeats(args, engines, sizes[0], args.docs))
+            return out
+        # The curve: each document length on the same engines, as many documents as fit
+        # --curve-tokens (at least --inflight), shortest first.
+        out["curve"] = []
+        for tokens in sizes:
+            docs = max(args.inflight, min(args.docs, args.curve_tokens // tokens))
+            say(f"curve: {docs} documents of {tokens} tokens")
+            # seeds apart from every other length's (a shorter document of one seed is a prefix of the longer)
+            waves = _repeats(args, engines, tokens, docs, seed_offset=20 * tokens)
+            out["curve"].append({"doc_tokens": tokens, "docs": docs, **waves})
         return out
     finally:
         for proc in reversed(procs):
             proc.stop()
 
 
-def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
+def _repeats(args, engines: list, tokens: int, count: int, seed_offset: int = 0) -> dict:
+    """``args.repeats`` waves of ``count`` new documents of ``tokens`` tokens (seeds from
+    ``seed_offset``): the first wave's figures, with every wave and the ratios' spreads when there
+    are several."""
+    waves = [
+        _peer_wave(args, engines, documents(args.model, count, tokens, first_seed=1000 * r + seed_offset), r, tokens)
+        for r in range(args.repeats)
+    ]
+    out = dict(waves[0])
+    if args.repeats > 1:
+        out["repeats"] = waves
+        for key in ("ttft_ratio", "peer_vs_own_hit_ttft_ratio", "round_ratio"):
+            out[f"{key}_spread"] = spread([w[key] for w in waves])
+    return out
+
+
+def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int, doc_tokens: int) -> dict:
     """One measurement: engine 1's warmup (cold) and query (its own cache) rounds, then engine
     2's (from engine 1), over ``docs``; what engine 2's log says about this wave's pulls and loads."""
     from protocol_client import wait_for
@@ -269,7 +292,7 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     for i, engine in enumerate(engines, start=1):
         if i == 2:  # every full chunk of this wave's documents is at engine 1 before engine 2 asks
             wait_for(
-                lambda: all(_held_by_engine1(doc) >= (args.doc_tokens // 256) * 256 for doc in docs),
+                lambda: all(_held_by_engine1(doc) >= (doc_tokens // 256) * 256 for doc in docs),
                 timeout=60,
                 what="engine 1's chunks at the controller",
                 interval=0.2,  # each ask is one /lookup per document
@@ -313,6 +336,8 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int) -> dict:
     }
     e1, e2 = out["engine1_warmup"], out["engine2_warmup"]
     out["ttft_ratio"] = round(e2["mean_ttft_s"] / e1["mean_ttft_s"], 4)
+    # the peer hit against the engine's own prefix-cache hit of the same documents
+    out["peer_vs_own_hit_ttft_ratio"] = round(e2["mean_ttft_s"] / out["engine1_query"]["mean_ttft_s"], 4)
     out["round_ratio"] = round(e2["round_s"] / e1["round_s"], 4)
     # Greedy outputs: engine 2 (KV from the peer) against engine 1 (cold); engine 1's own
     # query round (vLLM's prefix cache) shows how far numerics alone move them.
@@ -579,7 +604,12 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--workdir", required=True)
     p.add_argument("--docs", type=int, default=20)
-    p.add_argument("--doc-tokens", type=int, default=10_000)
+    p.add_argument(
+        "--doc-tokens", default="10000", help="tokens per document; a comma list (2000,8000,...) measures a curve"
+    )
+    p.add_argument(
+        "--curve-tokens", type=int, default=128_000, help="with a curve: documents per length fit this many tokens"
+    )
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--inflight", type=int, default=4)
     p.add_argument("--gpu-util", type=float, default=0.4, help="per engine (0.4: two engines share one GPU)")
@@ -593,6 +623,7 @@ def main() -> None:
     add_set_argument(p, "a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable")
     add_graphs_argument(p)
     p = sub.add_parser("engine")
+    p.add_argument("--max-model-len", type=int, default=16384)
     add_graphs_argument(p)
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-util", type=float, default=0.4)

@@ -19,6 +19,9 @@
 #   tp           two TP=2 engines sharing KV rank by rank (benchmarks/bench_tp.py; two GPUs)
 #   peer-base    e2e peer, both engines on GPU 0, no GPU tier (12 documents x 3 repeats)
 #   peer-tier    the same with a 16 GB GPU tier on each engine
+#   curve        peer/cold and peer/own-hit at 2K, 8K, 16K and 32K-token documents (4 in flight, as
+#                many documents as fit 128K tokens, at least 4), over NIXL then over tcp, CUDA graphs,
+#                0.45 of the card per engine (CURVE_UTIL); CURVE_REPEATS waves per length (default 1)
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
 #   peer-...@K=V,K=V  a peer step with config keys set on both engines (e2e.py --set), written
 #                as e.g. peer_tier@p2p_batch_chunks=16 (several variants side by side in one run);
@@ -52,7 +55,7 @@ if [ "${1:-}" = "--poll" ]; then  # wait up to $2 s for "all done", then copy wh
     $(ls *.json *.txt *.log */engine*.log */controller.log profile/*.txt 2>/dev/null) ) || true
   exit 0
 fi
-[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads tests-engines tests-v1 pd tp blend blend-stream peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "steps: kernels tests tests-loads tests-engines tests-v1 pd tp blend blend-stream curve peer-base peer-tier peer-base-2 peer-tier-2 offload offload-async offload-profile (peer-...@K=V,K=V: with config keys; values without commas; offload@A,B: with e2e.py offload's arguments)" >&2; exit 2; }
 PY=${PYTHON:-python3}
 mkdir -p "$W"
 : > "$W/status"  # this run's steps only (--poll waits for its "all done")
@@ -110,6 +113,8 @@ run_step() {  # a step by name; peer steps pass extra e2e args on and name their
       --prompts 5 --words 7000 --gap-s 1 > "$W/tp$AGAIN.json" 2> "$W/tp$AGAIN.log" ;;
     peer-base) peer "peer_base$VARIANT" 0,0 "$@" ;;
     peer-tier) peer "peer_tier$VARIANT" 0,0 "${TIER[@]}" "$@" ;;
+    curve) for ch in nixl tcp; do peer "curve_$ch$VARIANT" 0,0 --doc-tokens 2000,8000,16000,32000 --channel "$ch" \
+        --graphs --gpu-util "${CURVE_UTIL:-0.45}" --repeats "${CURVE_REPEATS:-1}" "$@" || return; done ;;
     peer-base-2) peer "peer_base_2$VARIANT" 0,1 "$@" ;;
     peer-tier-2) peer "peer_tier_2$VARIANT" 0,1 "${TIER[@]}" "$@" ;;
     offload) offload offload_off --connector off && offload offload_on --connector on \
