@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
-from lmcache_p2p.keys import TokenIds
+from lmcache_p2p.keys import KeyIdentity, TokenIds
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -114,15 +114,18 @@ def split_segments(tokens: TokenIds, separator: Sequence[int]) -> list[Segment]:
     return segments
 
 
-def segment_chunks(segment_tokens: TokenIds, chunk_size: int) -> list[SegmentChunk]:
-    """The keyed pieces of one segment's tokens: full chunks chained from SEGMENT_ROOT_HASH, then
+def segment_chunks(
+    segment_tokens: TokenIds, chunk_size: int, identity: KeyIdentity | None = None
+) -> list[SegmentChunk]:
+    """The keyed pieces of one segment's tokens: full chunks chained from SEGMENT_ROOT_HASH (with
+    the request's identity folded in: a salted request's segments are its tenant's alone), then
     the partial tail (if any) keyed with its length."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     data = np.ascontiguousarray(np.asarray(segment_tokens, dtype="<i4"))
     n = len(data)
     out = []
-    h = SEGMENT_ROOT_HASH
+    h = SEGMENT_ROOT_HASH if identity is None else identity.fold(SEGMENT_ROOT_HASH)
     full = n - n % chunk_size
     for start in range(0, full, chunk_size):
         h = _xxh3(data[start : start + chunk_size].tobytes(), h)
