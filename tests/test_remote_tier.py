@@ -20,7 +20,7 @@ from protocol_client import wait_for
 from remote_stores import LmServer, restarted, store_url
 
 from lmcache_p2p.config import ConfigError, LMCacheConfig
-from lmcache_p2p.keys import LayoutFingerprint, payload_checksum
+from lmcache_p2p.keys import KEY_FORMAT, LayoutFingerprint, payload_checksum
 from lmcache_p2p.remote import tier as tier_module
 from lmcache_p2p.remote.connect import open_store
 from lmcache_p2p.remote.tier import remote_key
@@ -360,3 +360,47 @@ def test_a_password_with_a_slash_or_an_at_parses_and_never_shows(password):
 def test_remote_timeout_must_be_a_finite_positive_number_of_seconds(value):
     with pytest.raises(ConfigError, match="remote_timeout_s"):
         LMCacheConfig.from_dict({"remote_url": "lm://h:1", "remote_timeout_s": value})
+
+
+# -- key formats ----------------------------------------------------------------------------------
+
+
+def test_key_format_2_values_are_flagged_old_readers_refuse_them_and_old_values_are_read_and_counted(
+    lm_server, monkeypatch
+):
+    """No flush on upgrade: an upgraded engine reads what an old one stored (plain keys did not
+    change) and counts it; an engine from before key format 2 refuses what an upgraded one wrote."""
+    layout_v2 = msgspec.structs.replace(LAYOUT, key_format=KEY_FORMAT)
+    old_writer, new_writer = manager(lm_server.url), manager(lm_server.url, layout_v2)
+    new_reader = manager(lm_server.url, layout_v2)
+    try:
+        assert old_writer.key(1) == new_writer.key(1)  # one namespace for both formats
+        store_chunks(old_writer, hashes(3, 9_000))
+        store_chunks(new_writer, hashes(3, 9_100))
+        assert new_reader.remote.fetch_prefix_into(new_reader, hashes(3, 9_000)) == 3
+        assert new_reader.remote.fetch_prefix_into(new_reader, hashes(3, 9_100)) == 3
+        for h in (*hashes(3, 9_000), *hashes(3, 9_100)):
+            assert torch.equal(held_bytes(new_reader, h), payload(h))
+        stats = new_reader.stats()["remote"]
+        assert stats["chunks_read"] == 6 and stats["legacy_values_read"] == 3 and stats["bad_values"] == 0
+
+        store = open_store(parse_remote_url(lm_server.url))
+        value = store.get([remote_key(new_writer.key(9_100))])[0]
+        store.close()
+        flags = int.from_bytes(bytes(value[6:8]), "little")
+        assert flags & tier_module.FLAG_KEY_FORMAT_2
+        # A reader from before key format 2 knew only FLAG_MAC: it refuses the value, a counted miss.
+        monkeypatch.setattr(tier_module, "KNOWN_FLAGS", tier_module.FLAG_MAC)
+        with pytest.raises(tier_module.BadValue, match="unknown flags"):
+            tier_module.unframe_value(new_writer.key(9_100), value, PAGE)
+        old_reader = manager(lm_server.url)
+        try:
+            assert old_reader.remote.fetch_prefix_into(old_reader, hashes(3, 9_100)) == 0
+            assert old_reader.remote.counters.bad_values == 1
+            assert old_reader.remote.fetch_prefix_into(old_reader, hashes(3, 9_000)) == 3
+        finally:
+            old_reader.close()
+    finally:
+        old_writer.close()
+        new_writer.close()
+        new_reader.close()

@@ -4,11 +4,12 @@ import os
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from lmcache_p2p.config import GB, LMCacheConfig
-from lmcache_p2p.keys import ChunkKey, LayoutFingerprint
+from lmcache_p2p.keys import KEY_FORMAT, ChunkKey, LayoutFingerprint, payload_checksum
 from lmcache_p2p.storage import CpuTier, DiskTier, PagePool, StorageManager
 from lmcache_p2p.vocab import CPU, DISK
 
@@ -400,3 +401,48 @@ def test_a_pinned_pool_is_announced_before_it_is_taken_loudly_past_half_the_host
     assert small.levelno == logging.INFO and "pinning" in small.getMessage()
     assert large.levelno == logging.WARNING and "(100% of this host's" in large.getMessage()
     assert "LMCACHE_MAX_LOCAL_CPU_SIZE" in large.getMessage()
+
+
+# -- key formats: chunks stored before tenant-safe keys ------------------------------------------
+
+
+def test_a_disk_tier_written_before_key_format_2_is_served_after_the_upgrade_and_counted(tmp_path):
+    """Plain keys did not change, and the storage namespace is format 1's: an upgraded engine finds
+    the files an old one wrote (nothing flushed), and counts them as legacy reads."""
+    old = make_manager(tmp_path, cpu_pages=4, disk_pages=10)  # LAYOUT: key format 1
+    assert old.layout.key_format == 1
+    old.put(7, payload(7))
+    old.close()
+    # A file from before the header carried a key format (the field was reserved, 0).
+    legacy = Path(old.disk.path(old.key(8)))
+    header = bytearray(Path(old.disk.path(old.key(7))).read_bytes()[:40])
+    header[6:8] = (0).to_bytes(2, "little")
+    header[16:24] = old.key(8).chunk_hash.to_bytes(8, "little")
+    header[32:40] = payload_checksum(payload(8).numpy()).to_bytes(8, "little")
+    legacy.write_bytes(bytes(header) + payload(8).numpy().tobytes())
+
+    layout_v2 = msgspec.structs.replace(LAYOUT, key_format=KEY_FORMAT)
+    values = {
+        "chunk_size": CHUNK,
+        "local_cpu": True,
+        "max_local_cpu_size": (4 * PAGE + 1) / GB,
+        "local_disk": f"file://{tmp_path}/disk/",
+        "max_local_disk_size": (10 * (PAGE + 64)) / GB,
+    }
+    new = StorageManager(LMCacheConfig.from_dict(values), layout_v2, pin_memory=False)
+    assert new.key(7) == old.key(7)  # the same address
+    assert new.fingerprint != old.fingerprint  # but peers tell the formats apart
+    assert new.lookup_prefix([7, 8]).locations == (DISK, DISK)
+    for h in (7, 8):
+        with new.pin(h) as chunk:
+            assert torch.equal(chunk.data, payload(h))
+    assert new.stats()["disk"]["legacy_files_read"] == 2
+    # What the upgraded engine writes itself is not legacy.
+    new.put(9, payload(9))
+    new.flush()
+    new.remove(9, CPU)
+    with new.pin(9) as chunk:
+        assert torch.equal(chunk.data, payload(9))
+    assert new.stats()["disk"]["legacy_files_read"] == 2
+    assert int.from_bytes(Path(new.disk.path(new.key(9))).read_bytes()[6:8], "little") == KEY_FORMAT
+    new.close()

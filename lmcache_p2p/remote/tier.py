@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from lmcache_p2p.keys import ChunkKey, payload_checksum
+from lmcache_p2p.keys import KEY_FORMAT, ChunkKey, payload_checksum
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.remote.auth import MAC_BYTES, ValueMac
 from lmcache_p2p.remote.store import RemoteRefused, RemoteStore
@@ -64,7 +64,13 @@ HEADER_BYTES = HEADER.size  # 40 bytes
 # MAC_BYTES tag follows the header. A reader that does not know a flag refuses the value (an
 # older reader finds the payload MAC_BYTES longer than a page: a counted miss, never bad KV).
 FLAG_MAC = 0x0001
-KNOWN_FLAGS = FLAG_MAC
+# FLAG_KEY_FORMAT_2: written by an engine keying chunks by key format 2 (keys.KEY_FORMAT: the
+# request's cache_salt, adapter and multimodal items in its keys). Readers from before format 2
+# do not know the flag and refuse such values, so an old engine never loads a new one's chunk.
+# A value without it was written by an older engine: read (plain keys are the same under both
+# formats, so nothing is flushed on upgrade) and counted (legacy_values_read; docs/security.md).
+FLAG_KEY_FORMAT_2 = 0x0002
+KNOWN_FLAGS = FLAG_MAC | FLAG_KEY_FORMAT_2
 
 # One get round moves at most this much (a 40-chunk prompt of 32 MiB pages is 1.3 GB: the
 # values of one round sit in this process's memory until copied into pages).
@@ -78,12 +84,15 @@ def remote_key(key: ChunkKey) -> bytes:
     return b"%s%016x:%016x" % (KEY_PREFIX, key.fingerprint, key.chunk_hash)
 
 
-def frame_value(key: ChunkKey, payload: np.ndarray, checksum: int, mac: ValueMac | None = None) -> bytearray:
+def frame_value(
+    key: ChunkKey, payload: np.ndarray, checksum: int, mac: ValueMac | None = None, key_format: int = KEY_FORMAT
+) -> bytearray:
     """Header (+ tag, with ``mac``) + payload (a page's uint8 array) in one buffer: the one copy a
-    write makes. The tag is computed over the copy, so it covers the bytes that are sent."""
+    write makes. The tag is computed over the copy, so it covers the bytes that are sent.
+    ``key_format``: the writer's (its layout's); 2 and later set :data:`FLAG_KEY_FORMAT_2`."""
     offset = HEADER_BYTES + (MAC_BYTES if mac is not None else 0)
     out = bytearray(offset + payload.nbytes)
-    flags = FLAG_MAC if mac is not None else 0
+    flags = (FLAG_MAC if mac is not None else 0) | (FLAG_KEY_FORMAT_2 if key_format >= 2 else 0)
     HEADER.pack_into(out, 0, MAGIC, VERSION, flags, key.fingerprint, key.chunk_hash, payload.nbytes, checksum)
     np.frombuffer(out, dtype=np.uint8, offset=offset)[:] = payload.reshape(-1).view(np.uint8)
     if mac is not None:
@@ -100,6 +109,11 @@ class MacFailure(BadValue):
     """A value this reader cannot authenticate: no tag, or one its mesh secret does not give.
     Whoever wrote it did not hold the secret (a stranger with access to the store, or an engine
     with another secret or none)."""
+
+
+def value_key_format(value: bytes | memoryview) -> int:
+    """The key format a (checked) value was written under: 2 with :data:`FLAG_KEY_FORMAT_2`, else 1."""
+    return 2 if HEADER.unpack_from(value, 0)[2] & FLAG_KEY_FORMAT_2 else 1
 
 
 def unframe_value(
@@ -147,6 +161,9 @@ class RemoteCounters:
     writes_refused: int = 0  # the store answered with an error (out of memory, value too large)
     bad_values: int = 0
     mac_failures: int = 0  # values refused because the mesh secret does not authenticate them
+    # Values read that an engine from before key format 2 wrote (no FLAG_KEY_FORMAT_2): plain
+    # keys, but an old engine keyed salted, LoRA and multimodal requests plainly too.
+    legacy_values_read: int = 0
     errors: int = 0
     last_error: str = ""
     read_s: float = field(default=0.0, repr=False)
@@ -179,8 +196,10 @@ class RemoteTier:
         page_bytes: int,
         write_queue_chunks: int = 1024,
         clock: Callable[[], float] = time.monotonic,
+        key_format: int = KEY_FORMAT,
     ):
         self.store = store
+        self.key_format = key_format  # the writers' layout's: FLAG_KEY_FORMAT_2 from 2 on
         self.page_bytes = page_bytes
         self.counters = RemoteCounters()
         self._clock = clock
@@ -300,6 +319,8 @@ class RemoteTier:
                     return
                 self.counters.chunks_read += 1
                 self.counters.bytes_read += payload.nbytes
+                if value_key_format(value) < 2:
+                    self.counters.legacy_values_read += 1
                 yield key, payload, checksum
 
     def _refuse_unauthenticated(self, key: ChunkKey, why: str) -> None:
@@ -402,7 +423,7 @@ class RemoteTier:
                 self.counters.writes_missed += 1
                 continue
             with chunk:
-                items.append((name, frame_value(key, chunk.data.numpy(), chunk.checksum, self._mac)))
+                items.append((name, frame_value(key, chunk.data.numpy(), chunk.checksum, self._mac, self.key_format)))
         if not items:
             return
         try:
@@ -473,6 +494,7 @@ class RemoteTier:
             "bad_values": c.bad_values,
             "values_authenticated": self._mac is not None,
             "mac_failures": c.mac_failures,
+            "legacy_values_read": c.legacy_values_read,
             "errors": c.errors,
             "last_error": c.last_error,
         }

@@ -1,7 +1,10 @@
 """LocalDiskBackend: one file per chunk under ``local_disk``, size-capped, LRU, self-checking.
 
 File layout: ``<root>/<fingerprint:016x>/<chunk_hash:016x>.kv`` holding a 40-byte header
-(magic, version, fingerprint, chunk hash, payload length, XXH3 checksum) then the payload.
+(magic, version, key format, fingerprint, chunk hash, payload length, XXH3 checksum) then the
+payload. The key format (keys.KEY_FORMAT) is 0 in files written before key format 2 (the field
+was reserved): such files, and format 1's, are read (plain keys did not change) and counted,
+``legacy_files_read`` (an engine of format 1 keyed salted and adapter requests plainly too).
 Writes go to a temp file in the same directory and are renamed into place, so a reader sees
 either the whole old file or the whole new one. A crash or a bad disk can still leave a short or
 damaged file; every read checks the header and checksum, and a file that fails is deleted,
@@ -19,12 +22,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from lmcache_p2p.keys import ChunkKey, payload_checksum
+from lmcache_p2p.keys import KEY_FORMAT, ChunkKey, payload_checksum
 from lmcache_p2p.vocab import DISK
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<4sHHQQQQ")  # magic, version, reserved, fingerprint, hash, length, checksum
+_HEADER = struct.Struct("<4sHHQQQQ")  # magic, version, key format, fingerprint, hash, length, checksum
 _MAGIC = b"LMKV"
 _VERSION = 1
 _SUFFIX = ".kv"
@@ -35,8 +38,15 @@ class DiskTier:
 
     location = DISK
 
-    def __init__(self, root: str, capacity_bytes: int, on_evict: Callable[[ChunkKey], None] | None = None):
+    def __init__(
+        self,
+        root: str,
+        capacity_bytes: int,
+        on_evict: Callable[[ChunkKey], None] | None = None,
+        key_format: int = KEY_FORMAT,
+    ):
         self.root = root
+        self.key_format = key_format  # written into each file's header (its writer's layout's)
         self.capacity_bytes = capacity_bytes
         self.on_evict = on_evict
         self._files: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> file size, LRU first
@@ -44,6 +54,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self.corrupt_files = 0
         self.evictions = 0
+        self.legacy_files_read = 0  # files from before key format 2 (header field 0), read
         os.makedirs(root, exist_ok=True)
         self._scan()
 
@@ -110,7 +121,11 @@ class DiskTier:
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as fh:
-                fh.write(_HEADER.pack(_MAGIC, _VERSION, 0, key.fingerprint, key.chunk_hash, len(view), checksum))
+                fh.write(
+                    _HEADER.pack(
+                        _MAGIC, _VERSION, self.key_format, key.fingerprint, key.chunk_hash, len(view), checksum
+                    )
+                )
                 fh.write(view)
             os.replace(tmp, path)
         except OSError as e:
@@ -177,8 +192,10 @@ class DiskTier:
         except OSError as e:
             problem = f"read failed: {e}"
         if problem is None:
-            checksum = _HEADER.unpack(header)[6]
+            _, _, key_format, _, _, _, checksum = _HEADER.unpack(header)
             if payload_checksum(dest) == checksum:
+                if key_format < 2:  # 0: written before the field existed
+                    self.legacy_files_read += 1
                 with self._lock:
                     if key in self._files:
                         self._files.move_to_end(key)

@@ -60,7 +60,12 @@ class StorageManager:
         Tests pass a CPU device to run the tier's logic in host memory."""
         self.config = config
         self.layout = layout
+        # What peers compare at hello and in every pull: the layout and its key format, so
+        # engines with other key rules never exchange chunks.
         self.fingerprint = layout.digest
+        # The namespace of this store's keys (every tier, disk directories, remote keys): the
+        # same for every key format, so what was stored before an upgrade keeps its address.
+        self.key_fingerprint = layout.storage_digest
         self.chunk_size = config.chunk_size
         self.page_bytes = layout.bytes_per_token * config.chunk_size
         # One queue per reader (record_events), filled by whichever thread changed a tier. A
@@ -91,7 +96,10 @@ class StorageManager:
         self._writer: _DiskWriter | None = None
         if config.local_disk:
             self.disk = DiskTier(
-                config.local_disk, config.max_local_disk_bytes, on_evict=lambda key: self._record("evict", DISK, key)
+                config.local_disk,
+                config.max_local_disk_bytes,
+                on_evict=lambda key: self._record("evict", DISK, key),
+                key_format=layout.key_format,
             )
             if self.cpu is not None:
                 self._writer = _DiskWriter(self.cpu, self.disk, write_behind_depth, self._on_disk_written)
@@ -134,13 +142,16 @@ class StorageManager:
             logger.warning("remote_url %s needs local_cpu: the remote tier is off", remote_url.describe())
             return None
         remote = RemoteTier(
-            open_store(remote_url, config.remote_timeout_s), self.page_bytes, config.remote_write_queue_chunks
+            open_store(remote_url, config.remote_timeout_s),
+            self.page_bytes,
+            config.remote_write_queue_chunks,
+            key_format=self.layout.key_format,
         )
         remote.start_writer(self.cpu.pin)
         logger.info(
             "remote tier %s (layout %016x, write-behind queue %d chunks, timeout %.1f s)",
             remote_url.describe(),
-            self.fingerprint,
+            self.key_fingerprint,
             config.remote_write_queue_chunks,
             config.remote_timeout_s,
         )
@@ -161,7 +172,7 @@ class StorageManager:
     # -- keys ------------------------------------------------------------------------------------
 
     def key(self, chunk_hash: int) -> ChunkKey:
-        return ChunkKey(self.fingerprint, chunk_hash)
+        return ChunkKey(self.key_fingerprint, chunk_hash)
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -207,7 +218,7 @@ class StorageManager:
         if tier is None:
             return np.zeros(0, dtype=np.uint64)
         return np.fromiter(
-            (k.chunk_hash for k in tier.keys() if k.fingerprint == self.fingerprint),  # noqa: SIM118 a tier is no dict
+            (k.chunk_hash for k in tier.keys() if k.fingerprint == self.key_fingerprint),  # noqa: SIM118 a tier is no dict
             dtype=np.uint64,
         )
 
@@ -455,6 +466,7 @@ class StorageManager:
                 "used_bytes": self.disk.used_bytes,
                 "evictions": self.disk.evictions,
                 "corrupt_files": self.disk.corrupt_files,
+                "legacy_files_read": self.disk.legacy_files_read,
             }
         if self.remote is not None:
             out["remote"] = self.remote.stats()
