@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -46,7 +47,7 @@ from lmcache_p2p.miss_reasons import (
     MissTally,
     PulledChunks,
 )
-from lmcache_p2p.peer_service import EngineCounters, Offer, PeerService
+from lmcache_p2p.peer_service import EngineCounters, Landed, Offer, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.vocab import (
@@ -162,11 +163,14 @@ class CacheEngine:
     def stores_pending(self, owner: str) -> bool:
         return any(p.owner == owner for p in self._pending)
 
-    def order_stores_before(self, stream: torch.cuda.Stream) -> None:
+    def order_stores_before(self, stream: torch.cuda.Stream, blocks: AbstractSet[int] | None = None) -> None:
         """Make work queued on ``stream`` from now on wait (on the device) for every store copy
-        in flight: blocks about to be reused must be read first."""
+        in flight: blocks about to be reused must be read first. With ``blocks`` (the blocks that
+        work writes), only for the copies reading any of them: a copy reads its own chunks'
+        blocks and writes only its reserved pages, so the others cannot see that work."""
         for pending in self._pending:
-            pending.copy.order_before(stream)
+            if blocks is None or any(not blocks.isdisjoint(chunk.blocks) for chunk in pending.batch):
+                pending.copy.order_before(stream)
 
     def _reserve(self, chunk_hashes: ChunkHashes, block_ids: Sequence[int]) -> list[_ReservedChunk]:
         """A page for every chunk not held yet (or on its way), so a store is one gather."""
@@ -339,10 +343,12 @@ class CacheEngine:
         fetch = self._fetcher.submit(remote.fetch_prefix_into, self.storage, hashes[hit:])
         return PrefixLookup(sources, fetch=fetch, miss=miss)
 
-    def pull_offer_async(self, offer: Offer) -> concurrent.futures.Future:
-        """Start pulling what a lookup's offer promised; the future gives how many chunks came."""
+    def pull_offer_async(self, offer: Offer, on_landed: Landed | None = None) -> concurrent.futures.Future:
+        """Start pulling what a lookup's offer promised; the future gives how many chunks came.
+        ``on_landed`` is told, on the worker's thread, how many leading chunks are held so far
+        after each batch that brought some (``peer_service.Landed``)."""
         assert self.peers is not None  # an offer came from them
-        return self.peers.pull_offer_async(offer)
+        return self.peers.pull_offer_async(offer, on_landed)
 
     def local_sources(self, chunk_hashes: ChunkHashes) -> list[str]:
         """Each leading chunk held in the local tiers, as the hit source a load reads it from
@@ -490,6 +496,12 @@ class CacheEngine:
             )
         return counted
 
+    def note_adapter(self, name: str, lora_id: str) -> None:
+        """The engine served LoRA adapter ``name`` with ``lora_id``: its controllers learn it, so
+        that they key requests naming the adapter as this engine does (no peers: nobody to tell)."""
+        if self.peers is not None:
+            self.peers.note_adapter(name, lora_id)
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     def status(self) -> dict:
@@ -546,6 +558,10 @@ class LoadPlan:
     # Of those, chunks a peer wrote there whose check still ran when pinned: (first token, hash,
     # the check's future). The engine's output from them stands only once it says good.
     unchecked: list[tuple[int, int, concurrent.futures.Future]] = field(default_factory=list)
+
+    def written_blocks(self) -> frozenset[int]:
+        """The blocks this load writes (each chunk's, past those the engine computed already)."""
+        return frozenset(b for blocks, skip in zip(self.chunk_blocks, self.skips, strict=True) for b in blocks[skip:])
 
 
 class _ReservedChunk(NamedTuple):

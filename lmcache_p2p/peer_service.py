@@ -13,6 +13,7 @@ Torch-free.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -59,6 +60,12 @@ class Offer(Protocol):
         ...
 
 
+# A pull's progress hook: called on the worker's thread with how many leading chunks of the offer
+# are held here now, after each batch that brought some (a loader may copy those while the rest
+# arrive). Keep it short: the worker's loop runs it.
+Landed = Callable[[int], object]
+
+
 class PeerService(Protocol):
     """What the engine needs from the network side (the rank's worker)."""
 
@@ -69,12 +76,15 @@ class PeerService(Protocol):
 
     # ``Any``: the service takes back the offers it made (its own type), which a parameter typed
     # with the Offer protocol would not admit.
-    def pull_offer_async(self, offer: Any) -> concurrent.futures.Future:
+    def pull_offer_async(self, offer: Any, on_landed: Landed | None = None) -> concurrent.futures.Future:
         """Pull an offer's chunks; a future of a :class:`~lmcache_p2p.miss_reasons.PulledChunks`
-        (the leading chunks now held locally, and why not more)."""
+        (the leading chunks now held locally, and why not more). ``on_landed``: see :data:`Landed`."""
 
     def status(self) -> dict:
         """The rank's state for operators and tests, its storage's stats under ``"storage"``."""
+
+    def note_adapter(self, name: str, lora_id: str) -> None:
+        """The engine served LoRA adapter ``name`` (``lora_id``: adapter_id.py): tell the controllers."""
 
     def flush(self) -> None:
         """Send the admit/evict reports queued for the controller now."""

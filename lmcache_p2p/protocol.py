@@ -105,6 +105,10 @@ class Register(_Msg, tag="register"):
     # a router that asked the controller's POST /route can forward the request there. Every rank
     # of an instance may send it; None from senders that do not say (routing still ranks them).
     serve_url: str | None = None
+    # The LoRA adapters its engine has served: name -> lora_id (keys.KeyIdentity: a digest of
+    # the adapter's path and weights), so the controller can key a request that names an adapter
+    # as this engine does. None from senders that do not say (older ones, or none served).
+    adapters: dict[str, str] | None = None
 
 
 class MeshPeer(msgspec.Struct, kw_only=True):
@@ -221,6 +225,9 @@ class Heartbeat(_Msg, tag="heartbeat"):
     # for a re-sync. None from senders that do not say.
     event_seqs: dict[str, int] | None = None
     load: EngineLoad | None = None  # None from senders that do not report their engine's load
+    # The engine's adapters (name -> lora_id, as Register.adapters), whole, when they changed
+    # since this link's last answered heartbeat; None: unchanged (or never reported).
+    adapters: dict[str, str] | None = None
 
 
 class HeartbeatReply(_Msg, tag="heartbeat_reply"):

@@ -58,6 +58,7 @@ from lmcache_p2p.protocol import (
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.vocab import StorageEvent
+from lmcache_p2p.worker.adapters import ServedAdapters
 from lmcache_p2p.worker.identity import WorkerIdentity
 
 logger = logging.getLogger(__name__)
@@ -132,8 +133,13 @@ class ControllerLink:
         traffic: Callable[[], Traffic] | None = None,
         security: MeshSecurity | None = None,
         load: Callable[[], EngineLoad | None] | None = None,
+        adapters: ServedAdapters | None = None,
     ):
         self.ctx = ctx
+        # The engine's adapters (name -> lora_id), reported whole at registration and again with
+        # the heartbeat after a change; the version this controller has last acknowledged.
+        self.adapters = adapters
+        self._adapters_acked = -1
         self.security = security  # the mesh's CurveZMQ keys; None: plain sockets
         self.traffic = traffic  # this rank's totals, for the controller's dashboard
         self.load = load  # the engine's latest load, for /route (EngineLoadProbe.current)
@@ -280,6 +286,7 @@ class ControllerLink:
 
     async def _register(self) -> bool:
         me = self.me
+        adapters_version, adapters = self.adapters.snapshot() if self.adapters is not None else (-1, {})
         message = Register(
             version=PROTOCOL_VERSION,
             instance_id=me.instance_id,
@@ -297,6 +304,7 @@ class ControllerLink:
             session=me.session,
             max_warm_peers=self.max_warm_peers or None,
             serve_url=me.serve_url,
+            adapters=adapters or None,
         )
         try:
             reply = await self.reply.request(message, RegisterReply, REQUEST_TIMEOUT_S)
@@ -309,6 +317,7 @@ class ControllerLink:
             return False
         restarted = bool(self.epoch) and reply.controller_epoch != self.epoch
         self.epoch = reply.controller_epoch
+        self._adapters_acked = adapters_version
         self.interval = min(self.heartbeat_time, reply.heartbeat_interval or self.heartbeat_time)
         if restarted:
             self._settling_until = time.monotonic() + self.interval + SETTLE_MARGIN_S
@@ -372,6 +381,8 @@ class ControllerLink:
         assert self.heartbeat is not None  # made by the registration that set self.registered
         # Batches sent before the last beat have surely arrived if they are coming at all.
         sent_before, self._sent_at_last_beat = self._sent_at_last_beat, self.batcher.sent_seqs()
+        adapters_version, adapters = self.adapters.snapshot() if self.adapters is not None else (-1, {})
+        changed = adapters_version != self._adapters_acked
         try:
             reply = await self.heartbeat.request(
                 Heartbeat(
@@ -382,6 +393,7 @@ class ControllerLink:
                     peers_version=self.peers_version,
                     event_seqs=sent_before or None,
                     load=self.load() if self.load else None,
+                    adapters=adapters if changed else None,
                 ),
                 HeartbeatReply,
                 timeout=max(1.0, 2 * self.interval),
@@ -415,6 +427,7 @@ class ControllerLink:
                 time.monotonic() - self._lookups_failing_since,
             )
             self._lookups_failing_since = None
+        self._adapters_acked = adapters_version
         for location in reply.resync:
             self._start_resync(location)
         self._take_peers(reply.peers, reply.peers_version, registered=False)

@@ -33,6 +33,7 @@ from lmcache_p2p.protocol import Traffic
 from lmcache_p2p.pull_policy import PrefillRate, PullPolicy
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TcpTransport, TransferError, Transport, make_transport
+from lmcache_p2p.worker.adapters import ServedAdapters
 from lmcache_p2p.worker.commands import CommandServer
 from lmcache_p2p.worker.engine_load import EngineLoadProbe
 from lmcache_p2p.worker.identity import WorkerIdentity
@@ -41,6 +42,7 @@ from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.offers import PeerOffer
 from lmcache_p2p.worker.p2p_client import P2PClient
 from lmcache_p2p.worker.p2p_server import PeerServer
+from lmcache_p2p.worker.pull_pump import Landed
 from lmcache_p2p.worker.pull_stats import PullStats
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ class Worker:
         self.counters = counters  # the engine's totals: the lookup ones go out with each heartbeat
         self.identity = WorkerIdentity.from_config(config, layout, rank)
         self.started_at = time.time()
+        self.adapters = ServedAdapters()  # reported to every controller (worker/adapters.py)
         self.link: ControllerLinks | None = None  # one ControllerLink per configured controller
         self.client: P2PClient | None = None
         self.server: PeerServer | None = None
@@ -171,6 +174,7 @@ class Worker:
                     traffic=self.traffic,
                     security=security,
                     load=self.load_probe.current,
+                    adapters=self.adapters,
                 )
                 for pull_url, reply_url in zip(pull_urls, reply_urls, strict=True)
             ]
@@ -295,6 +299,13 @@ class Worker:
 
     # -- engine-facing calls (any thread) --------------------------------------------------------
 
+    def note_adapter(self, name: str, lora_id: str) -> None:
+        """The engine served LoRA adapter ``name`` with id ``lora_id``: the controllers learn it
+        with the next heartbeat, sent now when it is new (a router may ask about it next)."""
+        if self.adapters.note(name, lora_id) and self.link is not None:
+            link = self.link
+            self._loop.call_soon_threadsafe(link.beat_soon, f"adapter {name} served")
+
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
@@ -308,10 +319,12 @@ class Worker:
         unanswered = Miss(TIMEOUT, f"naming the holders took over {timeout + OFFER_SLACK_S:.1f} s")
         return self._wait(coro, timeout + OFFER_SLACK_S, f"naming the holders of {len(hashes)} chunk(s)", unanswered)
 
-    def pull_offer_async(self, offer: PeerOffer) -> concurrent.futures.Future:
-        """Start pulling an offer's chunks; the future gives a :class:`PulledChunks`."""
+    def pull_offer_async(self, offer: PeerOffer, on_landed: Landed | None = None) -> concurrent.futures.Future:
+        """Start pulling an offer's chunks; the future gives a :class:`PulledChunks`.
+        ``on_landed`` is called on the worker's thread with the leading chunks held so far,
+        after each batch that brought some (see :meth:`P2PClient.pull_offer`)."""
         assert self.client is not None  # an offer came from it
-        return self.submit(self.client.pull_offer(offer))
+        return self.submit(self.client.pull_offer(offer, on_landed))
 
     def _wait(self, coro, timeout: float, what: str, default):
         """Run ``coro`` on the worker's loop and wait up to ``timeout`` for its result; past it
