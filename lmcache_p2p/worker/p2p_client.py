@@ -1,10 +1,11 @@
 """Pulling chunks from peers into this rank's tiers: the worker's one entry point.
 
-:class:`P2PClient` puts together the parts, each with one job, and keeps the engine's prefix
-pulls taking turns:
+:class:`P2PClient` puts together the parts, each with one job:
 
 - :mod:`.offers`: who holds a prompt's chunks (the controller) and how many to pull (the policy);
-- :mod:`.pull_job`: one pull, a job object (batches pipelined, committed in order, logged once);
+- :mod:`.pull_pump`: the engine's prefix pulls from one holder as one pipeline (a queue and a
+  pump per holder: batches across pull boundaries, each pull done when its own chunks are);
+- :mod:`.pull_job`: one move/copy pull, a job object (batches pipelined, committed in order, logged once);
 - :mod:`.pull_batch`: one batch's request, landing and checksums, and the pages it fills;
 - :mod:`.peer_links`: a connection per peer rank, its channel agreed by one hello;
 - :mod:`.warm_peers`: the controller's warm set, connected before any pull needs it;
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from contextlib import AbstractAsyncContextManager, nullcontext
 
 import numpy as np
 import zmq.asyncio
@@ -28,7 +27,6 @@ from lmcache_p2p.pull_policy import PullPolicy
 from lmcache_p2p.rpc import RpcClient
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import Transport
-from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S
 from lmcache_p2p.worker.links import ControllerLinks
@@ -36,36 +34,11 @@ from lmcache_p2p.worker.offers import OfferMaker, PeerOffer
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
 from lmcache_p2p.worker.pull_batch import PullPages
 from lmcache_p2p.worker.pull_job import PullJob, PullResult, PullSetup
+from lmcache_p2p.worker.pull_pump import Landed, PullOverlap, PullPump
 from lmcache_p2p.worker.pull_stats import PullStats
 from lmcache_p2p.worker.warm_peers import WarmSet
 
 logger = logging.getLogger(__name__)
-
-
-class PrefixTurns:
-    """The engine's prefix pulls take turns, first asked first served: requests that arrive
-    together then become ready one after another, each at full bandwidth, instead of all sharing
-    it and all being ready only when the last pull ends. Pulls whose time is per-request latency
-    rather than bytes (VRAM to VRAM on one host) finish sooner all at once (``enabled`` False).
-
-    It also tells whether a pull ran alone: only such a pull measures the link for the pull
-    policy (one sharing it would make the link look slower than it is)."""
-
-    def __init__(self, enabled: bool = True):
-        self.turn: AbstractAsyncContextManager = asyncio.Lock() if enabled else nullcontext()
-        self._running = 0  # prefix pulls running now
-        self._started = 0  # and started so far
-
-    def begin(self) -> tuple[bool, int]:
-        """A pull starts: whether it started alone, and its number."""
-        self._running += 1
-        self._started += 1
-        return self._running == 1, self._started
-
-    def end(self, started_alone: bool, number: int) -> bool:
-        """The pull ended: whether it ran alone (it started so, and none began meanwhile)."""
-        self._running -= 1
-        return started_alone and self._started == number
 
 
 class P2PClient:
@@ -84,7 +57,7 @@ class P2PClient:
         pipeline_depth: int = 3,
         policy: PullPolicy | None = None,
         security: MeshSecurity | None = None,
-        prefix_pull_turns: bool = True,
+        prefix_pull_turns: bool = False,
     ):
         self.me = identity
         self.storage = storage
@@ -103,7 +76,11 @@ class P2PClient:
             batch_chunks=batch_chunks,
             pipeline_depth=pipeline_depth,
         )
-        self.turns = PrefixTurns(prefix_pull_turns)
+        # The engine's prefix pulls: a pump per holder (first asked first served, batches across
+        # pull boundaries); with prefix_pull_turns, one pull at a time per holder.
+        self.one_pull_at_a_time = prefix_pull_turns
+        self.overlap = PullOverlap()  # which pulls ran alone (and so may measure the link)
+        self.pumps: dict[Peer, PullPump] = {}
 
     # -- the engine's question: pull the rest of this prefix -------------------------------------
 
@@ -114,42 +91,45 @@ class P2PClient:
         wins). The engine's scheduler promises these chunks at once; :meth:`pull_offer` brings them."""
         return await self.offers.offer(hashes, timeout)
 
-    async def pull_offer(self, offer: PeerOffer) -> PulledChunks:
-        """Pull an offer's chunks from its holder, in the engine's turn (prefix pulls take turns
-        unless ``prefix_pull_turns`` is off): how many leading chunks are now held locally, and
-        if fewer than offered, why."""
+    async def pull_offer(self, offer: PeerOffer, on_landed: Landed | None = None) -> PulledChunks:
+        """Pull an offer's chunks from its holder, in its holder's queue (first asked first
+        served; the next pull's batches go out while this one's last are still on the wire):
+        how many leading chunks are now held locally, and if fewer than offered, why. Once done
+        it does not wait for pulls queued behind it. ``on_landed`` (on the worker's loop) is told
+        after each batch how many leading chunks are held so far, for a loader that starts
+        copying them while the rest arrive."""
         peer, hashes = offer.peer, offer.hashes
-        t_turn = time.perf_counter()
-        async with self.turns.turn:
-            logger.info(
-                "%s: pulling %d chunk(s) from %s (offered %.1f ms ago; waited %.1f ms for the turn)",
-                self.me.describe(),
-                len(hashes),
-                peer.describe(),
-                (time.perf_counter() - offer.made) * 1e3,
-                (time.perf_counter() - t_turn) * 1e3,
-            )
-            job = PullJob(self.setup, peer, hashes, CPU, into_gpu_tier=True)
-            # Say hello first: a hello is no part of a pull's time, and a failed one is reported
-            # as the pull's failure (the job's run logs and counts it).
-            if self.connections.channel_of(peer) is None and not await job.connect():
-                failed = await job.run()
-                return PulledChunks(0, failed.miss or Miss(HOLDER_GONE, failed.error or ""))
-            started_alone, number = self.turns.begin()
-            t0 = time.perf_counter()
-            try:
-                result = await job.run()
-            finally:
-                alone = self.turns.end(started_alone, number)
-            elapsed = time.perf_counter() - t0
-        if self.policy is not None and alone and result.error is None and result.held:
-            # Only clean pulls measure the link: a failure's time says how long a timeout is.
-            self.policy.observe_pull(peer.describe(), job.channel, len(result.held) * self.storage.page_bytes, elapsed)
+        pump = self._pump(peer)
+        pull = pump.join(hashes, offer.made, on_landed)
+        try:
+            # Shielded: a caller that gives up leaves the pull to the pump, which drops its
+            # chunks not yet asked for and gives back the pages of those out when they end.
+            result = await asyncio.shield(pull.done)
+        except asyncio.CancelledError:
+            pump.leave(pull)
+            raise
+        if self.policy is not None and pull.alone and result.error is None and result.held:
+            # Only clean pulls that had the link to themselves measure it: a failure's time says
+            # how long a timeout is, and a shared link looks slower than it is.
+            nbytes = len(result.held) * self.storage.page_bytes
+            self.policy.observe_pull(peer.describe(), pull.channel, nbytes, pull.times.elapsed_s)
             self.stats.pull_policy = self.policy.snapshot()
         self.stats.prefix_hit_chunks += len(result.held)  # pulled for the engine (not for a move)
         if len(result.held) >= len(hashes):
             return PulledChunks(len(result.held))
         return PulledChunks(len(result.held), result.miss or Miss(HOLDER_GONE, result.error or "the pull ended early"))
+
+    def _pump(self, peer: Peer) -> PullPump:
+        pump = self.pumps.get(peer)
+        if pump is None:
+            pump = PullPump(self.setup, peer, self.overlap, self.one_pull_at_a_time, on_idle=self._pump_idle)
+            self.pumps[peer] = pump
+        return pump
+
+    def _pump_idle(self, pump: PullPump) -> None:
+        """A holder's queue emptied: its pump goes (peers come and go; the next pull makes one)."""
+        if self.pumps.get(pump.peer) is pump and pump.idle:
+            del self.pumps[pump.peer]
 
     # -- move/copy destinations, and the command server ------------------------------------------
 
@@ -178,5 +158,7 @@ class P2PClient:
         return self.warm.describe()
 
     def close(self) -> None:
+        for pump in list(self.pumps.values()):
+            pump.close()
         self.warm.close()
         self.connections.close()

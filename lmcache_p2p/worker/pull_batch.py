@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,8 @@ class Batch:
     device_checksums: list[int] | None = None
     checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     peer_failed: bool = False  # no usable answer: the connection is dropped (a miss is not that)
+    # Of those, no answer at all (the holder is dead or stalled): its other requests go unanswered too.
+    unanswered: bool = False
     pool_full: str | None = None  # fewer pages were free than the batch had chunks: the run ends here
     error: str | None = None
     miss: Miss | None = None  # the error as a miss reason, for the chunk it stopped at
@@ -132,23 +135,34 @@ class PullPages:
     def commit(self, batch: Batch, location: str) -> list[int]:
         """Index the verified leading pages of a batch; the rest go back to the pool. (Batches
         landed in the GPU tier are prefix pulls for the engine, whose ``location`` is the CPU.)"""
-        good = batch.good
-        held = list(batch.hashes[:good])
+        return self.commit_some(batch, range(batch.good), location)
+
+    def commit_some(self, batch: Batch, indices: Iterable[int], location: str) -> list[int]:
+        """Index the chunks of ``batch`` at ``indices`` (verified ones, in order: each below
+        ``batch.good``) and give every other page of it back: a batch that carried chunks of
+        several pulls commits those of the pulls still waiting for them. Their hashes."""
+        kept = [i for i in indices if i < batch.good]
+        held = [batch.hashes[i] for i in kept]
         if batch.gpu_pages:
-            checksums = [int(c) for c in batch.checksums[:good]]
-            landing = self.storage.landing
-            assert landing is not None  # GPU tier pages were reserved: the store has the tier and its landing
-            landing.commit_landed(
-                held,
-                batch.gpu_pages[:good],
-                batch.pages[:good],
-                checksums,
-                device_checksums=None if batch.device_checksums is None else batch.device_checksums[:good],
-            )
+            if kept:
+                landing = self.storage.landing
+                assert landing is not None  # GPU tier pages were reserved: the store has the tier and its landing
+                device = batch.device_checksums
+                landing.commit_landed(
+                    held,
+                    [batch.gpu_pages[i] for i in kept],
+                    [batch.pages[i] for i in kept],
+                    [int(batch.checksums[i]) for i in kept],
+                    device_checksums=None if device is None else [device[i] for i in kept],
+                )
         else:
-            for i in range(good):
+            for i in kept:
                 self.storage.commit_page(batch.hashes[i], batch.pages[i], int(batch.checksums[i]), location)
-        self.abandon(batch, good)
+        taken = set(kept)  # their pages are the store's now
+        self.give_back([page for i, page in enumerate(batch.pages) if i not in taken])
+        for i, page in enumerate(batch.gpu_pages):
+            if i not in taken:
+                self.storage.abandon_gpu_page(page)
         return held
 
     def abandon(self, batch: Batch, start: int = 0) -> None:
@@ -260,7 +274,7 @@ class BatchFetch:
                 batch.pages = []
             else:
                 transport.release(slots)
-            batch.error, batch.peer_failed = str(e), True
+            batch.error, batch.peer_failed, batch.unanswered = str(e), True, True
             batch.miss = Miss(HOLDER_GONE, f"{self.peer.describe()} did not answer (dead or stalled): {e}")
             self.pages.close_landing(batch)
             return batch

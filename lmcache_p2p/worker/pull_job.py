@@ -1,9 +1,11 @@
-"""One pull of chunks from one peer into this rank's tiers, as a job object.
+"""One pull of chunks from one peer into this rank's tiers, as a job object (move/copy), and
+what every pull shares: the route to a peer (:func:`open_route`) and its report (:func:`report_pull`).
 
 A job connects (or finds the connection agreed), splits its chunks into batches of
 ``batch_chunks``, keeps ``pipeline_depth`` of them in flight (checksums of one batch are verified
 while the next is on the wire) and commits them in order. The run ends at the first failure;
-those chunks are a miss, logged with the reason. Nothing here raises into the engine.
+those chunks are a miss, logged with the reason. Nothing here raises into the engine. The
+engine's prefix pulls from one holder share one pipeline instead (:mod:`.pull_pump`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from lmcache_p2p.miss_reasons import HOLDER_GONE, REFUSED, Miss
 from lmcache_p2p.rpc import RequestFailed
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
-from lmcache_p2p.worker.peer_links import Peer, PeerConnections
-from lmcache_p2p.worker.pull_batch import PHASES, BatchFetch, PullPages, describe_phases
+from lmcache_p2p.worker.peer_links import Peer, PeerConnection, PeerConnections
+from lmcache_p2p.worker.pull_batch import PHASES, Batch, BatchFetch, PullPages, describe_phases
 from lmcache_p2p.worker.pull_stats import PullStats
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,41 @@ def _split(items: list[int], size: int) -> list[list[int]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+@dataclass(frozen=True)
+class PullRoute:
+    """A peer's agreed connection as pulls use it: the batch requests over it, the most chunks
+    one carries, and the channel as log lines name it."""
+
+    conn: PeerConnection
+    fetch: BatchFetch
+    batch_chunks: int
+    channel: str
+
+
+@dataclass(frozen=True)
+class RouteFailed:
+    """The hello failed: why, and that as the miss of the first chunk."""
+
+    error: str
+    miss: Miss
+
+
+async def open_route(setup: PullSetup, peer: Peer, into_gpu_tier: bool) -> PullRoute | RouteFailed:
+    """Find (or make) the peer's agreed connection, and the batch size its channel carries:
+    ``p2p_batch_chunks``, at most what one request may carry there (the receive slots of GPU
+    staging; a pull landing in our GPU tier may carry more)."""
+    try:
+        conn = await setup.connections.connect(peer)
+    except (RequestFailed, TransferError) as e:
+        refused = "refus" in str(e).lower()
+        return RouteFailed(str(e), Miss(REFUSED if refused else HOLDER_GONE, f"{peer.describe()}: {e}"))
+    transport = setup.transports[conn.agreed]
+    limit = transport.max_batch(into_gpu_tier and conn.staged)
+    batch_chunks = min(setup.batch_chunks, limit or setup.batch_chunks)
+    fetch = BatchFetch(peer, conn, transport, setup.pages, setup.pipeline_depth, into_gpu_tier)
+    return PullRoute(conn, fetch, batch_chunks, conn.describe_channel() or "?")
+
+
 class PullJob:
     """Pull ``hashes`` from ``peer`` into ``location``, in order. With ``skip_missing``
     (move/copy of an arbitrary key set) a chunk the holder merely lacks (or sent damaged) is
@@ -80,27 +117,19 @@ class PullJob:
         self._todo: deque[list[int]] = deque()
         self._connected = False  # the connection was asked for (it may have failed: result.error)
         self._started = time.perf_counter()
-        self._batches = 0
-        self._phases_ms = dict.fromkeys(PHASES, 0.0)
+        self._times = PullTimes()
 
     async def connect(self) -> bool:
         """Find (or make) the peer's agreed connection and cut the chunks into batches its
         channel carries; False, with the pull's error set, when the hello failed."""
         self._connected = True
-        setup = self.setup
-        try:
-            conn = await setup.connections.connect(self.peer)
-        except (RequestFailed, TransferError) as e:
-            self.result.error = str(e)
-            refused = "refus" in str(e).lower()
-            self.result.miss = Miss(REFUSED if refused else HOLDER_GONE, f"{self.peer.describe()}: {e}")
+        route = await open_route(self.setup, self.peer, self.into_gpu_tier)
+        if isinstance(route, RouteFailed):
+            self.result.error, self.result.miss = route.error, route.miss
             return False
-        self.channel = conn.describe_channel() or "?"
-        transport = setup.transports[conn.agreed]
-        limit = transport.max_batch(self.into_gpu_tier and conn.staged)
-        batch_chunks = min(setup.batch_chunks, limit or setup.batch_chunks)
-        self._todo.extend(_split(self.hashes, batch_chunks))
-        self._fetch = BatchFetch(self.peer, conn, transport, setup.pages, setup.pipeline_depth, self.into_gpu_tier)
+        self.channel = route.channel
+        self._todo.extend(_split(self.hashes, route.batch_chunks))
+        self._fetch = route.fetch
         return True
 
     async def run(self) -> PullResult:
@@ -124,9 +153,7 @@ class PullJob:
                     task.add_done_callback(pages.abandon_finished)
                 raise
             window.popleft()
-            self._batches += 1
-            for phase, ms in batch.phases_ms.items():
-                self._phases_ms[phase] += ms
+            self._times.add(batch)
             if stopped:  # an earlier batch failed: what follows it is a miss
                 pages.abandon(batch)
                 continue
@@ -148,51 +175,67 @@ class PullJob:
             else:
                 stopped = True
                 todo.clear()
-        self._report(time.perf_counter() - self._started)
+        self._times.elapsed_s = time.perf_counter() - self._started
+        report_pull(self.setup, self.peer, self.channel, len(self.hashes), result, self._times)
         return result
 
-    def _report(self, elapsed: float) -> None:
-        """Count the pull and log it: the seed's line for what came, a warning for the rest."""
-        setup, result, peer = self.setup, self.result, self.peer
-        stats, me, asked = setup.stats, setup.me, len(self.hashes)
-        nbytes = len(result.held) * setup.pages.storage.page_bytes
-        stats.pulls += 1
-        stats.durations.add(elapsed * 1e3)
-        stats.chunks_pulled += len(result.held)
-        stats.bytes_pulled += nbytes
-        per_peer = stats.by_peer.setdefault(f"{peer.instance_id} rank {peer.rank} over {self.channel}", {})
-        for key, n in (("pulls", 1), ("bytes", nbytes), ("failures", 1 if result.error else 0)):
-            per_peer[key] = per_peer.get(key, 0) + n
-        if result.held:
-            # The seed's line, then where the batches' time went (summed: batches overlap).
-            # benchmarks/gpu/e2e.py and testing.processes.P2P_LINE parse it: keep its wording.
-            logger.info(
-                "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
-                "(from %s over %s, to rank %d) [%d batches, ms summed: %s]%s",
-                len(result.held) * me.chunk_size,
-                asked * me.chunk_size,
-                nbytes / 1e9,
-                elapsed * 1e3,
-                nbytes / 1e9 / max(elapsed, 1e-9),
-                peer.describe(),
-                self.channel,
-                me.rank,  # vLLM's per-process line prefixes interleave when ranks log at once
-                self._batches,
-                describe_phases(self._phases_ms),
-                (
-                    f"; {result.gpu_landed} chunk(s) landed in the GPU tier"
-                    f" ({result.gpu_checked_on_device} checked on the device)"
-                )
-                if result.gpu_landed
-                else "",
+
+@dataclass
+class PullTimes:
+    """Where a pull's time went: start to end, and its batches' phases summed (batches overlap)."""
+
+    elapsed_s: float = 0.0
+    batches: int = 0
+    phases_ms: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add(self, batch: Batch) -> None:
+        self.batches += 1
+        for phase, ms in batch.phases_ms.items():
+            self.phases_ms[phase] += ms
+
+
+def report_pull(setup: PullSetup, peer: Peer, channel: str, asked: int, result: PullResult, times: PullTimes) -> None:
+    """Count a pull and log it: the seed's line for what came, a warning for the rest."""
+    stats, me = setup.stats, setup.me
+    nbytes = len(result.held) * setup.pages.storage.page_bytes
+    elapsed = times.elapsed_s
+    stats.pulls += 1
+    stats.durations.add(elapsed * 1e3)
+    stats.chunks_pulled += len(result.held)
+    stats.bytes_pulled += nbytes
+    per_peer = stats.by_peer.setdefault(f"{peer.instance_id} rank {peer.rank} over {channel}", {})
+    for key, n in (("pulls", 1), ("bytes", nbytes), ("failures", 1 if result.error else 0)):
+        per_peer[key] = per_peer.get(key, 0) + n
+    if result.held:
+        # The seed's line, then where the batches' time went (summed: batches overlap).
+        # benchmarks/gpu/e2e.py and testing.processes.P2P_LINE parse it: keep its wording.
+        logger.info(
+            "Retrieved %d out of total %d tokens. size: %.4f gb, cost %.4f ms, throughput: %.4f GB/s "
+            "(from %s over %s, to rank %d) [%d batches, ms summed: %s]%s",
+            len(result.held) * me.chunk_size,
+            asked * me.chunk_size,
+            nbytes / 1e9,
+            elapsed * 1e3,
+            nbytes / 1e9 / max(elapsed, 1e-9),
+            peer.describe(),
+            channel,
+            me.rank,  # vLLM's per-process line prefixes interleave when ranks log at once
+            times.batches,
+            describe_phases(times.phases_ms),
+            (
+                f"; {result.gpu_landed} chunk(s) landed in the GPU tier"
+                f" ({result.gpu_checked_on_device} checked on the device)"
             )
-            stats.gpu_landed_chunks += result.gpu_landed
-        if result.error:
-            stats.pull_failures += 1
-            logger.warning(
-                "peer pull from %s: %d of %d chunks; the rest is a miss: %s",
-                peer.describe(),
-                len(result.held),
-                asked,
-                result.error,
-            )
+            if result.gpu_landed
+            else "",
+        )
+        stats.gpu_landed_chunks += result.gpu_landed
+    if result.error:
+        stats.pull_failures += 1
+        logger.warning(
+            "peer pull from %s: %d of %d chunks; the rest is a miss: %s",
+            peer.describe(),
+            len(result.held),
+            asked,
+            result.error,
+        )

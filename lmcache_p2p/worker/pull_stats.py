@@ -1,7 +1,7 @@
 """A rank's pull counters: what /status shows under ``p2p_client`` and heartbeats sum up.
 
-One record shared by the parts of a pull (the offer, the pull job, the engine's turn), each
-counting its own fields; only the worker's loop writes it.
+One record shared by the parts of a pull (the offer, the pull job or the holder's pull pump, the
+engine's wait for it), each counting its own fields; only the worker's loop writes it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ class PullStats:
     bytes_pulled: int = 0
     pull_failures: int = 0
     prefix_hit_chunks: int = 0  # pulled for the engine (not for a move or copy)
+    # The engine's prefix pulls' batches that carried chunks of two or more pulls (a holder's
+    # pull pump cuts batches across pull boundaries).
+    prefix_batches_shared: int = 0
     checksum_mismatches: int = 0
     # Pages a holder may still write into (its request timed out, or a streamed segment is still
     # landing): out of the pool until that write ends.
