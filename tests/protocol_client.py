@@ -15,7 +15,7 @@ from collections.abc import Callable
 import httpx
 import zmq
 
-from lmcache_p2p.keys import LayoutFingerprint, chunk_hashes
+from lmcache_p2p.keys import KEY_FORMAT, KeyIdentity, LayoutFingerprint, MMPlacement, chunk_hashes
 from lmcache_p2p.mesh_security import MeshSecurity, client_socket, server_socket
 from lmcache_p2p.protocol import (
     PROTOCOL_VERSION,
@@ -43,7 +43,7 @@ DISK = "LocalDiskBackend"
 CHUNK = 16
 
 
-def layout(model: str = "tiny-llama", rank: int = 0, tp: int = 1) -> LayoutFingerprint:
+def layout(model: str = "tiny-llama", rank: int = 0, tp: int = 1, key_format: int = KEY_FORMAT) -> LayoutFingerprint:
     return LayoutFingerprint(
         model=model,
         dtype="float16",
@@ -53,6 +53,7 @@ def layout(model: str = "tiny-llama", rank: int = 0, tp: int = 1) -> LayoutFinge
         num_layers=2,
         tp_size=tp,
         tp_rank=rank,
+        key_format=key_format,
     )
 
 
@@ -212,12 +213,16 @@ class FakeWorker:
         security: MeshSecurity | None = None,  # a member of a mesh with a secret (CurveZMQ)
         p2p: bool = True,  # registers p2p ports (a peer others can pull from)
         serve_url: str | None = None,  # Register.serve_url: where its engine serves OpenAI requests
+        key_format: int = KEY_FORMAT,  # 1: an engine from before tenant-safe keys
+        adapters: dict[str, str] | None = None,  # Register.adapters: name -> lora_id
+        max_warm_peers: int | None = None,
     ):
         self.controller = controller
         self.p2p, self.serve_url = p2p, serve_url
+        self.adapters, self.max_warm_peers = adapters, max_warm_peers
         self.security = security
         self.instance_id, self.rank = instance_id, rank
-        self.layout = layout(model, rank, tp)
+        self.layout = layout(model, rank, tp, key_format)
         self.locations = list(locations)
         self.ctx = zmq.Context()
         self.seq = {loc: 0 for loc in self.locations}
@@ -285,6 +290,8 @@ class FakeWorker:
             p2p_lookup_port=9200 + self.rank if self.p2p else None,
             transfer_channel="tcp",
             serve_url=self.serve_url,
+            adapters=self.adapters,
+            max_warm_peers=self.max_warm_peers,
         )
         reply = self._ask(self.req, message, timeout)
         self.epoch = reply.controller_epoch
@@ -296,6 +303,7 @@ class FakeWorker:
         event_seqs: dict[str, int] | None = None,
         load: EngineLoad | None = None,
         timeout: float = 5.0,
+        adapters: dict[str, str] | None = None,
     ):
         return self._ask(
             self.hb,
@@ -306,6 +314,7 @@ class FakeWorker:
                 traffic=traffic,
                 event_seqs=event_seqs,
                 load=load,
+                adapters=adapters,
             ),
             timeout,
         )
@@ -326,8 +335,12 @@ class FakeWorker:
         )
         return self.seq[location]
 
-    def admit_tokens(self, tokens, location: str = CPU) -> list[int]:
-        hashes = chunk_hashes(tokens, CHUNK)
+    def admit_tokens(
+        self, tokens, location: str = CPU, identity: KeyIdentity | None = None, mm: tuple[MMPlacement, ...] = ()
+    ) -> list[int]:
+        """Admit ``tokens``' chunk keys, made as an engine makes them for a request with
+        ``identity`` (salt, adapter) and multimodal items ``mm``."""
+        hashes = chunk_hashes(tokens, CHUNK, identity=identity, mm=mm)
         self.events(location, admitted=hashes)
         return hashes
 

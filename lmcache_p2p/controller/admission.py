@@ -164,6 +164,41 @@ def validate_register(msg: Register) -> None:
         _check_int("max_warm_peers", msg.max_warm_peers, 0, MAX_WARM_PEERS)
     if msg.serve_url is not None:
         check_serve_url(msg.serve_url)
+    if msg.adapters is not None:
+        try:
+            validate_adapters(msg.adapters, "Register")
+        except AdaptersRefused as e:
+            raise RegisterRefused(e.message, "adapters", msg.adapters) from None
+
+
+# -- the adapters an engine served (Register/Heartbeat.adapters) ----------------------------------
+
+MAX_ADAPTERS = 64  # the worker keeps as many (worker/adapters.py)
+MAX_ADAPTER_NAME_CHARS = 1024  # an OpenAI model name
+_LORA_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class AdaptersRefused(ControllerError):
+    """An adapters map out of bounds: too many, a name not printable text, an id not 32 hex."""
+
+
+def validate_adapters(adapters: dict[str, str], message: str) -> None:
+    """Raise :class:`AdaptersRefused` unless ``adapters`` (name -> lora_id) is in bounds."""
+    if not isinstance(adapters, dict) or len(adapters) > MAX_ADAPTERS:
+        raise AdaptersRefused(f"{message} field adapters refused: expected at most {MAX_ADAPTERS} adapters", "adapters")
+    for name, lora_id in adapters.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_ADAPTER_NAME_CHARS or not name.isprintable():
+            raise AdaptersRefused(
+                f"{message} field adapters refused: name {shown(name)} is not 1..{MAX_ADAPTER_NAME_CHARS} printable "
+                "characters",
+                "adapters",
+            )
+        if not isinstance(lora_id, str) or not _LORA_ID.fullmatch(lora_id):
+            raise AdaptersRefused(
+                f"{message} field adapters refused: id {shown(lora_id)} of {shown(name)} is not 32 lowercase hex "
+                "characters",
+                "adapters",
+            )
 
 
 def check_serve_url(url: str) -> None:

@@ -53,6 +53,7 @@ from lmcache_p2p.controller.errors import (
     UnknownInstance,
     WorkerUnreachable,
 )
+from lmcache_p2p.controller.identity import AdapterName, CacheSalt, MMFeatures, from_body
 from lmcache_p2p.controller.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from lmcache_p2p.controller.service import Controller
 from lmcache_p2p.controller.views import Entry, Steps
@@ -106,17 +107,29 @@ ViewSteps = Callable[[Entry], Steps[dict]]  # a view's steps, given what each en
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
-class LookupRequest(msgspec.Struct):
+class _Identity(msgspec.Struct, kw_only=True):
+    """The fields that key a prompt besides its tokens (identity.py), on every route taking one:
+    ``cache_salt`` (vLLM's; "" is refused: leave it out), ``lora`` (an adapter's name, the OpenAI
+    ``model`` of an adapter request), ``lora_id`` (its id, instead of the ids engines reported)
+    and ``mm_features`` (each multimodal item's identifier and placeholder range)."""
+
+    cache_salt: CacheSalt | None = None
+    lora: AdapterName | None = None
+    lora_id: str | None = None
+    mm_features: MMFeatures | None = None
+
+
+class LookupRequest(_Identity):
     tokens: list[TokenId]
     model: str | None = None
 
 
-class _LookupFastPath(msgspec.Struct):
+class _LookupFastPath(_Identity):
     tokens: msgspec.Raw
     model: str | None = None
 
 
-class ExplainRequest(msgspec.Struct):
+class ExplainRequest(_Identity):
     """POST /explain: ``tokens`` as /lookup takes them; ``instance_id``: the instance to explain the
     misses of (its chunk size is used); ``chunk_size``: without an instance, the size to cut at."""
 
@@ -125,7 +138,7 @@ class ExplainRequest(msgspec.Struct):
     chunk_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
 
 
-class _ExplainFastPath(msgspec.Struct):
+class _ExplainFastPath(_Identity):
     tokens: msgspec.Raw
     instance_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)] | None = None
     chunk_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
@@ -137,7 +150,7 @@ InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Candidates = Annotated[list[InstanceId], msgspec.Meta(min_length=1, max_length=MAX_ROUTE_CANDIDATES)]
 
 
-class RouteRequest(msgspec.Struct):
+class RouteRequest(_Identity):
     """POST /route: ``tokens`` as /lookup takes them; ``model``: only instances serving it;
     ``candidates``: only these instance ids (omitted: every instance; an empty list is a 422)."""
 
@@ -146,7 +159,7 @@ class RouteRequest(msgspec.Struct):
     candidates: Candidates | None = None
 
 
-class _RouteFastPath(msgspec.Struct):
+class _RouteFastPath(_Identity):
     tokens: msgspec.Raw
     model: str | None = None
     candidates: Candidates | None = None
@@ -190,7 +203,7 @@ def parse_token_array(raw: bytes) -> np.ndarray | None:
     return tokens
 
 
-class MoveRequest(msgspec.Struct):
+class MoveRequest(_Identity):
     old_position: tuple[str, str]  # (instance_id, location), e.g. ["lmcache_instance_1", "LocalCPUBackend"]
     new_position: tuple[str, str]
     tokens: list[TokenId] | None = None  # omitted: every chunk the source holds at that location
@@ -203,7 +216,7 @@ class ClearRequest(msgspec.Struct):
     location: str = "LocalCPUBackend"
 
 
-class PinRequest(msgspec.Struct):
+class PinRequest(_Identity):
     instance_id: str
     location: str
     tokens: list[TokenId]
@@ -227,7 +240,9 @@ class QueryInstanceRequest(msgspec.Struct):
     ip: str
 
 
-_FIELD_PATTERNS = (re.compile(r"field `([^`]+)`"), re.compile(r"at `\$\.([A-Za-z_]+)"))
+# The body's own field first (``at `$.mm_features[0]```: a nested struct's missing field names
+# the body's field it is in), else the field a top-level message names.
+_FIELD_PATTERNS = (re.compile(r"at `\$\.([A-Za-z_]+)"), re.compile(r"field `([^`]+)`"))
 
 
 def _field_of(error: str) -> str | None:
@@ -424,17 +439,17 @@ def create_app(controller: Controller) -> FastAPI:
     @post("/lookup", LookupRequest, "Which instances hold how much of this token prefix", reads)
     async def lookup(raw: JsonBody) -> Response:
         tokens, body = decode_prompt_body(raw, LookupRequest, _LookupFastPath)
-        return _json(views.lookup(tokens, body.model))
+        return _json(views.lookup(tokens, body.model, from_body(body)))
 
     @post("/explain", ExplainRequest, "Chunk by chunk: who holds this prompt, and why an instance would miss", reads)
     async def explain(raw: JsonBody) -> Response:
         tokens, body = decode_prompt_body(raw, ExplainRequest, _ExplainFastPath)
-        return _json(views.explain(tokens, body.instance_id, body.chunk_size))
+        return _json(views.explain(tokens, body.instance_id, body.chunk_size, from_body(body)))
 
     @post("/route", RouteRequest, "Instances ranked by expected time to first token for this prompt", reads)
     async def route(raw: JsonBody) -> Response:
         tokens, body = decode_prompt_body(raw, RouteRequest, _RouteFastPath)
-        return _json(views.route(tokens, body.model, body.candidates))
+        return _json(views.route(tokens, body.model, body.candidates, from_body(body)))
 
     # /health and /status ask the workers but change nothing they hold: reads.
     @post("/health", HealthRequest, "Ask every rank of an instance whether it is healthy", reads)
@@ -473,12 +488,14 @@ def create_app(controller: Controller) -> FastAPI:
     async def move(raw: JsonBody) -> Response:
         body: MoveRequest = _decode(raw, MoveRequest)
         copy = body.copy or bool(body.should_copy)
-        return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, copy))
+        ident = from_body(body)
+        return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, copy, ident))
 
     @post("/copy", MoveRequest, "Copy chunks between instances' locations (move with copy=true)", writes)
     async def copy(raw: JsonBody) -> Response:
         body: MoveRequest = _decode(raw, MoveRequest)
-        return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, True))
+        ident = from_body(body)
+        return _json(await orchestrator.move(body.old_position, body.new_position, body.tokens, True, ident))
 
     @post("/clear", ClearRequest, "Drop every chunk an instance holds at a location", writes)
     async def clear(raw: JsonBody) -> Response:
@@ -493,7 +510,8 @@ def create_app(controller: Controller) -> FastAPI:
     )
     async def pin(raw: JsonBody) -> Response:
         body: PinRequest = _decode(raw, PinRequest)
-        return _json(await orchestrator.pin(body.instance_id, body.location, body.tokens, body.unpin))
+        ident = from_body(body)
+        return _json(await orchestrator.pin(body.instance_id, body.location, body.tokens, body.unpin, ident))
 
     # -- GET views ---------------------------------------------------------------------------------
 

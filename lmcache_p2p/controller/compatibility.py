@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from lmcache_p2p.protocol import Register
 
-# Layout fields that must be equal (tp_rank is not: ranks pair up rank by rank).
-LAYOUT_FIELDS = ("model", "dtype", "block_size", "block_shape", "block_stride", "num_layers", "tp_size")
+# Layout fields that must be equal (tp_rank is not: ranks pair up rank by rank). key_format: the
+# rules chunk keys are made by (keys.KEY_FORMAT); engines with different ones never exchange.
+LAYOUT_FIELDS = ("model", "dtype", "block_size", "block_shape", "block_stride", "num_layers", "tp_size", "key_format")
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,14 @@ class Difference:
     field: str
     ours: object
     theirs: object
+    hint: str = ""  # what to do about it, where the field alone does not say
 
     def __str__(self) -> str:
-        return f"{self.field} {self.ours} vs {self.theirs}"
+        return f"{self.field} {self.ours} vs {self.theirs}" + (f" ({self.hint})" if self.hint else "")
+
+    def mirrored(self) -> Difference:
+        """The same difference as the other side sees it."""
+        return Difference(self.field, self.theirs, self.ours, self.hint)
 
 
 def model_name(model: str) -> str:
@@ -41,8 +47,19 @@ def differences(ours: Register, theirs: Register) -> list[Difference]:
     out = [
         Difference(name, getattr(ours.layout, name), getattr(theirs.layout, name))
         for name in LAYOUT_FIELDS
-        if getattr(ours.layout, name) != getattr(theirs.layout, name)
+        if name != "key_format" and getattr(ours.layout, name) != getattr(theirs.layout, name)
     ]
+    if ours.layout.key_format != theirs.layout.key_format:
+        older = ours if ours.layout.key_format < theirs.layout.key_format else theirs
+        out.append(
+            Difference(
+                "key_format",
+                ours.layout.key_format,
+                theirs.layout.key_format,
+                f"{older.instance_id} runs an lmcache-p2p from before key format "
+                f"{max(ours.layout.key_format, theirs.layout.key_format)} (tenant-safe keys): upgrade it",
+            )
+        )
     if ours.chunk_size != theirs.chunk_size:
         out.append(Difference("chunk_size", ours.chunk_size, theirs.chunk_size))
     return out

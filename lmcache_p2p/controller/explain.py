@@ -14,6 +14,10 @@ The controller sees every holder's keys, so it can say for each chunk of the tar
 
 A prefix is reused up to the first chunk the target cannot get: ``usable_tokens``. Consecutive
 chunks with the same answer come as one run.
+
+With a salt, an adapter or multimodal items (identity.py) the prompt is keyed as the target keys
+it (its own lora_id for the adapter); without a target, every way engines key it, merged. An
+adapter no engine reported makes every chunk ``not_held``, and the detail says so.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 
 from lmcache_p2p.controller.compatibility import differences, model_name
 from lmcache_p2p.controller.errors import InvalidRequest
+from lmcache_p2p.controller.identity import Resolved
 from lmcache_p2p.controller.registry import Registry, WorkerRecord
 from lmcache_p2p.keys import chunk_hash_array
 
@@ -33,7 +38,11 @@ DEFAULT_CHUNK_SIZE = 256
 
 
 def explain(
-    registry: Registry, tokens: Sequence[int] | np.ndarray, target: str | None, chunk_size: int | None
+    registry: Registry,
+    tokens: Sequence[int] | np.ndarray,
+    target: str | None,
+    chunk_size: int | None,
+    resolved: Resolved | None = None,
 ) -> dict[str, Any]:
     target_records = registry.instance_workers(target, "instance_id") if target is not None else []
     if target_records:
@@ -44,16 +53,20 @@ def explain(
             )
         chunk_size = target_records[0].info.chunk_size
     chunk_size = chunk_size or min((w.info.chunk_size for w in registry.workers.values()), default=DEFAULT_CHUNK_SIZE)
-    hashes = chunk_hash_array(tokens, chunk_size)
+    whole_chunks = len(tokens) // chunk_size
+    set_ids = [registry.index.lookup(h).tolist() for h in _hashes(tokens, chunk_size, target, resolved)]
+    unknown = resolved.note() if resolved is not None else ""
     instances = registry.instances()
     runs: list[dict[str, Any]] = []
     usable_chunks, blocked = 0, False
-    for i, set_id in enumerate(registry.index.lookup(hashes).tolist()):
-        held = _held_by(registry, set_id)
+    for i in range(whole_chunks):
+        held = _held_by_any(registry, [ids[i] for ids in set_ids])
         if target is None:
-            status, detail = ("held", "") if held else ("not_held", "")
+            status, detail = ("held", "") if held else ("not_held", unknown)
         else:
             status, detail = _status(target, target_records, held, instances)
+            if unknown:
+                detail = unknown
         if target is not None and not blocked and status in USABLE:
             usable_chunks += 1
         else:
@@ -84,11 +97,37 @@ def explain(
         "instance_id": target,
         "chunk_size": chunk_size,
         "prompt_tokens": len(tokens),
-        "whole_chunks": len(hashes),
+        "whole_chunks": whole_chunks,
         "usable_tokens": usable_chunks * chunk_size if target else None,
         "runs": runs,
         "cannot_share_with": dict(registry.cannot_share.get(target, {})) if target else {},
+        **({"identity": resolved.describe()} if resolved is not None else {}),
     }
+
+
+def _hashes(
+    tokens: Sequence[int] | np.ndarray, chunk_size: int, target: str | None, resolved: Resolved | None
+) -> list[np.ndarray]:
+    """The prompt's keys as ``target`` makes them (its own adapter id), or every variant's."""
+    if resolved is None:
+        return [chunk_hash_array(tokens, chunk_size)]
+    if not resolved.variants:
+        return []
+    if target is not None:
+        return [chunk_hash_array(tokens, chunk_size, identity=resolved.for_instance(target), mm=resolved.mm)]
+    return [chunk_hash_array(tokens, chunk_size, identity=v.identity, mm=resolved.mm) for v in resolved.variants]
+
+
+def _held_by_any(registry: Registry, set_ids: list[int]) -> dict[str, tuple[set[int], set[str]]]:
+    if len(set_ids) == 1:
+        return _held_by(registry, set_ids[0])
+    held: dict[str, tuple[set[int], set[str]]] = {}
+    for set_id in set_ids:
+        for instance_id, (ranks, locations) in _held_by(registry, set_id).items():
+            mine = held.setdefault(instance_id, (set(), set()))
+            mine[0].update(ranks)
+            mine[1].update(locations)
+    return held
 
 
 def _held_by(registry: Registry, set_id: int) -> dict[str, tuple[set[int], set[str]]]:

@@ -325,6 +325,7 @@ class Monitor:
         if msg.traffic is not None:
             self.traffic.report(record.key, msg.traffic)
         self.registry.note_load(record.key, msg.load)  # for /route; a bad load is dropped there
+        self.registry.note_adapters(record.key, msg.adapters)  # None: unchanged
         if msg.event_seqs:
             self.registry.check_sent(record, msg.event_seqs)
         reply = HeartbeatReply(status="ok", controller_epoch=self.epoch, resync=record.wanted_resyncs())

@@ -30,6 +30,7 @@ from lmcache_p2p.controller.admission import HostCheck, RegisterRefused, Resolve
 from lmcache_p2p.controller.commands import CommandBus
 from lmcache_p2p.controller.errors import CommandRefused, Conflict, InvalidRequest
 from lmcache_p2p.controller.events import CommandEvent, EventLog
+from lmcache_p2p.controller.identity import PLAIN, RequestIdentity, instance_identity
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.registry import Registry, WorkerKey, WorkerRecord
 from lmcache_p2p.controller.settings import ControllerSettings
@@ -197,8 +198,15 @@ class Orchestrator:
     # -- commands ----------------------------------------------------------------------------------
 
     async def move(
-        self, old_position: tuple[str, str], new_position: tuple[str, str], tokens: list[int] | None, copy: bool
+        self,
+        old_position: tuple[str, str],
+        new_position: tuple[str, str],
+        tokens: list[int] | None,
+        copy: bool,
+        ident: RequestIdentity = PLAIN,
     ) -> dict:
+        """``tokens``' chunks (keyed with ``ident``: the salt, and the adapter as the source keys
+        it) from one instance's location to another's; every chunk there without tokens."""
         (src_id, src_loc), (dst_id, dst_loc) = old_position, new_position
         sources = self.registry.instance_workers(src_id, "old_position")
         dests = {w.info.rank: w for w in self.registry.instance_workers(dst_id, "new_position")}
@@ -212,6 +220,12 @@ class Orchestrator:
                 raise Conflict(
                     f"{dst_id} has no rank {src.info.rank} to receive {src_id} rank {src.info.rank}'s chunks"
                 )
+            if src.info.layout.key_format != dst.info.layout.key_format:
+                raise Conflict(
+                    f"{src_id} and {dst_id} key chunks by different rules (key_format {src.info.layout.key_format} "
+                    f"vs {dst.info.layout.key_format}: one runs an lmcache-p2p from before tenant-safe keys); "
+                    "their chunks are not interchangeable"
+                )
             if src.info.layout != dst.info.layout:
                 raise Conflict(
                     f"{src_id} and {dst_id} store KV in different layouts "
@@ -219,7 +233,7 @@ class Orchestrator:
                     f"{dst.info.layout.model}/{dst.info.layout.dtype}/tp{dst.info.layout.tp_size}); "
                     "their chunks are not interchangeable"
                 )
-        per_rank = self._chunks_to_move(sources, src_loc, tokens)
+        per_rank = self._chunks_to_move(sources, src_loc, tokens, ident)
         chunk_size = sources[0].info.chunk_size
         num_tokens = min(len(h) for h in per_rank.values()) * chunk_size
         kind = "copy" if copy else "move"
@@ -250,12 +264,13 @@ class Orchestrator:
         return {"num_tokens": num_tokens, "event_id": event.event_id}
 
     def _chunks_to_move(
-        self, sources: list[WorkerRecord], location: str, tokens: list[int] | None
+        self, sources: list[WorkerRecord], location: str, tokens: list[int] | None, ident: RequestIdentity = PLAIN
     ) -> dict[int, np.ndarray]:
         holders = {w.info.rank: w.locations[location].holder for w in sources}  # location checked by the caller
         if tokens is None:  # everything the source holds there
             return {rank: self.registry.index.holder_keys(hid) for rank, hid in holders.items()}
-        hashes = chunk_hash_array(tokens, sources[0].info.chunk_size)
+        identity = instance_identity(self.registry, ident, sources[0].info.instance_id)
+        hashes = chunk_hash_array(tokens, sources[0].info.chunk_size, identity=identity, mm=ident.mm)
         held = self.registry.index.prefix_holders(hashes) if len(hashes) else {}
         count = min(held.get(hid, 0) for hid in holders.values())  # a chunk moves when every rank has it
         return {rank: hashes[:count] for rank in holders}
@@ -267,7 +282,9 @@ class Orchestrator:
         await self._fan_out(event, workers, lambda w: ClearCommand(event_id=event.event_id, location=location))
         return {"event_id": event.event_id, "num_tokens": event.num_tokens}
 
-    async def pin(self, instance_id: str, location: str, tokens: list[int], unpin: bool) -> dict:
+    async def pin(
+        self, instance_id: str, location: str, tokens: list[int], unpin: bool, ident: RequestIdentity = PLAIN
+    ) -> dict:
         workers = self.registry.instance_workers(instance_id, "instance_id")
         kind = "unpin" if unpin else "pin"
         if location != PINNABLE_LOCATION:
@@ -278,7 +295,8 @@ class Orchestrator:
                 "location",
             )
         _check_location(workers, location, "location")
-        hashes = pack_hashes(chunk_hash_array(tokens, workers[0].info.chunk_size))
+        identity = instance_identity(self.registry, ident, instance_id)
+        hashes = pack_hashes(chunk_hash_array(tokens, workers[0].info.chunk_size, identity=identity, mm=ident.mm))
         event = self.events.create(kind, instance_id, {w.info.rank for w in workers}, location)
         await self._fan_out(
             event, workers, lambda w: PinCommand(event_id=event.event_id, location=location, hashes=hashes, unpin=unpin)

@@ -32,8 +32,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from lmcache_p2p.controller.admission import LoadRefused, validate_load, validate_register
-from lmcache_p2p.controller.compatibility import Difference, differences
+from lmcache_p2p.controller.admission import (
+    AdaptersRefused,
+    LoadRefused,
+    validate_adapters,
+    validate_load,
+    validate_register,
+)
+from lmcache_p2p.controller.compatibility import differences
 from lmcache_p2p.controller.errors import UnknownInstance
 from lmcache_p2p.controller.index import ChunkIndex
 from lmcache_p2p.keys import LayoutFingerprint
@@ -43,6 +49,7 @@ from lmcache_p2p.protocol import EngineLoad, KeyEvents, MeshPeer, Register, Resy
 logger = logging.getLogger(__name__)
 # A rank that sends a bad load sends it every heartbeat: one line per field every 60 s.
 _load_refusals = RateLimitedLog(logger, every_s=60.0)
+_adapter_refusals = RateLimitedLog(logger, every_s=60.0)
 
 WorkerKey = tuple[str, int]  # (instance_id, rank)
 # A rank heard from within this long (two of the workers' default 5 s heartbeats) is live: another
@@ -78,6 +85,8 @@ class WorkerRecord:
     # when it arrived (monotonic). A new registration starts without one.
     load: EngineLoad | None = None
     load_at: float = 0.0
+    # The LoRA adapters its engine served: name -> lora_id (Register/Heartbeat.adapters).
+    adapters: dict[str, str] = field(default_factory=dict)
 
     @property
     def key(self) -> WorkerKey:
@@ -132,6 +141,8 @@ class Registry:
         # instance -> its rank 0's Register: one layout per instance (ranks differ only in tp_rank),
         # so an arrival is compared once per instance, not once per rank against every rank
         self._first_ranks: dict[str, Register] = {}
+        # adapter name -> worker -> the lora_id it reported: who keys an adapter's requests how
+        self._adapters: dict[str, dict[WorkerKey, str]] = {}
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -153,6 +164,7 @@ class Registry:
         old = self.workers.get((msg.instance_id, msg.rank))
         if old is not None:
             self._log_takeover(old, msg, live_within_s)
+            self._set_adapters(old, {})
         locations = {}
         for loc in msg.locations:
             state = LocationState(self.holder_id(msg.instance_id, msg.rank, loc))
@@ -163,6 +175,7 @@ class Registry:
                 self.index.drop_holder(old.locations[loc].holder)
         record = WorkerRecord(msg, time.time(), time.monotonic(), locations)
         self.workers[record.key] = record
+        self._set_adapters(record, msg.adapters or {})
         if msg.rank == 0:
             self._first_ranks[msg.instance_id] = msg
             self._check_compatibility(msg)
@@ -195,9 +208,7 @@ class Registry:
                 self.cannot_share.get(other_id, {}).pop(msg.instance_id, None)
                 continue
             self.cannot_share.setdefault(msg.instance_id, {})[other_id] = [str(d) for d in found]
-            self.cannot_share.setdefault(other_id, {})[msg.instance_id] = [
-                str(Difference(d.field, d.theirs, d.ours)) for d in found
-            ]
+            self.cannot_share.setdefault(other_id, {})[msg.instance_id] = [str(d.mirrored()) for d in found]
             if pair in self._mismatches_said:
                 continue
             self._mismatches_said.add(pair)
@@ -253,6 +264,7 @@ class Registry:
         record = self.workers.pop(key, None)
         if record is None:
             return None
+        self._set_adapters(record, {})
         dropped = sum(self.index.drop_holder(st.holder) for st in record.locations.values())
         if record.serves_peers:
             self._mesh_changed(record.info.layout)
@@ -295,6 +307,41 @@ class Registry:
                 _load_refusals.warning(e.field, "heartbeat from %s rank %d: %s; load dropped", *key, e.message)
                 load = None
         record.load, record.load_at = load, time.monotonic()
+
+    def note_adapters(self, key: WorkerKey, adapters: dict[str, str] | None) -> None:
+        """A heartbeat's adapters map (None: unchanged). One out of bounds is dropped, logged, and
+        the heartbeat still counts."""
+        record = self.workers.get(key)
+        if record is None or adapters is None:
+            return
+        try:
+            validate_adapters(adapters, "Heartbeat")
+        except AdaptersRefused as e:
+            _adapter_refusals.warning(key, "heartbeat from %s rank %d: %s; adapters dropped", *key, e.message)
+            return
+        self._set_adapters(record, adapters)
+
+    def _set_adapters(self, record: WorkerRecord, adapters: dict[str, str]) -> None:
+        for name in record.adapters:
+            reports = self._adapters.get(name)
+            if reports is not None:
+                reports.pop(record.key, None)
+                if not reports:
+                    del self._adapters[name]
+        record.adapters = dict(adapters)
+        for name, lora_id in record.adapters.items():
+            self._adapters.setdefault(name, {})[record.key] = lora_id
+
+    def adapter_reports(self, name: str) -> dict[str, str]:
+        """instance -> the lora_id it reported for adapter ``name`` (rank 0's where ranks differ)."""
+        out: dict[str, str] = {}
+        for (instance_id, _rank), lora_id in sorted(self._adapters.get(name, {}).items(), key=lambda kv: -kv[0][1]):
+            out[instance_id] = lora_id  # ranks in descending order: rank 0's is written last
+        return out
+
+    def adapter_of(self, instance_id: str, name: str) -> str | None:
+        """The lora_id ``instance_id`` reported for adapter ``name``; None if it never did."""
+        return self.adapter_reports(name).get(instance_id)
 
     def reap(self, timeout: float) -> list[WorkerRecord]:
         now = time.monotonic()

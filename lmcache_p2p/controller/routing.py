@@ -49,9 +49,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lmcache_p2p.controller.identity import Resolved
 from lmcache_p2p.controller.registry import Registry, WorkerKey, WorkerRecord
 from lmcache_p2p.controller.settings import ControllerSettings
-from lmcache_p2p.keys import chunk_hash_array
+from lmcache_p2p.keys import KeyIdentity, MMPlacement, chunk_hash_array
 
 logger = logging.getLogger("lmcache_p2p.controller")
 
@@ -287,10 +288,17 @@ class Router:
         self._turn = 0  # advances every call: the tie-break among equal scores
 
     def route(
-        self, tokens: Sequence[int] | np.ndarray, model: str | None = None, candidates: list[str] | None = None
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        model: str | None = None,
+        candidates: list[str] | None = None,
+        resolved: Resolved | None = None,
     ) -> dict:
         """``tokens``' instances ranked by :func:`expected_ttft_ms`, lowest first; see the module
-        docstring for who is eligible. ``model``: only instances serving it (their layout's model)."""
+        docstring for who is eligible. ``model``: only instances serving it (their layout's model).
+        ``resolved``: the request's salt, adapter and multimodal items (identity.py): each
+        instance is judged by the keys it would make (its own lora_id for the adapter); an
+        adapter no engine reported leaves nothing cached anywhere (ranked by load)."""
         now = time.monotonic()
         self._turn += 1
         instances = self.registry.instances()
@@ -311,21 +319,22 @@ class Router:
         # Every live worker counts as a holder: candidates may pull from instances not asked about.
         timeout = self.settings.worker_timeout
         live = {k: r for k, r in self.registry.workers.items() if now - r.last_seen <= timeout}
-        held: dict[WorkerKey, tuple[int, list[Segment]]] = {}
-        for chunk_size in sorted({r.info.chunk_size for records in eligible.values() for r in records}):
-            same_size = {k: r for k, r in live.items() if r.info.chunk_size == chunk_size}
-            held.update(held_prefixes(self.registry, chunk_hash_array(tokens, chunk_size), same_size))
-        peers: dict[tuple[int, int], _BestPeers] = {}
-        for key, (chunks, _) in held.items():
-            record = live[key]
-            if not record.serves_peers or not chunks:
-                continue
-            best = peers.setdefault(record.peer_group, _BestPeers([]))
-            best.top = sorted([*best.top, (chunks, key[0])], key=lambda t: (-t[0], t[1]))[:2]
+        chunk_sizes = sorted({r.info.chunk_size for records in eligible.values() for r in records})
+        # One key variant (the prompt's keys) unless an adapter name has several lora_ids.
+        if resolved is None:
+            views = [self._holders(tokens, chunk_sizes, live, None, ())]
+        else:
+            views = [self._holders(tokens, chunk_sizes, live, v.identity, resolved.mm) for v in resolved.variants]
+        nothing: tuple[dict, dict] = ({}, {})
+
+        def view_of(instance_id: str) -> tuple[dict, dict]:
+            if not views:
+                return nothing  # an adapter nobody reported: nothing is cached for it
+            return views[resolved.variant_index(instance_id)] if resolved is not None else views[0]
 
         prompt_tokens = len(tokens)
         gathered = [
-            (instance_id, records, *self._facts(instance_id, records, prompt_tokens, held, peers, now))
+            (instance_id, records, *self._facts(instance_id, records, prompt_tokens, *view_of(instance_id), now))
             for instance_id, records in sorted(eligible.items())
         ]
         self._settle_rates([g[2] for g in gathered])
@@ -339,14 +348,40 @@ class Router:
         ranked.sort(key=lambda r: (r[0], r[1]))
         answer = [self._describe(*r[2:]) for r in ranked]
         chosen = answer[0] if answer else None
-        self._log(prompt_tokens, answer, skipped)
-        return {
+        self._log(prompt_tokens, answer, skipped, resolved)
+        out = {
             "prompt_tokens": prompt_tokens,
             "chosen": chosen["instance_id"] if chosen else None,
             "serve_url": chosen["serve_url"] if chosen else None,
             "ranked": answer,
             "skipped": skipped,
         }
+        if resolved is not None:
+            out["identity"] = resolved.describe()
+        return out
+
+    def _holders(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        chunk_sizes: list[int],
+        live: dict[WorkerKey, WorkerRecord],
+        identity: KeyIdentity | None,
+        mm: Sequence[MMPlacement],
+    ) -> tuple[dict[WorkerKey, tuple[int, list[Segment]]], dict[tuple[int, int], _BestPeers]]:
+        """Who holds how much of the prompt keyed one way, and the best peers per peer group."""
+        held: dict[WorkerKey, tuple[int, list[Segment]]] = {}
+        for chunk_size in chunk_sizes:
+            same_size = {k: r for k, r in live.items() if r.info.chunk_size == chunk_size}
+            hashes = chunk_hash_array(tokens, chunk_size, identity=identity, mm=mm)
+            held.update(held_prefixes(self.registry, hashes, same_size))
+        peers: dict[tuple[int, int], _BestPeers] = {}
+        for key, (chunks, _) in held.items():
+            record = live[key]
+            if not record.serves_peers or not chunks:
+                continue
+            best = peers.setdefault(record.peer_group, _BestPeers([]))
+            best.top = sorted([*best.top, (chunks, key[0])], key=lambda t: (-t[0], t[1]))[:2]
+        return held, peers
 
     def _settle_rates(self, candidates: list[Facts]) -> None:
         """A prefill rate measured over fewer than ``prefill_min_steps`` steps is replaced by the
@@ -498,15 +533,20 @@ class Router:
             "load_ms": round(score.load_ms, 3),
         }
 
-    def _log(self, prompt_tokens: int, ranked: list[dict], skipped: list[dict]) -> None:
+    def _log(self, prompt_tokens: int, ranked: list[dict], skipped: list[dict], resolved: Resolved | None) -> None:
         if not logger.isEnabledFor(logging.INFO):
             return  # the arguments below cost more than the rest of a small fleet's ranking
+        # The keys' identity: the salt only as a digest (salt#...), never itself.
+        identity = f"; identity {resolved.brief()}" if resolved is not None else ""
+        if resolved is not None and not resolved.known:
+            identity += f" ({resolved.note()}: ranked by load)"
         if not ranked:
             logger.info(
-                "route %d tokens: no eligible instance (%d skipped: %s)",
+                "route %d tokens: no eligible instance (%d skipped: %s)%s",
                 prompt_tokens,
                 len(skipped),
                 "; ".join(f"{s['instance_id']}: {s['reason']}" for s in skipped[:5]),
+                identity,
             )
             return
         best = ranked[0]
@@ -517,7 +557,7 @@ class Router:
         logger.info(
             "route %d tokens -> %s: expected TTFT %.1f ms = local %d tokens %s (%.1f ms) + pull %d tokens from %s "
             "(%.1f ms) + recompute %d tokens at %.0f tokens/s %s (%.1f ms) + load running %d waiting %d kv %.2f%s "
-            "(%.1f ms)%s; %d ranked, %d skipped",
+            "(%.1f ms)%s; %d ranked, %d skipped%s",
             prompt_tokens,
             best["instance_id"],
             best["expected_ttft_ms"],
@@ -541,4 +581,5 @@ class Router:
             runner_up,
             len(ranked),
             len(skipped),
+            identity,
         )

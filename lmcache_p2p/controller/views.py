@@ -25,6 +25,7 @@ import numpy as np
 from lmcache_p2p.controller.errors import UnknownEvent, UnknownInstance
 from lmcache_p2p.controller.events import EventLog, ReadLog
 from lmcache_p2p.controller.explain import explain
+from lmcache_p2p.controller.identity import PLAIN, RequestIdentity, Variant, resolve
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.registry import Registry, WorkerRecord
 from lmcache_p2p.controller.routing import Router
@@ -74,38 +75,45 @@ class Views:
 
     # -- lookups -----------------------------------------------------------------------------------
 
-    def lookup(self, tokens: list[int] | np.ndarray, model: str | None = None) -> dict:
+    def lookup(self, tokens: list[int] | np.ndarray, model: str | None = None, ident: RequestIdentity = PLAIN) -> dict:
         """Every holder of a prefix of ``tokens`` with its matched tokens, and LMCache's per-instance
         ``layout_info`` ({instance: [location, tokens]}), counting a chunk for an instance only when
-        all its TP ranks hold it."""
+        all its TP ranks hold it. ``ident``: the request's salt, adapter and multimodal items
+        (identity.py); the answer then says how they were resolved, under ``identity``."""
         self.metrics.inc("lmcache_controller_lookups_total")
         self.metrics.inc("lmcache_controller_lookup_tokens_total", len(tokens))
+        resolved = None if ident.empty else resolve(self.registry, ident)
+        extra = {"identity": resolved.describe()} if resolved is not None else {}
         workers = {k: w for k, w in self.registry.workers.items() if model is None or w.info.layout.model == model}
         if not len(tokens) or not workers:
-            return {"event_id": self.reads.record("lookup"), "layout_info": {}, "holders": []}
-        holders: list[dict[str, Any]] = []
+            return {"event_id": self.reads.record("lookup"), "layout_info": {}, "holders": [], **extra}
+        variants = resolved.variants if resolved is not None else [Variant(None)]
+        found: dict[tuple[str, int, str], dict[str, Any]] = {}  # (instance, rank, location) -> holder
         by_instance: dict[tuple[str, str], dict[int, int]] = {}  # (instance, location) -> rank -> tokens
         tp_sizes: dict[str, int] = {}
         for chunk_size in sorted({w.info.chunk_size for w in workers.values()}):
-            hashes = chunk_hash_array(tokens, chunk_size)
-            if not len(hashes):
-                continue
-            for hid, matched in self.registry.index.prefix_holders(hashes).items():
-                instance_id, rank, location = self.registry.holders[hid]
-                worker = workers.get((instance_id, rank))
-                if worker is None or worker.info.chunk_size != chunk_size:
+            for variant in variants:
+                hashes = chunk_hash_array(tokens, chunk_size, identity=variant.identity, mm=ident.mm)
+                if not len(hashes):
                     continue
-                holders.append(
-                    {
+                for hid, matched in self.registry.index.prefix_holders(hashes).items():
+                    instance_id, rank, location = self.registry.holders[hid]
+                    worker = workers.get((instance_id, rank))
+                    if worker is None or worker.info.chunk_size != chunk_size:
+                        continue
+                    known = found.get((instance_id, rank, location))
+                    if known is not None and known["matched_tokens"] >= matched * chunk_size:
+                        continue
+                    found[(instance_id, rank, location)] = {
                         "instance_id": instance_id,
                         "worker_id": rank,
                         "location": location,
                         "matched_tokens": matched * chunk_size,
                         "model": worker.info.layout.model,
                     }
-                )
-                by_instance.setdefault((instance_id, location), {})[rank] = matched * chunk_size
-                tp_sizes[instance_id] = worker.info.layout.tp_size
+                    by_instance.setdefault((instance_id, location), {})[rank] = matched * chunk_size
+                    tp_sizes[instance_id] = worker.info.layout.tp_size
+        holders = list(found.values())
         layout_info: dict[str, list] = {}
         for (instance_id, location), by_rank in by_instance.items():
             matched_tokens = min(by_rank.get(r, 0) for r in range(tp_sizes[instance_id]))
@@ -114,16 +122,35 @@ class Views:
         best = max((v[1] for v in layout_info.values()), default=0)
         self.metrics.inc("lmcache_controller_lookup_hit_tokens_total", best)
         holders.sort(key=lambda h: (-h["matched_tokens"], h["instance_id"], h["worker_id"]))
-        return {"event_id": self.reads.record("lookup", best), "layout_info": layout_info, "holders": holders}
+        return {
+            "event_id": self.reads.record("lookup", best),
+            "layout_info": layout_info,
+            "holders": holders,
+            **extra,
+        }
 
-    def explain(self, tokens: list[int] | np.ndarray, instance_id: str | None, chunk_size: int | None) -> dict:
+    def explain(
+        self,
+        tokens: list[int] | np.ndarray,
+        instance_id: str | None,
+        chunk_size: int | None,
+        ident: RequestIdentity = PLAIN,
+    ) -> dict:
         """Chunk by chunk, who holds ``tokens`` and why ``instance_id`` would miss the rest (explain.py)."""
-        answer = explain(self.registry, tokens, instance_id, chunk_size)
+        resolved = None if ident.empty else resolve(self.registry, ident)
+        answer = explain(self.registry, tokens, instance_id, chunk_size, resolved)
         return {"event_id": self.reads.record("explain", answer["usable_tokens"] or 0), **answer}
 
-    def route(self, tokens: list[int] | np.ndarray, model: str | None, candidates: list[str] | None) -> dict:
+    def route(
+        self,
+        tokens: list[int] | np.ndarray,
+        model: str | None,
+        candidates: list[str] | None,
+        ident: RequestIdentity = PLAIN,
+    ) -> dict:
         """Instances ranked by expected time to first token for ``tokens`` (routing.py)."""
-        return self.router.route(tokens, model, candidates)
+        resolved = None if ident.empty else resolve(self.registry, ident)
+        return self.router.route(tokens, model, candidates, resolved)
 
     def query_worker_info(self, instance_id: str, worker_ids: list[int] | None) -> dict:
         """The workers of one instance (``"all"``: of every instance), optionally only these ranks."""
