@@ -121,11 +121,32 @@ def shared_redis_cluster(tmp_path_factory):
         yield cluster
 
 
+def _v1_runner_missing() -> str | None:
+    """Why engines cannot start here when the run asks for vLLM's Model Runner V1
+    (``VLLM_USE_V2_MODEL_RUNNER=0``, run_gpu_paths.sh tests-v1): vLLM 0.34 removed it and stops at
+    start-up. None where the run does not ask for it, or this vLLM has it."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+        return None
+    from lmcache_p2p.integration.vllm import compat
+
+    try:
+        release = compat.installed_release()
+    except ImportError:
+        return None
+    if compat.has_v1_model_runner(release):
+        return None
+    return f"VLLM_USE_V2_MODEL_RUNNER=0 asks for Model Runner V1, which {release} does not have"
+
+
 def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n 2 --dist loadgroup`` (make test), tests that share a module-scoped
     fixture run on one worker: spread over both, each worker set the fixture up for itself (two
-    pairs of TP=2 engines at once on two cores starved a holder past its pull timeout)."""
+    pairs of TP=2 engines at once on two cores starved a holder past its pull timeout). Tests that
+    start engines are skipped where the run asks for a model runner this vLLM does not have."""
+    no_v1 = _v1_runner_missing()
     for item in items:
+        if no_v1 is not None and (item.get_closest_marker("engine") or item.get_closest_marker("gpu")):
+            item.add_marker(pytest.mark.skip(reason=no_v1))
         fixtures = getattr(item, "_fixtureinfo", None)
         if fixtures is None:
             continue

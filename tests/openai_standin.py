@@ -39,9 +39,18 @@ def standin_tokens(text: str) -> list[int]:
 
 def chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The stand-in chat template: ``<|role|> content`` per message, then ``<|assistant|>``
-    when a generation prompt is asked for."""
-    text = " ".join(f"<|{m['role']}|> {m['content']}" for m in messages)
+    when a generation prompt is asked for. A content list (OpenAI's parts) renders as vLLM's
+    "string" format does: one ``<image>`` placeholder per non-text part first, then the texts."""
+    text = " ".join(f"<|{m['role']}|> {_content_text(m['content'])}" for m in messages)
     return f"{text} <|assistant|>" if add_generation_prompt else text
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    placeholders = [f"<{p.get('type', 'part')}>" for p in content if p.get("type") != "text"]
+    texts = [p.get("text", "") for p in content if p.get("type") == "text"]
+    return " ".join([*placeholders, *texts])
 
 
 class ServedApp:
@@ -82,8 +91,18 @@ class StandinEngine(ServedApp):
     ``api_key`` (require ``Authorization: Bearer <key>`` on /v1/*). ``requests`` records what
     came: (path, JSON body, headers)."""
 
-    def __init__(self, name: str, model: str = "tiny-llama", api_key: str | None = None, port: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        model: str = "tiny-llama",
+        api_key: str | None = None,
+        port: int | None = None,
+        adapters: tuple[str, ...] = (),
+    ):
+        """``adapters``: LoRA adapters it serves besides ``model`` (listed in /v1/models with the
+        model as their parent, as vLLM lists them)."""
         self.name, self.model, self.api_key = name, model, api_key
+        self.adapters = adapters
         self.fail_status: int | None = None
         self.streams_ended: list[str] = []  # per stream: "done", or "cancelled" (the client went away)
         self.requests: list[tuple[str, dict, dict[str, str]]] = []
@@ -115,14 +134,19 @@ class StandinEngine(ServedApp):
             refusal = refused(request)
             if refusal is not None:
                 return refusal
-            return JSONResponse(
-                {"object": "list", "data": [{"id": engine.model, "object": "model", "owned_by": engine.name}]}
-            )
+            cards = [
+                {"id": engine.model, "object": "model", "owned_by": engine.name, "root": engine.model, "parent": None}
+            ]
+            cards += [
+                {"id": a, "object": "model", "owned_by": engine.name, "root": f"/adapters/{a}", "parent": engine.model}
+                for a in engine.adapters
+            ]
+            return JSONResponse({"object": "list", "data": cards})
 
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:
             body = await recorded(request)
-            if body.get("model") != engine.model:
+            if body.get("model") not in (engine.model, *engine.adapters):
                 return JSONResponse({"error": {"message": f"model {body.get('model')!r} not served"}}, 404)
             if "messages" in body:
                 text = chat_text(body["messages"], body.get("add_generation_prompt", True))
@@ -146,7 +170,7 @@ class StandinEngine(ServedApp):
             body = await recorded(request)
             if engine.fail_status is not None:
                 return JSONResponse({"error": {"message": f"{engine.name} is overloaded"}}, engine.fail_status)
-            if body.get("model") != engine.model:
+            if body.get("model") not in (engine.model, *engine.adapters):
                 return JSONResponse({"error": {"message": f"model {body.get('model')!r} not served"}}, 404)
             text = chat_text(body["messages"]) if chat else body["prompt"]
             if not isinstance(text, str):

@@ -42,6 +42,32 @@ def test_block_first_caches_are_one_plane_per_layer_and_kv_first_caches_two():
     assert layout.bytes_per_token * 16 == 6 * 16 * 2 * 64 * 4
 
 
+def test_layers_carved_apart_from_one_padded_allocation_store_and_load_like_separate_tensors():
+    """vLLM 0.34's extensible KV cache gives each layer a region of one reservation, padded to a
+    granule, not one contiguous tensor of all layers: each layer is read where it is."""
+    num_blocks, block = 10, (2, 16, 2, 4)  # [num_blocks, K/V, block, heads, dim]
+    layer_numel = num_blocks * 2 * 16 * 2 * 4
+    padded = layer_numel + 96  # a granule's padding after every layer
+    backing = torch.full((3 * padded,), -7.0)
+    layers = {f"layer.{i}": backing[i * padded : i * padded + layer_numel].view(num_blocks, *block) for i in range(3)}
+    for i, tensor in enumerate(layers.values()):
+        tensor.copy_(torch.randn(num_blocks, *block) + 10 * i)
+    planes = block_planes(layers, num_blocks)
+    assert [p.data_ptr() for p in planes] == [t.data_ptr() for t in layers.values()]
+    assert fingerprint(planes, "m", 16, 1, 0) == fingerprint(
+        block_planes({k: v.clone() for k, v in layers.items()}, num_blocks), "m", 16, 1, 0
+    )
+
+    page = torch.empty(3 * 2 * planes[0][0].numel() * 4, dtype=torch.uint8)
+    gpu_ops.gather_chunk(planes, [3, 7], page)
+    stored = {name: (tensor[3].clone(), tensor[7].clone()) for name, tensor in layers.items()}
+    gpu_ops.scatter_chunk(page, planes, [0, 1])  # loaded back into other blocks of the same layers
+    for name, tensor in layers.items():
+        assert torch.equal(tensor[0], stored[name][0]) and torch.equal(tensor[1], stored[name][1])
+    for i in range(3):  # the padding between the layers was not written
+        assert (backing[i * padded + layer_numel : (i + 1) * padded] == -7.0).all()
+
+
 def test_an_unknown_kv_layout_is_refused_with_the_layer_and_shape():
     with pytest.raises(UnsupportedKVLayout, match=r"layer 'model.layers.0.attn'.*\(7, 3, 5\)"):
         block_planes({"model.layers.0.attn": torch.zeros(7, 3, 5)}, 10)
@@ -517,6 +543,38 @@ def _cpu_worker_side(engine_id: str):
     side = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 32, "max_local_cpu_size": 0.01}))
     side.register_kv_caches({f"layer.{i}": torch.randn(8, 2, 16, 2, 4) for i in range(2)})
     return side
+
+
+def test_a_kv_cache_sized_to_the_free_gpu_memory_gets_one_warning_naming_our_device_buffers(caplog):
+    """vLLM 0.34 commits its KV cache after warm-up to the memory then free (extensible KV cache,
+    gpu_memory_utilization unset) and builds the worker side after it: the rank says which of
+    its device buffers come out of what is left, and how to make room. Not when vLLM was told
+    how much to take, nor on releases that size the cache up front."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.config import LMCacheConfig
+    from lmcache_p2p.integration.vllm.worker_side import WorkerSide
+
+    def warnings(extensible: bool, utilization: float | None, **keys) -> list[str]:
+        vllm_config = SimpleNamespace(
+            cache_config=SimpleNamespace(
+                block_size=16, enable_extensible_kv_cache=extensible, gpu_memory_utilization=utilization
+            ),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        )
+        side = WorkerSide(vllm_config, LMCacheConfig.from_dict({"chunk_size": 256, **keys}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lmcache_p2p"):
+            side._warn_device_buffers_after_kv_cache(2 * 2**20)  # 2 MiB chunk pages
+        return [r.getMessage() for r in caplog.records]
+
+    tier = {"local_cpu": True, "local_gpu": True, "max_local_gpu_size": 4}
+    (warning,) = warnings(True, None, **tier)
+    assert "GPU tier 4 GB (max_local_gpu_size), load staging 256 MiB (load_staging_mb)" in warning
+    assert "--gpu-memory-utilization" in warning and "--no-enable-extensible-kv-cache" in warning
+    assert warnings(True, 0.8, **tier) == []  # vLLM leaves the rest of the GPU free
+    assert warnings(False, None, **tier) == []  # vLLM <= 0.33, or the cache sized up front
+    assert warnings(True, None, async_kv_loads=False) == []  # nothing of ours on the device
 
 
 def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_unknown(engine_id, monkeypatch):

@@ -175,3 +175,26 @@ def test_with_tp_a_chunk_is_stored_once_every_rank_holds_it_and_removed_once_any
         [21, 22], SimpleNamespace(request_id="s", prompt_token_ids=list(range(8)), block_hashes=[b"x" * 32] * 4)
     )
     assert [type(e).__name__ for e in mapper.take_events()] == ["BlockRemoved"]
+
+
+def test_a_token_buffer_prompt_is_published_with_its_token_ids_as_a_plain_list():
+    """vLLM 0.34 hands the scheduler a TokenBuffer (an array('i'), which msgspec cannot encode):
+    a chunk's BlockStored still carries its tokens as a list, the event encodes as vLLM's
+    publisher encodes it, and vLLM may grow the buffer after the mapper read it."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm034_shapes import TokenBufferLike
+
+    from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents
+
+    prompt = TokenBufferLike(range(100, 112))
+    request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, block_hashes=[bytes([b]) * 32 for b in range(6)])
+    mapper = BlockEventMapper(chunk_size=4, block_size=2, tp_size=1)
+    mapper.remember([11, 12, 13], request)
+    prompt.extend([1, 2])  # the mapper kept its own copy of the ids, no view of vLLM's buffer
+    mapper.take_rank_events(ChunkStorageEvents([("admit", "LocalCPUBackend", 12)], 0))
+    (stored,) = mapper.take_events()
+    assert stored.token_ids == [104, 105, 106, 107] and type(stored.token_ids) is list
+    encoded = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[stored]))
+    assert msgspec.msgpack.decode(encoded, type=KVEventBatch).events[0].token_ids == [104, 105, 106, 107]

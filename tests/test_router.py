@@ -21,9 +21,10 @@ from protocol_client import ControllerProcess, FakeWorker, registered_workers, w
 from raw_http import peak_rss, read_response
 
 from lmcache_p2p.http_body import DEFAULT_MAX_BODY_BYTES
+from lmcache_p2p.keys import KeyIdentity, salt_tag
 from lmcache_p2p.protocol import EngineLoad
 from lmcache_p2p.router import cli
-from lmcache_p2p.router.app import create_app
+from lmcache_p2p.router.app import CHAT, COMPLETIONS, create_app, first_multimodal, prefix_body, route_identity
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policies import Candidate, LeastLoaded, RoundRobin, demote, make_policy
 from lmcache_p2p.testing.ports import free_ports
@@ -468,3 +469,122 @@ def test_a_100_mib_body_is_refused_with_413_and_never_held(fleet, tmp_path):
         assert httpx.get(f"{url}/router/stats").json()["bad_requests"] == 2
     finally:
         proc.stop()
+
+
+# -- tenants: cache_salt, adapters, multimodal chats ---------------------------------------------
+
+SQL_ID = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def tenant_fleet(controller, engines):
+    """Two instances whose stand-in engines serve the base model and a LoRA adapter ``sql``."""
+    with registered_workers(controller) as make:
+        es = {name: engines(name, adapters=("sql",)) for name in NAMES[:2]}
+        ws = {name: make(name, serve_url=es[name].url) for name in NAMES[:2]}
+        yield Fleet(controller, es, ws, make)
+
+
+def admit_as(fleet: Fleet, instance_id: str, tokens: list[int], **identity) -> None:
+    """``instance_id`` holds ``tokens``' chunks keyed as its engine keys a request of that identity."""
+    ident = KeyIdentity(**identity)
+    fleet.workers[instance_id].admit_tokens(tokens, identity=ident)
+    body = {"tokens": tokens, **({"cache_salt": ident.cache_salt} if ident.cache_salt else {})}
+    if ident.lora_name:
+        body.update(lora=ident.lora_name, lora_id=ident.lora_id)
+    wait_for(lambda: fleet.controller.api("/lookup", body)["layout_info"].get(instance_id), 15, "chunks")
+
+
+def route_lines(caplog) -> list[str]:
+    return [rec.getMessage() for rec in caplog.records if "prompt_tokens=" in rec.getMessage()]
+
+
+def test_one_prompt_under_two_salts_is_never_routed_to_the_other_tenant_s_holder(tenant_fleet, router, caplog):
+    caplog.set_level(logging.INFO, logger="lmcache_p2p.router")
+    tokens = standin_tokens(DOC)
+    admit_as(tenant_fleet, "inst-a", tokens, cache_salt="tenant-a")
+    admit_as(tenant_fleet, "inst-b", tokens)
+    r = router(tenant_fleet.controller.url)
+    assert answered_by(r.complete(DOC, cache_salt="tenant-a")) == "inst-a"
+    assert answered_by(r.complete(DOC)) == "inst-b"
+    assert "cache_salt" in tenant_fleet.engines["inst-a"].paths("/v1/completions")[0]  # forwarded untouched
+    for _ in range(2):
+        r.complete(DOC, cache_salt="tenant-b")
+    lines = route_lines(caplog)
+    salted, plain, others = lines[0], lines[1], lines[2:]
+    assert f"identity {salt_tag('tenant-a')}" in salted and "-> inst-a" in salted and "local=63" in salted
+    assert "identity" not in plain and "-> inst-b" in plain and "local=63" in plain
+    # Another tenant's request holds nothing anywhere: ranked by load, nothing local, nothing to pull.
+    assert all(f"identity {salt_tag('tenant-b')}" in line and "local=0 peer=0 pull=0" in line for line in others)
+    assert "tenant-a" not in caplog.text and "tenant-b" not in caplog.text
+    assert r.stats()["identity_routes"] == 3
+
+
+def test_a_model_naming_an_adapter_is_routed_by_that_adapter_s_keys(tenant_fleet, router, caplog):
+    caplog.set_level(logging.INFO, logger="lmcache_p2p.router")
+    tokens = standin_tokens(DOC)
+    assert tenant_fleet.workers["inst-a"].heartbeat(adapters={"sql": SQL_ID}).status == "ok"
+    admit_as(tenant_fleet, "inst-a", tokens, lora_name="sql", lora_id=SQL_ID)
+    admit_as(tenant_fleet, "inst-b", tokens)
+    r = router(tenant_fleet.controller.url)
+    response = r.http.post("/v1/completions", json={"model": "sql", "prompt": DOC})
+    assert answered_by(response) == "inst-a"
+    assert answered_by(r.complete(DOC)) == "inst-b"  # the base model's served name is no adapter
+    lines = route_lines(caplog)
+    assert "model=sql" in lines[0] and "identity lora=sql" in lines[0] and "-> inst-a" in lines[0]
+    assert "identity" not in lines[1]
+
+
+def test_a_multimodal_chat_is_routed_by_its_text_before_the_first_image(tenant_fleet, router, caplog):
+    caplog.set_level(logging.INFO, logger="lmcache_p2p.router")
+    system = {"role": "system", "content": words("sys", 40)}
+    user = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "text", "text": "what is in it?"},
+        ],
+    }
+    prefix = standin_tokens(chat_text([system], add_generation_prompt=False))
+    admit_as(tenant_fleet, "inst-b", prefix)
+    r = router(tenant_fleet.controller.url)
+    assert answered_by(r.chat([system, user])) == "inst-b"
+    asked = [b for e in tenant_fleet.engines.values() for b in e.paths("/tokenize") if "messages" in b][-1]
+    assert asked["messages"] == [system] and asked["add_generation_prompt"] is False
+    line = route_lines(caplog)[-1]
+    assert f"multimodal: routed by the {len(prefix)} tokens of the 1 message(s) before its first image_url" in line
+    # An image in the first message leaves nothing to route by: load alone, and the log says so.
+    r.chat([user])
+    assert "multimodal: its first message holds an image_url: routed by load" in route_lines(caplog)[-1]
+    assert "prompt_tokens=0" in route_lines(caplog)[-1]
+    # Prompt embeddings are never cached by the engines: routed by load.
+    r.http.post("/v1/completions", json={"model": MODEL, "prompt": DOC, "prompt_embeds": "AAAA"})
+    assert "prompt_embeds: not cached by lmcache-p2p, routed by load" in route_lines(caplog)[-1]
+    stats = r.stats()
+    assert (stats["multimodal_prefix_routes"], stats["unkeyed_routes"]) == (1, 2)
+
+
+def test_route_identity_reads_salt_adapter_and_the_first_non_text_part():
+    def adapter(model: str) -> bool:
+        return model == "sql"
+
+    text = {"role": "user", "content": "hi"}
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio", "input_audio": {}}]}
+    ident = route_identity({"model": "sql", "cache_salt": "s", "messages": [text, parts]}, CHAT, adapter)
+    assert (ident.cache_salt, ident.lora, ident.messages, ident.multimodal) == ("s", "sql", [text], (1, "input_audio"))
+    assert ident.route_fields() == {"cache_salt": "s", "lora": "sql"} and not ident.by_load
+    plain = route_identity({"model": MODEL, "cache_salt": "", "prompt": "x"}, COMPLETIONS, adapter)
+    assert plain.route_fields() == {} and plain.messages is None and plain.notes(3) == []
+    assert route_identity({"model": MODEL, "messages": [parts]}, CHAT, adapter).by_load
+    assert first_multimodal([text, {"role": "user", "content": [{"type": "text", "text": "b"}]}]) is None
+    body = {"model": MODEL, "messages": [text, parts], "continue_final_message": True, "tools": []}
+    assert prefix_body(body, [text]) == {
+        "model": MODEL,
+        "messages": [text],
+        "add_generation_prompt": False,
+        "continue_final_message": False,
+        "tools": [],
+    }
+    notes = ident.notes(7)
+    assert notes[0].startswith("identity salt#") and notes[0].endswith(" lora=sql") and "s " not in notes[0]
+    assert notes[1] == "multimodal: routed by the 7 tokens of the 1 message(s) before its first input_audio"

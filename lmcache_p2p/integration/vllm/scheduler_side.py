@@ -114,6 +114,11 @@ class SchedulerSide:
         self.backoff_s = config.lookup_backoff_time
         self.pulls_take_turns = config.p2p_prefix_pull_turns  # where an idle round's long wait goes
         self.loads_beside_steps = config.async_kv_loads  # True, False or "auto": where it crosses PCIe
+        # Whether any request may be granted a load beside the steps before its lookup says so: a
+        # peer's offer always loads there, and "auto" puts host-memory hits there on a GPU only.
+        device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
+        on_gpu_auto = self.loads_beside_steps == AUTO and device == "cuda"
+        self._beside_steps_possible = config.enable_p2p or self.loads_beside_steps is True or on_gpu_auto
         self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
@@ -148,12 +153,19 @@ class SchedulerSide:
     # -- lookup ----------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the ranks can load past ``num_computed_tokens``, and whether beside the steps.
+
+        vLLM may ask again before any ``update_state_after_alloc`` (a request that found no free
+        blocks; on 0.34 one parked at ``--max-num-inflight-kv-loads``). Asking again takes
+        nothing more: the ranks pin a lookup's chunks once per request id (released by its load,
+        by a release in the step metadata, or when it finishes), a peer's offer is pulled only by
+        the load, and once the hit is known the answer comes from the request's state."""
         req_id = request.request_id
         state = self._request(req_id, request.prompt_token_ids)
         if self.kv_events is not None and not state.remembered:
             self.kv_events.remember(state.chunk_hashes.tolist(), request)
             state.remembered = True
-        if not self.loads or getattr(request, "skip_reading_prefix_cache", False):
+        if not self.loads or compat.skips_external_kv(request):
             return 0, False  # (vLLM >= 0.32 also drops our answer for such a request)
         if state.retried_after > 1:
             return 0, False
@@ -199,6 +211,20 @@ class SchedulerSide:
             )
         return need, beside
 
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34 with ``--max-num-inflight-kv-loads``: whether the request may be granted a
+        load beside the steps, which puts it in the queue whose loads start while the running batch
+        is full. Asked on every enqueue, so answered without a lookup: after one (a request
+        parked at the cap, or requeued), by its last answer; before, by whether this engine grants
+        such loads at all. A wrong yes only holds the queue's other loads for a step; a wrong no
+        makes the request wait for a running slot before its load starts."""
+        if not self.loads or compat.skips_external_kv(request):
+            return False
+        state = self._requests.get(request.request_id)
+        if state is not None and state.hit is not None:
+            return state.beside_steps
+        return self._beside_steps_possible
+
     def _loads_beside_steps_for(self, state: _Request, from_host: bool) -> bool:
         """Whether a load of this request (``from_host``: part of it crosses PCIe) is granted
         beside the steps (load_kv_async). Under "auto" only a load crossing PCIe from what the
@@ -237,7 +263,7 @@ class SchedulerSide:
         """The request's state; made (and its prompt hashed, the one time) when first seen."""
         state = self._requests.get(req_id)
         if state is None:
-            tokens = np.asarray(prompt_token_ids or [], dtype=np.int32)
+            tokens = compat.prompt_tokens(prompt_token_ids)  # our copy: a list or 0.34's TokenBuffer
             state = _Request(chunk_hash_array(tokens, self.chunk_size), len(tokens))
             planned = self.blend.segments(tokens) if self.blend is not None else None
             if planned is not None:
@@ -357,6 +383,8 @@ class SchedulerSide:
                 state.stored = False
         self._beside_steps = []
         for new in scheduler_output.scheduled_new_reqs:
+            # A request id already tracked arriving as new was preempted and resumed (vLLM 0.34,
+            # 0.33's Model Runner V2): its old blocks were freed, and this table replaces them.
             new_state = self._request(new.req_id, new.prompt_token_ids)
             new_state.block_ids = list(new.block_ids[0]) if new.block_ids else []
             self._add_load(meta, new.req_id, new_state, new.num_computed_tokens)
@@ -364,7 +392,7 @@ class SchedulerSide:
             meta.prefill_tokens += _prompt_part(new_state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
 
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = set(cached.resumed_req_ids)
+        resumed = compat.resumed_req_ids(cached)  # none on vLLM 0.34: they come as new
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
             if state is None:

@@ -31,7 +31,7 @@ import torch
 
 from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup
 from lmcache_p2p.config import LMCacheConfig
-from lmcache_p2p.integration.vllm import kv_layout
+from lmcache_p2p.integration.vllm import compat, kv_layout
 from lmcache_p2p.integration.vllm.engine_metrics import RankMetrics
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
 from lmcache_p2p.integration.vllm.load_executor import LANDED_CHECK_TIMEOUT_S, LoadExecutor
@@ -46,6 +46,7 @@ from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.miss_reasons import EVICTED, Miss
 from lmcache_p2p.peer_service import Offer
 from lmcache_p2p.protocol import unpack_hashes
+from lmcache_p2p.transfer.gpu_staging import DEFAULT_SLOTS as DEFAULT_NIXL_STAGING_PAGES
 from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
 from lmcache_p2p.worker import build_engine
 
@@ -180,6 +181,8 @@ class WorkerSide:
         block_size = int(self.vllm_config.cache_config.block_size)
         model = str(self.vllm_config.model_config.model)
         layout = kv_layout.fingerprint(self.planes, model, block_size, self.tp_size, self.tp_rank)
+        if first.is_cuda:
+            self._warn_device_buffers_after_kv_cache(layout.bytes_per_token * self.config.chunk_size)
         self.engine = build_engine(
             self.config,
             layout,
@@ -215,6 +218,34 @@ class WorkerSide:
             self.config.chunk_size,
             self.engine.storage.page_bytes / 2**20,
         )
+
+    def _device_buffers(self, page_bytes: int) -> list[str]:
+        """The device memory this rank's configuration allocates beside vLLM's, as a user reads
+        it (what it is, how big, which key sets it)."""
+        config = self.config
+        wanted = []
+        if config.local_gpu:
+            wanted.append(f"GPU tier {config.max_local_gpu_size:g} GB (max_local_gpu_size)")
+        if config.async_kv_loads is not False and config.load_staging_mb >= page_bytes / 2**20:
+            wanted.append(f"load staging {config.load_staging_mb:g} MiB (load_staging_mb)")
+        if config.enable_p2p and config.transfer_channel != "tcp" and config.nixl_buffer_device != "cpu":
+            mib = (config.nixl_buffer_size or DEFAULT_NIXL_STAGING_PAGES * page_bytes) / 2**20
+            wanted.append(f"NIXL staging {mib:.0f} MiB (nixl_buffer_size)")
+        return wanted
+
+    def _warn_device_buffers_after_kv_cache(self, page_bytes: int) -> None:
+        """vLLM 0.34 sizes its KV cache to the memory free after warm-up unless
+        gpu_memory_utilization is set, caps torch's allocator, and only then builds this side:
+        our device buffers get what its margin leaves (1 GiB or more), or fail to allocate."""
+        wanted = self._device_buffers(page_bytes)
+        if wanted and compat.kv_cache_fills_free_memory(self.vllm_config):
+            logger.warning(
+                "vLLM sized its KV cache to the GPU memory free after warm-up (extensible KV cache, "
+                "gpu_memory_utilization unset); lmcache-p2p allocates after it: %s. Set --gpu-memory-utilization "
+                "to leave them room (or --no-enable-extensible-kv-cache); a buffer that cannot be had is reported "
+                "where it is allocated",
+                ", ".join(wanted),
+            )
 
     def _make_load_staging(self, device: torch.device, page_bytes: int) -> torch.Tensor | None:
         """The ring of chunk pages that loads beside the steps come through from host memory, in
