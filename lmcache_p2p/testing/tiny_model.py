@@ -9,6 +9,10 @@ The tests, the demo and the CPU benchmark run real vLLM on this model. Two prope
   rather than uniform.
 
     python -m lmcache_p2p.testing.tiny_model /tmp/tiny-llama      # prints the directory when done
+
+:func:`build_lora` writes a random-weight LoRA adapter for such a model (its tenancy tests):
+
+    python -m lmcache_p2p.testing.tiny_model --lora /tmp/adapters/sql --seed 1 /tmp/tiny-llama
 """
 
 from __future__ import annotations
@@ -247,11 +251,68 @@ def build(
     return out_dir
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def build_lora(out_dir: str, model_dir: str, seed: int, rank: int = 8, scale: float = 0.2) -> str:
+    """Write a LoRA adapter of the model in ``model_dir`` into ``out_dir``: ``adapter_config.json``
+    (PEFT's, as vLLM reads it) and ``adapter_model.safetensors`` with A and B matrices of every
+    layer's attention projections drawn from normal(0, ``scale``) with ``seed``. B is not zero
+    (PEFT starts it at zero): the adapter changes every layer's keys and values, so its KV
+    differs from the base model's and from another seed's. Deterministic per seed; numpy only."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_out = config["num_attention_heads"] * head_dim
+    kv_out = config["num_key_value_heads"] * head_dim
+    shapes = {
+        "q_proj": (hidden, q_out),
+        "k_proj": (hidden, kv_out),
+        "v_proj": (hidden, kv_out),
+        "o_proj": (q_out, hidden),
+    }
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name in LORA_TARGETS:
+            fan_in, fan_out = shapes[name]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = rng.normal(0, scale, (rank, fan_in)).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = rng.normal(0, scale, (fan_out, rank)).astype(np.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": model_dir,
+    }
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    return out_dir
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir")
+    parser.add_argument("out_dir", help="the model's directory (with --lora: the model the adapter is for)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora", metavar="DIR", help="write a random-weight LoRA adapter of the model there instead")
     args = parser.parse_args(argv)
+    if args.lora:
+        print(build_lora(args.lora, args.out_dir, seed=args.seed))
+        return 0
     print(build(args.out_dir, seed=args.seed))
     return 0
 
