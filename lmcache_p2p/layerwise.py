@@ -24,10 +24,13 @@ from lmcache_p2p.cache_engine import LoadPlan
 
 class LayerwiseLoad:
     """One step's loads (``plans``) into ``planes`` (the engine's block planes), by layer:
-    ``layer_planes`` maps each attention layer's name to its planes. ``fence`` orders the load
-    stream after other work that may still read the blocks (stores in flight). ``staging`` (a
-    ring of chunk pages in GPU memory, gpu_ops.scatter_staged_async) takes a load of every plane
-    at once from host memory through the GPU's copy engine instead of the kernel's SMs."""
+    ``layer_planes`` maps each attention layer's name to its planes. On a GPU the copies start
+    after ``after``, an event on vLLM's stream past which no work of vLLM's touches the blocks
+    (a load beside the steps: load_executor.GrantFences), or, without one, after everything
+    queued on the current stream so far. ``fence`` orders the load stream after other work that
+    may still read the blocks (stores in flight). ``staging`` (a ring of chunk pages in GPU
+    memory, gpu_ops.scatter_staged_async) takes a load of every plane at once from host memory
+    through the GPU's copy engine instead of the kernel's SMs."""
 
     def __init__(
         self,
@@ -36,6 +39,7 @@ class LayerwiseLoad:
         layer_planes: Mapping[str, range],
         fence: Callable[[torch.cuda.Stream], None] | None = None,
         staging: torch.Tensor | None = None,
+        after: torch.cuda.Event | None = None,
     ):
         self.plans = list(plans)
         self.planes = list(planes)
@@ -49,13 +53,22 @@ class LayerwiseLoad:
         self._host_seconds = 0.0
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.staged = False  # host pages came through ``staging`` by the copy engine
+        self.queued_at = time.monotonic()  # when the host queued the copies (or made the plan)
+        # Recorded at ``queued_at`` on a stream that runs nothing else, so the device reaches it at
+        # once: the copies' device times, measured from it, become host times (device_window).
+        self._anchor: torch.cuda.Event | None = None
         device = self.planes[0].device
         if device.type == "cuda" and self._pages:
             stream = gpu_ops.side_stream("load", device)
-            # The blocks may still be read by work queued before this step (a finished request's
-            # last decode) and by store copies: the loads go after both.
-            stream.wait_stream(torch.cuda.current_stream(device))
-            if fence is not None:
+            self._anchor = torch.cuda.Event(enable_timing=True)
+            self._anchor.record(gpu_ops.side_stream("clock", device))
+            if after is not None:
+                stream.wait_event(after)
+            else:
+                # The blocks may still be read by work queued before this step (a finished
+                # request's last decode): the loads go after all of it.
+                stream.wait_stream(torch.cuda.current_stream(device))
+            if fence is not None:  # and after store copies that may still read the blocks
                 fence(stream)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(stream)
@@ -116,6 +129,22 @@ class LayerwiseLoad:
     def done(self) -> bool:
         """Every copy finished (the pins may go)."""
         return self._events is None or self._events[1].query()
+
+    def started(self) -> bool:
+        """The device has begun the copies (every wait they were queued behind is over)."""
+        return self._events is None or self._events[0].query()
+
+    def device_window(self) -> tuple[float, float] | None:
+        """When the copies ran on the device, as host times (time.monotonic: their offsets from an
+        event the device reached when they were queued); None before they are done, or with no
+        copies on a device. Within tens of microseconds: the anchor's launch."""
+        if self._events is None or self._anchor is None or not self.done() or not self._anchor.query():
+            return None
+        start, end = self._events
+        return (
+            self.queued_at + self._anchor.elapsed_time(start) / 1e3,
+            self.queued_at + self._anchor.elapsed_time(end) / 1e3,
+        )
 
     def order_before_current(self) -> None:
         """Make what the current stream runs from now on wait (on the device) for every copy: for
