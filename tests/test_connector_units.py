@@ -956,7 +956,7 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
             def first(self, chunks):
                 return self
 
-        def pull(offer):  # brings chunk 1 (from blocks 2-3), then the holder is gone
+        def pull(offer, on_landed=None):  # brings chunk 1 (from blocks 2-3), then the holder is gone
             side.engine.store(hashes[:2], side.planes, [0, 1, 2, 3])
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(PulledChunks(1, Miss(HOLDER_GONE, "the holder left mid-pull")))

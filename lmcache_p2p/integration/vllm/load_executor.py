@@ -15,15 +15,23 @@ One executor, one load per request, with one of three fences (docs/architecture.
 What a load did not fill is reported (``take_errors``, or as a failed receive) and vLLM
 recomputes those blocks; a load never leaves wrong KV behind. Chunks a peer wrote into the GPU
 tier whose checksum check was still running are checked before their step's output counts.
+
+A load beside the steps starts on the load stream after the point on vLLM's stream that its
+blocks wait for (:class:`GrantFences`), not after whatever vLLM queued since, and is reported as
+soon as its copy ends: a step that computed nothing waits briefly for any pull or copy to end, a
+step that computes waits (at most 2 ms) for a copy about to end. Each such load's way through
+this rank is one DEBUG line once reported (:class:`LoadTimeline`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
+import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,9 +45,19 @@ from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
-# In a step that computed nothing while pulls run, how long get_finished waits for one to end
-# (the step loop would otherwise spin, holding the interpreter the pulling thread needs).
-IDLE_STEP_PULL_WAIT_S = 0.005
+# In a step that computed nothing while loads beside the steps pull or copy, how long
+# get_finished waits for one of them to end: the step loop would otherwise spin, holding the
+# interpreter the pulling thread needs, and a copy ending just after it returned would be
+# reported only by the next step.
+IDLE_STEP_WAIT_S = 0.005
+# How often that wait looks at the copies: a CUDA event cannot be waited for with a timeout, so
+# it is queried between sleeps (each gives the interpreter up).
+IDLE_STEP_POLL_S = 0.0002
+# In a step that computes, the longest get_finished waits for a copy beside the steps that is
+# about to end (its expected end within this), so that it is reported with this step and not
+# the next (a forward pass later). Bounded because this is vLLM's model-runner thread: see
+# LoadExecutor._wait_for_copies_about_to_end.
+BUSY_STEP_COPY_WAIT_S = 0.002
 # How long the end of a step waits for the checksum check of chunks it loaded straight from a
 # peer's write into the GPU tier; past it they count as bad (vLLM recomputes them).
 LANDED_CHECK_TIMEOUT_S = 10.0
@@ -60,28 +78,230 @@ class _StepLoad:
 
 
 @dataclass
-class _LoadBesideSteps:
-    """A request's load beside the steps queued on the load stream, and its pins. (One copied by
-    the host runs at once, as a load in the step does.)"""
+class _Piece:
+    """Part of a request's load beside the steps: its pins, what it copies, and the copy (queued
+    on the load stream; where the kernels cannot take it, done by the host at once)."""
 
-    spec: LoadSpec
     prefix: PinnedPrefix
     plan: LoadPlan
     copy: LayerwiseLoad
+    kind: str  # which copy rate it goes at (_CopyRates): "staged", "device" or "host"
+    running_since: float | None = None  # when the host first saw the device begin it
+
+
+@dataclass
+class _LoadBesideSteps:
+    """A request's load beside the steps: one piece, or, for chunks a peer's pull brings, a piece
+    per landing (copied while the rest arrive), in token order. Reported once ``complete`` (no
+    piece is to come) and every copy is done. (One copied by the host in full runs at once, as a
+    load in the step does, and never gets here.)"""
+
+    spec: LoadSpec
+    pieces: list[_Piece] = field(default_factory=list)
+    complete: bool = False
+    broken: bool = False  # a piece could not be queued: nothing after it loads
+
+    @property
+    def loaded_to(self) -> int:
+        """Where what the pieces copy ends (the next piece starts there)."""
+        return self.pieces[-1].plan.loaded_to if self.pieces else self.spec.start
+
+    def done(self) -> bool:
+        return self.complete and all(piece.copy.done() for piece in self.pieces)
+
+    def plan(self) -> LoadPlan:
+        """The pieces' plans as one load (what is counted, logged and checked)."""
+        if len(self.pieces) == 1:
+            return self.pieces[0].plan
+        spec = self.spec
+        if not self.pieces:
+            return LoadPlan(start=spec.start, loaded_to=spec.start, total_tokens=spec.num_tokens)
+        whole = LoadPlan(self.pieces[0].plan.start, self.loaded_to, self.pieces[0].plan.total_tokens)
+        for piece in self.pieces:
+            plan = piece.plan
+            whole.pages += plan.pages
+            whole.chunk_blocks += plan.chunk_blocks
+            whole.skips += plan.skips
+            whole.nbytes += plan.nbytes
+            whole.from_gpu += plan.from_gpu
+            whole.unchecked += plan.unchecked
+        return whole
+
+
+@dataclass
+class LoadTimeline:
+    """Where a request's load beside the steps spent its time on this rank: time.monotonic()
+    (one clock for every process of the host) when it passed each point, None where it did not.
+    Logged at DEBUG in one line once reported (benchmarks/gpu/e2e.py reads it)."""
+
+    seen: float  # its lookup first reached this rank (or the load did, where no lookup was kept)
+    offered: float | None = None  # a peer's offer was known (before the lookup answered)
+    granted: float | None = None  # the load reached this rank (start_load_kv)
+    pull_started: float | None = None
+    pull_ended: float | None = None
+    queued: float | None = None  # the copy was queued on the load stream (or began, on the host)
+    copy_started: float | None = None  # on the device
+    copy_ended: float | None = None
+    reported: float | None = None  # returned by get_finished
+    step_wait_ms: float = 0.0  # how long a computing step waited for its copy to end
+    pieces: int = 0  # copies it took (one per landing of its pull, when loaded as they came)
+
+    # The points in order, with the names the line gives them.
+    NAMES = {
+        "offered": "offer",
+        "granted": "granted",
+        "pull_started": "pull start",
+        "pull_ended": "pull end",
+        "queued": "load queued",
+        "copy_started": "load start",
+        "copy_ended": "load end",
+        "reported": "reported",
+    }
+
+    def describe(self) -> str:
+        """Each point's offset from ``seen`` in ms ("-": not passed), in order."""
+        parts = []
+        for point, name in self.NAMES.items():
+            when = getattr(self, point)
+            parts.append(f"{name} {'-' if when is None else f'{(when - self.seen) * 1e3:.1f}'}")
+        return ", ".join(parts)
+
+
+class GrantFences:
+    """Where on vLLM's stream a step's loads beside the steps may start.
+
+    Such a load writes blocks that vLLM allocated to its request when it granted the load, in the
+    step whose metadata carries it. From then on no work of vLLM's touches them: the request is
+    out of the steps until get_finished reports it (an abort keeps its blocks until then), and
+    only its own later steps will write them. Before then, the blocks' former owner may still be
+    read or written by earlier steps' forward passes, and the granting step's preparation may
+    zero them (vLLM >= 0.32, models that need it) or copy a partly cached block into one (a
+    local prefix-cache hit ending inside a block). So a load must start after all of that, and
+    needs nothing queued after it: not this step's forward pass, which vLLM >= 0.32 queues before
+    start_load_kv when the step loads nothing in it, nor later steps' (a load that pulls first is
+    queued in some later get_finished). Store copies that read the blocks are the load's own
+    ``fence``.
+
+    That point is an event on the current stream. In ``before_forward`` (vLLM's
+    handle_preemptions) it is right before the forward pass in vLLM's model runner V2 (after
+    update_requests), but before the step's block preparation (_update_states) in model runner
+    V1, so it is used only where that preparation cannot touch the load's blocks: a KV cache
+    config saying new blocks need no zeroing, and a load starting on a block boundary (no
+    copy-on-write). Otherwise, and where start_load_kv runs before the forward pass (after the
+    preparation), the event is recorded in start_load_kv: the point such a load always waited
+    for, without the steps queued after it."""
+
+    def __init__(self, device: torch.device | None, block_size: int, zeroes_new_blocks: bool):
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.block_size = block_size
+        self.zeroes_new_blocks = zeroes_new_blocks
+        self._step: P2PConnectorMetadata | None = None
+        self._before_forward: torch.cuda.Event | None = None
+        self._at_load: torch.cuda.Event | None = None
+
+    def before_forward(self, meta: P2PConnectorMetadata) -> None:
+        """Mark the stream before the step's forward pass (only for steps granting such loads)."""
+        self._step, self._before_forward, self._at_load = meta, None, None
+        if self.device is not None and any(spec.beside_steps for spec in meta.loads):
+            self._before_forward = self._record()
+
+    def for_load(self, meta: P2PConnectorMetadata, spec: LoadSpec) -> torch.cuda.Event | None:
+        """The event the step's load ``spec`` starts after (in start_load_kv); None on CPU."""
+        if self.device is None:
+            return None
+        if meta is not self._step:  # no before_forward for this step
+            self._step, self._before_forward, self._at_load = meta, None, None
+        if (
+            self._before_forward is not None
+            and meta.load_after_forward
+            and not self.zeroes_new_blocks
+            and spec.start % self.block_size == 0
+        ):
+            return self._before_forward
+        if self._at_load is None:
+            self._at_load = self._record()
+        return self._at_load
+
+    def _record(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+
+class _CopyRates:
+    """How fast loads beside the steps have been copying, by kind (through the staging ring,
+    device to device, the kernel reading host memory): what a copy's expected length is taken
+    from when a computing step considers waiting for its end."""
+
+    WEIGHT = 0.3  # of the newest copy in the moving average
+
+    def __init__(self) -> None:
+        self._bytes_per_s: dict[str, float] = {}
+
+    def observe(self, kind: str, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        old = self._bytes_per_s.get(kind)
+        self._bytes_per_s[kind] = rate if old is None else old + self.WEIGHT * (rate - old)
+
+    def expected_s(self, kind: str, nbytes: int) -> float | None:
+        """The copy's expected length; None before one of its kind was measured."""
+        rate = self._bytes_per_s.get(kind)
+        return None if rate is None else nbytes / rate
 
 
 @dataclass
 class _PullJob:
     """A granted load whose chunks past the rank's local hit a peer offered: the pull runs on the
-    worker's loop; once it ends (or its deadline passes) what came is loaded beside the steps."""
+    worker's loop; what it has landed is loaded beside the steps as it comes, and the rest once it
+    ends (or its deadline passes)."""
 
     spec: LoadSpec
     local: PinnedPrefix  # the local hit, held until the load pins the whole prefix
     pull: concurrent.futures.Future  # of PulledChunks: how many chunks came, and why not more
     offered: int  # chunks asked for
     started: float
+    landed: _Landed  # the offer's leading chunks held so far
     then: Miss | None = None  # why the chunk after the offered ones is missed (the lookup's answer)
     aborted: bool = False  # the request finished meanwhile: the pull is given up
+    after: torch.cuda.Event | None = None  # where its copy starts on vLLM's stream (GrantFences)
+
+
+class _Wakeup:
+    """Cuts get_finished's wait in a step that computed nothing short from the worker's thread (a
+    pull landed a batch): a future to wait on beside the pulls', renewed once it fired."""
+
+    def __init__(self) -> None:
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._lock = threading.Lock()
+
+    def future(self) -> concurrent.futures.Future:
+        """What to wait on: done once :meth:`fire` was called since the last :meth:`rearm`."""
+        return self._future
+
+    def rearm(self) -> None:
+        with self._lock:
+            if self._future.done():
+                self._future = concurrent.futures.Future()
+
+    def fire(self) -> None:
+        with self._lock:
+            if not self._future.done():
+                self._future.set_result(None)
+
+
+class _Landed:
+    """A pull's progress hook (peer_service.Landed): how many leading chunks of its offer are held
+    here so far, set on the worker's thread after each batch, read by the model-runner thread."""
+
+    def __init__(self, wakeup: _Wakeup):
+        self.chunks = 0
+        self._wakeup = wakeup
+
+    def __call__(self, chunks: int) -> None:
+        self.chunks = max(self.chunks, chunks)
+        self._wakeup.fire()
 
 
 class LoadExecutor:
@@ -114,6 +334,10 @@ class LoadExecutor:
         self._pull_jobs: dict[str, _PullJob] = {}
         self._step_tokens = 0
         self._load_errors: set[int] = set()  # blocks to report through take_errors
+        self._copy_rates = _CopyRates()
+        self._wakeup = _Wakeup()  # a pull landed chunks (for the wait in a step computing nothing)
+        # Each load beside the steps' way through this rank, until reported (logged at DEBUG).
+        self._timelines: dict[str, LoadTimeline] = {}
 
     # -- per step ---------------------------------------------------------------------------------
 
@@ -150,23 +374,36 @@ class LoadExecutor:
             job.pull.cancel()
             job.local.release()
         self._pull_jobs.clear()
+        self._timelines.clear()
         self.end_layerwise()
         self.poll_step_loads(wait=True)
         for load in self._beside_steps.values():  # their pins go once their copies are done
-            load.copy.synchronize()
-            load.prefix.release()
+            for piece in load.pieces:
+                piece.copy.synchronize()
+                piece.prefix.release()
         self._beside_steps.clear()
         self.staging = None  # no copy reads it any more
 
     # -- loads ------------------------------------------------------------------------------------
 
     def load(
-        self, spec: LoadSpec, prefix: PinnedPrefix, layerwise: bool = False
+        self,
+        spec: LoadSpec,
+        prefix: PinnedPrefix,
+        layerwise: bool = False,
+        after: torch.cuda.Event | None = None,
+        timeline: LoadTimeline | None = None,
     ) -> tuple[LoadSpec, PinnedPrefix, LoadPlan] | None:
         """Load a request's pinned chunks into its blocks: queued on the load stream (beside the
-        steps, on a GPU), returned for the step's layer-wise load (``layerwise``), or copied now.
-        The pins go once the copy is done; what does not load is reported for recomputing."""
+        steps, on a GPU, starting after ``after``: GrantFences), returned for the step's
+        layer-wise load (``layerwise``), or copied now. The pins go once the copy is done; what
+        does not load is reported for recomputing. ``timeline``: a load beside the steps' way
+        so far (its lookup's), continued here."""
         engine = self.engine
+        if spec.beside_steps:
+            timeline = self._timelines.setdefault(spec.req_id, timeline or LoadTimeline(time.monotonic()))
+            if timeline.granted is None:
+                timeline.granted = time.monotonic()
         try:
             plan = engine.plan_load(prefix, spec.block_ids, spec.start, spec.end, total_tokens=spec.num_tokens)
         except Exception:  # a bad spec fails its own load (recomputed), never the step
@@ -177,10 +414,13 @@ class LoadExecutor:
                 self._received.add(spec.req_id)
             return None
         # Its request waits outside the steps until get_finished reports it.
-        if spec.beside_steps and self._queue_beside_steps(spec, prefix, plan):
+        if spec.beside_steps and self._queue_beside_steps(spec, prefix, plan, after):
             return None
         if layerwise:  # copied during the forward pass; pins released after it
             return spec, prefix, plan
+        timeline = self._timelines.get(spec.req_id) if spec.beside_steps else None
+        if timeline is not None:
+            timeline.queued = timeline.copy_started = time.monotonic()
         try:
             engine.run_load(plan, self.planes)
             loaded_to = plan.loaded_to
@@ -197,22 +437,41 @@ class LoadExecutor:
             loaded_to = spec.start
         finally:
             prefix.release()
+        if timeline is not None:
+            timeline.copy_ended = time.monotonic()
         if loaded_to < spec.end:
             self.report_short_load(spec, loaded_to)
         if spec.beside_steps:  # loaded here, in full or failed: reported with this step
             self._received.add(spec.req_id)
         return None
 
-    def pull_then_load(self, spec: LoadSpec, offer: Offer, local: PinnedPrefix, then: Miss | None = None) -> bool:
+    def pull_then_load(
+        self,
+        spec: LoadSpec,
+        offer: Offer,
+        local: PinnedPrefix,
+        then: Miss | None = None,
+        after: torch.cuda.Event | None = None,
+        timeline: LoadTimeline | None = None,
+    ) -> bool:
         """A granted load whose chunks past the local hit a peer offered: start pulling them (on
-        the worker's loop); :meth:`_advance_pull_jobs` loads them once they are here. False
-        where nothing needs pulling (the engine's own cache covers the offered part)."""
+        the worker's loop); :meth:`_advance_pull_jobs` loads them once they are here, starting
+        after ``after`` (GrantFences). False where nothing needs pulling (the engine's own cache
+        covers the offered part)."""
         held = local.num_tokens
         needed = -(-(spec.end - held) // self.engine.chunk_size)
         if needed <= 0:
             return False
         offer = offer.first(min(needed, offer.chunks))
-        job = _PullJob(spec, local, self.engine.pull_offer_async(offer), offer.chunks, time.monotonic(), then)
+        now = time.monotonic()
+        timeline = timeline or LoadTimeline(now)
+        timeline.granted = timeline.pull_started = now
+        landed = _Landed(self._wakeup)
+        pull = self.engine.pull_offer_async(offer, landed)
+        job = _PullJob(spec, local, pull, offer.chunks, now, landed, then, after=after)
+        # When the pull ended, not when a step noticed (the callback runs on the worker's loop).
+        job.pull.add_done_callback(functools.partial(_stamp_pull_end, timeline))
+        self._timelines[spec.req_id] = timeline
         self._pull_jobs[spec.req_id] = job
         logger.info(
             "request %s: pulling %d chunk(s) a peer offered (tokens [%d, %d)), then loading [%d, %d) beside the steps",
@@ -225,23 +484,16 @@ class LoadExecutor:
         )
         return True
 
-    def _advance_pull_jobs(self, idle_step: bool) -> None:
+    def _advance_pull_jobs(self) -> None:
         """Load the chunks of every pull that ended (what came: a pull cut short loads its part,
-        and vLLM recomputes the rest); a pull past its deadline is given up. In a step that
-        computed nothing (vLLM runs them while requests wait on their loads) this waits for a
-        pull briefly: the step loop then leaves the pulling thread the interpreter."""
+        and vLLM recomputes the rest); a pull past its deadline is given up."""
         if not self._pull_jobs:
             return
-        if idle_step and not any(job.pull.done() for job in self._pull_jobs.values()):
-            concurrent.futures.wait(
-                [job.pull for job in self._pull_jobs.values()],
-                timeout=IDLE_STEP_PULL_WAIT_S,
-                return_when=concurrent.futures.FIRST_COMPLETED,
-            )
         now = time.monotonic()
         for req_id, job in list(self._pull_jobs.items()):
             late = now - job.started > PEER_FETCH_TIMEOUT_S
             if not (job.pull.done() or late or job.aborted):
+                self._load_landed(job)
                 continue
             del self._pull_jobs[req_id]
             pulled, miss = 0, job.then
@@ -275,12 +527,76 @@ class LoadExecutor:
                 spec.start,
                 spec.end,
             )
-            self.load(spec, prefix)
+            started = self._beside_steps.get(req_id)
+            if started is None:
+                self.load(spec, prefix, after=job.after)
+            else:  # the rest after what landed earlier
+                self._add_piece(started, prefix, job.after, last=True)
 
-    def _queue_beside_steps(self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan) -> bool:
+    def _load_landed(self, job: _PullJob) -> None:
+        """Queue the copy of what a running pull landed since its last piece (its chunks are
+        pinned and loadable once committed): the load's copies then overlap the pull, and only
+        the last landing's remains once it ends."""
+        if job.aborted:
+            return
+        spec = job.spec
+        landed_to = min(spec.end, job.local.num_tokens + job.landed.chunks * self.engine.chunk_size)
+        started = self._beside_steps.get(spec.req_id)
+        if landed_to <= (started.loaded_to if started is not None else spec.start):
+            return
+        if started is None:
+            started = self._beside_steps[spec.req_id] = _LoadBesideSteps(spec)
+        self._add_piece(started, self.engine.pin_prefix(spec.chunk_hashes, landed_to), job.after, last=False)
+
+    def _add_piece(
+        self, load: _LoadBesideSteps, prefix: PinnedPrefix, after: torch.cuda.Event | None, last: bool
+    ) -> None:
+        """Copy the pinned ``prefix``'s chunks past what the load's earlier pieces copy; ``last``:
+        no piece is to come. A piece that cannot be queued ends the load there (the blocks after
+        it are recomputed)."""
+        spec = load.spec
+        load.complete = load.complete or last
+        start, end = load.loaded_to, min(spec.end, prefix.num_tokens)
+        if load.broken or end <= start:
+            prefix.release()
+            return
+        timeline = self._timelines.get(spec.req_id)
+        try:
+            plan = self.engine.plan_load(prefix, spec.block_ids, start, end, total_tokens=spec.num_tokens)
+            copy = LayerwiseLoad(
+                [plan],
+                self.planes,
+                {_ALL_PLANES: range(len(self.planes))},
+                fence=functools.partial(self.engine.order_stores_before, blocks=plan.written_blocks()),
+                staging=self.staging,
+                after=after,
+            )
+            if not copy.on_device:  # a CPU engine, or pages the kernels cannot reach: the host copies now
+                copy.wait(_ALL_PLANES)
+        except Exception:
+            logger.exception(
+                "request %s: loading tokens [%d, %d) beside the steps, as its pull landed them, failed",
+                spec.req_id,
+                start,
+                end,
+            )
+            if self.planes and self.planes[0].is_cuda:  # copies queued before it failed read the pins
+                layerwise.drain(self.planes[0].device)
+            prefix.release()
+            load.broken = True
+            return
+        load.pieces.append(_Piece(prefix, plan, copy, _copy_kind(copy, plan)))
+        if timeline is not None and timeline.queued is None:
+            timeline.queued = copy.queued_at
+
+    def _queue_beside_steps(
+        self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan, after: torch.cuda.Event | None
+    ) -> bool:
         """Queue a request's whole load on the load stream, to be reported received by
         :meth:`finished` once done; False where the copy must run on the host (CPU, or pages
-        the kernels cannot reach), as a load in the step does."""
+        the kernels cannot reach), as a load in the step does. It starts after ``after`` (None:
+        everything queued on the current stream so far) and after the store copies still
+        reading the blocks it writes (a preemption freed them without waiting for those)."""
         if not (self.planes and self.planes[0].is_cuda):
             return False
         try:
@@ -288,8 +604,9 @@ class LoadExecutor:
                 [plan],
                 self.planes,
                 {_ALL_PLANES: range(len(self.planes))},
-                fence=self.engine.order_stores_before,
+                fence=functools.partial(self.engine.order_stores_before, blocks=plan.written_blocks()),
                 staging=self.staging,
+                after=after,
             )
         except Exception:
             logger.exception(
@@ -302,7 +619,11 @@ class LoadExecutor:
             return True
         if not copy.on_device:
             return False
-        self._beside_steps[spec.req_id] = _LoadBesideSteps(spec, prefix, plan, copy)
+        piece = _Piece(prefix, plan, copy, _copy_kind(copy, plan))
+        self._beside_steps[spec.req_id] = _LoadBesideSteps(spec, [piece], complete=True)
+        timeline = self._timelines.get(spec.req_id)
+        if timeline is not None:
+            timeline.queued = copy.queued_at
         return True
 
     def finished(self, report_failed_blocks: bool) -> tuple[set[str], set[str]]:
@@ -311,16 +632,19 @@ class LoadExecutor:
         unloaded blocks go to :meth:`take_errors` with ``report_failed_blocks`` (vLLM < 0.32,
         which recomputes from the first); without, vLLM is told of a failed receive (frees its
         blocks and asks about the request afresh)."""
-        self._advance_pull_jobs(idle_step=self._step_tokens == 0)
+        if self._step_tokens == 0:
+            self._wait_in_idle_step()
+        else:
+            self._advance_pull_jobs()
+            self._wait_for_copies_about_to_end()
         done, self._received = self._received, set()
         for req_id, load in list(self._beside_steps.items()):
-            if not load.copy.done():
+            if not load.done():
                 continue
             del self._beside_steps[req_id]
-            spec, plan = load.spec, load.plan
-            how = "beside the steps, through the copy engine" if load.copy.staged else "beside the steps"
-            self.engine.loaded(plan, load.copy.seconds, how)
-            load.prefix.release()
+            spec, plan = load.spec, load.plan()
+            if load.pieces:
+                self._count_copies(load, plan)
             bad_at = None
             if plan.unchecked:  # chunks a peer wrote into the GPU tier, their check running when pinned
                 bad_at = self.engine.first_bad_chunk(plan, time.monotonic() + LANDED_CHECK_TIMEOUT_S)
@@ -334,7 +658,122 @@ class LoadExecutor:
             blocks = self._failed_receives.pop(req_id)
             if report_failed_blocks:
                 self._load_errors.update(blocks)
+        self._log_timelines(done)
         return done - failed, failed
+
+    def _count_copies(self, load: _LoadBesideSteps, plan: LoadPlan) -> None:
+        """A finished load beside the steps (``plan``: its pieces' as one): one line for all its
+        pieces (their copy times summed), its copy rates, when its copies ran; its pins go."""
+        pieces = load.pieces
+        how = "beside the steps"
+        if any(piece.copy.staged for piece in pieces):
+            how += ", through the copy engine"
+        if len(pieces) > 1:
+            how += f", in {len(pieces)} pieces as its pull landed them"
+        self.engine.loaded(plan, sum(piece.copy.seconds for piece in pieces), how)
+        for piece in pieces:
+            self._copy_rates.observe(piece.kind, piece.plan.nbytes, piece.copy.seconds)
+            piece.prefix.release()
+        timeline = self._timelines.get(load.spec.req_id)
+        if timeline is not None:
+            first, last = pieces[0].copy, pieces[-1].copy
+            start, end = first.device_window(), last.device_window()
+            timeline.copy_started = start[0] if start else first.queued_at
+            timeline.copy_ended = end[1] if end else last.queued_at + last.seconds
+            timeline.pieces = len(pieces)
+
+    def _wait_in_idle_step(self) -> None:
+        """In a step that computed nothing (vLLM runs them back to back while requests wait on
+        their loads): wait, up to IDLE_STEP_WAIT_S, until a pull or a copy ends, so that what
+        ended is reported by this step rather than the next, and the step loop leaves the
+        pulling thread the interpreter meanwhile. A pull that ends has its load queued at once
+        and the wait goes on for that copy (from the GPU tier, ~1 ms)."""
+        deadline = time.monotonic() + IDLE_STEP_WAIT_S
+        while True:
+            self._wakeup.rearm()  # before looking: a landing after the look cuts the wait short
+            self._advance_pull_jobs()
+            if self._received or any(load.done() for load in self._beside_steps.values()):
+                return
+            copying = any(not piece.copy.done() for load in self._beside_steps.values() for piece in load.pieces)
+            if not self._pull_jobs and not copying:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            # Pulls (and their landings) say when through futures; copies are looked at between sleeps.
+            waits = [job.pull for job in self._pull_jobs.values()] + [self._wakeup.future()]
+            timeout = min(remaining, IDLE_STEP_POLL_S) if copying else remaining
+            concurrent.futures.wait(waits, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _wait_for_copies_about_to_end(self) -> None:
+        """In a step that computes: wait, at most BUSY_STEP_COPY_WAIT_S, for the copies beside
+        the steps expected to end within it (running on the device, with a rate measured on
+        earlier copies of their kind), so that they are reported by this step and not a forward
+        pass later.
+
+        This blocks vLLM's model-runner thread, hence the bound. get_finished runs once the
+        step's forward pass is queued, which keeps the GPU busy for longer than that (a prefill
+        takes tens of ms; with async scheduling the next step's host work is already overlapping
+        this one), so the wait mostly costs host time the device does not miss; a copy that
+        runs late only costs the bound, once per step, and only while one is due."""
+        now = time.monotonic()
+        due = [
+            load
+            for load in self._beside_steps.values()
+            if load.complete
+            and not load.done()
+            and all(self._ends_within(piece, now, BUSY_STEP_COPY_WAIT_S) for piece in load.pieces)
+        ]
+        if not due:
+            return
+        deadline = now + BUSY_STEP_COPY_WAIT_S
+        while not all(load.done() for load in due):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            time.sleep(min(remaining, IDLE_STEP_POLL_S))
+        waited_ms = (time.monotonic() - now) * 1e3
+        for load in due:
+            timeline = self._timelines.get(load.spec.req_id)
+            if timeline is not None:
+                timeline.step_wait_ms += waited_ms
+        logger.debug(
+            "a computing step waited %.2f ms for %d load(s) beside the steps about to end; %d ended",
+            waited_ms,
+            len(due),
+            sum(load.done() for load in due),
+        )
+
+    def _ends_within(self, piece: _Piece, now: float, seconds: float) -> bool:
+        """Is the piece's copy done, or running and expected to end within ``seconds``? Expected
+        from when the host first saw it running (no earlier than it began) and the rate of its
+        kind; unknown (False) before it runs or before a copy of its kind was measured."""
+        if piece.copy.done():
+            return True
+        if piece.running_since is None:
+            if not piece.copy.started():
+                return False  # still behind other work: its end cannot be told
+            piece.running_since = now
+        expected = self._copy_rates.expected_s(piece.kind, piece.plan.nbytes)
+        return expected is not None and piece.running_since + expected - now <= seconds
+
+    def _log_timelines(self, reported: set[str]) -> None:
+        """One DEBUG line per reported load beside the steps: when it passed each point."""
+        now = time.monotonic()
+        for req_id in reported:
+            timeline = self._timelines.pop(req_id, None)
+            if timeline is None:
+                continue
+            timeline.reported = now
+            logger.debug(
+                "request %s timeline, ms from first seen: %s (first seen at %.6f s monotonic; %d piece(s); a "
+                "computing step waited %.2f ms for its copy)",
+                req_id,
+                timeline.describe(),
+                timeline.seen,
+                timeline.pieces,
+                timeline.step_wait_ms,
+            )
 
     def start_layerwise(self, loads: list[tuple[LoadSpec, PinnedPrefix, LoadPlan]]) -> None:
         """Queue (GPU) or plan (CPU) the step's loads layer by layer; what a plan does not cover
@@ -461,3 +900,14 @@ class LoadExecutor:
             spec.end,
             len(failed),
         )
+
+
+def _stamp_pull_end(timeline: LoadTimeline, _pull: concurrent.futures.Future) -> None:
+    timeline.pull_ended = time.monotonic()
+
+
+def _copy_kind(copy: LayerwiseLoad, plan: LoadPlan) -> str:
+    """Which rate a copy goes at: through the staging ring, device to device, from host memory."""
+    if copy.staged:
+        return "staged"
+    return "device" if plan.from_gpu == len(plan.pages) else "host"

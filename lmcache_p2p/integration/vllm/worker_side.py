@@ -34,7 +34,12 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import compat, kv_layout
 from lmcache_p2p.integration.vllm.engine_metrics import RankMetrics
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
-from lmcache_p2p.integration.vllm.load_executor import LANDED_CHECK_TIMEOUT_S, LoadExecutor
+from lmcache_p2p.integration.vllm.load_executor import (
+    LANDED_CHECK_TIMEOUT_S,
+    GrantFences,
+    LoadExecutor,
+    LoadTimeline,
+)
 from lmcache_p2p.integration.vllm.lookup_channel import (
     LookupReply,
     LookupRequest,
@@ -64,8 +69,9 @@ class _Lookup:
     # source (vocab); and what comes after it: a peer's offer, or a remote fetch.
     local_sources: list[str]
     fetch: concurrent.futures.Future | None  # a fetch from the remote store, waited for
-    started: float
+    started: float  # when the rank was first asked (time.monotonic)
     offer: Offer | None = None  # chunks after the local hit a peer offers: the load pulls them
+    offered_at: float | None = None  # when the offer was known
     prefix: PinnedPrefix | None = None
     miss: Miss | None = None  # why the first chunk past the hit and the offer is missed
 
@@ -127,6 +133,7 @@ class WorkerSide:
         self.layer_planes: dict[str, range] = {}  # each attention layer's planes (layer-wise loads)
         self.layerwise = config.use_layerwise and self._layerwise_possible(vllm_config)
         self.loads: LoadExecutor | None = None  # register_kv_caches makes it
+        self._fences: GrantFences | None = None  # where loads beside the steps start (register_kv_caches)
         self.server: LookupServer | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
@@ -195,6 +202,9 @@ class WorkerSide:
         if self.config.async_kv_loads is not False and first.is_cuda:  # True, or "auto": from host memory
             staging = self._make_load_staging(first.device, self.engine.storage.page_bytes)
         self.loads = LoadExecutor(self.engine, self.planes, self.layer_planes, staging)
+        # Without a KV cache config saying otherwise, new blocks may be zeroed in the step.
+        zeroes = self.kv_cache_config is None or getattr(self.kv_cache_config, "needs_kv_cache_zeroing", True)
+        self._fences = GrantFences(first.device, block_size, zeroes_new_blocks=bool(zeroes))
         self.metrics = RankMetrics(self.engine.status, self.tp_rank)
         if kv_events_enabled(self.vllm_config):  # vLLM publishes KV events: ours go with them
             self.storage_events = StorageEventBuffer(self.tp_rank, self.engine.storage.record_events())
@@ -293,12 +303,15 @@ class WorkerSide:
             if request.hashes is None:  # a poll, but this rank lost the lookup (restart, expiry)
                 return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
             chunk_hashes = unpack_hashes(request.hashes)
+            seen = time.monotonic()
             if request.fetch_missing:
                 first = self._engine.lookup_async(chunk_hashes)
             else:
                 first = PrefixLookup(self._engine.local_sources(chunk_hashes))
-            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, first.fetch, time.monotonic())
+            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, first.fetch, seen)
             state.offer, state.miss = first.offer, first.miss
+            if first.offer is not None:
+                state.offered_at = time.monotonic()
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
@@ -417,6 +430,8 @@ class WorkerSide:
         may write blocks our store copies still read, so it is ordered after them; and where
         start_load_kv comes only after the forward (vLLM >= 0.32, no load in the step), the
         forward's clock starts here."""
+        if self._fences is not None:  # before the fence below: loads wait for the stores they touch only
+            self._fences.before_forward(meta)
         if meta.fence_stores and self.engine is not None and self.planes and self.planes[0].is_cuda:
             self.engine.order_stores_before(torch.cuda.current_stream(self.planes[0].device))
         if meta.load_after_forward and self._clock is not None:
@@ -448,11 +463,21 @@ class WorkerSide:
             prefix = state.prefix if state is not None else None
             offer = state.offer if state is not None and spec.beside_steps else None
             then = state.miss if state is not None else None
-            if offer is not None and prefix is not None and loads.pull_then_load(spec, offer, prefix, then):
+            after, timeline = None, None
+            if spec.beside_steps:
+                after = self._fences.for_load(meta, spec) if self._fences is not None else None
+                timeline = LoadTimeline(state.started, state.offered_at) if state is not None else None
+            if (
+                offer is not None
+                and prefix is not None
+                and loads.pull_then_load(spec, offer, prefix, then, after, timeline)
+            ):
                 continue  # loaded once the pull ends (get_finished)
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
                 prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
-            deferred = loads.load(spec, prefix, layerwise=self.layerwise and not spec.beside_steps)
+            deferred = loads.load(
+                spec, prefix, layerwise=self.layerwise and not spec.beside_steps, after=after, timeline=timeline
+            )
             if deferred is not None:
                 layerwise.append(deferred)
         if layerwise:
