@@ -62,6 +62,68 @@ DEVICE_CHECK = re.compile(
     r"checked (\d+) landed chunk\(s\) on the device in ([\d.]+) ms "
     r"\(on the GPU ([\d.]+), waiting ([\d.]+)\): (\d+) differ"
 )
+# A load beside the steps' way through engine 2's rank, one DEBUG line once reported (--timeline:
+# LMCACHE_LOG_LEVEL=DEBUG there): ms from the rank's first sight of the request to each point
+# ("-" where it did not pass one), in load_executor.LoadTimeline's order.
+LOAD_TIMELINE = re.compile(
+    r"request (?P<req>\S+) timeline, ms from first seen: (?P<points>.*?) \(first seen at [\d.]+ s monotonic; "
+    r"(?P<pieces>\d+) piece\(s\); a computing step waited (?P<step_wait>[\d.]+) ms for its copy\)"
+)
+# Its gaps (name: from point, to point), in order, then the spans worth a median of their own.
+TIMELINE_GAPS = {
+    "seen_to_offer": ("first seen", "offer"),
+    "offer_to_granted": ("offer", "granted"),
+    "granted_to_pull_start": ("granted", "pull start"),
+    "pull": ("pull start", "pull end"),
+    "pull_end_to_load_queued": ("pull end", "load queued"),  # negative: copying began while pulling
+    "load_queued_to_load_start": ("load queued", "load start"),  # what the load waited for on the device
+    "load": ("load start", "load end"),
+    "load_end_to_reported": ("load end", "reported"),
+    "pull_end_to_load_end": ("pull end", "load end"),  # what the load added after the pull
+    "granted_to_reported": ("granted", "reported"),
+}
+
+
+def load_timelines(log: str, request_prefix: str) -> dict[int, dict]:
+    """The DEBUG timeline lines of ``log`` for requests ``<request_prefix><i>[-suffix]``, by
+    ``i``: each point's ms from first seen (``first seen`` is 0), pieces and the computing
+    step's wait."""
+    out = {}
+    for m in LOAD_TIMELINE.finditer(log):
+        index = re.fullmatch(re.escape(request_prefix) + r"(\d+)(?:-\w+)?", m["req"])
+        if index is None:
+            continue
+        points: dict[str, float | None] = {"first seen": 0.0}
+        for part in m["points"].split(", "):
+            name, value = part.rsplit(" ", 1)
+            points[name] = None if value == "-" else float(value)
+        out[int(index[1])] = {"points": points, "pieces": int(m["pieces"]), "step_wait_ms": float(m["step_wait"])}
+    return out
+
+
+def timeline_summary(timelines: dict[int, dict], ttfts_ms: list[float]) -> dict:
+    """Medians over requests of each gap of TIMELINE_GAPS (those that passed both points), and of
+    the first token after the load was reported: the client's TTFT (from submission, a few ms
+    before the rank first sees the request) less the report's offset."""
+
+    def median(values: list[float]) -> float | None:
+        return round(statistics.median(values), 2) if values else None
+
+    gaps: dict[str, list[float]] = {name: [] for name in TIMELINE_GAPS}
+    after_report: list[float] = []
+    for index, timeline in timelines.items():
+        points = timeline["points"]
+        for name, (a, b) in TIMELINE_GAPS.items():
+            if points.get(a) is not None and points.get(b) is not None:
+                gaps[name].append(points[b] - points[a])
+        if points.get("reported") is not None and index < len(ttfts_ms):
+            after_report.append(ttfts_ms[index] - points["reported"])
+    out: dict = {"requests": len(timelines)}
+    out.update({f"{name}_median": median(values) for name, values in gaps.items()})
+    out["reported_to_first_token_median"] = median(after_report)
+    out["pieces_median"] = median([t["pieces"] for t in timelines.values()])
+    out["step_wait_ms_median"] = median([t["step_wait_ms"] for t in timelines.values()])
+    return out
 
 
 def say(*args) -> None:
@@ -207,10 +269,12 @@ def cmd_peer(args) -> dict:
             if args.graphs:
                 cmd.append("--graphs")
             env = {}
+            if args.timeline and i == 2:  # its loads' DEBUG timeline lines (engine2_load_timeline_ms)
+                env["LMCACHE_LOG_LEVEL"] = "DEBUG"
             if args.cpu_smoke:  # the same flow on vLLM's CPU build with the tiny model (checks this script)
                 from lmcache_p2p.testing.processes import CPU_ENGINE_ENV
 
-                cmd, env = cmd + ["--cpu-smoke"], dict(CPU_ENGINE_ENV)
+                cmd, env = cmd + ["--cpu-smoke"], {**env, **CPU_ENGINE_ENV}
             else:
                 # The engine's GPU first (vLLM takes cuda:0), the other still visible: CUDA IPC
                 # into the peer's staging buffer needs its device visible here.
@@ -386,6 +450,8 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int, doc_toke
             ("others", [r for r in scheduled if r[0] % args.inflight]),
         )
     }
+    # Where each warmup hit's load went on engine 2's rank (--timeline), gap by gap.
+    out["engine2_load_timeline_ms"] = timeline_summary(load_timelines(log2, "e2warmup-"), ttfts_ms)
     checks = [(int(m[1]), float(m[2]), float(m[3]), float(m[4]), int(m[5])) for m in DEVICE_CHECK.finditer(log2)]
     out["engine2_device_checks"] = {
         "count": len(checks),
@@ -620,6 +686,11 @@ def main() -> None:
     p.add_argument("--pull-policy", choices=["auto", "always"], help="override p2p_pull_policy (default auto)")
     p.add_argument("--gpu-tier-gb", type=float, default=0, help="local_gpu with this max_local_gpu_size (0: off)")
     p.add_argument("--repeats", type=int, default=1, help="measurements with new documents on the same engines")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="engine 2 at LMCACHE_LOG_LEVEL=DEBUG: each load's timeline line, summed up in engine2_load_timeline_ms",
+    )
     add_set_argument(p, "a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable")
     add_graphs_argument(p)
     p = sub.add_parser("engine")
