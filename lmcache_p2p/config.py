@@ -486,20 +486,23 @@ class LMCacheConfig:
     p2p_pipeline_depth: int = _key(
         _to_int,
         3,
-        "peer pull requests in flight per pull",
+        "peer pull requests in flight per pull; for the engine's prefix pulls, per holder, across the pulls queued for "
+        "it",
         group="tuning",
         basis="[BENCHMARKS.md, Pull bandwidth](../BENCHMARKS.md#pull-bandwidth)",
     )
     p2p_prefix_pull_turns: bool = _key(
         _to_bool,
-        True,
-        "the engine's prefix pulls run one at a time, first asked first served, each at full bandwidth; False runs "
-        "them at once, which suits pulls whose time is per-request latency rather than bytes (GPU tier to GPU tier "
-        "on one host); requests arriving together at an idle engine are then asked together and loaded in one step "
-        "where their pulls end close together",
+        False,
+        "the engine's prefix pulls from one holder run one at a time, a pull's first request going out only once the "
+        "one ahead of it is done (the former turns, kept to measure against); off, each holder's pulls share one "
+        "pipeline of `p2p_pipeline_depth` requests that runs across pulls, first asked first served, each pull done "
+        "as soon as its own chunks are; with enable_async_loading, on also makes an idle round's first lookup wait "
+        "for its pull before the others are asked",
         group="tuning",
         basis=(
-            "[BENCHMARKS.md, Peer hits on GPU](../BENCHMARKS.md#peer-hits-on-gpu): False wins only GPU tier to GPU tier"
+            "[architecture.md, Decisions](architecture.md#decisions): off, no pull waits for "
+            "another's whole pull (the H200's fourth request waited 71 ms for its turn); not yet measured on GPU"
         ),
     )
     nixl_buffer_device: str = _key(
@@ -1001,8 +1004,9 @@ def _fold_misplaced_extras(data: dict, source: str) -> dict:
     return data
 
 
-# LMCACHE_* variables that are not config keys (LMCache's own switches, and ours for the log level
-# and the CUDA kernels' build, see kv_kernels): never an error.
+# LMCACHE_* variables that are not config keys (LMCache's own switches, and ours for the log level,
+# the CUDA kernels' build, see kv_kernels, and the test stand-in's key format, testing/standin.py):
+# never an error.
 _NON_CONFIG_ENV = {
     "CONFIG_FILE",
     "LOG_LEVEL",
@@ -1011,6 +1015,7 @@ _NON_CONFIG_ENV = {
     "DISABLE_USAGE_STATS",
     "KV_KERNELS",
     "KERNEL_CACHE",
+    "TEST_KEY_FORMAT",
 }
 _NON_CONFIG_ENV_PREFIXES = ("EC_",)  # LMCache's extra-config variables
 # The controller's and lmcache_router's own variables (controller/settings.py, router/cli.py): an

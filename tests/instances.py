@@ -67,8 +67,12 @@ class InstanceProcess:
         name: str | None = None,
         command: list[str] | None = None,
         device: str = "cpu",
+        cwd: str | None = None,
     ):
+        """``cwd``: the process's working directory (relative paths it is given resolve there: a
+        LoRA adapter's ``adapters/sql`` on "another host")."""
         self.config = config
+        self.cwd = cwd
         self.name = name or f"{config['lmcache_instance_id']}-r{rank}"
         path = tmp_path / f"{self.name}.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -96,7 +100,13 @@ class InstanceProcess:
     def start(self, timeout: float = 60.0) -> InstanceProcess:
         self._log = open(self.log_path, "w")  # noqa: SIM115 -- the process writes to it until stop() closes it
         self.proc = subprocess.Popen(
-            self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=self.env
+            self.args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=self.env,
+            cwd=self.cwd,
         )
         threading.Thread(target=self._read, daemon=True).start()
         ready = self._next(timeout)
@@ -125,18 +135,20 @@ class InstanceProcess:
         assert answer.get("ok"), f"{self.name} {op} failed: {answer.get('error')}\n{self.log()[-3000:]}"
         return answer
 
-    def prefill(self, tokens) -> int:
-        return self.request("prefill", tokens=list(tokens))["stored"]
+    def prefill(self, tokens, **identity) -> int:
+        """``identity``: ``cache_salt``, ``lora`` ([name, lora_id]), ``mm`` (the stand-in's; the
+        offline driver takes them on ``generate``)."""
+        return self.request("prefill", tokens=list(tokens), **identity)["stored"]
 
     def generate(self, prompt_ids, max_tokens: int = 16) -> list[int]:
         """Greedy token ids (the offline driver's ``generate``)."""
         return self.request("generate", prompt_ids=list(prompt_ids), max_tokens=max_tokens, timeout=120)["token_ids"]
 
-    def lookup(self, tokens, peers: bool = True, timeout: float = 60.0) -> int:
-        return self.request("lookup", tokens=list(tokens), peers=peers, timeout=timeout)["hit"]
+    def lookup(self, tokens, peers: bool = True, timeout: float = 60.0, **identity) -> int:
+        return self.request("lookup", tokens=list(tokens), peers=peers, timeout=timeout, **identity)["hit"]
 
-    def retrieve(self, tokens) -> dict:
-        return self.request("retrieve", tokens=list(tokens))
+    def retrieve(self, tokens, **identity) -> dict:
+        return self.request("retrieve", tokens=list(tokens), **identity)
 
     def status(self) -> dict:
         return self.request("status")

@@ -11,13 +11,19 @@ Process protocol (:mod:`lmcache_p2p.testing.jsonlines`): one JSON object per lin
 JSON answer per line on stdout (logs go to stderr). Operations: ``prefill``, ``fill``, ``lookup``,
 ``offer``, ``retrieve``, ``corrupt``, ``clear``, ``status``, ``flush``, ``quit``; see :func:`handler`.
 Requests name prompts by their tokens; the handler hashes them into chunk keys once per request,
-as the vLLM connector's scheduler half does, and the engine sees only the keys.
+as the vLLM connector's scheduler half does, and the engine sees only the keys. A request may
+carry the identity a vLLM request's keys are made with: ``cache_salt``, ``lora`` ([name,
+lora_id]) and ``mm`` ([[identifier, offset, length], ...]).
+
+``LMCACHE_TEST_KEY_FORMAT=1`` starts a stand-in whose layout says key format 1: an engine from
+before tenant-safe keys, for the tests of what separates the two.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -25,7 +31,15 @@ from dataclasses import dataclass
 
 import torch
 
-from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, chunk_hash_array, hash_list
+from lmcache_p2p.keys import (
+    KEY_FORMAT,
+    ChunkHashes,
+    KeyIdentity,
+    LayoutFingerprint,
+    MMPlacement,
+    chunk_hash_array,
+    hash_list,
+)
 from lmcache_p2p.testing import jsonlines
 
 
@@ -69,6 +83,7 @@ class StandInKV:
             num_layers=len(self.layers),
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
+            key_format=int(os.environ.get("LMCACHE_TEST_KEY_FORMAT", KEY_FORMAT)),
         )
 
     @property
@@ -112,6 +127,18 @@ class StandInKV:
             layer.zero_()
 
 
+def request_identity(request: dict) -> tuple[KeyIdentity | None, tuple[MMPlacement, ...]]:
+    """A request's ``cache_salt``, ``lora`` ([name, lora_id]) and ``mm`` fields as key material."""
+    lora = request.get("lora")
+    ident = KeyIdentity(
+        cache_salt=request.get("cache_salt") or None,
+        lora_name=lora[0] if lora else None,
+        lora_id=lora[1] if lora else None,
+    )
+    mm = tuple(MMPlacement(str(i), int(o), int(n)) for i, o, n in request.get("mm") or ())
+    return (None if ident.plain else ident), mm
+
+
 def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float | None = None):
     """The stand-in's operations, for :func:`lmcache_p2p.testing.jsonlines.serve`. With
     ``prefill_tokens_per_s``, each ``prefill`` is reported to the engine as a forward pass at
@@ -122,7 +149,11 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
         op = request["op"]
         t0 = time.perf_counter()  # "ms" covers the whole op, hashing the prompt included
         tokens = request.get("tokens", [])
-        num_tokens, hashes = len(tokens), chunk_hash_array(tokens, chunk_size)  # the prompt's keys, once
+        identity, mm = request_identity(request)
+        if identity is not None and identity.lora_name is not None:
+            engine.note_adapter(identity.lora_name, identity.lora_id)  # as the connector's worker half does
+        # the prompt's keys, once
+        num_tokens, hashes = len(tokens), chunk_hash_array(tokens, chunk_size, identity=identity, mm=mm)
         if op == "prefill":
             kv.prefill(hashes, blocks, chunk_size)
             if prefill_tokens_per_s:
@@ -152,7 +183,8 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
                 "detail": first.miss.detail if first.miss is not None else "",
             }
         elif op == "lookup_together":  # several prompts' peer pulls started at once, as vLLM's
-            # scheduler does with requests that arrive together: when each pull ended (s from start)
+            # scheduler does with requests that arrive together: when each pull ended (s from start),
+            # the chunks each was offered and pulled, and why not more
             # (each prompt's peer offer, then its pull, as a granted load starts it)
             offers = [engine.lookup_async(chunk_hash_array(p, chunk_size)).offer for p in request["prompts"]]
             futures = [engine.pull_offer_async(offer) if offer is not None else None for offer in offers]
@@ -160,10 +192,16 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
             for i, future in enumerate(futures):
                 if future is not None:
                     future.add_done_callback(lambda _, i=i: done_s.__setitem__(i, time.perf_counter() - t0))
-            for future in futures:
-                if future is not None:
-                    future.result(timeout=60)
-            answer = {"done_s": done_s}
+            pulled = [future.result(timeout=60) if future is not None else None for future in futures]
+            # A future's callbacks run just after its waiters wake: wait for the last one's time.
+            while any(f is not None and d is None for f, d in zip(futures, done_s, strict=True)):
+                time.sleep(0.001)
+            answer = {
+                "done_s": done_s,
+                "offered": [offer.chunks if offer is not None else 0 for offer in offers],
+                "pulled": [p.chunks if p is not None else 0 for p in pulled],
+                "miss": [p.miss.reason if p is not None and p.miss is not None else None for p in pulled],
+            }
         elif op == "retrieve":
             kv.wipe()
             n = engine.retrieve(hashes, kv.layers, blocks, num_tokens=num_tokens)
