@@ -2,7 +2,10 @@
 
 lmcache-p2p config [--tp-size N]     validate the LMCACHE_CONFIG_FILE / LMCACHE_* settings
 lmcache-p2p config --markdown        the documentation's table of every key
-lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument)
+lmcache-p2p hash [--chunk-size N]    chunk hashes of a JSON token-id list (stdin or argument);
+                                     --cache-salt, --lora NAME --adapter PATH (or --lora-id), --mm:
+                                     the keys of a salted, adapter or multimodal request
+lmcache-p2p adapter-id PATH          a LoRA adapter's lora_id (compare it across hosts)
 lmcache-p2p explain --instance B ... chunk by chunk: who holds a prompt, why B would miss it
 lmcache-p2p ray-register [--address A]
                                      make Ray Serve LLM set LMCacheConnectorV1 up as lmcache-p2p
@@ -18,7 +21,7 @@ import sys
 
 from lmcache_p2p import version_line
 from lmcache_p2p.config import MARKDOWN_BEGIN, MARKDOWN_END, ConfigError, LMCacheConfig, key_table_markdown
-from lmcache_p2p.keys import chunk_spans
+from lmcache_p2p.keys import KeyIdentity, MMPlacement, chunk_spans
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -63,8 +66,60 @@ def _hash(args: argparse.Namespace) -> int:
     except ValueError:
         print("hash: expected a JSON list of token ids, e.g. [128000, 849, 21435]", file=sys.stderr)
         return 1
-    spans = chunk_spans(tokens, args.chunk_size)
+    try:
+        identity = _identity(args)
+    except ValueError as e:
+        print(f"hash: {e}", file=sys.stderr)
+        return 1
+    spans = chunk_spans(tokens, args.chunk_size, identity=identity, mm=args.mm or ())
     print(json.dumps([{"start": s.start, "end": s.end, "hash": f"{s.chunk_hash:016x}"} for s in spans]))
+    return 0
+
+
+def _identity(args: argparse.Namespace) -> KeyIdentity | None:
+    """--cache-salt, --lora with --adapter (its files, to compute the id) or --lora-id."""
+    from lmcache_p2p.adapter_id import AdapterIds, AdapterUnreadable
+
+    lora_id = args.lora_id
+    if args.lora is None and (args.adapter or lora_id):
+        raise ValueError("--adapter and --lora-id need --lora (the adapter's name)")
+    if args.lora is not None and lora_id is None:
+        if not args.adapter:
+            raise ValueError("--lora needs --adapter PATH (as the engine was given it) or --lora-id")
+        try:
+            lora_id = AdapterIds().get(args.lora, args.adapter).lora_id
+        except AdapterUnreadable as e:
+            raise ValueError(f"--adapter {args.adapter}: {e}") from None
+    ident = KeyIdentity(cache_salt=args.cache_salt or None, lora_name=args.lora, lora_id=lora_id)
+    return None if ident.plain else ident
+
+
+def _mm(text: str) -> MMPlacement:
+    """``--mm IDENTIFIER:OFFSET:LENGTH`` (argparse ``type=``); the identifier may hold colons."""
+    ident, _, rest = text.rpartition(":")
+    identifier, _, offset = ident.rpartition(":")
+    try:
+        if not identifier:
+            raise ValueError
+        return MMPlacement(identifier, int(offset), int(rest))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected IDENTIFIER:OFFSET:LENGTH, got {text!r}") from None
+
+
+def _adapter_id(args: argparse.Namespace) -> int:
+    """The lora_id an engine computes for the adapter in ``path`` given to vLLM as ``--as``."""
+    import os
+
+    from lmcache_p2p.adapter_id import AdapterUnreadable, adapter_directory, lora_id_of
+
+    given = args.as_path or args.path
+    try:
+        directory = adapter_directory(args.path) if args.as_path is None else os.path.abspath(args.path)
+        lora_id, hashed = lora_id_of(given, directory)
+    except AdapterUnreadable as e:
+        print(f"adapter-id: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"lora_id": lora_id, "path": given, "directory": directory, "bytes": hashed}))
     return 0
 
 
@@ -86,6 +141,10 @@ def _explain(args: argparse.Namespace) -> int:
                 body["instance_id"] = args.instance
             if args.chunk_size:
                 body["chunk_size"] = args.chunk_size
+            if args.cache_salt:
+                body["cache_salt"] = args.cache_salt
+            if args.lora:
+                body["lora"] = args.lora
             reply = http.post("/explain", json=body)
     except httpx.HTTPError as e:
         print(f"explain: the controller at {base} did not answer: {e}", file=sys.stderr)
@@ -199,7 +258,21 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("hash", help="chained chunk hashes of a token-id list")
     p.add_argument("tokens", nargs="?", help="JSON list of token ids (default: read stdin)")
     p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--cache-salt", help="the request's cache_salt (vLLM's)")
+    p.add_argument("--lora", help="the request's LoRA adapter name")
+    p.add_argument("--adapter", metavar="PATH", help="with --lora: its path, as the engine was given it")
+    p.add_argument("--lora-id", help="with --lora: its id (adapter-id prints it) instead of --adapter")
+    p.add_argument("--mm", action="append", type=_mm, metavar="ID:OFFSET:LENGTH", help="a multimodal item (repeatable)")
     p.set_defaults(run=_hash)
+    p = sub.add_parser("adapter-id", help="a LoRA adapter's lora_id, to compare hosts' adapters")
+    p.add_argument("path", help="the adapter's directory")
+    p.add_argument(
+        "--as",
+        dest="as_path",
+        metavar="PATH",
+        help="the path string the engine is given for it, if not PATH (the id covers that string)",
+    )
+    p.set_defaults(run=_adapter_id)
     p = sub.add_parser("explain", help="chunk by chunk: who holds a prompt, and why an instance would miss it")
     p.add_argument("tokens", nargs="?", help="JSON list of token ids (default: read stdin)")
     p.add_argument("--controller-url", default="http://localhost:9000", help="the controller's HTTP API")
@@ -208,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-size", type=int, default=0, help="without --instance: the chunk size to cut at")
     p.add_argument("--api-token-file", help="the controller's API token, with protect_reads")
     p.add_argument("--json", action="store_true", help="print the controller's answer as JSON")
+    p.add_argument("--cache-salt", help="the request's cache_salt: keyed as that tenant's")
+    p.add_argument("--lora", help="the request's LoRA adapter (the OpenAI model name of an adapter request)")
     p.set_defaults(run=_explain)
     p = sub.add_parser("ray-register", help="make Ray Serve LLM's LMCacheConnectorV1 set up as lmcache-p2p")
     p.add_argument("--address", default="auto", help="the Ray cluster (HOST:PORT of the head; default: auto)")

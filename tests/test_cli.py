@@ -122,6 +122,64 @@ def test_hash_command_matches_the_library():
     assert [int(s["hash"], 16) for s in json.loads(out.stdout)] == chunk_hashes(tokens, 256)
 
 
+def test_hash_command_keys_salted_adapter_and_multimodal_requests_as_engines_do(tmp_path):
+    from lmcache_p2p.adapter_id import lora_id_of
+    from lmcache_p2p.keys import KeyIdentity, MMPlacement, chunk_hashes
+
+    tokens = json.dumps(list(range(600)))
+    adapter = tmp_path / "sql"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights" * 100)
+    lora_id = lora_id_of(str(adapter), str(adapter))[0]
+    out = run(
+        "lmcache-p2p",
+        "hash",
+        "--cache-salt",
+        "tenant-a",
+        "--lora",
+        "sql",
+        "--adapter",
+        str(adapter),
+        "--mm",
+        "sha256:abc:300:100",
+        stdin=tokens,
+    )
+    expected = chunk_hashes(
+        list(range(600)),
+        256,
+        identity=KeyIdentity(cache_salt="tenant-a", lora_name="sql", lora_id=lora_id),
+        mm=[MMPlacement("sha256:abc", 300, 100)],
+    )
+    assert out.returncode == 0, out.stderr
+    assert [int(s["hash"], 16) for s in json.loads(out.stdout)] == expected
+    by_id = run("lmcache-p2p", "hash", "--cache-salt", "tenant-a", "--lora", "sql", "--lora-id", lora_id, stdin=tokens)
+    assert [int(s["hash"], 16) for s in json.loads(by_id.stdout)] == chunk_hashes(
+        list(range(600)), 256, identity=KeyIdentity(cache_salt="tenant-a", lora_name="sql", lora_id=lora_id)
+    )
+    bad = run("lmcache-p2p", "hash", "--lora", "sql", stdin=tokens)
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "hash: --lora needs --adapter PATH (as the engine was given it) or --lora-id"
+    )
+    assert run("lmcache-p2p", "hash", "--mm", "no-offset", stdin=tokens).returncode == 2
+
+
+def test_adapter_id_command_prints_what_an_engine_computes(tmp_path):
+    from lmcache_p2p.adapter_id import lora_id_of
+
+    adapter = tmp_path / "adapters" / "sql"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights" * 100)
+    out = json.loads(run("lmcache-p2p", "adapter-id", str(adapter)).stdout)
+    assert out["lora_id"] == lora_id_of(str(adapter), str(adapter))[0] and out["bytes"] == 708
+    # An engine given the relative path "adapters/sql" from its working directory.
+    relative = json.loads(run("lmcache-p2p", "adapter-id", str(adapter), "--as", "adapters/sql").stdout)
+    assert relative["lora_id"] == lora_id_of("adapters/sql", str(adapter))[0] != out["lora_id"]
+    missing = run("lmcache-p2p", "adapter-id", str(tmp_path / "nowhere"))
+    assert missing.returncode == 1 and missing.stderr.startswith("adapter-id: ")
+
+
 def test_controller_package_never_imports_torch_or_vllm():
     code = (
         "import sys, lmcache_p2p.controller.cli, lmcache_p2p.keys, lmcache_p2p.config; "
