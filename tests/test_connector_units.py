@@ -468,7 +468,7 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
     monkeypatch.setattr(
         scheduler_side,
         "chunk_hash_array",
-        lambda tokens, size: hashings.append(len(tokens)) or chunk_hash_array(tokens, size),
+        lambda tokens, size, **keys: hashings.append(len(tokens)) or chunk_hash_array(tokens, size, **keys),
     )
     received = []
     held: dict[str, np.ndarray] = {}  # the rank's lookups: what a restart loses

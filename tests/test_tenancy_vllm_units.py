@@ -213,3 +213,62 @@ def test_token_ids_as_vllm_0_34_hands_them_hash_alike():
     buffer = TokenBuffer("i", TOKENS)
     assert chunk_hash_array(np.asarray(buffer, dtype=np.int64), CHUNK).tolist() == chunk_hashes(TOKENS, CHUNK)
     assert chunk_hashes(buffer, CHUNK) == chunk_hashes(TOKENS, CHUNK)
+
+
+# -- the connector's scheduler half on vLLM's Request ------------------------------------------
+
+
+def test_the_scheduler_side_keys_by_salt_and_adapter_and_never_keys_what_it_cannot(tmp_path):
+    """What the ranks are asked and told to store: a salted request's salted keys with its adapter
+    reported; nothing at all for prompt embeddings, an unreadable adapter, or a request the
+    scheduler scheduled before asking us (its NewRequestData carries no cache_salt)."""
+    import uuid
+    from types import SimpleNamespace
+
+    torch = pytest.importorskip("torch")
+    from test_connector_units import _scheduler, _step
+
+    from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupServer, socket_path
+    from lmcache_p2p.keys import KeyIdentity
+    from lmcache_p2p.protocol import unpack_hashes
+
+    engine_id = uuid.uuid4().hex
+    asked: dict[str, tuple[list[int], list[str] | None]] = {}
+
+    def handle(request):
+        if request.hashes is not None:
+            asked[request.req_id] = (unpack_hashes(request.hashes).tolist(), request.lora)
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=0)
+
+    path = write_adapter(str(tmp_path / "sql"), seed=1)
+    lora_id = lora_id_of(path, path)[0]
+    server = LookupServer(socket_path(engine_id, 0, 0), handle)
+    scheduler = _scheduler(engine_id)
+    try:
+        salted = vllm_request("salted", cache_salt="tenant-a", lora_request=LoRARequest("sql", 1, path))
+        embeds = vllm_request("embeds", prompt_embeds=torch.randn(len(TOKENS), 8))
+        gone = vllm_request("gone", lora_request=LoRARequest("sql", 1, str(tmp_path / "missing")))
+        assert scheduler.get_num_new_matched_tokens(salted, 0) == (0, False)
+        assert scheduler.get_num_new_matched_tokens(embeds, 0) == (0, False)
+        assert scheduler.get_num_new_matched_tokens(gone, 0) == (0, False)
+        identity = KeyIdentity(cache_salt="tenant-a", lora_name="sql", lora_id=lora_id)
+        assert asked == {"salted": (chunk_hashes(TOKENS, CHUNK, identity=identity), ["sql", lora_id])}
+
+        def new(req_id: str):
+            return SimpleNamespace(
+                req_id=req_id, prompt_token_ids=list(TOKENS), block_ids=(list(range(48)),), num_computed_tokens=0
+            )
+
+        meta = scheduler.build_connector_meta(
+            _step(
+                [new(r) for r in ("salted", "embeds", "gone", "unseen")],
+                {r: 768 for r in ("salted", "embeds", "gone", "unseen")},
+            )
+        )
+        assert [(s.req_id, list(s.chunk_hashes)) for s in meta.stores] == [
+            ("salted", chunk_hashes(TOKENS, CHUNK, identity=identity))
+        ]
+        assert not meta.loads
+    finally:
+        scheduler.close()
+        server.close()

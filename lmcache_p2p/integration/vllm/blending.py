@@ -28,6 +28,7 @@ from lmcache_p2p.blend.segments import segment_chunks, separator_ids, split_segm
 from lmcache_p2p.blend.support import check_architecture, check_full_attention
 from lmcache_p2p.config import ConfigError, LMCacheConfig
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, BlendSpec, SegmentStoreSpec
+from lmcache_p2p.keys import KeyIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,12 @@ class BlendPlanner:
             config.blend_check_layers[0],
         )
 
-    def segments(self, tokens: np.ndarray) -> tuple[list[BlendSegment], int] | None:
+    def segments(
+        self, tokens: np.ndarray, identity: KeyIdentity | None = None
+    ) -> tuple[list[BlendSegment], int] | None:
         """The prompt's reusable segments and where its last (new) segment starts; None for a
-        prompt with fewer than two segments (nothing to blend: the prefix path serves it)."""
+        prompt with fewer than two segments (nothing to blend: the prefix path serves it).
+        ``identity``: a salted request's (its segments are its tenant's alone)."""
         found = split_segments(tokens, self.separator)
         if len(found) < 2:
             return None
@@ -79,7 +83,9 @@ class BlendPlanner:
             BlendSegment(
                 s.start,
                 s.end,
-                np.fromiter((c.key for c in segment_chunks(tokens[s.start : s.end], self.chunk_size)), np.uint64),
+                np.fromiter(
+                    (c.key for c in segment_chunks(tokens[s.start : s.end], self.chunk_size, identity)), np.uint64
+                ),
                 held=False,
             )
             for s in found[:-1]

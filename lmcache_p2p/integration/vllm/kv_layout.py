@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from lmcache_p2p.keys import LayoutFingerprint
+from lmcache_p2p.keys import KEY_FORMAT, LayoutFingerprint
 
 
 class UnsupportedKVLayout(ValueError):
@@ -89,4 +89,5 @@ def fingerprint(
         num_layers=len(planes),
         tp_size=tp_size,
         tp_rank=tp_rank,
+        key_format=KEY_FORMAT,  # our keys carry salts, adapters and images: only such engines share
     )

@@ -56,6 +56,9 @@ class LookupRequest(msgspec.Struct, tag="lookup"):
     # Blending (docs/blend.md): each reusable segment's chunk keys (pack_hashes); the rank says
     # which segments it holds whole in its local tiers and pins them for the load.
     segments: list[bytes] | None = None
+    # The request's LoRA adapter, [name, lora_id] (adapter_id.py), on the full request only: the
+    # rank reports it to the controller, which keys requests naming the adapter the same way.
+    lora: list[str] | None = None
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
@@ -244,11 +247,13 @@ class LookupClient:
         wait_s: float,
         timeout_s: float,
         poll: bool = False,
+        lora: tuple[str, str] | None = None,
     ) -> Hit | None:
         """What every rank can load of the prompt ``chunk_hashes`` (uint64) names, or None
         while a rank is still pulling from a peer. With ``poll`` the ranks were sent the hashes
         already and are asked by request id alone. A rank that does not answer within
-        ``timeout_s`` makes it a miss."""
+        ``timeout_s`` makes it a miss. ``lora``: the request's adapter (name, lora_id), which the
+        ranks report to the controller."""
         self._seq += 1
         seq = self._seq
 
@@ -261,6 +266,7 @@ class LookupClient:
                     wait_s=wait_s,
                     hashes=pack_hashes(chunk_hashes),
                     num_tokens=num_tokens,
+                    lora=list(lora) if lora is not None else None,
                 )
             )
 

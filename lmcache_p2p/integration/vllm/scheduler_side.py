@@ -5,6 +5,13 @@ how much of a prompt they can load (:mod:`lookup_channel`), follows each request
 the scheduler's outputs, and hands the ranks a :class:`P2PConnectorMetadata` every step. A
 request's prompt is hashed into chunk keys once, when it is first seen; lookups, loads and
 stores carry those keys.
+
+The keys carry what vLLM's own block hash carries besides the tokens (tenancy.request_keys): the
+request's cache_salt, LoRA adapter and multimodal items, read from vLLM's ``Request`` when
+``get_num_new_matched_tokens`` first sees it. A request with prompt embeddings (or an adapter
+whose files cannot be read here) is not keyed: never looked up, never stored. A request first
+met in ``build_connector_meta`` (whose ``NewRequestData`` carries no cache_salt) is never keyed
+from that data: it is treated as unkeyed.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_soc
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PConnectorMetadata, StoreSpec
 from lmcache_p2p.integration.vllm.model_kinds import check_model
 from lmcache_p2p.keys import chunk_hash_array
+from lmcache_p2p.tenancy import RequestKeys, request_keys
 from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, SOURCE_REMOTE
 
 logger = logging.getLogger(__name__)
@@ -87,6 +95,12 @@ class _Request:
     # loads_beside_steps when the last failed one was looked up again; past 1, two failed: no
     # more grants, it is recomputed.
     retried_after: int = 0
+    # What its keys are made of besides the tokens (salt, adapter, images), or why it has none.
+    keys: RequestKeys = field(default_factory=RequestKeys)
+
+    @property
+    def unkeyed(self) -> bool:
+        return bool(self.keys.unkeyed)
 
 
 class SchedulerSide:
@@ -161,7 +175,9 @@ class SchedulerSide:
         by a release in the step metadata, or when it finishes), a peer's offer is pulled only by
         the load, and once the hit is known the answer comes from the request's state."""
         req_id = request.request_id
-        state = self._request(req_id, request.prompt_token_ids)
+        state = self._request(req_id, request)
+        if state.unkeyed:
+            return 0, False  # prompt embeddings, or an adapter unreadable here: never shared
         if self.kv_events is not None and not state.remembered:
             self.kv_events.remember(state.chunk_hashes.tolist(), request)
             state.remembered = True
@@ -259,17 +275,36 @@ class SchedulerSide:
         state.fetch = False
         return True
 
-    def _request(self, req_id: str, prompt_token_ids: Any) -> _Request:
-        """The request's state; made (and its prompt hashed, the one time) when first seen."""
+    def _request(self, req_id: str, request: Any) -> _Request:
+        """The request's state; made (and its prompt hashed, the one time) when first seen, from
+        vLLM's ``Request``: its tokens, and its salt, adapter and multimodal items."""
         state = self._requests.get(req_id)
         if state is None:
-            tokens = compat.prompt_tokens(prompt_token_ids)  # our copy: a list or 0.34's TokenBuffer
-            state = _Request(chunk_hash_array(tokens, self.chunk_size), len(tokens))
-            planned = self.blend.segments(tokens) if self.blend is not None else None
-            if planned is not None:
-                state.tokens, (state.segments, state.last_start) = tokens, planned
+            keys = request_keys(request)
+            if keys.unkeyed:
+                state = self._unkeyed_state(request.prompt_token_ids, keys)
+                logger.info("Reqid: %s, not keyed (%s): neither looked up nor stored", req_id, keys.unkeyed)
+            else:
+                tokens = compat.prompt_tokens(request.prompt_token_ids)  # our int32 copy (0.34: of a TokenBuffer)
+                state = _Request(
+                    chunk_hash_array(tokens, self.chunk_size, identity=keys.identity, mm=keys.mm), len(tokens)
+                )
+                state.keys = keys
+                if not keys.plain:  # never the salt itself: salt#<digest>
+                    logger.info("Reqid: %s, keys: %s", req_id, keys.describe())
+                planned = (
+                    self.blend.segments(tokens, keys.identity) if self.blend is not None and keys.blendable else None
+                )
+                if planned is not None:
+                    state.tokens, (state.segments, state.last_start) = tokens, planned
             self._requests[req_id] = state
         return state
+
+    @staticmethod
+    def _unkeyed_state(prompt_token_ids: Any, keys: RequestKeys) -> _Request:
+        """A request that is neither looked up nor stored: no chunk keys at all."""
+        num_tokens = len(prompt_token_ids) if prompt_token_ids is not None else 0
+        return _Request(np.zeros(0, dtype=np.uint64), num_tokens, keys=keys)
 
     def _ask_segments(self, req_id: str, state: _Request) -> int:
         """Blending: which reusable segments the ranks hold, and the tokens a blended load fills."""
@@ -318,6 +353,7 @@ class SchedulerSide:
             wait_s,
             wait_s + LOOKUP_REPLY_SLACK_S,
             poll=state.asked,
+            lora=state.keys.lora,
         )
         state.asked = True
         # A hit after the idle round's long wait: its pull ended within the wait.
@@ -385,7 +421,13 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             # A request id already tracked arriving as new was preempted and resumed (vLLM 0.34,
             # 0.33's Model Runner V2): its old blocks were freed, and this table replaces them.
-            new_state = self._request(new.req_id, new.prompt_token_ids)
+            new_state = self._requests.get(new.req_id)
+            if new_state is None:
+                # Never seen by get_num_new_matched_tokens: NewRequestData has no cache_salt, so
+                # its keys could be another tenant's. Not keyed.
+                logger.debug("Reqid: %s, scheduled before we saw it: not keyed", new.req_id)
+                new_state = self._unkeyed_state(new.prompt_token_ids, RequestKeys(unkeyed="not seen before scheduling"))
+                self._requests[new.req_id] = new_state
             new_state.block_ids = list(new.block_ids[0]) if new.block_ids else []
             self._add_load(meta, new.req_id, new_state, new.num_computed_tokens)
             self._add_store(meta, new.req_id, new_state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -453,7 +495,7 @@ class SchedulerSide:
             state.load_tokens = 0
 
     def _add_store(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed_after: int) -> None:
-        if not self.stores:
+        if not self.stores or state.unkeyed:
             return
         if state.segments is not None:
             # Blended KV is approximate: never stored as prefix chunks. New segments are stored

@@ -304,6 +304,8 @@ class WorkerSide:
                 return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
             chunk_hashes = unpack_hashes(request.hashes)
             seen = time.monotonic()
+            if request.lora and len(request.lora) == 2:  # its adapter's id, for the controllers
+                self._engine.note_adapter(request.lora[0], request.lora[1])
             if request.fetch_missing:
                 first = self._engine.lookup_async(chunk_hashes)
             else:
