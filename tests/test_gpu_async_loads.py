@@ -47,8 +47,8 @@ def test_a_peer_hit_loaded_beside_the_steps_on_a_gpu_gives_the_cold_output(tmp_p
         # Queued on the load stream and reported done by get_finished (not copied in the step),
         # from the CPU pool through the ring of GPU pages (load_staging_mb) by the copy engine.
         assert re.search(r"loads beside the steps come from host memory through \d+ chunk pages", log2), log2[-3000:]
-        assert re.search(
-            rf"Retrieved {tokens} out of total \d+ tokens\. .*\(beside the steps, through the copy engine\)", log2
-        ), log2[-3000:]
+        # (in pieces where its pull landed it in several batches, each copied while the rest came)
+        how = r"\(beside the steps, through the copy engine(?:, in \d+ pieces as its pull landed them)?\)"
+        assert re.search(rf"Retrieved {tokens} out of total \d+ tokens\. .*{how}", log2), log2[-3000:]
     finally:
         fleet.stop()

@@ -355,10 +355,10 @@ def test_a_load_whose_piece_fails_to_queue_loads_the_pieces_before_it_and_vllm_r
 
 
 def _sleep_on(stream: torch.cuda.Stream, seconds: float) -> None:
-    """Keep ``stream`` busy for about ``seconds`` (a spinning kernel)."""
-    cycles = int(seconds * torch.cuda.get_device_properties(0).clock_rate * 1e3)
+    """Keep ``stream`` busy for roughly ``seconds`` (a kernel spinning that many cycles at 2 GHz;
+    the tests need it far longer than a copy, not exact)."""
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(cycles)
+        torch.cuda._sleep(int(seconds * 2e9))
 
 
 @pytest.mark.gpu
@@ -367,6 +367,8 @@ def test_on_a_gpu_a_load_beside_the_steps_starts_after_its_grant_not_after_the_f
     engine, kv, hashes, blocks = stored_prompt("cuda", chunks=8)
     current = torch.cuda.current_stream()
     try:
+        with engine.pin_prefix(hashes) as prefix:  # the kernels built, the cache's block table made
+            LayerwiseLoad([engine.plan_load(prefix, blocks)], kv.layers, {"all": range(len(kv.layers))}).synchronize()
         for after_grant in (True, False):
             kv.wipe()
             for layer in kv.layers:  # the blocks' former owner's last write, before the grant
@@ -445,6 +447,49 @@ def test_on_a_gpu_a_step_computing_nothing_reports_the_copy_it_queued_in_the_sam
         assert loads.load(spec, engine.pin_prefix(hashes), after=grant) is None
         assert loads.finished(report_failed_blocks=False) == ({"r"}, set())
         assert kv.matches(hashes, blocks, CHUNK, 8 * CHUNK)
+    finally:
+        loads.close()
+        engine.close()
+
+
+@pytest.mark.gpu
+@gpu
+def test_on_a_gpu_a_pull_landed_in_batches_is_copied_through_the_staging_ring_piece_by_piece(caplog):
+    engine, kv, hashes, blocks = stored_prompt("cuda", chunks=8)
+    staging = torch.empty((2, engine.storage.page_bytes), dtype=torch.uint8, device=kv.layers[0].device)
+    loads = LoadExecutor(engine, kv.layers, {}, staging=staging)
+    try:
+        pull_done: concurrent.futures.Future = concurrent.futures.Future()
+        hooks: list = []
+
+        def pull(offer, on_landed=None):
+            hooks.append(on_landed)
+            return pull_done
+
+        engine.pull_offer_async = pull  # type: ignore[method-assign]
+        offer = SimpleNamespace(chunks=6, first=lambda n: offer)
+        spec = LoadSpec("g", hashes, 8 * CHUNK, blocks, 0, 8 * CHUNK, beside_steps=True)
+        grant = torch.cuda.Event()
+        grant.record(torch.cuda.current_stream())
+        assert loads.pull_then_load(spec, offer, engine.pin_prefix(hashes[:2]), after=grant)  # type: ignore[arg-type]
+        loads.begin_step(P2PConnectorMetadata(step_tokens=256))
+        with caplog.at_level(logging.DEBUG):
+            for landed in (3, 5):  # chunks 0-1 are the rank's own; each landing is a piece
+                hooks[0](landed)
+                assert loads.finished(report_failed_blocks=False) == (set(), set())
+            hooks[0](6)
+            pull_done.set_result(PulledChunks(6))
+            received: set[str] = set()
+            deadline = time.monotonic() + 5
+            while not received and time.monotonic() < deadline:
+                received, failed = loads.finished(report_failed_blocks=False)
+                assert not failed
+        assert received == {"g"}
+        assert kv.matches(hashes, blocks, CHUNK, 8 * CHUNK)
+        assert re.search(r"Retrieved 256 out of total 256 tokens.*through the copy engine, in 3 pieces", caplog.text)
+        (timeline,) = re.findall(r"request g timeline, ms from first seen: (.*?) \(first seen at", caplog.text)
+        at = {name: float(ms) for name, ms in (part.rsplit(" ", 1) for part in timeline.split(", ") if "-" not in part)}
+        assert at["load queued"] <= at["load start"] <= at["load end"] <= at["reported"]
     finally:
         loads.close()
         engine.close()
