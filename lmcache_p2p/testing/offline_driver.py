@@ -12,7 +12,8 @@ One JSON request per line on stdin, one answer per line on stdout (everything el
 stderr). Operations:
 
 * ``{"op": "generate", "prompt_ids": [...], "max_tokens": 16}`` -> ``token_ids``, ``ttft_s``
-  (arrival to first token) and ``total_s``;
+  (arrival to first token) and ``total_s``; optionally ``"cache_salt"`` (vLLM's, in the prompt)
+  and ``"lora": {"name", "id", "path"}`` (a LoRARequest; needs ``--enable-lora``);
 * ``{"op": "corrupt"}`` negates every value of every chunk held in the CPU tier (a wrong but finite
   KV, to prove a hit really feeds the model) -> ``chunks``;
 * ``{"op": "fail_next_load"}`` makes the cache engine's next load raise (a dead peer's or a
@@ -84,8 +85,17 @@ def _generate(llm, request: dict) -> dict:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=int(request.get("max_tokens", 16)), ignore_eos=True)
+    prompt: dict = {"prompt_token_ids": list(request["prompt_ids"])}
+    if request.get("cache_salt"):
+        prompt["cache_salt"] = request["cache_salt"]
+    lora = request.get("lora")
+    extra = {}
+    if lora:
+        from vllm.lora.request import LoRARequest
+
+        extra["lora_request"] = LoRARequest(lora["name"], int(lora["id"]), lora["path"])
     t0 = time.perf_counter()
-    output = llm.generate([{"prompt_token_ids": list(request["prompt_ids"])}], params, use_tqdm=False)[0]
+    output = llm.generate([prompt], params, use_tqdm=False, **extra)[0]
     total = time.perf_counter() - t0
     answer = {"token_ids": list(output.outputs[0].token_ids), "total_s": total}
     metrics = getattr(output, "metrics", None)
@@ -188,6 +198,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--max-num-inflight-kv-loads", type=int, help="vLLM >= 0.34's cap on asynchronous KV loads in flight"
     )
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (generate's lora)")
+    parser.add_argument("--max-lora-rank", type=int, default=8)
+    parser.add_argument("--max-loras", type=int, default=2)
     args = parser.parse_args(argv)
 
     answers = jsonlines.claim_stdout()
@@ -218,6 +231,11 @@ def main(argv=None) -> None:
         disable_log_stats=False,
         # only when asked: releases before 0.34 have no such argument
         **({"max_num_inflight_kv_loads": args.max_num_inflight_kv_loads} if args.max_num_inflight_kv_loads else {}),
+        **(
+            {"enable_lora": True, "max_lora_rank": args.max_lora_rank, "max_loras": args.max_loras}
+            if args.enable_lora
+            else {}
+        ),
     )
     _watch_preemptions(llm)
     jsonlines.answer(answers, {"ok": True, "ready": True})
