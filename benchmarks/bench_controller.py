@@ -20,6 +20,15 @@ peer-pull and load terms. Target: /route within 2x of /lookup's latency.
 controller against a secured one (mesh secret: CurveZMQ on the workers' sockets; API token with
 --protect-reads, so every /lookup carries and is checked for its bearer token), alternated
 ``--rounds`` times. Target: the secured mesh within 10% of the open one.
+
+    .venv/bin/python benchmarks/bench_controller.py --identity --max-keys 1000000 --repeat 50
+
+(tenants) What a request's identity costs /lookup and /route: besides the random keys, the
+25.6k-token prompt's keys are admitted as engines make them for four bodies (plain; with a
+cache_salt; salt and a LoRA adapter the ranks reported in their Register; salt, adapter and two
+mm_features), and each body is timed at every size up to 1M keys (``identity_lookup`` and
+``identity_route``, with each one's p50 over the plain body's); ``lookup_breakdown_25.6k_ms``
+gains the steps ``decode_identity``, ``resolve_identity`` and ``hash_chunks_identity``.
 """
 
 from __future__ import annotations
@@ -56,6 +65,31 @@ from lmcache_p2p.protocol import (  # noqa: E402
 
 CHUNK = 256
 CPU = "LocalCPUBackend"
+# --identity: the adapter every bench rank reports, and the bodies timed besides the plain one.
+LORA_ID = "0123456789abcdef0123456789abcdef"
+MM_FEATURES = [
+    {"identifier": "f" * 64, "offset": 1_000, "length": 1_200},
+    {"identifier": "e" * 64, "offset": 5_000, "length": 1_200},
+]
+IDENTITY_BODIES = {
+    "plain": {},
+    "salt": {"cache_salt": "tenant-a"},
+    "salt+lora": {"cache_salt": "tenant-a", "lora": "sql"},
+    "salt+lora+2mm": {"cache_salt": "tenant-a", "lora": "sql", "mm_features": MM_FEATURES},
+}
+
+
+def identity_keys(tokens, extra: dict) -> np.ndarray:
+    """The prompt's keys as an engine makes them for a request with ``extra``'s identity."""
+    from lmcache_p2p.keys import KeyIdentity, MMPlacement
+
+    ident = KeyIdentity(
+        cache_salt=extra.get("cache_salt"),
+        lora_name=extra.get("lora"),
+        lora_id=LORA_ID if extra.get("lora") else None,
+    )
+    mm = [MMPlacement(f["identifier"], f["offset"], f["length"]) for f in extra.get("mm_features", ())]
+    return chunk_hash_array(tokens, CHUNK, identity=None if ident.plain else ident, mm=mm)
 
 
 def rss_mb(pid: int) -> float:
@@ -67,7 +101,14 @@ def rss_mb(pid: int) -> float:
 
 
 class Load:
-    def __init__(self, controller: ControllerProcess, instances: int, ranks: int, security: MeshSecurity | None = None):
+    def __init__(
+        self,
+        controller: ControllerProcess,
+        instances: int,
+        ranks: int,
+        security: MeshSecurity | None = None,
+        adapters: dict[str, str] | None = None,
+    ):
         self.ctx = zmq.Context()
         self.security = security
         self.push = self.ctx.socket(zmq.PUSH)
@@ -103,6 +144,7 @@ class Load:
                             p2p_init_port=9100 + rank,
                             p2p_lookup_port=9200 + rank,
                             serve_url=f"http://127.0.0.1:{18000 + n // ranks}",
+                            adapters=adapters,
                         )
                     ),
                 ]
@@ -163,13 +205,16 @@ def ingest(
     return {"keys": count, "seconds": round(seconds, 3), "keys_per_s": round(count / seconds)}
 
 
-def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int, path: str = "/lookup") -> dict:
+def time_lookups(
+    port: int, prompts: dict[str, list[int]], repeat: int, path: str = "/lookup", extra: dict | None = None
+) -> dict:
     """p50/p99 of ``path`` (/lookup or /route) per prompt, one keep-alive connection, and what the
-    last answer said (so a run that answered nothing useful shows it)."""
+    last answer said (so a run that answered nothing useful shows it). ``extra``: more body fields
+    (a request's identity)."""
     conn = http.client.HTTPConnection("127.0.0.1", port)
     out = {}
     for name, tokens in prompts.items():
-        body = json.dumps({"tokens": tokens}).encode()
+        body = json.dumps({"tokens": tokens, **(extra or {})}).encode()
         samples = []
         for i in range(repeat + 20):
             t0 = time.perf_counter()
@@ -201,9 +246,10 @@ def time_lookups(port: int, prompts: dict[str, list[int]], repeat: int, path: st
     return out
 
 
-def lookup_breakdown(tokens: list[int], repeat: int) -> dict:
+def lookup_breakdown(tokens: list[int], repeat: int, identity: bool = False) -> dict:
     """Where a /lookup's server-side time goes, step by step, timed in this process with the
-    controller's own functions (the rest of the HTTP figure is uvicorn + FastAPI)."""
+    controller's own functions (the rest of the HTTP figure is uvicorn + FastAPI). With
+    ``identity``, the steps a body with a salt, an adapter and two mm_features adds."""
     import msgspec
 
     body = json.dumps({"tokens": tokens}).encode()
@@ -218,6 +264,22 @@ def lookup_breakdown(tokens: list[int], repeat: int) -> dict:
         "hash_chunks": lambda: chunk_hash_array(array, CHUNK),
         "index_prefix_walk": lambda: index.prefix_holders(hashes),
     }
+    if identity:
+        from protocol_client import register_message
+
+        from lmcache_p2p.controller.identity import from_body, resolve
+        from lmcache_p2p.controller.registry import Registry
+
+        fields = IDENTITY_BODIES["salt+lora+2mm"]
+        identity_body = json.dumps({"tokens": tokens, **fields}).encode()
+        registry = Registry()
+        registry.register(register_message("bench", adapters={"sql": LORA_ID}))
+        decoded = msgspec.json.decode(identity_body, type=_LookupFastPath)
+        ident = from_body(decoded)
+        variant = resolve(registry, ident).variants[0]
+        steps["decode_identity"] = lambda: from_body(msgspec.json.decode(identity_body, type=_LookupFastPath))
+        steps["resolve_identity"] = lambda: resolve(registry, ident)
+        steps["hash_chunks_identity"] = lambda: chunk_hash_array(array, CHUNK, identity=variant.identity, mm=ident.mm)
     out = {}
     for name, step in steps.items():
         samples = []
@@ -339,6 +401,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--keys", type=int, default=1_000_000)
     ap.add_argument("--lookup-tokens", type=int, default=4_000)
+    ap.add_argument(
+        "--identity",
+        action="store_true",
+        help="also time the 25.6k prompt's /lookup and /route with a salt, an adapter and mm_features",
+    )
     args = ap.parse_args()
     if args.auth_comparison:
         print(json.dumps(auth_comparison(args)))
@@ -356,7 +423,7 @@ def main() -> None:
             "ranks": args.ranks,
             "batch_keys": args.batch,
         }
-        load = Load(controller, args.instances, args.ranks)
+        load = Load(controller, args.instances, args.ranks, adapters={"sql": LORA_ID} if args.identity else None)
         rng = np.random.default_rng(0)
 
         # Query prompts, held by two instances (rank 0) so /lookup walks a two-holder prefix.
@@ -370,6 +437,14 @@ def main() -> None:
             for rank in range(args.ranks):  # every TP rank holds its own part of each chunk
                 load.admit(("bench-inst-0", rank), hashes)
                 load.admit(("bench-inst-1", rank), hashes[: len(hashes) // 2])
+        if args.identity:  # the 25.6k prompt under each identity, held the same way
+            for name, extra in IDENTITY_BODIES.items():
+                if name == "plain":
+                    continue
+                keyed = identity_keys(prompts["25.6k"], extra)
+                for rank in range(args.ranks):
+                    load.admit(("bench-inst-0", rank), keyed)
+                    load.admit(("bench-inst-1", rank), keyed[: len(keyed) // 2])
         held = 0
         result["sizes"] = {}
         for target in (100_000, 1_000_000, args.max_keys):
@@ -382,7 +457,20 @@ def main() -> None:
             load.beat()  # alive through the timing below
             lookups = time_lookups(controller.http_port, prompts, args.repeat) if timed else None
             routes = time_lookups(controller.http_port, prompts, args.repeat, "/route") if timed else None
+            identity_timed: dict = {}
+            if timed and args.identity:
+                longest = {"25.6k": prompts["25.6k"]}
+                for path, key in (("/lookup", "identity_lookup"), ("/route", "identity_route")):
+                    runs = {
+                        name: time_lookups(controller.http_port, longest, args.repeat, path, extra)["25.6k"]
+                        for name, extra in IDENTITY_BODIES.items()
+                    }
+                    base = runs["plain"]["p50_ms"]
+                    for found in runs.values():
+                        found["p50_vs_plain"] = round(found["p50_ms"] / base, 3)
+                    identity_timed[key] = runs
             result["sizes"][str(target)] = {
+                **identity_timed,
                 "ingest": stats,
                 "rss_mb": round(rss, 1),
                 "bytes_per_key_holder": round((rss - result["rss_idle_mb"]) * 2**20 / target, 1),
@@ -395,7 +483,7 @@ def main() -> None:
                 ),
             }
             print(f"{target} keys: {stats['keys_per_s']:,} keys/s, RSS {rss:.0f} MB", file=sys.stderr)
-        result["lookup_breakdown_25.6k_ms"] = lookup_breakdown(prompts["25.6k"], args.repeat)
+        result["lookup_breakdown_25.6k_ms"] = lookup_breakdown(prompts["25.6k"], args.repeat, args.identity)
         print(json.dumps(result))
     finally:
         controller.stop()
