@@ -186,7 +186,8 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
             # scheduler does with requests that arrive together: when each pull ended (s from start),
             # the chunks each was offered and pulled, and why not more
             # (each prompt's peer offer, then its pull, as a granted load starts it)
-            offers = [engine.lookup_async(chunk_hash_array(p, chunk_size)).offer for p in request["prompts"]]
+            lookups = [engine.lookup_async(chunk_hash_array(p, chunk_size)) for p in request["prompts"]]
+            offers = [lookup.offer for lookup in lookups]
             futures = [engine.pull_offer_async(offer) if offer is not None else None for offer in offers]
             done_s: list = [None] * len(futures)
             for i, future in enumerate(futures):
@@ -200,7 +201,13 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
                 "done_s": done_s,
                 "offered": [offer.chunks if offer is not None else 0 for offer in offers],
                 "pulled": [p.chunks if p is not None else 0 for p in pulled],
-                "miss": [p.miss.reason if p is not None and p.miss is not None else None for p in pulled],
+                # why a pull ended short, or why none was offered (None: held whole, here or pulled)
+                "miss": [
+                    (p.miss.reason if p.miss is not None else None)
+                    if p is not None
+                    else (lookup.miss.reason if lookup.miss is not None else None)
+                    for p, lookup in zip(pulled, lookups, strict=True)
+                ],
             }
         elif op == "retrieve":
             kv.wipe()
