@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 from importlib import metadata
 from pathlib import Path
 
@@ -30,7 +31,10 @@ def pins(lock: Path) -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    """What the venv's own site-packages holds: setuptools puts its vendored copies (packaging,
+    platformdirs, ...) on sys.path once imported, and those are not the venv's."""
+    site = sysconfig.get_paths()["purelib"]
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=[site])}
 
 
 def lock_of_this_venv() -> Path:
