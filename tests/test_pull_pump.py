@@ -121,10 +121,32 @@ def _run(main) -> None:
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def _answer_all(holder: ScriptedHolder, pulls) -> list[int]:
+    """Answer batches one at a time, oldest first; after which answer each pull was done. The
+    pipeline must stay full while any pull has chunks not yet out."""
+
+    async def main() -> list[int]:
+        done_after: list[int] = []
+        answers = 0
+        while holder.waiting:
+            holder.answer()
+            answers += 1
+            await _settle()
+            for i, p in enumerate(pulls):
+                if p.finished and len(done_after) == i:
+                    done_after.append(answers)
+            if any(not p.finished and p.uncut for p in pulls):
+                assert len(holder.waiting) == 3, "the pipeline ran dry between pulls"
+        return done_after
+
+    return main()
+
+
 def test_pulls_from_one_holder_share_one_pipeline_across_their_boundaries(monkeypatch):
-    """Four pulls asked together: batches carry the tail of one and the head of the next, the
-    pipeline stays full across pulls, each pull is done when its own last chunk commits (the
-    first before any later one), and the landed hook sees each batch's progress."""
+    """Four pulls asked together: the next pull's batches go out while the one ahead still has
+    batches out, the pipeline stays full across pulls, each batch carries one pull's chunks,
+    each pull is done right after the batch with its last chunk (the first before any later
+    one), and the landed hook sees each batch's progress."""
     setup, storage = _setup(batch_chunks=4, depth=3)
     holder = ScriptedHolder(setup.pages)
     _route_to({HOLDER: holder}, monkeypatch)
@@ -138,36 +160,48 @@ def test_pulls_from_one_holder_share_one_pipeline_across_their_boundaries(monkey
             for i in range(4)
         ]
         await _settle()
-        # Three batches out at once, the second and third across pull boundaries: pulls 2 and 3
-        # are on the wire while pull 1 is not done.
-        assert holder.sent == [_chunks(0, 4), _chunks(0, 5)[4:] + _chunks(1, 3), _chunks(1, 5)[3:] + _chunks(2, 2)]
+        # Three batches out at once: pull 2's first is on the wire while pull 1 is not done.
+        assert holder.sent == [_chunks(0, 4), _chunks(0, 5)[4:], _chunks(1, 4)]
         assert not any(p.finished for p in pulls)
-        done_after: list[int] = []  # answers given when each pull was done
-        answers = 0
-        while holder.waiting:
-            assert len(holder.waiting) <= 3
-            holder.answer()
-            answers += 1
-            await _settle()
-            for i, p in enumerate(pulls):
-                if p.finished and len(done_after) == i:
-                    done_after.append(answers)
-            if any(not p.finished and p.uncut for p in pulls):
-                assert len(holder.waiting) == 3, "the pipeline ran dry between pulls"
+        assert await _answer_all(holder, pulls) == [2, 4, 6, 8]
         assert holder.most_out == 3
-        assert done_after == [2, 3, 4, 5]  # each right after the batch with its last chunk
-        assert [len(b) for b in holder.sent] == [4, 4, 4, 4, 4]
+        assert [len(b) for b in holder.sent] == [4, 1] * 4
+        assert all(len({c // 1000 for c in b}) == 1 for b in holder.sent)  # one pull's chunks a batch
         for i, p in enumerate(pulls):
             result = p.done.result()
             assert result.held == _chunks(i, 5) and result.error is None
-            assert landed[i][-1] == 5 and landed[i] == sorted(landed[i])
-        assert landed[0] == [4, 5] and landed[1] == [3, 5]
+            assert landed[i] == [4, 5]
         assert all(storage.holds(h, "LocalCPUBackend") for i in range(4) for h in _chunks(i, 5))
-        assert setup.stats.prefix_batches_shared == 3 and setup.stats.pulls == 4
+        assert setup.stats.pulls == 4
         assert pulls[0].alone is False  # pull 2's batches were out beside its own
 
     _run(main)
     assert storage.cpu.pool.free_pages == free - 20  # the committed chunks' pages, nothing else
+    storage.close()
+
+
+def test_spanning_pulls_a_batch_carries_one_pulls_tail_and_the_next_ones_head(monkeypatch):
+    """span_pulls: the same chunks in full batches; a pull is still done right after the batch
+    with its last chunk, which may be the next pull's first."""
+    setup, storage = _setup(batch_chunks=4, depth=3)
+    holder = ScriptedHolder(setup.pages)
+    _route_to({HOLDER: holder}, monkeypatch)
+
+    async def main():
+        pump = PullPump(setup, HOLDER, PullOverlap(), span_pulls=True)
+        landed: list[list[int]] = [[] for _ in range(4)]
+        pulls = [
+            pump.join(_chunks(i, 5), on_landed=lambda n, i=i: landed[i].append(n))  # type: ignore[misc]
+            for i in range(4)
+        ]
+        await _settle()
+        assert holder.sent == [_chunks(0, 4), _chunks(0, 5)[4:] + _chunks(1, 3), _chunks(1, 5)[3:] + _chunks(2, 2)]
+        assert await _answer_all(holder, pulls) == [2, 3, 4, 5]
+        assert [len(b) for b in holder.sent] == [4] * 5
+        assert [p.done.result().held for p in pulls] == [_chunks(i, 5) for i in range(4)]
+        assert landed[0] == [4, 5] and landed[1] == [3, 5]
+
+    _run(main)
     storage.close()
 
 
@@ -199,9 +233,11 @@ def test_one_at_a_time_a_pull_goes_out_only_once_the_one_ahead_is_done(monkeypat
     storage.close()
 
 
-def test_a_batch_stopped_at_one_pulls_chunk_fails_only_that_pull(monkeypatch):
-    """The holder lacks a chunk of pull 1 in a batch that also carries pull 2's head: pull 1 is
-    a miss from that chunk on (as a pull alone), pull 2's chunks are asked again and it comes whole."""
+@pytest.mark.parametrize("span_pulls", [False, True], ids=["one-pull-batches", "spanning"])
+def test_a_batch_stopped_at_one_pulls_chunk_fails_only_that_pull(monkeypatch, span_pulls):
+    """The holder lacks a chunk of pull 1: pull 1 is a miss from that chunk on (as a pull alone),
+    pull 2 comes whole; where the stopped batch also carried pull 2's head, those chunks are
+    asked again (and copies of its later chunks already out are given back)."""
     setup, storage = _setup(batch_chunks=4, depth=3)
     holder = ScriptedHolder(setup.pages)
     _route_to({HOLDER: holder}, monkeypatch)
@@ -210,7 +246,7 @@ def test_a_batch_stopped_at_one_pulls_chunk_fails_only_that_pull(monkeypatch):
     holder.lacks.add(first[4])
 
     async def main():
-        pump = PullPump(setup, HOLDER, PullOverlap())
+        pump = PullPump(setup, HOLDER, PullOverlap(), span_pulls=span_pulls)
         pulls = [pump.join(first), pump.join(second)]
         await _settle()
         while holder.waiting:
@@ -219,9 +255,11 @@ def test_a_batch_stopped_at_one_pulls_chunk_fails_only_that_pull(monkeypatch):
         one, two = (p.done.result() for p in pulls)
         assert one.held == first[:4] and one.miss is not None and one.miss.reason == EVICTED, one
         assert two.held == second and two.error is None, two
-        # The batch [first 4-5, second 0-1] stopped at first[4]; second's chunks went out again.
-        assert holder.sent[1] == first[4:] + second[:2]
-        assert sum(b.count(second[0]) for b in holder.sent) == 2
+        if span_pulls:  # the batch [first 4-5, second 0-1] stopped at first[4]
+            assert holder.sent[1] == first[4:] + second[:2]
+            assert sum(b.count(second[0]) for b in holder.sent) == 2
+        else:
+            assert holder.sent[1] == first[4:] and sum(b.count(second[0]) for b in holder.sent) == 1
         assert setup.connections.dropped == []  # a chunk the holder lacks is no reason to drop it
 
     _run(main)
@@ -341,7 +379,7 @@ def test_four_prefixes_pulled_together_from_one_holder(controller, spawn, turns)
     order asked, the first done before the fourth; every chunk bit-exact. Timings are printed,
     not asserted (benchmarks/bench_p2p.py --concurrent measures them)."""
     a, b = _holder_and_requester(controller, spawn, p2p_batch_chunks=3, p2p_prefix_pull_turns=turns)
-    sizes = [7, 8, 10, 11]  # chunks; batches of 3 cut across pulls
+    sizes = [7, 8, 10, 11]  # chunks, in batches of 3
     prompts = [tokens(n * CHUNK, seed=40 + i) for i, n in enumerate(sizes)]
     for prompt in prompts:
         a.request("fill", tokens=prompt)  # the chunks' payloads as a prefill makes them, without the KV
@@ -359,7 +397,6 @@ def test_four_prefixes_pulled_together_from_one_holder(controller, spawn, turns)
     else:
         assert beside[0] == (0, 0) and all(chunks > 0 and pulls >= 1 for chunks, pulls in beside[1:]), lines
     status = b.status()["p2p_client"]
-    assert (status["prefix_batches_shared"] > 0) != turns, status
     assert status["chunks_pulled"] == sum(sizes) and status["checksum_mismatches"] == 0
     for prompt, n in zip(prompts, sizes, strict=True):
         got = b.retrieve(prompt)

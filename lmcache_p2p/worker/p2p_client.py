@@ -4,7 +4,7 @@
 
 - :mod:`.offers`: who holds a prompt's chunks (the controller) and how many to pull (the policy);
 - :mod:`.pull_pump`: the engine's prefix pulls from one holder as one pipeline (a queue and a
-  pump per holder: batches across pull boundaries, each pull done when its own chunks are);
+  pump per holder: a pipeline across pull boundaries, each pull done when its own chunks are);
 - :mod:`.pull_job`: one move/copy pull, a job object (batches pipelined, committed in order, logged once);
 - :mod:`.pull_batch`: one batch's request, landing and checksums, and the pages it fills;
 - :mod:`.peer_links`: a connection per peer rank, its channel agreed by one hello;

@@ -20,9 +20,6 @@ class PullStats:
     bytes_pulled: int = 0
     pull_failures: int = 0
     prefix_hit_chunks: int = 0  # pulled for the engine (not for a move or copy)
-    # The engine's prefix pulls' batches that carried chunks of two or more pulls (a holder's
-    # pull pump cuts batches across pull boundaries).
-    prefix_batches_shared: int = 0
     checksum_mismatches: int = 0
     # Pages a holder may still write into (its request timed out, or a streamed segment is still
     # landing): out of the pool until that write ends.
