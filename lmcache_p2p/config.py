@@ -501,8 +501,9 @@ class LMCacheConfig:
         "for its pull before the others are asked",
         group="tuning",
         basis=(
-            "[architecture.md, Decisions](architecture.md#decisions): off, no pull waits for "
-            "another's whole pull (the H200's fourth request waited 71 ms for its turn); not yet measured on GPU"
+            "[architecture.md, Decisions](architecture.md#decisions): off, no pull waits for another's whole pull (the "
+            "H200's fourth request waited 71 ms for its turns); on the 2-vCPU machine's tcp, where the bytes are CPU "
+            "work, on ends the first pulls sooner (`bench_p2p.py --concurrent 4`); not yet measured on GPU"
         ),
     )
     nixl_buffer_device: str = _key(
