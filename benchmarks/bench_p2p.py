@@ -12,7 +12,13 @@ Before those, per channel, the first pull of a freshly started instance (its con
 holder cold) against the next ones (warm). Last, the CPU an idle nixl instance burns with NIXL's
 progress thread unpaused (0 us) and paused (200 us).
 
+With ``--concurrent N``, only this: N prompts of ``--chunks`` chunks each, pulled at once from one
+holder (as vLLM's scheduler asks requests that arrive together), and when each pull ended, with
+the holder's pulls taking turns (``p2p_prefix_pull_turns: True``) and sharing one pipeline (the
+pull pump, the default); and one pull alone for scale.
+
     python benchmarks/bench_p2p.py [--batches 1,8,64] [--reps 7]   # prints one JSON object
+    python benchmarks/bench_p2p.py --concurrent 4 [--chunks 4] [--channel tcp] [--reps 5]
 """
 
 from __future__ import annotations
@@ -397,11 +403,85 @@ def idle_cpu(tmp: Path, delays_us=(0, 200), seconds: float = 3.0) -> dict[str, f
     return out
 
 
+def concurrent_pulls(channel: str, pulls: int, chunks: int, reps: int, tmp: Path) -> dict:
+    """Each pull's end (ms from the ask, median over ``reps``) when ``pulls`` prompts of ``chunks``
+    chunks are pulled at once from one holder: turns against the pump, each in a puller of its own
+    (the key is per instance); and one prompt pulled alone in the pump's puller."""
+    pool_gb = (pulls * chunks + 2) * PAGE_BYTES / 2**30
+    controller = ControllerProcess().start()
+    procs: list[InstanceProcess] = []
+
+    def instance(name: str, **extra) -> InstanceProcess:
+        config = instance_config(name, controller, channel, chunk_size=CHUNK_TOKENS, cpu_gb=pool_gb, **extra)
+        proc = InstanceProcess(config, tmp, num_blocks=16, env={"OMP_NUM_THREADS": "1"}).start()
+        procs.append(proc)
+        return proc
+
+    try:
+        holder = instance("bench_holder")
+        prompts = [tokens(chunks * CHUNK_TOKENS, seed=2000 + i) for i in range(pulls)]
+        for prompt in prompts:
+            assert holder.request("fill", tokens=prompt)["stored"] == chunks * CHUNK_TOKENS
+        holder.request("flush")
+        wait_for(
+            lambda: all(controller.holders(p).get("bench_holder", [0, 0])[1] == chunks * CHUNK_TOKENS for p in prompts),
+            timeout=20,
+            what="the controller to index the holder's chunks",
+        )
+        out: dict = {}
+        for mode, turns in (("turns", True), ("pump", False)):
+            puller = instance(f"bench_puller_{mode}", p2p_prefix_pull_turns=turns)
+            wait_for(lambda puller=puller: puller.status()["registered"], 20, "the puller registered")
+            runs = []
+            for rep in range(1 + reps):  # the first warms the connection and the pages, untimed
+                puller.request("clear")
+                answer = puller.request("lookup_together", prompts=[list(p) for p in prompts], timeout=300)
+                assert answer["pulled"] == [chunks] * pulls, (mode, rep, answer)
+                if rep:
+                    runs.append(answer["done_s"])
+            ends = [round(statistics.median(run[i] for run in runs) * 1e3, 1) for i in range(pulls)]
+            out[mode] = {"done_ms": ends, "mean_done_ms": round(statistics.mean(ends), 1)}
+            if not turns:
+                alone = []
+                for _ in range(reps):
+                    puller.request("clear")
+                    answer = puller.request("lookup_together", prompts=[list(prompts[0])], timeout=300)
+                    alone.append(answer["done_s"][0])
+                out["one_pull_alone_ms"] = round(statistics.median(alone) * 1e3, 1)
+        return out
+    finally:
+        for proc in procs:
+            proc.stop()
+        controller.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,64", help="chunks per pull")
     parser.add_argument("--reps", type=int, default=7, help="pulls per batch size (median reported)")
+    parser.add_argument("--concurrent", type=int, default=0, help="only: this many pulls at once from one holder")
+    parser.add_argument("--chunks", type=int, default=4, help="--concurrent: chunks per pull")
+    parser.add_argument("--channel", default="tcp", choices=["tcp", "nixl"], help="--concurrent: the channel")
     args = parser.parse_args()
+    if args.concurrent:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = concurrent_pulls(args.channel, args.concurrent, args.chunks, args.reps, Path(tmp))
+        print(
+            json.dumps(
+                {
+                    "bench": "p2p_concurrent",
+                    "channel": args.channel,
+                    "pulls": args.concurrent,
+                    "chunks_per_pull": args.chunks,
+                    "chunk_bytes": PAGE_BYTES,
+                    "reps": args.reps,
+                    **result,
+                    "note": "done_ms: when each pull ended, ms from the ask (median over reps), in the order asked; "
+                    "turns = p2p_prefix_pull_turns True (one pull at a time per holder), pump = the default",
+                }
+            )
+        )
+        return
     batches = [(int(n), args.reps) for n in args.batches.split(",")]
     largest = max(n for n, _ in batches)
     raw = RawNixl(largest)
