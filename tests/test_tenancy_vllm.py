@@ -45,7 +45,7 @@ def counts(engine: InstanceProcess) -> tuple[int, int, int]:
     return (
         status["engine"]["retrieved_tokens"],
         status["engine"]["stored_tokens"],
-        status["p2p_client"]["chunks_pulled"],
+        status.get("p2p_client", {}).get("chunks_pulled", 0),  # 0 without peers
     )
 
 
@@ -159,3 +159,48 @@ def test_two_adapters_and_the_base_model_never_share_and_one_adapter_hits_across
         for proc in started:
             proc.stop(timeout=60)
         controller.stop()
+
+
+# -- images: a tiny vision-language model ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tiny_model, tmp_path_factory) -> str:
+    from lmcache_p2p.testing.tiny_model import build_vlm
+
+    return build_vlm(str(tmp_path_factory.mktemp("tiny-idefics3")), tiny_model)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.newest_only  # the multimodal keys are ours; the floor's vLLM places images alike
+def test_an_image_keys_the_chunks_from_its_own_on_and_another_image_never_loads_them(engine, tiny_vlm, prompt):
+    """One text, two images at one place, and the first image at another place: only the chunk
+    before the image is shared; every run's output is its cold output."""
+    import json
+
+    with open(f"{tiny_vlm}/config.json") as f:
+        image = json.load(f)["image_token_id"]
+    at_300 = [*prompt[:300], image, *prompt[300:699]]  # 700 ids; the image's 7 tokens start in chunk 1
+    at_400 = [*prompt[:400], image, *prompt[400:699]]
+    config = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25}
+    eng = engine(config, name="vlm", model=tiny_vlm, args=("--images", "2"))
+
+    def run(prompt_ids: list[int], seed: int) -> tuple[list[int], int, int]:
+        out, (retrieved, stored, _) = generated(eng, prompt_ids, images=[seed])
+        return out, retrieved, stored
+
+    first, retrieved, stored = run(at_300, 1)
+    assert (retrieved, stored) == (0, 2 * CHUNK)
+    second, retrieved, stored = run(at_300, 2)  # another image at the same place
+    assert (retrieved, stored) == (CHUNK, CHUNK) and second != first  # the text before it only
+    moved, retrieved, stored = run(at_400, 1)  # the first image elsewhere
+    assert (retrieved, stored) == (CHUNK, CHUNK)
+    again, retrieved, _ = run(at_300, 1)
+    assert retrieved == 2 * CHUNK and again == first
+    again, retrieved, _ = run(at_300, 2)
+    assert retrieved == 2 * CHUNK and again == second
+    assert "1 multimodal item(s)" in eng.log()
+
+    cold = engine(config, name="vlm-cold", model=tiny_vlm, args=("--images", "2"), connector=False)
+    for prompt_ids, seed, out in ((at_300, 2, second), (at_400, 1, moved)):
+        assert cold.request("generate", prompt_ids=prompt_ids, max_tokens=16, images=[seed])["token_ids"] == out

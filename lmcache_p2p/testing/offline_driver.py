@@ -12,8 +12,10 @@ One JSON request per line on stdin, one answer per line on stdout (everything el
 stderr). Operations:
 
 * ``{"op": "generate", "prompt_ids": [...], "max_tokens": 16}`` -> ``token_ids``, ``ttft_s``
-  (arrival to first token) and ``total_s``; optionally ``"cache_salt"`` (vLLM's, in the prompt)
-  and ``"lora": {"name", "id", "path"}`` (a LoRARequest; needs ``--enable-lora``);
+  (arrival to first token) and ``total_s``; optionally ``"cache_salt"`` (vLLM's, in the prompt),
+  ``"lora": {"name", "id", "path"}`` (a LoRARequest; needs ``--enable-lora``) and ``"images":
+  [seed, ...]`` (random RGB images of ``--image-size`` pixels a side, one per seed, for the
+  prompt's image tokens in order; needs ``--images N``);
 * ``{"op": "corrupt"}`` negates every value of every chunk held in the CPU tier (a wrong but finite
   KV, to prove a hit really feeds the model) -> ``chunks``;
 * ``{"op": "fail_next_load"}`` makes the cache engine's next load raise (a dead peer's or a
@@ -39,6 +41,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from lmcache_p2p.testing import jsonlines
 
@@ -88,6 +91,10 @@ def _generate(llm, request: dict) -> dict:
     prompt: dict = {"prompt_token_ids": list(request["prompt_ids"])}
     if request.get("cache_salt"):
         prompt["cache_salt"] = request["cache_salt"]
+    if request.get("images"):
+        prompt["multi_modal_data"] = {
+            "image": [_image(seed, request.get("image_size", 56)) for seed in request["images"]]
+        }
     lora = request.get("lora")
     extra = {}
     if lora:
@@ -102,6 +109,14 @@ def _generate(llm, request: dict) -> dict:
     first = getattr(metrics, "first_token_latency", None) if metrics is not None else None
     answer["ttft_s"] = float(first) if first else None
     return answer
+
+
+def _image(seed: int, size: int):
+    """A random RGB image, the same for the same seed."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8))
 
 
 def _preemptions(llm) -> int:
@@ -201,6 +216,7 @@ def main(argv=None) -> None:
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (generate's lora)")
     parser.add_argument("--max-lora-rank", type=int, default=8)
     parser.add_argument("--max-loras", type=int, default=2)
+    parser.add_argument("--images", type=int, default=0, help="a multimodal model: at most this many images a prompt")
     args = parser.parse_args(argv)
 
     answers = jsonlines.claim_stdout()
@@ -217,6 +233,8 @@ def main(argv=None) -> None:
             kv_connector_module_path="lmcache_p2p.integration.vllm",
             kv_role=args.kv_role,
         )
+    # only for a multimodal model (a text model refuses the limit)
+    mm_limits: dict[str, Any] = {"limit_mm_per_prompt": {"image": args.images}} if args.images else {}
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -236,6 +254,7 @@ def main(argv=None) -> None:
             if args.enable_lora
             else {}
         ),
+        **mm_limits,
     )
     _watch_preemptions(llm)
     jsonlines.answer(answers, {"ok": True, "ready": True})

