@@ -179,8 +179,9 @@ def _empty_step():
 
 
 def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every_pull(engine_id):
-    """Only the first lookup of an idle round may wait for its pull; the others are answered
-    'not yet' at once, so the first request runs while the rest are pulled (one at a time)."""
+    """With p2p_prefix_pull_turns on (a holder's pulls one at a time), only the first lookup of an
+    idle round may wait for its pull; the others are answered 'not yet' at once, so the first
+    request runs while the rest are pulled (one at a time)."""
     from types import SimpleNamespace
 
     from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S
@@ -194,7 +195,7 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
         return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
 
     server = LookupServer(socket_path(engine_id, 0, 0), handle)
-    scheduler = _scheduler(engine_id)
+    scheduler = _scheduler(engine_id, p2p_prefix_pull_turns=True)
     try:
         ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
             SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
@@ -216,8 +217,9 @@ def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every
 
 
 def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_then_waits_for_them_together(engine_id):
-    """With p2p_prefix_pull_turns off, requests arriving together at an idle engine are all
-    asked at once (their pulls overlap); the round after, the first poll waits for its pull, and
+    """With p2p_prefix_pull_turns off (the default), requests arriving together at an idle engine
+    are all asked at once (their pulls share the holder's pipeline); the round after, the first
+    poll waits for its pull, and
     the others may wait as long again (their pulls started with it), so all join one step."""
     from types import SimpleNamespace
 
