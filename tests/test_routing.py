@@ -240,4 +240,7 @@ def test_route_refuses_what_lookup_refuses_before_the_body(controller):
     assert controller.http.post("/route", content=b"{", headers={"Content-Type": "application/json"}).status_code == 422
     spec = controller.http.get("/openapi.json").json()["paths"]["/route"]["post"]
     schema = spec["requestBody"]["content"]["application/json"]["schema"]
-    assert set(schema["properties"]) == {"tokens", "model", "candidates"} and schema["required"] == ["tokens"]
+    identity = {"cache_salt", "lora", "lora_id", "mm_features"}  # a request's identity (docs/controller.md)
+    assert set(schema["properties"]) == {"tokens", "model", "candidates", *identity} and schema["required"] == [
+        "tokens"
+    ]
