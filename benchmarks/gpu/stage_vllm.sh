@@ -3,6 +3,7 @@
 # Python 3.12, torch 2.11.0+cu130 and CUDA 13.0 in its image), from the project root here:
 #
 #   bash benchmarks/gpu/stage_vllm.sh 0.33.0     # vLLM 0.33.0 with torch 2.14.0 (default)
+#   bash benchmarks/gpu/stage_vllm.sh 0.34.0     # vLLM 0.34.0: the same torch, plus the CuTe DSL it imports
 #   bash benchmarks/gpu/stage_vllm.sh 0.25.1     # vLLM 0.25.1 on the image's own torch 2.11
 #
 # It downloads (once, cached in ~/.cache/gpu-wheels) the wheels the image lacks or has at another
@@ -55,7 +56,15 @@ case "$VERSION" in
       opentelemetry-semantic-conventions "opentelemetry-semantic-conventions-ai>=0.4.1" nvtx==0.2.15
       "numba==0.65.0" "llvmlite<0.48,>=0.47" pycountry pydantic-extra-types apache-tvm-ffi==0.1.11 httpx2 httpcore2
       nvidia-nccl-cu13==2.32.3) ;;
-  *) echo "stage_vllm.sh: no wheel list for vLLM $VERSION (0.25.1 and 0.33.x are known)" >&2; exit 2 ;;
+  *) echo "stage_vllm.sh: no wheel list for vLLM $VERSION (0.25.1, 0.33.x and 0.34.x are known)" >&2; exit 2 ;;
+esac
+# vLLM 0.34 imports NVIDIA's CuTe DSL and quack at every CUDA engine's warm-up (MiniMax-M3's
+# kernels, whatever the model): without them the engine core fails to start ("No module named
+# 'cutlass'", then 'quack'), seen 2026-12-06 on an H100.
+case "$VERSION" in
+  0.34.*) extra+=(nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-core==4.8.0
+      nvidia-cutlass-dsl-libs-cu13==4.8.0 "cuda-bindings>=13.0,<14" quack-kernels==0.6.5 torch-c-dlpack-ext einops
+      "protobuf>=4.21.12") ;;
 esac
 for d in "${common[@]}" "${extra[@]}"; do get "$d"; done
 # One version of each distribution (the newest pip fetched), in one tar, split in parts.
