@@ -45,15 +45,19 @@ LOOKUP_REPLY_SLACK_S = 10.0
 # answering "not yet" makes vLLM run empty steps through its workers, whose shared-memory busy loop
 # (1 s of spinning after each step) then starves the very thread doing the pull of the GIL: on a
 # 2-core host, first pulls missed their 2-3 s timeouts. A request that arrives meanwhile waits
-# until the pull is done, at most this long. Only the first lookup of such a round waits: once
-# one request is ready the round has work, and the others' pulls go on behind it (pulls for the
-# engine run one at a time, in order), so requests arriving together are ready one after another
-# instead of all at once after every pull. Where the pulls run at once (p2p_prefix_pull_turns:
-# False) the wait is taken by the round's first poll instead, after every request arriving
-# together was asked: their pulls then overlap. The round's other polls may then wait as long
-# again as the first one did: pulls that started together end close together, and a request
-# whose pull ends just after the first's would otherwise miss the load step and wait for it to
-# end (on the H200 its hit was known ~30 ms after the first's, a step later). At most
+# until the pull is done, at most this long. Only one lookup of such a round takes the wait: once
+# one request is ready the round has work, and the others' pulls go on behind it. By default
+# (p2p_prefix_pull_turns: False) the engine's pulls from one holder share one pipeline (the pull
+# pump, worker/pull_pump.py: first asked first served, each pull done as soon as its own chunks
+# are), so the wait is taken by the round's first poll, after every request arriving together
+# was asked: their pulls then queue together and overlap in their holder's pipeline. With
+# p2p_prefix_pull_turns: True (one pull at a time per holder, in order) it is taken by the
+# round's first lookup, and the others are asked once it is ready, so requests arriving together
+# are ready one after another instead of all at once after every pull. Without the turns, the
+# round's other polls may then wait as long again as the first one did: pulls that started
+# together end close together, and a request whose pull ends just after the first's would
+# otherwise miss the load step and wait for it to end (on the H200 its hit was known ~30 ms
+# after the first's, a step later). At most
 # ROUND_GRACE_MAX_S: the first request is ready, and a pull far slower than its own (another
 # holder, a longer prefix) must not hold its step back.
 IDLE_LOOKUP_WAIT_S = 1.0
