@@ -355,11 +355,11 @@ class LMCacheConfig:
         AUTO,
         "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the request "
         "waits outside the steps until its copy is done, then computes in the next one, so copies from host memory "
-        "overlap other requests' steps and vLLM's own host work; `auto`: a load that crosses PCIe from what a GPU "
-        "engine held in host memory before the lookup (its CPU pool, disk) goes beside the steps; one all in GPU "
-        "memory (the GPU tier), a hit just pulled from a peer or the remote store (the next pull shares PCIe with "
-        "it), or on a CPU engine stays in the step; `True`/`False`: every load / none; blended loads stay in the "
-        "step",
+        "overlap other requests' steps and vLLM's own host work. A peer's offer is always pulled and loaded "
+        "beside the steps, whatever this key says. For the engine's own tiers, `auto`: a load that crosses PCIe "
+        "from what a GPU engine held in host memory (its CPU pool, disk) goes beside the steps; one all in GPU "
+        "memory (the GPU tier), a hit fetched from the remote store for its lookup, or on a CPU engine stays in "
+        "the step; `True`/`False`: every such load / none; blended loads stay in the step",
         group="tuning",
         basis=(
             "[BENCHMARKS.md, CPU offload](../BENCHMARKS.md#cpu-offload-seed-002) and [Peer hits on "
