@@ -25,6 +25,15 @@ CHUNK = 256
 CONFIG = {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 1.0, "async_kv_loads": True}
 
 
+def _ieee_engine(engine, tmp_path, args: tuple):
+    """A float32 engine whose attention is IEEE float32 whatever the batch: on a GPU vLLM runs
+    float32 attention in Triton, whose dot products are TF32 by default, and its decode kernel
+    differs between decode-only batches and batches with a prefill. A hit whose suffix prefills
+    beside another request's decode changes that request's kernel, enough to flip a near-tied
+    greedy token of a random-weight model; with IEEE dots the kernels agree to ~1e-6."""
+    return engine(CONFIG, args=args, env={"TRITON_F32_DEFAULT": "ieee", "TRITON_CACHE_DIR": str(tmp_path / "triton")})
+
+
 def _pins_released(eng) -> None:
     wait_for(lambda: eng.status()["storage"]["cpu"]["pins_held"] == 0, 30, "every pin our loads took released")
 
@@ -39,16 +48,16 @@ def _cold_then_hits(eng, prompts: list[list[int]], max_tokens: int) -> tuple[dic
     return cold, warm
 
 
-def test_requests_preempted_while_loads_are_pending_resume_with_their_cold_outputs(engine, tiny_model):
+def test_requests_preempted_while_loads_are_pending_resume_with_their_cold_outputs(engine, tiny_model, tmp_path):
     # 200 GPU blocks of 16 tokens hold about three of the eight 1,100-token sequences: the batch
     # preempts while the other requests' loads are queued or in flight.
     args = ["--num-blocks", "200", "--max-model-len", "1200"]
     if compat.installed_release().release >= (0, 34):
         args += ["--max-num-inflight-kv-loads", "2"]
-    eng = engine(CONFIG, args=tuple(args))
+    eng = _ieee_engine(engine, tmp_path, tuple(args))
     prompts = sample_prompts(tiny_model, 800, seeds=list(range(40, 48)))
     cold, warm = _cold_then_hits(eng, prompts, max_tokens=300)
-    assert warm["preemptions"] > 0, "nothing was preempted while the hits loaded"
+    assert warm["preemptions"] > 0, f"nothing was preempted while the hits loaded: {eng.request('engine_info')}"
     assert warm["outputs"] == cold["outputs"]
     _pins_released(eng)
 
@@ -56,8 +65,10 @@ def test_requests_preempted_while_loads_are_pending_resume_with_their_cold_outpu
 @pytest.mark.skipif(
     compat.installed_release().release < (0, 34), reason="--max-num-inflight-kv-loads is vLLM >= 0.34's"
 )
-def test_eight_concurrent_hits_under_a_cap_of_one_load_in_flight_give_cold_outputs_and_leak_no_pins(engine, tiny_model):
-    eng = engine(CONFIG, args=("--max-model-len", "2048", "--max-num-inflight-kv-loads", "1"))
+def test_eight_concurrent_hits_under_a_cap_of_one_load_in_flight_give_cold_outputs_and_leak_no_pins(
+    engine, tiny_model, tmp_path
+):
+    eng = _ieee_engine(engine, tmp_path, ("--max-model-len", "2048", "--max-num-inflight-kv-loads", "1"))
     prompts = sample_prompts(tiny_model, 1100, seeds=list(range(60, 68)))
     cold, warm = _cold_then_hits(eng, prompts, max_tokens=16)
     assert warm["outputs"] == cold["outputs"]

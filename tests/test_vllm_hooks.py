@@ -33,7 +33,7 @@ def _preempt_and_repeat(engine, tiny_model, num_blocks: int) -> dict:
     )
     prompts = sample_prompts(tiny_model, 260, seeds=[21, 22, 23, 24])
     first = eng.request("generate_batch", prompts=prompts, max_tokens=300, timeout=300)
-    assert first["preemptions"] > 0, "the batch fit: nothing was preempted"
+    assert first["preemptions"] > 0, f"the batch fit: nothing was preempted ({eng.request('engine_info')})"
     assert all(len(tokens) == 300 for tokens in first["outputs"])
     info = eng.request("engine_info")
     again = eng.request("generate_batch", prompts=prompts, max_tokens=300, timeout=300)

@@ -25,7 +25,8 @@ stderr). Operations:
   once, as an engine under load runs them;
 * ``{"op": "engine_info"}`` -> the vLLM release (``vllm``), its model runner class
   (``model_runner``), what its scheduler took from our connector (``requires_kv_delivery``),
-  whether it schedules asynchronously (``async_scheduling``), and how many preemptions so far
+  whether it schedules asynchronously (``async_scheduling``), its KV cache's ``num_gpu_blocks``
+  and ``block_size``, and how many preemptions so far
   dropped a request's output in flight or kept it (``preemptions_dropping_output``,
   ``preemptions_keeping_output``);
 * ``{"op": "status"}`` -> the cache engine's status (tiers, counters, worker);
@@ -167,6 +168,9 @@ def _engine_info(llm) -> dict:
         "model_runner": f"{type(runner).__module__}.{type(runner).__name__}",
         "requires_kv_delivery": getattr(core.scheduler, "requires_kv_delivery", None),
         "async_scheduling": bool(core.vllm_config.scheduler_config.async_scheduling),
+        # what the cache came out as (a test that means to preempt says so when it did not)
+        "num_gpu_blocks": core.vllm_config.cache_config.num_gpu_blocks,
+        "block_size": core.vllm_config.cache_config.block_size,
         **{f"preemptions_{k}": v for k, v in _PREEMPT_CALLS.items()},
     }
 
