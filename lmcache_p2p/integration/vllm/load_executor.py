@@ -563,14 +563,7 @@ class LoadExecutor:
         timeline = self._timelines.get(spec.req_id)
         try:
             plan = self.engine.plan_load(prefix, spec.block_ids, start, end, total_tokens=spec.num_tokens)
-            copy = LayerwiseLoad(
-                [plan],
-                self.planes,
-                {_ALL_PLANES: range(len(self.planes))},
-                fence=functools.partial(self.engine.order_stores_before, blocks=plan.written_blocks()),
-                staging=self.staging,
-                after=after,
-            )
+            copy = self._copy_beside_steps(plan, after)
             if not copy.on_device:  # a CPU engine, or pages the kernels cannot reach: the host copies now
                 copy.wait(_ALL_PLANES)
         except Exception:
@@ -589,6 +582,18 @@ class LoadExecutor:
         if timeline is not None and timeline.queued is None:
             timeline.queued = copy.queued_at
 
+    def _copy_beside_steps(self, plan: LoadPlan, after: torch.cuda.Event | None) -> LayerwiseLoad:
+        """One load's copy on the load stream: after ``after`` (None: everything on the current
+        stream so far) and after the store copies still reading the blocks it writes."""
+        return LayerwiseLoad(
+            [plan],
+            self.planes,
+            {_ALL_PLANES: range(len(self.planes))},
+            fence=functools.partial(self.engine.order_stores_before, blocks=plan.written_blocks()),
+            staging=self.staging,
+            after=after,
+        )
+
     def _queue_beside_steps(
         self, spec: LoadSpec, prefix: PinnedPrefix, plan: LoadPlan, after: torch.cuda.Event | None
     ) -> bool:
@@ -600,14 +605,7 @@ class LoadExecutor:
         if not (self.planes and self.planes[0].is_cuda):
             return False
         try:
-            copy = LayerwiseLoad(
-                [plan],
-                self.planes,
-                {_ALL_PLANES: range(len(self.planes))},
-                fence=functools.partial(self.engine.order_stores_before, blocks=plan.written_blocks()),
-                staging=self.staging,
-                after=after,
-            )
+            copy = self._copy_beside_steps(plan, after)
         except Exception:
             logger.exception(
                 "request %s: loading tokens [%d, %d) beside the steps failed", spec.req_id, spec.start, spec.end
