@@ -375,7 +375,7 @@ def _held_by(controller, prompts, instance="lmcache_instance_1"):
 @pytest.mark.parametrize("turns", [False, True], ids=["pump", "turns"])
 def test_four_prefixes_pulled_together_from_one_holder(controller, spawn, turns):
     """Four prompts asked together, as vLLM's scheduler asks requests that arrive together: the
-    pump has each later pull's first batch out beside the one ahead of it (turns: none), in the
+    pump has later pulls' first batches out beside the ones ahead of them (turns: none), in the
     order asked, the first done before the fourth; every chunk bit-exact. Timings are printed,
     not asserted (benchmarks/bench_p2p.py --concurrent measures them)."""
     a, b = _holder_and_requester(controller, spawn, p2p_batch_chunks=3, p2p_prefix_pull_turns=turns)
@@ -395,7 +395,10 @@ def test_four_prefixes_pulled_together_from_one_holder(controller, spawn, turns)
     if turns:
         assert beside == [(0, 0)] * 4, lines
     else:
-        assert beside[0] == (0, 0) and all(chunks > 0 and pulls >= 1 for chunks, pulls in beside[1:]), lines
+        # Whether a given pull's first batch goes out while the one ahead still has batches out
+        # depends on when their answers settle (all of one pull's can settle in one pass): at
+        # least one later pull must have gone out beside an earlier one, which turns never do.
+        assert beside[0] == (0, 0) and any(chunks > 0 and pulls >= 1 for chunks, pulls in beside[1:]), lines
     status = b.status()["p2p_client"]
     assert status["chunks_pulled"] == sum(sizes) and status["checksum_mismatches"] == 0
     for prompt, n in zip(prompts, sizes, strict=True):
