@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,10 @@ def counters(engine: InstanceProcess) -> dict:
 
 def metrics(engine: InstanceProcess) -> dict[str, tuple[str, float]]:
     """vLLM's /metrics page in the engine's process, our series: name -> (type, value summed
-    over label sets). A rank's counters reach vLLM with its next step: a short request first."""
+    over label sets). A rank reads its totals at most every 50 ms, after a step: what grew since
+    its last report reaches vLLM with its first step 50 ms or more later. So: wait that out, then
+    a short request (its steps may all come within 50 ms of a report the last request made)."""
+    time.sleep(0.1)
     engine.request("generate", prompt_ids=[5, 6, 7], max_tokens=2)
     text = engine.request("metrics")["text"]
     types = dict(re.findall(r"^# TYPE (lmcache:\S+) (\w+)$", text, re.M))
