@@ -14,9 +14,10 @@ between the scheduler and a rank, in both flows:
   as chunked prefill does); every lookup poll sent the int32 prompt over the lookup channel
   (encoded, then decoded by the rank); every store step pickled its tokens into the step's
   metadata and the load pickled the prompt (unpickled by the rank).
-* ``new``: the scheduler hashes once; the first ask carries the packed hashes, polls the request
-  id only; the rank turns hashes into ints where it indexes them (lookup, pin, each store step);
-  steps and the load pickle hash slices.
+* ``new``: the scheduler hashes once; its one ask carries the packed hashes (a lookup is never
+  polled now: what is not held is offered and pulled by the load); the rank turns hashes into
+  ints where it indexes them (lookup, pin, each store step); steps and the load pickle hash
+  slices.
 """
 
 import argparse
@@ -96,10 +97,8 @@ def request_keys(tokens: np.ndarray, chunk_size: int, store_steps: int, polls: i
 
     def new() -> None:
         hashes = chunk_hash_array(tokens, chunk_size)  # the scheduler, once
-        wire = encoder.encode(LookupRequest(0, "req", True, 0.0, hashes=pack_hashes(hashes), num_tokens=n))
-        held = unpack_hashes(new_decoder.decode(wire).hashes)
-        for seq in range(1, polls):
-            new_decoder.decode(encoder.encode(LookupRequest(seq, "req", True, 0.0)))
+        wire = encoder.encode(LookupRequest(0, "req", True, hashes=pack_hashes(hashes), num_tokens=n))
+        held = unpack_hashes(new_decoder.decode(wire).hashes)  # asked once: a lookup is never polled now
         hash_list(held)  # lookup
         hash_list(held)  # pin the hit
         pickle.loads(pickle.dumps(hashes))  # the load's spec

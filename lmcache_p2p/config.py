@@ -335,10 +335,11 @@ class LMCacheConfig:
     enable_async_loading: bool = _key(
         _to_bool,
         False,
-        "remote-store lookups do not block the scheduler (peer hits never do: they are asynchronous loads)",
+        "accepted for LMCache's configs, no effect: no lookup waits for bytes (what a peer or the remote store "
+        "offers is loaded beside the steps, always)",
         group="tuning",
         basis=(
-            "LMCache's default; what it changes: "
+            "LMCache's default; why it has no effect: "
             "[tiers-and-tuning.md](tiers-and-tuning.md#peer-hits-are-asynchronous-loads)"
         ),
     )
@@ -497,8 +498,7 @@ class LMCacheConfig:
         "the engine's prefix pulls from one holder run one at a time, a pull's first request going out only once the "
         "one ahead of it is done (the former turns, kept to measure against); off, each holder's pulls share one "
         "pipeline of `p2p_pipeline_depth` requests that runs across pulls, first asked first served, each pull done "
-        "as soon as its own chunks are; with enable_async_loading, on also makes an idle round's first lookup wait "
-        "for its pull before the others are asked",
+        "as soon as its own chunks are",
         group="tuning",
         basis=(
             "[architecture.md, Decisions](architecture.md#decisions): off, no pull waits for another's whole pull (the "
@@ -625,9 +625,10 @@ class LMCacheConfig:
     extra_config: dict = _key(
         _optional(_to_dict),
         {},
-        "mapping or JSON string; `lookup_backoff_time` (seconds, default 0.001)",
+        "mapping or JSON string; `lookup_backoff_time` (seconds, LMCache's retry interval) is accepted and has no "
+        "effect: no lookup is retried",
         group="tuning",
-        basis="`lookup_backoff_time` 0.001 s: LMCache's",
+        basis="`lookup_backoff_time` kept for LMCache's configs (seed 004)",
     )
     # Security (issue 18): the secret every member of the mesh (the controller, each instance)
     # shares; every ZMQ socket is then authenticated and encrypted (CurveZMQ). Give one of the two.
@@ -882,11 +883,6 @@ class LMCacheConfig:
             except MeshSecretError as e:  # never the value itself in the message
                 raise ConfigError("mesh_secret", str(e), source=self.sources.get("mesh_secret", "default")) from None
         return None
-
-    @property
-    def lookup_backoff_time(self) -> float:
-        """Seconds between peer-lookup retries under enable_async_loading (seed 004: 0.001)."""
-        return float(self.extra_config.get("lookup_backoff_time", 0.001))
 
     @property
     def max_local_cpu_bytes(self) -> int:

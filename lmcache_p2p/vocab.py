@@ -49,6 +49,12 @@ OFFER_TIMEOUT_S = 1.0
 # segment fetch): as long as any request to the controller, so that a busy controller host
 # delays that lookup instead of turning a peer's hit into a recompute.
 WAITING_OFFER_TIMEOUT_S = 3.0
+# The longest a lookup waits for the remote store's exists round (which chunks it holds) before
+# answering without it (cache_engine.ExistsRounds sets the deadline from the usual round, below
+# this): the scheduler waits on this, never on the store's bytes, which the load fetches beside
+# the steps. A stopped store costs the scheduler one deadline per outage (later lookups skip the
+# store until the round ends, then its backoff decides).
+REMOTE_OFFER_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,7 +130,7 @@ def test_env_lists_dicts_and_disk_url():
         }
     )
     assert cfg.lmcache_worker_ports == [8500, 8501]
-    assert cfg.lookup_backoff_time == 0.01
+    assert cfg.extra_config == {"lookup_backoff_time": 0.01}  # accepted (LMCache's), no effect here
     assert cfg.local_disk == "/tmp/lmcache-disk/" and cfg.max_local_disk_bytes == 2 * 1024**3
 
 

@@ -21,6 +21,7 @@ from lmcache_p2p.integration.vllm.lookup_channel import (
     LookupClient,
     LookupReply,
     LookupServer,
+    pack_sources,
     socket_path,
     unpack_sources,
 )
@@ -89,23 +90,22 @@ def engine_id():
     return uuid.uuid4().hex
 
 
-def test_the_scheduler_gets_the_smallest_answer_of_all_ranks_once_none_is_pending(engine_id):
+def test_the_scheduler_gets_the_smallest_answer_of_all_ranks_in_one_ask(engine_id):
     calls = {0: 0, 1: 0}
 
-    def rank(r, hit):
+    def rank(r, hit, pull_from=-1):
         def handle(request):
             calls[r] += 1
-            pending = r == 1 and calls[r] == 1  # rank 1 is still pulling at the first ask
-            return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=hit, pending=pending)
+            return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=hit, pull_from=pull_from)
 
         return LookupServer(socket_path(engine_id, 0, r), handle)
 
-    servers = [rank(0, 512), rank(1, 256)]
+    servers = [rank(0, 512), rank(1, 512, pull_from=256)]  # rank 1 pulls its second chunk
     client = LookupClient([socket_path(engine_id, 0, r) for r in range(2)], 256)
     try:
         hashes = chunk_hash_array(np.arange(600, dtype=np.int32), 256)
-        assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0) is None
-        assert client.lookup("req-1", hashes, 600, True, 0.001, 5.0, poll=True) == Hit(256)
+        assert client.lookup("req-1", hashes, 600, True, 5.0) == Hit(512, pull_from=256)
+        assert calls == {0: 1, 1: 1}
     finally:
         client.close()
         for server in servers:
@@ -120,9 +120,9 @@ def test_a_rank_that_does_not_answer_is_a_miss_and_its_late_answer_is_ignored(en
     server = LookupServer(socket_path(engine_id, 0, 0), slow)
     client = LookupClient([socket_path(engine_id, 0, 0)], 256)
     try:
-        assert client.lookup("slow", HASHES, 300, False, 0.0, 0.2) == Hit(0)
+        assert client.lookup("slow", HASHES, 300, False, 0.2) == Hit(0)
         # the late answer to "slow" must not be taken for this one's
-        assert client.lookup("next", HASHES, 300, False, 0.0, 2.0) == Hit(256)
+        assert client.lookup("next", HASHES, 300, False, 2.0) == Hit(256)
     finally:
         client.close()
         server.close()
@@ -142,8 +142,8 @@ def test_the_lookup_server_survives_garbage_and_a_failing_handler(engine_id):
     try:
         raw.send(b"\x00not msgpack")
         raw.send_multipart([b"a", b"b"])
-        assert client.lookup("boom", HASHES, 300, False, 0.0, 2.0) == Hit(0)  # a miss, logged
-        assert client.lookup("fine", HASHES, 300, False, 0.0, 2.0) == Hit(256)
+        assert client.lookup("boom", HASHES, 300, False, 2.0) == Hit(0)  # a miss, logged
+        assert client.lookup("fine", HASHES, 300, False, 2.0) == Hit(256)
     finally:
         raw.close(0)
         client.close()
@@ -178,101 +178,38 @@ def _empty_step():
     return _step()  # a round that scheduled nothing
 
 
-def test_requests_arriving_together_at_an_idle_engine_are_not_all_held_for_every_pull(engine_id):
-    """With p2p_prefix_pull_turns on (a holder's pulls one at a time), only the first lookup of an
-    idle round may wait for its pull; the others are answered 'not yet' at once, so the first
-    request runs while the rest are pulled (one at a time)."""
+def test_a_lookup_is_asked_once_and_never_waits_for_bytes(engine_id, caplog):
+    """Requests arriving together are each asked once, with their hashes, and answered at once:
+    a hit past the local tiers is an offer (here the remote store's) that the load pulls beside
+    the steps; the scheduler never answers vLLM 'not yet' and never polls."""
     from types import SimpleNamespace
 
-    from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S
-
-    waits: list[tuple[str, float]] = []
-    pulled = {"a"}  # "a"'s pull ends within its wait; the others are still pulling
+    received: list[tuple[str, bool]] = []
 
     def handle(request):
-        waits.append((request.req_id, request.wait_s))
-        done = request.req_id in pulled
-        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
+        received.append((request.req_id, request.hashes is not None))
+        # The rank holds the first chunk; the store offers the second (pull_from: where it starts).
+        return LookupReply(
+            seq=request.seq,
+            req_id=request.req_id,
+            hit_tokens=512,
+            pull_from=256,
+            fetched=True,
+            chunk_sources=pack_sources(["host", "external_unspecified"]),
+        )
 
+    caplog.set_level(logging.INFO, logger="lmcache_p2p")
     server = LookupServer(socket_path(engine_id, 0, 0), handle)
-    scheduler = _scheduler(engine_id, p2p_prefix_pull_turns=True)
+    scheduler = _scheduler(engine_id, remote_url="redis://127.0.0.1:1")
     try:
         ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
             SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
         )
-        assert ask("a") == (512, False)
-        assert ask("b") == (None, False)
-        assert ask("c") == (None, False)
-        assert waits == [("a", IDLE_LOOKUP_WAIT_S), ("b", 0.001), ("c", 0.001)]
-
-        scheduler.build_connector_meta(_empty_step())  # a round that scheduled nothing: idle again
-        waits.clear()
-        time.sleep(0.002)  # past the backoff
-        assert ask("b") == (None, False)
-        assert ask("c") == (None, False)
-        assert waits == [("b", IDLE_LOOKUP_WAIT_S), ("c", 0.001)]
-    finally:
-        scheduler.close()
-        server.close()
-
-
-def test_where_prefix_pulls_run_at_once_an_idle_round_asks_everyone_then_waits_for_them_together(engine_id):
-    """With p2p_prefix_pull_turns off (the default), requests arriving together at an idle engine
-    are all asked at once (their pulls share the holder's pipeline); the round after, the first
-    poll waits for its pull, and
-    the others may wait as long again (their pulls started with it), so all join one step."""
-    from types import SimpleNamespace
-
-    from lmcache_p2p.integration.vllm.scheduler_side import IDLE_LOOKUP_WAIT_S, ROUND_GRACE_MAX_S
-
-    waits: list[tuple[str, float, bool]] = []
-    pulled: set[str] = set()
-    first_pull = {"s": 0.06}  # "a"'s pull ends this long into its poll's wait
-
-    def handle(request):
-        waits.append((request.req_id, request.wait_s, request.hashes is None))  # None: a poll
-        if request.req_id == "a" and request.hashes is None and "a" in pulled:
-            time.sleep(first_pull["s"])
-        done = request.req_id in pulled
-        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
-
-    server = LookupServer(socket_path(engine_id, 0, 0), handle)
-    scheduler = _scheduler(engine_id, p2p_prefix_pull_turns=False)
-    try:
-        ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
-            SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
-        )
-        assert [ask(r) for r in "abc"] == [(None, False)] * 3
-        assert waits == [("a", 0.001, False), ("b", 0.001, False), ("c", 0.001, False)]
-
-        # A round whose first poll finds nothing grants the others no wait.
-        scheduler.build_connector_meta(_empty_step())  # nothing was ready: the engine is idle
-        waits.clear()
-        time.sleep(0.002)  # past the backoff
-        assert [ask(r) for r in "abc"] == [(None, False)] * 3
-        assert waits == [("a", IDLE_LOOKUP_WAIT_S, True), ("b", 0.001, True), ("c", 0.001, True)]
-
-        scheduler.build_connector_meta(_empty_step())
-        waits.clear()
-        pulled.update("abc")
-        time.sleep(0.002)
-        assert [ask(r) for r in "abc"] == [(512, False)] * 3
-        (_, a_wait, _), (_, b_wait, _), (_, c_wait, _) = waits
-        assert a_wait == IDLE_LOOKUP_WAIT_S
-        # The others share one deadline, as long again as "a"'s poll took.
-        assert 0.5 * first_pull["s"] < b_wait <= ROUND_GRACE_MAX_S and c_wait <= b_wait, waits
-
-        # A first pull that took long grants the others no more than ROUND_GRACE_MAX_S.
-        pulled.clear()
-        first_pull["s"] = 3 * ROUND_GRACE_MAX_S
-        scheduler._requests.clear()  # new requests with the same ids, asked afresh
-        assert [ask(r) for r in "abc"] == [(None, False)] * 3
-        scheduler.build_connector_meta(_empty_step())
-        waits.clear()
-        pulled.update("abc")
-        time.sleep(0.002)
-        assert [ask(r) for r in "abc"] == [(512, False)] * 3
-        assert 0.5 * ROUND_GRACE_MAX_S < waits[1][1] <= ROUND_GRACE_MAX_S, waits
+        assert [ask(r) for r in "abc"] == [(512, True)] * 3  # granted beside the steps
+        assert [ask(r) for r in "abc"] == [(512, True)] * 3  # asked again: from the request's state
+        assert received == [("a", True), ("b", True), ("c", True)]
+        assert "beside the steps after pulling tokens [256, 512) from the remote store" in caplog.text
+        assert "enable_async_loading and lookup_backoff_time have no effect" in caplog.text
     finally:
         scheduler.close()
         server.close()
@@ -304,7 +241,7 @@ def test_a_load_beside_the_steps_keeps_its_blocks_until_done_and_a_failed_one_is
 
     def handle(request):
         asks.append(request.hashes is not None)
-        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512, pending=False)
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512)
 
     server = LookupServer(socket_path(engine_id, 0, 0), handle)
     scheduler = _scheduler(engine_id, async_kv_loads=True)
@@ -429,7 +366,7 @@ def test_chunks_recomputed_after_a_failed_load_are_stored_again(engine_id, caplo
     from types import SimpleNamespace
 
     def handle(request):
-        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512, pending=False)
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512)
 
     server = LookupServer(socket_path(engine_id, 0, 0), handle)
     scheduler = _scheduler(engine_id)
@@ -459,9 +396,7 @@ def test_chunks_recomputed_after_a_failed_load_are_stored_again(engine_id, caplo
         server.close()
 
 
-def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_gets_them_again(
-    engine_id, monkeypatch, caplog
-):
+def test_a_prompt_is_hashed_once_and_its_hashes_go_out_with_its_one_lookup(engine_id, monkeypatch, caplog):
     from types import SimpleNamespace
 
     from lmcache_p2p.integration.vllm import scheduler_side
@@ -473,16 +408,12 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
         lambda tokens, size, **keys: hashings.append(len(tokens)) or chunk_hash_array(tokens, size, **keys),
     )
     received = []
-    held: dict[str, np.ndarray] = {}  # the rank's lookups: what a restart loses
-    pulled = {"done": False}
+    held: dict[str, np.ndarray] = {}  # the rank's lookups
 
     def handle(request):
         received.append(request)
-        if request.hashes is None and request.req_id not in held:
-            return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
-        held.setdefault(request.req_id, unpack_hashes(request.hashes) if request.hashes is not None else None)
-        done = pulled["done"]
-        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512 if done else 0, pending=not done)
+        held[request.req_id] = unpack_hashes(request.hashes)
+        return LookupReply(seq=request.seq, req_id=request.req_id, hit_tokens=512)
 
     server = LookupServer(socket_path(engine_id, 0, 0), handle)
     scheduler = _scheduler(engine_id)
@@ -491,20 +422,11 @@ def test_a_prompt_is_hashed_once_its_hashes_go_out_once_and_a_restarted_rank_get
         ask = lambda: scheduler.get_num_new_matched_tokens(  # noqa: E731
             SimpleNamespace(request_id="r", prompt_token_ids=prompt), 0
         )
-        assert ask() == (None, False)
-        first = received[0]
+        assert ask() == (512, False)
+        assert ask() == (512, False)  # asked again before its allocation: no new lookup
+        (first,) = received
         assert unpack_hashes(first.hashes).tolist() == chunk_hash_array(prompt, 256).tolist()
         assert first.num_tokens == 800
-        time.sleep(0.002)  # past the backoff
-        assert ask() == (None, False)
-        assert received[1].hashes is None, "a poll names the request only"
-
-        held.clear()  # the rank restarted: it answers the next poll 'unknown' and is sent the hashes again
-        pulled["done"] = True
-        time.sleep(0.002)
-        assert ask() == (512, False)
-        assert [r.hashes is None for r in received[2:]] == [True, False]
-        assert held["r"].tolist() == chunk_hash_array(prompt, 256).tolist()
 
         # Loads and stores name the chunks by the same hashes, and nothing hashed the prompt again.
         scheduler.update_state_after_alloc(SimpleNamespace(request_id="r"), None, 512)
@@ -579,9 +501,8 @@ def test_a_kv_cache_sized_to_the_free_gpu_memory_gets_one_warning_naming_our_dev
     assert warnings(True, None, async_kv_loads=False) == []  # nothing of ours on the device
 
 
-def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_unknown(engine_id, monkeypatch):
-    import concurrent.futures
-
+def test_a_rank_answers_its_local_hit_and_an_offer_past_it_at_once(engine_id, monkeypatch):
+    from lmcache_p2p.cache_engine import RemoteOffer
     from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
     from lmcache_p2p.protocol import pack_hashes
 
@@ -592,12 +513,12 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
         assert side.engine.store(hashes[:2], side.planes, list(range(8))) == 64
 
         def ask(**fields):
-            return side._on_lookup(LookupRequest(seq=1, req_id="r", fetch_missing=False, wait_s=0.0, **fields))
+            return side._on_lookup(LookupRequest(seq=1, req_id="r", fetch_missing=False, **fields))
 
-        assert ask().unknown  # a poll for a lookup this rank never had
+        assert ask().error  # a prefix lookup without its hashes: a miss, said so
         assert ask(hashes=pack_hashes(hashes), num_tokens=100).hit_tokens == 64
-        again = ask()  # a poll: answered from the lookup the rank kept
-        assert again.hit_tokens == 64 and not again.unknown
+        again = ask()  # asked again (the same request): answered from the lookup the rank kept
+        assert again.hit_tokens == 64 and not again.error
         counters = side.engine.counters
         assert (counters.lookups, counters.lookup_tokens, counters.hit_tokens) == (1, 100, 64)
         assert not again.fetched
@@ -614,24 +535,19 @@ def test_a_rank_keeps_a_lookups_hashes_and_answers_a_poll_it_cannot_place_with_u
                 return self
 
         monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host", "host"], offer=OneChunk()))
-        request = LookupRequest(seq=2, req_id="p", fetch_missing=True, wait_s=1.0, hashes=pack_hashes(hashes))
+        request = LookupRequest(seq=2, req_id="p", fetch_missing=True, hashes=pack_hashes(hashes))
         offered = side._on_lookup(request)
         assert (offered.hit_tokens, offered.fetched, offered.host_until, offered.pull_from) == (96, True, 0, 64)
         assert unpack_sources(offered.chunk_sources) == ("host", "host", "p2p")
         assert counters.lookups == 1
 
-        # A hit that grew by a fetch from the remote store (here the third chunk stored while
-        # "fetching" it) is waited for, and says so: async_kv_loads "auto" loads it in the step.
-        def fetching(chunk_hashes):
-            side.engine.store(hashes[:3], side.planes, list(range(8)))
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(0)
-            return PrefixLookup(["host", "host"], fetch=done)
-
-        monkeypatch.setattr(side.engine, "lookup_async", fetching)
-        request = LookupRequest(seq=3, req_id="s", fetch_missing=True, wait_s=1.0, hashes=pack_hashes(hashes))
+        # The remote store's offer is promised the same way, counted as the store's.
+        monkeypatch.setattr(
+            side.engine, "lookup_async", lambda _: PrefixLookup(["host", "host"], offer=RemoteOffer((int(hashes[2]),)))
+        )
+        request = LookupRequest(seq=3, req_id="s", fetch_missing=True, hashes=pack_hashes(hashes))
         fetched = side._on_lookup(request)
-        assert (fetched.hit_tokens, fetched.fetched, fetched.pull_from) == (96, True, -1)
+        assert (fetched.hit_tokens, fetched.fetched, fetched.pull_from) == (96, True, 64)
         assert unpack_sources(fetched.chunk_sources) == ("host", "host", "external_unspecified")
     finally:
         side.close()
@@ -879,7 +795,7 @@ def test_a_lookup_server_refuses_a_live_socket_and_takes_over_only_a_stale_one(e
         with pytest.raises(OSError) as refused:
             LookupServer(path, lambda r: LookupReply(seq=r.seq, req_id=r.req_id, hit_tokens=0))
         assert path in str(refused.value) and "another live process" in str(refused.value)
-        assert client.lookup("r", HASHES, 300, False, 0.0, 2.0) == Hit(256)  # the first still answers
+        assert client.lookup("r", HASHES, 300, False, 2.0) == Hit(256)  # the first still answers
     finally:
         client.close()
         live.close()
@@ -891,7 +807,7 @@ def test_a_lookup_server_refuses_a_live_socket_and_takes_over_only_a_stale_one(e
     server = LookupServer(path, lambda r: LookupReply(seq=r.seq, req_id=r.req_id, hit_tokens=256))
     client = LookupClient([path], 256)
     try:
-        assert client.lookup("r", HASHES, 300, False, 0.0, 2.0) == Hit(256)
+        assert client.lookup("r", HASHES, 300, False, 2.0) == Hit(256)
     finally:
         client.close()
         server.close()
@@ -967,7 +883,7 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
         monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host"], offer=TwoChunks()))
         monkeypatch.setattr(side.engine, "pull_offer_async", pull)
         reply = side._on_lookup(
-            LookupRequest(seq=1, req_id="p", fetch_missing=True, wait_s=0.0, hashes=pack_hashes(hashes), num_tokens=100)
+            LookupRequest(seq=1, req_id="p", fetch_missing=True, hashes=pack_hashes(hashes), num_tokens=100)
         )
         assert (reply.hit_tokens, reply.pull_from) == (96, 32)
 

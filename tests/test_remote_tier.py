@@ -282,6 +282,61 @@ def test_a_store_that_stops_answering_during_a_lookup_is_a_miss_without_leaking_
         server.kill()
 
 
+def test_a_lookup_offers_what_the_store_holds_the_load_fetches_it_and_a_stopped_store_is_asked_once():
+    """The remote store answers a lookup as a peer does: what it holds, as an offer (one exists
+    round, no bytes), which the load fetches, each chunk reported as it lands. Stopped (SIGSTOP),
+    the store costs one lookup its deadline; the next lookups skip it at once until that round
+    ends; answering again, it is offered again."""
+    import time
+
+    from lmcache_p2p.cache_engine import CacheEngine, ExistsRounds, RemoteOffer
+    from lmcache_p2p.miss_reasons import TIMEOUT
+
+    server = LmServer().start()
+    writer, reader = manager(server.url), manager(server.url)
+    engine = CacheEngine(reader_config(server.url), LAYOUT, reader)
+    try:
+        held = hashes(4, 20_000)
+        store_chunks(writer, held)
+        first = engine.lookup_async(held + [20_999])  # the store holds the first four
+        assert first.sources == [] and isinstance(first.offer, RemoteOffer) and first.offer.chunks == 4
+        assert first.miss is not None and first.miss.reason == "never_stored"  # the fifth: nowhere
+        assert reader.stats()["remote"]["chunks_read"] == 0  # an offer moves no bytes
+        landed: list[int] = []
+        pulled = engine.pull_offer_async(first.offer, landed.append).result(10)
+        assert pulled.chunks == 4 and pulled.miss is None and landed == [1, 2, 3, 4]
+        for h in held:
+            assert torch.equal(held_bytes(reader, h), payload(h))
+
+        later = hashes(2, 21_000)
+        store_chunks(writer, later)
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            stalled = engine.lookup_async(later)
+            waited = time.monotonic() - t0
+            assert stalled.offer is None and stalled.miss is not None and stalled.miss.reason == TIMEOUT
+            assert ExistsRounds.DEADLINE_MIN_S <= waited < 0.5 + 0.25, waited
+            t0 = time.monotonic()
+            again = engine.lookup_async(later)  # that round still runs: not asked again
+            assert again.offer is None and again.miss is not None and again.miss.reason == TIMEOUT
+            assert time.monotonic() - t0 < ExistsRounds.DEADLINE_MIN_S
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        # Its round answered (or timed out, then the tier's backoff passed): offered again.
+        wait_for(lambda: engine.lookup_async(later).offer is not None, timeout=15, what="the store offered again")
+    finally:
+        engine.close()
+        writer.close()
+        server.kill()
+
+
+def reader_config(url: str) -> LMCacheConfig:
+    return LMCacheConfig.from_dict(
+        {"chunk_size": CHUNK, "max_local_cpu_size": 64 * PAGE / 2**30, "remote_url": url, "remote_timeout_s": 1.0}
+    )
+
+
 def test_writes_never_block_the_store_path_a_full_queue_drops_and_counts(lm_server):
     mgr = manager(lm_server.url, remote_write_queue_chunks=2)
     try:

@@ -337,15 +337,23 @@ class RemoteTier:
             self.counters.mac_failures,
         )
 
-    def fetch_prefix_into(self, storage: PageSink, chunk_hashes: Sequence[int]) -> int:
+    def fetch_prefix_into(
+        self,
+        storage: PageSink,
+        chunk_hashes: Sequence[int],
+        held: int | None = None,
+        on_landed: Callable[[int], object] | None = None,
+    ) -> int:
         """Copy the leading chunks of ``chunk_hashes`` the store holds into ``storage``'s CPU tier:
-        one ``exists`` round, then batched gets; returns how many leading chunks are now held
-        locally (0 with the store down or the first chunk missing)."""
+        one ``exists`` round (skipped where ``held`` says how many it holds: an offer's lookup
+        asked already), then batched gets; returns how many leading chunks are now held locally
+        (0 with the store down or the first chunk missing). ``on_landed`` is told how many are
+        held so far after each chunk (a load copies those while the rest arrive)."""
         if not len(chunk_hashes):
             return 0
         t0 = time.perf_counter()
         keys = [storage.key(h) for h in chunk_hashes]
-        held = self.prefix_length(keys)
+        held = self.prefix_length(keys) if held is None else min(held, len(keys))
         # More than the pool can hold unpinned would evict this prompt's own first chunks.
         wanted = min(held, storage.cpu_pages_unpinned)
         if wanted < held:
@@ -366,6 +374,8 @@ class RemoteTier:
                 data.numpy()[:] = np.frombuffer(value, dtype=np.uint8)
                 storage.commit_page(key.chunk_hash, page, checksum, from_remote=True)
             done += 1
+            if on_landed is not None:
+                on_landed(done)
         took = time.perf_counter() - t0
         if wanted:
             nbytes = done * self.page_bytes

@@ -4,6 +4,9 @@ asking engine per lookup mode. Each asker in turn streams a long generation; get
 (what one prefill costs the stream); then, engine 1 stopped with SIGSTOP, a prompt engine 1
 holds. Its pull from the stopped holder gives up and the prompt is recomputed; the stream must
 keep its pace meanwhile, as it does around the cold prompt.
+
+:func:`run_stalled_stores` does the same with a stopped remote store (Redis, ``lmcache_server``)
+in the holder's place: an engine whose lookups ask the store which chunks it holds.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -84,7 +88,8 @@ def run(
         runs = []
         for i, mode in enumerate(modes):
             indexed(held[i])
-            figures = _ask_while_stalled(fleet.engine_urls[i + 1], model, held[i], group, seed + 100 + i)
+            stop_holder = lambda sig: os.killpg(group, sig)  # noqa: E731
+            figures = _ask_while_stalled(fleet.engine_urls[i + 1], model, held[i], stop_holder, seed + 100 + i)
             same = figures.pop("answer") == expected[i]
             runs.append({"mode": mode, **figures, "same_output": same, "logs": str(workdir)})
         if abort:
@@ -101,8 +106,39 @@ def _complete(url: str, model: str, prompt: str) -> str:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
 
 
-def _ask_while_stalled(asker: str, model: str, held: str, holder_group: int, seed: int) -> dict:
-    """Stream from ``asker``; send it a cold prompt, then (the holder stopped) the held one."""
+def run_stalled_stores(
+    model: str, workdir: Path, stores: list[tuple[str, str, Callable[[int], None]]], seed: int = 300
+) -> list[dict]:
+    """One fleet, an engine per remote store (``stores``: name, ``remote_url``, and how to signal
+    the store's process), peers off; each engine in turn streams, gets a cold prompt, then a
+    prompt while its store is stopped (SIGSTOP): that lookup's ``exists`` round goes unanswered
+    and the prompt is recomputed. Each engine's figures, with the fleet's logs' directory."""
+    fleet = ServedFleet(
+        workdir,
+        model,
+        engines=len(stores),
+        engine_env={**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "INFO"},
+        engine_extras={i + 1: {"remote_url": url, "enable_p2p": False} for i, (_, url, _) in enumerate(stores)},
+        pin_engines=True,
+    )
+    fleet.start()
+    try:
+        for i, url in enumerate(fleet.engine_urls):  # each engine's first forward pass out of the figures
+            _complete(url, model, sample_text(300, seed=seed + 500 + i))
+        runs = []
+        for i, (name, _, signal_store) in enumerate(stores):
+            prompt = sample_text(PROMPT_WORDS, seed=seed + i)
+            figures = _ask_while_stalled(fleet.engine_urls[i], model, prompt, signal_store, seed + 100 + i)
+            figures.pop("answer")
+            runs.append({"store": name, "engine": f"engine{i + 1}", **figures, "logs": str(workdir)})
+        return runs
+    finally:
+        fleet.stop()
+
+
+def _ask_while_stalled(asker: str, model: str, held: str, stop: Callable[[int], None], seed: int) -> dict:
+    """Stream from ``asker``; send it a cold prompt, then, what it would ask stopped (``stop``
+    sends it a signal: the holder, the store), the held prompt."""
     arrivals: list[float] = []
     streamer = threading.Thread(target=_stream, args=(asker, model, sample_text(20, seed=seed), arrivals))
     streamer.start()
@@ -112,13 +148,13 @@ def _ask_while_stalled(asker: str, model: str, held: str, holder_group: int, see
     _complete(asker, model, sample_text(PROMPT_WORDS, seed=seed + 1000))  # a cold prompt: one prefill
     c1 = time.monotonic()
     time.sleep(0.2)
-    os.killpg(holder_group, signal.SIGSTOP)
+    stop(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
         answer = _complete(asker, model, held)
         t1 = time.monotonic()
     finally:
-        os.killpg(holder_group, signal.SIGCONT)
+        stop(signal.SIGCONT)
     streamer.join()
     if not arrivals or arrivals[-1] < t1:
         raise RuntimeError("the stream ended before the stalled request: make STREAM_TOKENS longer")

@@ -1,4 +1,5 @@
-"""A rank's loads: granted hits moved from our tiers (or first from a peer) into vLLM's blocks.
+"""A rank's loads: granted hits moved from our tiers (or first from a peer or the remote store)
+into vLLM's blocks.
 
 One executor, one load per request, with one of three fences (docs/architecture.md):
 
@@ -8,9 +9,10 @@ One executor, one load per request, with one of three fences (docs/architecture.
   the copies are done;
 * **beside the steps** (vLLM's asynchronous loads): vLLM holds the request out of its steps
   (WAITING_FOR_REMOTE_KVS) while the copy runs on the load stream (on CPU: at once), and
-  ``get_finished`` reports it done. A load whose chunks past the rank's local hit a peer offered
-  pulls them first (:meth:`LoadExecutor.pull_then_load`, a job keyed by request id, the pull on
-  the worker's loop), then loads what came.
+  ``get_finished`` reports it done. A load whose chunks past the rank's local hit were offered (by
+  a peer, or by the remote store) pulls them first (:meth:`LoadExecutor.pull_then_load`, a job
+  keyed by request id, the pull on the worker's loop or the store's fetch threads), then loads
+  what came, as it lands.
 
 What a load did not fill is reported (``take_errors``, or as a failed receive) and vLLM
 recomputes those blocks; a load never leaves wrong KV behind. Chunks a peer wrote into the GPU
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcache_p2p import layerwise
-from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
+from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, RemoteOffer
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.layerwise import LayerwiseLoad
 from lmcache_p2p.miss_reasons import HOLDER_GONE, TIMEOUT, Miss, PulledChunks
@@ -266,6 +268,7 @@ class _PullJob:
     then: Miss | None = None  # why the chunk after the offered ones is missed (the lookup's answer)
     aborted: bool = False  # the request finished meanwhile: the pull is given up
     after: torch.cuda.Event | None = None  # where its copy starts on vLLM's stream (GrantFences)
+    origin: str = "a peer"  # who offered the chunks, for the log
 
 
 class _Wakeup:
@@ -454,8 +457,9 @@ class LoadExecutor:
         after: torch.cuda.Event | None = None,
         timeline: LoadTimeline | None = None,
     ) -> bool:
-        """A granted load whose chunks past the local hit a peer offered: start pulling them (on
-        the worker's loop); :meth:`_advance_pull_jobs` loads them once they are here, starting
+        """A granted load whose chunks past the local hit a peer or the remote store offered: start
+        pulling them (on the worker's loop; the store's: on its fetch threads);
+        :meth:`_advance_pull_jobs` loads them as they land, starting
         after ``after`` (GrantFences). False where nothing needs pulling (the engine's own cache
         covers the offered part)."""
         held = local.num_tokens
@@ -468,15 +472,16 @@ class LoadExecutor:
         timeline.granted = timeline.pull_started = now
         landed = _Landed(self._wakeup)
         pull = self.engine.pull_offer_async(offer, landed)
-        job = _PullJob(spec, local, pull, offer.chunks, now, landed, then, after=after)
+        job = _PullJob(spec, local, pull, offer.chunks, now, landed, then, after=after, origin=_origin(offer))
         # When the pull ended, not when a step noticed (the callback runs on the worker's loop).
         job.pull.add_done_callback(functools.partial(_stamp_pull_end, timeline))
         self._timelines[spec.req_id] = timeline
         self._pull_jobs[spec.req_id] = job
         logger.info(
-            "request %s: pulling %d chunk(s) a peer offered (tokens [%d, %d)), then loading [%d, %d) beside the steps",
+            "request %s: pulling %d chunk(s) %s offered (tokens [%d, %d)), then loading [%d, %d) beside the steps",
             spec.req_id,
             offer.chunks,
+            job.origin,
             held,
             held + offer.chunks * self.engine.chunk_size,
             spec.start,
@@ -504,7 +509,7 @@ class LoadExecutor:
                     if pulled < job.offered:
                         miss = outcome.miss
                 except Exception as e:
-                    logger.exception("request %s: pulling the chunks a peer offered failed", req_id)
+                    logger.exception("request %s: pulling the chunks %s offered failed", req_id, job.origin)
                     miss = Miss(HOLDER_GONE, f"the pull failed: {e}")
             else:  # late, or aborted
                 job.pull.cancel()
@@ -518,10 +523,12 @@ class LoadExecutor:
             # (A request aborted meanwhile missed nothing it still wants.)
             engine.count_lookup(spec.num_tokens, prefix.num_tokens, miss, count_misses=not job.aborted)
             logger.info(
-                "request %s: pulled %d of the %d chunk(s) offered in %.1f ms; %d of its tokens [%d, %d) held to load",
+                "request %s: pulled %d of the %d chunk(s) %s offered in %.1f ms; "
+                "%d of its tokens [%d, %d) held to load",
                 req_id,
                 pulled,
                 job.offered,
+                job.origin,
                 (now - job.started) * 1e3,
                 max(0, min(prefix.num_tokens, spec.end) - spec.start),
                 spec.start,
@@ -898,6 +905,10 @@ class LoadExecutor:
             spec.end,
             len(failed),
         )
+
+
+def _origin(offer: Offer) -> str:
+    return "the remote store" if isinstance(offer, RemoteOffer) else "a peer"
 
 
 def _stamp_pull_end(timeline: LoadTimeline, _pull: concurrent.futures.Future) -> None:

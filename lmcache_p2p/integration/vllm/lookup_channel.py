@@ -4,20 +4,14 @@ vLLM asks "how many tokens of this prompt can you load" in the scheduler (Engine
 but the KV pages, the tiers and the peer client live in each TP rank's worker process. The
 scheduler side sends a :class:`LookupRequest` to every rank over a local ZMQ ``ipc://`` socket
 and takes the smallest answer (every rank must be able to load the prefix). A GPU rank also says
-where the part of its hit held in host memory ends, and whether it fetched part of the hit (a
+where the part of its hit held in host memory ends, and whether part of the hit is fetched (a
 peer pull, the remote store), for ``async_kv_loads: auto`` to decide where the load runs.
 
-A rank answers at once from its local tiers and, when the prefix continues on a peer, from that
-peer's offer (the controller's index and the pull policy): the offered part is pulled by the load,
-beside the engine's steps, so the scheduler never waits on a peer's bytes. Only a fetch from the
-remote store is waited for: within ``wait_s`` the rank answers the hit, past it ``pending`` while
-it keeps fetching, so a scheduler with ``enable_async_loading`` is never held up for longer than
-its backoff.
-
-A prompt travels as its chunk hashes (computed once by the scheduler), on the first ask only: the
-rank keeps them with the request's lookup, and later asks (polls of a pending lookup) carry just
-the request id. A rank that no longer knows the request (it restarted, or the lookup expired)
-answers ``unknown`` and the client sends it the hashes again within the same call.
+A rank answers once, at once: from its local tiers and, when the prefix continues elsewhere, from
+an offer of what comes next (a live peer's, through the controller's index and the pull policy;
+else the remote store's, from one bounded ``exists`` round). The offered part is pulled by the
+load, beside the engine's steps, so the scheduler never waits on bytes and there is nothing to
+poll. A prompt travels as its chunk hashes, computed once by the scheduler.
 """
 
 from __future__ import annotations
@@ -47,10 +41,9 @@ logger = logging.getLogger(__name__)
 class LookupRequest(msgspec.Struct, tag="lookup"):
     seq: int
     req_id: str
-    fetch_missing: bool  # pull what the local tiers lack from peers and the remote store
-    wait_s: float  # how long the rank may wait for a peer pull or remote fetch before answering pending
+    fetch_missing: bool  # offer what the local tiers lack from peers and the remote store
     # The prompt's chunk hashes (protocol.pack_hashes: little-endian uint64) and its length in
-    # tokens; None on a poll, which names a lookup the rank already has.
+    # tokens; None on a segment lookup (``segments``).
     hashes: bytes | None = None
     num_tokens: int = 0
     # Blending (docs/blend.md): each reusable segment's chunk keys (pack_hashes); the rank says
@@ -65,19 +58,17 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     seq: int
     req_id: str
     hit_tokens: int = 0
-    pending: bool = False
-    unknown: bool = False  # a poll for a lookup this rank does not have: ask again with the hashes
     error: str = ""
     segments_held: list[bool] | None = None  # a segment lookup's answer, one per segment
     # Where the hit's last chunk held in host memory ends (tokens; 0: none): loading up to there
     # crosses PCIe. Only a rank whose KV cache is on a GPU counts it (a CPU engine's loads cross none).
     host_until: int = 0
-    fetched: bool = False  # part of the hit was fetched for this lookup (a peer pull, the remote store)
+    fetched: bool = False  # part of the hit is fetched for this lookup (a peer pull, the remote store)
     # Each chunk of the hit's source (pack_sources): the tier it is loaded from, or p2p / the
     # remote store where this lookup fetched it; vLLM counts hits by source.
     chunk_sources: bytes = b""
-    # The hit past this token is a peer's offer: the load pulls it first, beside the engine's
-    # steps (-1: the whole hit is held here).
+    # The hit past this token is an offer (a peer's, the remote store's): the load pulls it
+    # first, beside the engine's steps (-1: the whole hit is held here).
     pull_from: int = -1
 
 
@@ -106,13 +97,13 @@ def merge_sources(per_rank: list[tuple[str, ...]], chunks: int) -> tuple[str, ..
 class Hit:
     """The ranks' answer to a lookup: the tokens every rank can load, where the part of them
     any rank holds in host memory ends (0: all in GPU memory, or a CPU engine), whether any
-    rank fetched part of them for this lookup, and each chunk's hit source."""
+    rank fetches part of them for this lookup, and each chunk's hit source."""
 
     tokens: int
     host_until: int = 0
     fetched: bool = False
     sources: tuple[str, ...] = ()
-    pull_from: int | None = None  # some rank pulls the hit past this token when it loads (a peer's offer)
+    pull_from: int | None = None  # some rank pulls the hit past this token when it loads (an offer)
 
 
 def tokens_by_source(sources: tuple[str, ...], start: int, end: int, chunk_size: int) -> dict[str, int]:
@@ -244,36 +235,23 @@ class LookupClient:
         chunk_hashes: np.ndarray,
         num_tokens: int,
         fetch_missing: bool,
-        wait_s: float,
         timeout_s: float,
-        poll: bool = False,
         lora: tuple[str, str] | None = None,
-    ) -> Hit | None:
-        """What every rank can load of the prompt ``chunk_hashes`` (uint64) names, or None
-        while a rank is still pulling from a peer. With ``poll`` the ranks were sent the hashes
-        already and are asked by request id alone. A rank that does not answer within
-        ``timeout_s`` makes it a miss. ``lora``: the request's adapter (name, lora_id), which the
-        ranks report to the controller."""
+    ) -> Hit:
+        """What every rank can load of the prompt ``chunk_hashes`` (uint64) names, its offers
+        included. A rank that does not answer within ``timeout_s`` makes it a miss. ``lora``: the
+        request's adapter (name, lora_id), which the ranks report to the controller."""
         self._seq += 1
         seq = self._seq
-
-        def full_request() -> bytes:
-            return _encoder.encode(
-                LookupRequest(
-                    seq=seq,
-                    req_id=req_id,
-                    fetch_missing=fetch_missing,
-                    wait_s=wait_s,
-                    hashes=pack_hashes(chunk_hashes),
-                    num_tokens=num_tokens,
-                    lora=list(lora) if lora is not None else None,
-                )
+        payload = _encoder.encode(
+            LookupRequest(
+                seq=seq,
+                req_id=req_id,
+                fetch_missing=fetch_missing,
+                hashes=pack_hashes(chunk_hashes),
+                num_tokens=num_tokens,
+                lora=list(lora) if lora is not None else None,
             )
-
-        payload = (
-            _encoder.encode(LookupRequest(seq=seq, req_id=req_id, fetch_missing=fetch_missing, wait_s=wait_s))
-            if poll
-            else full_request()
         )
         for sock in self._socks:
             sock.send(payload, copy=False)
@@ -294,12 +272,7 @@ class LookupClient:
                 reply = self._decode(sock.recv())
                 if reply is None or reply.seq != seq:  # older seqs: answers we gave up on
                     continue
-                if reply.unknown:  # this rank lost the lookup (restarted): it needs the hashes
-                    sock.send(full_request(), copy=False)
-                    continue
                 answers[self._socks.index(sock)] = reply
-        if any(a.pending for a in answers.values()):
-            return None
         for rank, answer in answers.items():
             if answer.error:
                 logger.warning(
@@ -327,7 +300,6 @@ class LookupClient:
                 seq=seq,
                 req_id=req_id,
                 fetch_missing=fetch_missing,
-                wait_s=0.0,
                 segments=[pack_hashes(keys) for keys in segments],
             )
         )

@@ -34,48 +34,28 @@ from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PCon
 from lmcache_p2p.integration.vllm.model_kinds import check_model
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.tenancy import RequestKeys, request_keys
-from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, SOURCE_REMOTE
+from lmcache_p2p.vocab import OFFER_TIMEOUT_S, PEER_FETCH_TIMEOUT_S, REMOTE_OFFER_TIMEOUT_S, SOURCE_REMOTE
 
 logger = logging.getLogger(__name__)
 
-# Beyond the wait, how long a rank may take to answer at all before the lookup is a miss.
+# How long the scheduler waits for every rank's answer to a lookup: a rank answers at once from
+# its tiers and its offers (the controller's holders within OFFER_TIMEOUT_S, the remote store's
+# exists round within REMOTE_OFFER_TIMEOUT_S); past this a rank is stuck, and the lookup a miss.
+LOOKUP_REPLY_TIMEOUT_S = OFFER_TIMEOUT_S + REMOTE_OFFER_TIMEOUT_S + 10.0
+# A segment lookup (blending) still pulls its segments before it answers, one after another.
 LOOKUP_REPLY_SLACK_S = 10.0
-# With enable_async_loading, while the last step ran nothing, a pending lookup waits up to this
-# long for the pull instead of lookup_backoff_time: there is no other request to hold up, and
-# answering "not yet" makes vLLM run empty steps through its workers, whose shared-memory busy loop
-# (1 s of spinning after each step) then starves the very thread doing the pull of the GIL: on a
-# 2-core host, first pulls missed their 2-3 s timeouts. A request that arrives meanwhile waits
-# until the pull is done, at most this long. Only one lookup of such a round takes the wait: once
-# one request is ready the round has work, and the others' pulls go on behind it. By default
-# (p2p_prefix_pull_turns: False) the engine's pulls from one holder share one pipeline (the pull
-# pump, worker/pull_pump.py: first asked first served, each pull done as soon as its own chunks
-# are), so the wait is taken by the round's first poll, after every request arriving together
-# was asked: their pulls then queue together and overlap in their holder's pipeline. With
-# p2p_prefix_pull_turns: True (one pull at a time per holder, in order) it is taken by the
-# round's first lookup, and the others are asked once it is ready, so requests arriving together
-# are ready one after another instead of all at once after every pull. Without the turns, the
-# round's other polls may then wait as long again as the first one did: pulls that started
-# together end close together, and a request whose pull ends just after the first's would
-# otherwise miss the load step and wait for it to end (on the H200 its hit was known ~30 ms
-# after the first's, a step later). At most
-# ROUND_GRACE_MAX_S: the first request is ready, and a pull far slower than its own (another
-# holder, a longer prefix) must not hold its step back.
-IDLE_LOOKUP_WAIT_S = 1.0
-ROUND_GRACE_MAX_S = 0.1
 
 
 @dataclass
 class _Request:
     chunk_hashes: np.ndarray  # the prompt's full chunks' chained hashes, uint64
     num_tokens: int  # the prompt's length
-    asked: bool = False  # the ranks were sent the hashes: later asks are polls by request id
-    hit: int | None = None  # tokens the ranks can load; None until they all answered
+    hit: int | None = None  # tokens the ranks can load; None until they answered
     host_until: int = 0  # where the part of the hit some rank holds in host memory ends (0: none)
-    fetched: bool = False  # some rank fetched part of the hit for this lookup (a pull, the remote store)
+    fetched: bool = False  # part of the hit is fetched for this lookup (a pull, the remote store)
     sources: tuple[str, ...] = ()  # each chunk of the hit's source (vocab.HIT_SOURCES)
-    pull_from: int | None = None  # past this token the hit is a peer's offer, pulled by the load
+    pull_from: int | None = None  # past this token the hit is an offer (a peer's, the store's), pulled by the load
     fetch: bool = True  # may its lookup fetch (peers, the remote store)? Not after a failed load
-    next_poll: float = 0.0  # enable_async_loading: no new ask before this (lookup_backoff_time)
     logged_need: int | None = None
     load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
     block_ids: list[int] = field(default_factory=list)
@@ -128,15 +108,13 @@ class SchedulerSide:
         self.client = LookupClient(paths, self.chunk_size)
         # Beyond the local tiers: peers (enable_p2p) and the remote store (remote_url).
         self.fetch_missing = config.enable_p2p or config.remote_url is not None
-        self.async_loading = config.enable_async_loading
-        self.backoff_s = config.lookup_backoff_time
-        self.pulls_take_turns = config.p2p_prefix_pull_turns  # where an idle round's long wait goes
         self.loads_beside_steps = config.async_kv_loads  # True, False or "auto": where it crosses PCIe
-        # Whether any request may be granted a load beside the steps before its lookup says so: a
-        # peer's offer always loads there, and "auto" puts host-memory hits there on a GPU only.
+        # Whether any request may be granted a load beside the steps before its lookup says so: an
+        # offer (a peer's, the remote store's) always loads there, and "auto" puts host-memory
+        # hits there on a GPU only.
         device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
         on_gpu_auto = self.loads_beside_steps == AUTO and device == "cuda"
-        self._beside_steps_possible = config.enable_p2p or self.loads_beside_steps is True or on_gpu_auto
+        self._beside_steps_possible = self.fetch_missing or self.loads_beside_steps is True or on_gpu_auto
         self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
@@ -149,23 +127,20 @@ class SchedulerSide:
             if kv_events_enabled(vllm_config)
             else None
         )
-        self._engine_busy = False  # did the last step schedule any tokens?
         self.blend: BlendPlanner | None = None
         if config.enable_blending:
             self.blend = BlendPlanner(vllm_config, config, self.block_size)
-        self._idle_wait_taken = False  # a lookup of this scheduling round already waited long
-        # Pulls at once: until when the round's other polls may wait for theirs (None: no wait).
-        self._round_grace_until: float | None = None
         logger.info(
             "lmcache-p2p scheduler side: chunk %d tokens, vLLM block %d, %d TP rank(s), peers %s, "
-            "remote tier %s, async loading %s (backoff %.3f s)",
+            "remote tier %s; what peers or the store offer is loaded beside the steps%s",
             self.chunk_size,
             self.block_size,
             len(paths),
             "on" if config.enable_p2p else "off",
             "on" if config.remote_url else "off",
-            "on" if self.async_loading else "off",
-            self.backoff_s,
+            " (enable_async_loading and lookup_backoff_time have no effect: no lookup waits for bytes)"
+            if config.enable_async_loading
+            else "",
         )
 
     # -- lookup ----------------------------------------------------------------------------------
@@ -191,22 +166,20 @@ class SchedulerSide:
             return 0, False
         if state.loads_beside_steps > state.retried_after and not self._retry_beside_steps(req_id, state):
             return 0, False
-        hit: int | None
         if state.segments is not None:
             hit = state.hit if state.hit is not None else self._ask_segments(req_id, state)
         elif not len(state.chunk_hashes):
             return 0, False
         else:
             hit = state.hit if state.hit is not None else self._ask(req_id, state)
-        if hit is None:
-            return None, False
         # vLLM must compute at least the prompt's last token to sample from it.
         usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
         host = min(state.host_until, usable)  # loading [num_computed_tokens, usable) crosses PCIe up to here
         from_host = host > num_computed_tokens
-        # Part of it a peer offered: the load pulls it first, always beside the steps (vLLM holds
-        # the request as WAITING_FOR_REMOTE_KVS, and no step waits on a peer's bytes).
+        # Part of it offered (by a peer, by the remote store): the load pulls it first, always
+        # beside the steps (vLLM holds the request as WAITING_FOR_REMOTE_KVS, and no step waits
+        # on those bytes).
         pulls = state.pull_from is not None and state.pull_from < usable
         beside = need > 0 and (pulls or self._loads_beside_steps_for(state, from_host))
         state.local_tokens, state.beside_steps = num_computed_tokens, beside
@@ -214,7 +187,8 @@ class SchedulerSide:
             state.logged_need = need
             how = ""
             if beside and pulls:
-                how = f", beside the steps after pulling tokens [{state.pull_from}, {usable}) from a peer"
+                origin = self._offered_by(state)
+                how = f", beside the steps after pulling tokens [{state.pull_from}, {usable}) from {origin}"
             elif beside:
                 how = ", beside the steps" + (f" (host memory up to token {host})" if from_host else "")
             elif need and from_host and self.loads_beside_steps == AUTO:  # auto kept it: fetched
@@ -230,6 +204,12 @@ class SchedulerSide:
                 how,
             )
         return need, beside
+
+    def _offered_by(self, state: _Request) -> str:
+        """Who offered the hit past ``pull_from``, for the log."""
+        index = (state.pull_from or 0) // self.chunk_size
+        source = state.sources[index] if index < len(state.sources) else ""
+        return "the remote store" if source == SOURCE_REMOTE else "a peer"
 
     def may_load_async(self, request: Any) -> bool:
         """vLLM 0.34 with ``--max-num-inflight-kv-loads``: whether the request may be granted a
@@ -275,7 +255,7 @@ class SchedulerSide:
         # In the local tiers only: a pull that failed (a holder stalled or died) is not made
         # again, and what it brought before failing is here now.
         logger.warning("Reqid: %s, its load beside the steps failed: looking it up again in the local tiers", req_id)
-        state.hit, state.asked, state.logged_need, state.pull_from = None, False, None, None
+        state.hit, state.logged_need, state.pull_from = None, None, None
         state.fetch = False
         return True
 
@@ -335,38 +315,16 @@ class SchedulerSide:
         )
         return state.hit
 
-    def _ask(self, req_id: str, state: _Request) -> int | None:
-        """Ask the ranks; ``state.hit`` once they all answered, None while it is not known."""
-        now = time.monotonic()
-        long_wait = False  # this poll takes the idle round's long wait
-        if self.async_loading:
-            if now < state.next_poll:
-                return None
-            wait_s = self.backoff_s
-            if not self._engine_busy and not self._idle_wait_taken and (state.asked or self.pulls_take_turns):
-                wait_s, self._idle_wait_taken, long_wait = max(self.backoff_s, IDLE_LOOKUP_WAIT_S), True, True
-            elif self._round_grace_until is not None and state.asked:
-                wait_s = max(self.backoff_s, self._round_grace_until - now)
-        else:
-            wait_s = PEER_FETCH_TIMEOUT_S  # what a synchronous engine lookup waits for a peer
+    def _ask(self, req_id: str, state: _Request) -> int:
+        """Ask the ranks: the tokens they can load now or pull beside the steps (``state.hit``)."""
         hit = self.client.lookup(
             req_id,
             state.chunk_hashes,
             state.num_tokens,
             self.fetch_missing and state.fetch,
-            wait_s,
-            wait_s + LOOKUP_REPLY_SLACK_S,
-            poll=state.asked,
+            LOOKUP_REPLY_TIMEOUT_S,
             lora=state.keys.lora,
         )
-        state.asked = True
-        # A hit after the idle round's long wait: its pull ended within the wait.
-        if long_wait and hit is not None and hit.tokens and not self.pulls_take_turns:
-            after = time.monotonic()
-            self._round_grace_until = after + min(after - now, ROUND_GRACE_MAX_S)
-        if hit is None:
-            state.next_poll = time.monotonic() + self.backoff_s
-            return None
         state.hit, state.host_until, state.fetched, state.sources = hit.tokens, hit.host_until, hit.fetched, hit.sources
         state.pull_from = hit.pull_from
         state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
@@ -410,9 +368,6 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         meta.step_tokens = int(scheduler_output.total_num_scheduled_tokens)
         meta.load_after_forward = compat.loads_after_forward(scheduler_output)
-        self._engine_busy = meta.step_tokens > 0
-        self._idle_wait_taken = False  # build_connector_meta ends a scheduling round
-        self._round_grace_until = None
         for req_id in self._beside_steps:
             state = self._requests.get(req_id)
             if state is not None and state.load_tokens:
@@ -458,7 +413,6 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.hit, state.logged_need, state.load_tokens, state.pull_from = None, None, 0, None
-                state.asked = False  # the ranks dropped its lookup when they loaded or released it
                 state.loads_beside_steps, state.retried_after = 0, 0
         # A preempted request's blocks are freed at once, so copies of them still in flight must
         # finish before this step writes anything.

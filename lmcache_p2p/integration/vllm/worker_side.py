@@ -2,11 +2,10 @@
 
 It owns the rank's :class:`CacheEngine` (tiers, controller worker, peer client; built by
 ``lmcache_p2p.worker.build_engine``), answers the scheduler's lookups (its local hit, and what a
-peer offers beyond it), hands granted loads to its :class:`LoadExecutor` (in the step, layer by
-layer, or beside the steps, pulling a peer's offer first), and stores after the forward pass
-(``wait_for_save``): whole chunks of whole blocks as opaque pages (DESIGN.md §4). Prompts arrive
-as chunk hashes; a lookup keeps its request's hashes, so the scheduler's later polls name the
-request only.
+peer or the remote store offers beyond it), hands granted loads to its :class:`LoadExecutor` (in
+the step, layer by layer, or beside the steps, pulling an offer first), and stores after the
+forward pass (``wait_for_save``): whole chunks of whole blocks as opaque pages (DESIGN.md §4).
+Prompts arrive as chunk hashes; a lookup is answered at once, never waiting for bytes.
 
 Chunks a lookup promised are pinned until the load (or the request's end), so an eviction in
 between cannot turn a promised hit into garbage; should a load still come up short, the blocks it
@@ -18,7 +17,6 @@ which the rank's pull policy weighs a peer pull against.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -29,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup
+from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup, RemoteOffer
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import compat, kv_layout
 from lmcache_p2p.integration.vllm.engine_metrics import RankMetrics
@@ -63,14 +61,13 @@ LOOKUP_PIN_TTL_S = 300.0
 
 @dataclass
 class _Lookup:
-    chunk_hashes: np.ndarray  # the prompt's, uint64: later polls name the request only
+    chunk_hashes: np.ndarray  # the prompt's, uint64 (the load's spec carries them again)
     num_tokens: int  # the prompt's length
-    # Each leading chunk held in the local tiers when first asked, before any fetch, as its hit
-    # source (vocab); and what comes after it: a peer's offer, or a remote fetch.
+    # Each leading chunk held in the local tiers when first asked, as its hit source (vocab); and
+    # what comes after it: an offer (a peer's or the remote store's) that the load pulls.
     local_sources: list[str]
-    fetch: concurrent.futures.Future | None  # a fetch from the remote store, waited for
     started: float  # when the rank was first asked (time.monotonic)
-    offer: Offer | None = None  # chunks after the local hit a peer offers: the load pulls them
+    offer: Offer | None = None  # chunks after the local hit a peer or the store offers
     offered_at: float | None = None  # when the offer was known
     prefix: PinnedPrefix | None = None
     miss: Miss | None = None  # why the first chunk past the hit and the offer is missed
@@ -300,8 +297,8 @@ class WorkerSide:
         with self._lock:
             state = self._lookups.get(request.req_id)
         if state is None:
-            if request.hashes is None:  # a poll, but this rank lost the lookup (restart, expiry)
-                return LookupReply(seq=request.seq, req_id=request.req_id, unknown=True)
+            if request.hashes is None:
+                return LookupReply(seq=request.seq, req_id=request.req_id, error="a prefix lookup without its hashes")
             chunk_hashes = unpack_hashes(request.hashes)
             seen = time.monotonic()
             if request.lora and len(request.lora) == 2:  # its adapter's id, for the controllers
@@ -310,20 +307,13 @@ class WorkerSide:
                 first = self._engine.lookup_async(chunk_hashes)
             else:
                 first = PrefixLookup(self._engine.local_sources(chunk_hashes))
-            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, first.fetch, seen)
+            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, seen)
             state.offer, state.miss = first.offer, first.miss
             if first.offer is not None:
                 state.offered_at = time.monotonic()
             with self._lock:
                 self._lookups[request.req_id] = state
         if state.prefix is None:
-            if state.fetch is not None:
-                try:
-                    state.fetch.result(timeout=request.wait_s)
-                except concurrent.futures.TimeoutError:
-                    return LookupReply(seq=request.seq, req_id=request.req_id, pending=True)
-                except Exception:
-                    logger.exception("remote fetch for request %s failed; using the local hit", request.req_id)
             state.prefix = self._engine.pin_prefix(state.chunk_hashes)
             if state.offer is not None and len(state.prefix.chunks) != len(state.local_sources):
                 # Part of the local hit was evicted since: the offer no longer continues it.
@@ -349,15 +339,14 @@ class WorkerSide:
 
     def _hit_sources(self, state: _Lookup) -> list[str]:
         """Where each chunk of the hit comes from: the tier it was in when first asked; after
-        those, a peer's offer (pulled by the load), or what the remote fetch brought; one that
-        arrived otherwise (another request stored it) by where it is now."""
+        those, an offer the load pulls (a peer's, or the remote store's); one that arrived
+        otherwise (another request stored it) by where it is now."""
         assert state.prefix is not None
         held = len(state.prefix.chunks)
         sources = state.local_sources[:held]
         if state.offer is not None:
-            return sources + [SOURCE_P2P] * state.offer.chunks
-        if state.fetch is not None:
-            return sources + [SOURCE_REMOTE] * (held - len(sources))
+            offered_by = SOURCE_REMOTE if isinstance(state.offer, RemoteOffer) else SOURCE_P2P
+            return sources + [offered_by] * state.offer.chunks
         for index in range(len(sources), held):
             location = self._engine.local_sources(state.chunk_hashes[index : index + 1])
             sources.append(location[0] if location else SOURCE_HOST)
@@ -420,8 +409,6 @@ class WorkerSide:
 
     @staticmethod
     def _release(state: _Lookup) -> None:
-        if state.fetch is not None:
-            state.fetch.cancel()
         if state.prefix is not None:
             state.prefix.release()
 
