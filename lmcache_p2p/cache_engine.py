@@ -400,7 +400,10 @@ class CacheEngine:
         the offer are held so far, after each batch (a peer's) or chunk (the store's) that
         brought some (``peer_service.Landed``)."""
         if isinstance(offer, RemoteOffer):
-            assert self._fetcher is not None  # the offer's exists round started it
+            if self._fetcher is None:  # closed since the offer (its exists round started the threads)
+                closed: concurrent.futures.Future = concurrent.futures.Future()
+                closed.set_result(PulledChunks(0, Miss(HOLDER_GONE, "the engine is closing")))
+                return closed
             return self._fetcher.submit(self._fetch_remote_offer, offer, on_landed)
         assert self.peers is not None  # an offer came from them
         return self.peers.pull_offer_async(offer, on_landed)

@@ -110,6 +110,15 @@ class ServedFleet:
         return free_ports(tp) if self.ports_per_rank else 0
 
     def start(self, timeout: float = 300.0) -> ServedFleet:
+        """Start the controller and the engines and wait for them; if any fails to come up, what
+        did start is stopped before the error goes on (callers stop a fleet only once it is up)."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> ServedFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         http, pull, reply, heartbeat = free_ports(4)
         controller = ServedProcess(
