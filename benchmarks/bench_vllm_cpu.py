@@ -1,7 +1,7 @@
 """Real vLLM on CPU with the connector: time to first token of a long prompt, cold vs. CPU-tier hit
 vs. peer hit, and what the connector costs on a miss. Prints one JSON object.
 
-    .venv/bin/python benchmarks/bench_vllm_cpu.py [--prompt-tokens 3000] [--prompts 6] [--set KEY=VALUE]...
+    .venv/bin/python benchmarks/bench_vllm_cpu.py [--prompt-tokens 3000] [--prompts 6] [--remote] [--set KEY=VALUE]...
 
 Engines are the offline driver (``lmcache_p2p.testing.offline_driver``: vLLM's ``LLM``
 in one process, TTFT from vLLM's own request metrics) on the tiny local Llama, one OpenMP thread
@@ -12,6 +12,8 @@ each. Runs, each over the same distinct prompts, median reported:
   lookups), nothing cached: every lookup misses locally and at the controller, then stores;
 * ``cpu_hit``: the same prompts again on A (CPU tier);
 * ``peer_hit``: the same prompts on engine B, which pulls A's chunks;
+* ``remote_hit`` (``--remote``): A also writes behind to an ``lmcache_server`` on loopback, and
+  the same prompts go to engine C (peers off, the store its only other tier), which fetches them;
 * ``first_request``: what ``make demo`` shows, measured before anything else runs on the two
   connector engines: A's very first request (cold) and then B's very first request for the same
   prompt (a peer hit on an engine that has pulled nothing yet, so any first-connection cost is
@@ -119,6 +121,9 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a config key for both connector engines, VALUE read as YAML (repeatable), e.g. switch_interval_ms=0.5",
     )
+    parser.add_argument(
+        "--remote", action="store_true", help="also remote_hit: A writes to an lmcache_server, engine C fetches"
+    )
     args = parser.parse_args()
     settings = dict(args.set)
 
@@ -140,6 +145,13 @@ def main() -> None:
     off_engine.stop(timeout=60)
 
     controller = ControllerProcess().start()
+    store = None
+    if args.remote:
+        from remote_stores import LmServer
+
+        store = LmServer(max_size_gb=1.0, log_dir=tmp).start()
+    remote_hit: list[float] = []
+    remote_read = 0
     try:
         page_mib = 0.5  # one 256-token chunk of the tiny model: 2 layers x 2 x 256 x 2 heads x 64 x 4 B
         seed_004 = dict(
@@ -153,19 +165,29 @@ def main() -> None:
         first = []
         for run in range(args.first_runs):
             first.append(first_request(model, controller, seed_004, tmp, run, demo_prompt, args.gap_s))
-        a = driver(model, instance_config("bench_a", controller, **seed_004), tmp, "a")
+        remote = {"remote_url": store.url} if store is not None else {}
+        a = driver(model, instance_config("bench_a", controller, **seed_004, **remote), tmp, "a")
         b = driver(model, instance_config("bench_b", controller, **seed_004), tmp, "b")
         cold_fresh = ttfts(a, warm_a)[1:]  # the first request of an engine also pays start-up costs
         ttfts(b, warm_b)
         cold = ttfts(a, prompts)
         cpu_hit = ttfts(a, prompts)
-        a.request("flush")
+        a.request("flush")  # the store's copies too
         peer_hit = ttfts(b, prompts)
         pulled = b.status()["p2p_client"]
-        a.stop(timeout=60)
         b.stop(timeout=60)
+        if store is not None:
+            c_config = instance_config("bench_c", controller, **seed_004, **remote, enable_p2p=False)
+            c = driver(model, c_config, tmp, "c")
+            ttfts(c, sample_prompts(model, args.prompt_tokens, range(4000, 4000 + cycle)))
+            remote_hit = ttfts(c, prompts)
+            remote_read = c.status()["storage"]["remote"]["chunks_read"]
+            c.stop(timeout=60)
+        a.stop(timeout=60)
     finally:
         controller.stop()
+        if store is not None:
+            store.kill()
 
     base = statistics.median(off)
     held = args.prompt_tokens // CHUNK * CHUNK
@@ -186,6 +208,7 @@ def main() -> None:
                     "cold": summary(cold, base),
                     "cpu_hit": summary(cpu_hit, base),
                     "peer_hit": summary(peer_hit, base),
+                    **({"remote_hit": summary(remote_hit, base)} if remote_hit else {}),
                 },
                 "first_request": {
                     "gap_s": args.gap_s,
@@ -194,6 +217,7 @@ def main() -> None:
                 },
                 "miss_overhead_pct": round((statistics.median(cold) / base - 1) * 100, 1),
                 "peer_chunks_pulled": pulled["chunks_pulled"],
+                **({"remote_chunks_read": remote_read} if args.remote else {}),
                 "note": "TTFT from vLLM's request metrics (arrival to first token), median over the prompts; "
                 "cold = connector on with nothing cached (local miss + controller lookup + store)",
             }
