@@ -39,11 +39,9 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.durations import RecentDurations
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
 from lmcache_p2p.miss_reasons import (
-    EVICTED,
     HOLDER_GONE,
     NEVER_STORED,
     NOT_HELD,
-    POOL_FULL,
     TIMEOUT,
     EvictionMemory,
     Miss,
@@ -52,6 +50,7 @@ from lmcache_p2p.miss_reasons import (
 )
 from lmcache_p2p.peer_service import EngineCounters, Landed, Offer, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
+from lmcache_p2p.remote.offers import RemoteOffer, RemoteOffers
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.vocab import (
     CPU,
@@ -59,7 +58,6 @@ from lmcache_p2p.vocab import (
     GPU,
     OFFER_TIMEOUT_S,
     PEER_FETCH_TIMEOUT_S,
-    REMOTE_OFFER_TIMEOUT_S,
     SOURCE_DEVICE,
     SOURCE_DISK,
     SOURCE_HOST,
@@ -100,8 +98,8 @@ class CacheEngine:
         self._pending: deque[_PendingStore] = deque()  # store_async copies in flight, oldest first
         # The remote store's exists rounds and fetches: several threads, so one slow round does not
         # queue every other request's fetch.
-        self._fetcher: concurrent.futures.ThreadPoolExecutor | None = None
-        self._exists_rounds = ExistsRounds()  # how long the store's exists rounds take, and a slow one
+        # The remote store's offers and their fetches (on threads of their own).
+        self.remote_offers = RemoteOffers(storage.remote, storage) if storage.remote is not None else None
         # Every missed chunk's reason (miss_reasons), and this rank's evictions to tell an
         # evicted chunk from one never stored: read from the store's event queue at each lookup.
         self.load_durations = RecentDurations()  # each load's copy time (a latency histogram)
@@ -322,7 +320,7 @@ class CacheEngine:
         load pulls beside the engine's steps: the chunks a live peer offers (the controller's
         holders and the pull policy's decision; the controller given ``offer_timeout``), else the
         chunks the remote store holds (one ``exists`` round, given ``exists_timeout``, by default
-        :meth:`ExistsRounds.deadline`). The caller counts the lookup (:meth:`count_lookup`) once
+        :meth:`remote.offers.ExistsRounds.deadline`). The caller counts the lookup (:meth:`count_lookup`) once
         its hit is final."""
         hashes = hash_list(chunk_hashes)
         sources = self.local_sources(hashes)
@@ -340,59 +338,13 @@ class CacheEngine:
                 )
             miss = answer
         miss = self._miss_after(hashes, hit, miss)
-        if self.storage.remote is None:
+        if self.remote_offers is None:
             return PrefixLookup(sources, miss=miss)
-        remote = self._remote_offer(hashes[hit:], exists_timeout)
+        remote = self.remote_offers.offer(hashes[hit:], exists_timeout)
         if isinstance(remote, Miss):  # not held there either: the peers' reason stands
             return PrefixLookup(sources, miss=miss if remote.reason == NOT_HELD else remote)
         then = remote.then and self._miss_after(hashes, hit + remote.chunks, remote.then)
         return PrefixLookup(sources, offer=remote, miss=then)
-
-    def _remote_offer(self, hashes: list[int], timeout: float | None) -> RemoteOffer | Miss:
-        """The leading chunks of ``hashes`` the remote store holds, as an offer (no bytes moved),
-        capped at what the CPU pool can take unpinned (more would evict the prompt's own first
-        chunks); a Miss when it holds none, or did not answer its ``exists`` round in time (the
-        round goes on: lookups skip the store until it ends, then its backoff decides)."""
-        remote = self.storage.remote
-        assert remote is not None
-        rounds = self._exists_rounds
-        if rounds.slow_round_running():
-            return Miss(TIMEOUT, "the remote store has not yet answered an earlier exists round")
-        if self._fetcher is None:
-            self._fetcher = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-fetch")
-        keys = [self.storage.key(h) for h in hashes]
-        timeout = rounds.deadline() if timeout is None else timeout
-        started = time.perf_counter()
-        round_ = self._fetcher.submit(remote.prefix_length, keys)
-        try:
-            held = round_.result(timeout)
-        except concurrent.futures.TimeoutError:
-            rounds.slow(round_)
-            logger.warning(
-                "remote tier %s: its exists round for %d chunk(s) took over %.0f ms (usually %.1f ms); served "
-                "without it (no lookup asks the store again until that round ends)",
-                remote.name,
-                len(keys),
-                timeout * 1e3,
-                rounds.usual_s() * 1e3,
-            )
-            return Miss(TIMEOUT, f"the remote store did not answer within {timeout * 1e3:.0f} ms")
-        rounds.took(time.perf_counter() - started)
-        room = self.storage.cpu_pages_unpinned
-        offered = min(held, room)
-        if not offered:
-            return Miss(POOL_FULL, "no unpinned CPU page to fetch into") if held else Miss(NOT_HELD)
-        if offered < held:
-            logger.info(
-                "remote tier %s holds %d chunk(s) of this prompt; offering the %d the CPU pool has room for",
-                remote.name,
-                held,
-                offered,
-            )
-        then = None
-        if offered < len(hashes):
-            then = Miss(POOL_FULL, "the CPU pool has no more room") if offered < held else Miss(NOT_HELD)
-        return RemoteOffer(tuple(hashes[:offered]), then)
 
     def pull_offer_async(self, offer: Offer, on_landed: Landed | None = None) -> concurrent.futures.Future:
         """Start pulling what a lookup's offer promised (a peer's, or the remote store's); the
@@ -400,28 +352,10 @@ class CacheEngine:
         the offer are held so far, after each batch (a peer's) or chunk (the store's) that
         brought some (``peer_service.Landed``)."""
         if isinstance(offer, RemoteOffer):
-            if self._fetcher is None:  # closed since the offer (its exists round started the threads)
-                closed: concurrent.futures.Future = concurrent.futures.Future()
-                closed.set_result(PulledChunks(0, Miss(HOLDER_GONE, "the engine is closing")))
-                return closed
-            return self._fetcher.submit(self._fetch_remote_offer, offer, on_landed)
+            assert self.remote_offers is not None  # it made the offer
+            return self.remote_offers.fetch_async(offer, on_landed)
         assert self.peers is not None  # an offer came from them
         return self.peers.pull_offer_async(offer, on_landed)
-
-    def _fetch_remote_offer(self, offer: RemoteOffer, on_landed: Landed | None) -> PulledChunks:
-        """Fetch a remote offer's chunks into the CPU pool, and why not all of them came."""
-        remote = self.storage.remote
-        if remote is None:  # closed meanwhile
-            return PulledChunks(0, Miss(HOLDER_GONE, "the remote tier is closed"))
-        errors = remote.counters.errors
-        done = remote.fetch_prefix_into(self.storage, offer.hashes, held=offer.chunks, on_landed=on_landed)
-        if done >= offer.chunks:
-            return PulledChunks(done)
-        if remote.counters.errors > errors:
-            return PulledChunks(done, Miss(HOLDER_GONE, f"the remote store failed: {remote.counters.last_error}"))
-        if not self.storage.cpu_pages_unpinned:
-            return PulledChunks(done, Miss(POOL_FULL, "no unpinned CPU page left to fetch into"))
-        return PulledChunks(done, Miss(EVICTED, "from the remote store (or unusable there) since its exists round"))
 
     def local_sources(self, chunk_hashes: ChunkHashes) -> list[str]:
         """Each leading chunk held in the local tiers, as the hit source a load reads it from
@@ -593,66 +527,12 @@ class CacheEngine:
 
     def close(self) -> None:
         self.poll_stores(wait=True)
-        if self._fetcher is not None:
-            self._fetcher.shutdown(wait=True, cancel_futures=True)
-            self._fetcher = None
+        if self.remote_offers is not None:
+            self.remote_offers.close()
         if self.peers is not None:
             self.peers.close()
             self.peers = None
         self.storage.close()
-
-
-class ExistsRounds:
-    """How long a lookup waits for the remote store's ``exists`` round: the scheduler waits on
-    it, so a store that stopped answering must cost a running stream about what a prefill costs
-    it, while a healthy store on a busy host must still answer in time. The deadline is
-    ``DEADLINE_PER_USUAL`` times the usual (median) round of late, between ``DEADLINE_MIN_S`` and
-    ``REMOTE_OFFER_TIMEOUT_S``; a round past it goes on, and until it ends no lookup asks again."""
-
-    DEADLINE_PER_USUAL = 20
-    DEADLINE_MIN_S = 0.05  # a round on loopback takes ~1 ms; a loaded 2-core host's, a few
-    WINDOW = 32
-
-    def __init__(self) -> None:
-        self._recent: deque[float] = deque(maxlen=self.WINDOW)
-        self._slow: concurrent.futures.Future | None = None
-
-    def usual_s(self) -> float:
-        return sorted(self._recent)[len(self._recent) // 2] if self._recent else 0.0
-
-    def deadline(self) -> float:
-        return min(REMOTE_OFFER_TIMEOUT_S, max(self.DEADLINE_MIN_S, self.DEADLINE_PER_USUAL * self.usual_s()))
-
-    def took(self, seconds: float) -> None:
-        self._recent.append(seconds)
-
-    def slow(self, round_: concurrent.futures.Future) -> None:
-        self._slow = round_
-
-    def slow_round_running(self) -> bool:
-        if self._slow is not None and self._slow.done():
-            self._slow = None
-        return self._slow is not None
-
-
-@dataclass(frozen=True)
-class RemoteOffer:
-    """Leading chunks past a lookup's local hit that the remote store holds (its ``exists``
-    round said so; no bytes moved): promised to the scheduler like a peer's offer and fetched by
-    the load (:meth:`CacheEngine.pull_offer_async`). A chunk may be gone by then: the load ends
-    there and vLLM recomputes the rest."""
-
-    hashes: tuple[int, ...]
-    then: Miss | None = None  # why the chunk after the offered ones is not offered (None: none follows)
-
-    @property
-    def chunks(self) -> int:
-        return len(self.hashes)
-
-    def first(self, chunks: int) -> RemoteOffer:
-        if chunks >= len(self.hashes):
-            return self
-        return RemoteOffer(self.hashes[:chunks])
 
 
 @dataclass

@@ -502,9 +502,9 @@ def test_a_kv_cache_sized_to_the_free_gpu_memory_gets_one_warning_naming_our_dev
 
 
 def test_a_rank_answers_its_local_hit_and_an_offer_past_it_at_once(engine_id, monkeypatch):
-    from lmcache_p2p.cache_engine import RemoteOffer
     from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
     from lmcache_p2p.protocol import pack_hashes
+    from lmcache_p2p.remote.offers import RemoteOffer
 
     side = _cpu_worker_side(engine_id)
     prompt = list(range(100))  # three full chunks and a tail

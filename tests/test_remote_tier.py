@@ -289,8 +289,9 @@ def test_a_lookup_offers_what_the_store_holds_the_load_fetches_it_and_a_stopped_
     ends; answering again, it is offered again."""
     import time
 
-    from lmcache_p2p.cache_engine import CacheEngine, ExistsRounds, RemoteOffer
+    from lmcache_p2p.cache_engine import CacheEngine
     from lmcache_p2p.miss_reasons import TIMEOUT
+    from lmcache_p2p.remote.offers import ExistsRounds, RemoteOffer
 
     server = LmServer().start()
     writer, reader = manager(server.url), manager(server.url)

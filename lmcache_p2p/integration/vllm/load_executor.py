@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 import torch
 
 from lmcache_p2p import layerwise
-from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, RemoteOffer
+from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.layerwise import LayerwiseLoad
 from lmcache_p2p.miss_reasons import HOLDER_GONE, TIMEOUT, Miss, PulledChunks
 from lmcache_p2p.peer_service import Offer
+from lmcache_p2p.remote.offers import RemoteOffer
 from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup, RemoteOffer
+from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import compat, kv_layout
 from lmcache_p2p.integration.vllm.engine_metrics import RankMetrics
@@ -49,6 +49,7 @@ from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.miss_reasons import EVICTED, Miss
 from lmcache_p2p.peer_service import Offer
 from lmcache_p2p.protocol import unpack_hashes
+from lmcache_p2p.remote.offers import RemoteOffer
 from lmcache_p2p.transfer.gpu_staging import DEFAULT_SLOTS as DEFAULT_NIXL_STAGING_PAGES
 from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
 from lmcache_p2p.worker import build_engine
