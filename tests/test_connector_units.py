@@ -513,7 +513,7 @@ def test_a_rank_answers_its_local_hit_and_an_offer_past_it_at_once(engine_id, mo
         assert side.engine.store(hashes[:2], side.planes, list(range(8))) == 64
 
         def ask(**fields):
-            return side._on_lookup(LookupRequest(seq=1, req_id="r", fetch_missing=False, **fields))
+            return side.lookups.answer(LookupRequest(seq=1, req_id="r", fetch_missing=False, **fields))
 
         assert ask().error  # a prefix lookup without its hashes: a miss, said so
         assert ask(hashes=pack_hashes(hashes), num_tokens=100).hit_tokens == 64
@@ -536,7 +536,7 @@ def test_a_rank_answers_its_local_hit_and_an_offer_past_it_at_once(engine_id, mo
 
         monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host", "host"], offer=OneChunk()))
         request = LookupRequest(seq=2, req_id="p", fetch_missing=True, hashes=pack_hashes(hashes))
-        offered = side._on_lookup(request)
+        offered = side.lookups.answer(request)
         assert (offered.hit_tokens, offered.fetched, offered.host_until, offered.pull_from) == (96, True, 0, 64)
         assert unpack_sources(offered.chunk_sources) == ("host", "host", "p2p")
         assert counters.lookups == 1
@@ -546,7 +546,7 @@ def test_a_rank_answers_its_local_hit_and_an_offer_past_it_at_once(engine_id, mo
             side.engine, "lookup_async", lambda _: PrefixLookup(["host", "host"], offer=RemoteOffer((int(hashes[2]),)))
         )
         request = LookupRequest(seq=3, req_id="s", fetch_missing=True, hashes=pack_hashes(hashes))
-        fetched = side._on_lookup(request)
+        fetched = side.lookups.answer(request)
         assert (fetched.hit_tokens, fetched.fetched, fetched.pull_from) == (96, True, 64)
         assert unpack_sources(fetched.chunk_sources) == ("host", "host", "external_unspecified")
     finally:
@@ -882,7 +882,7 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
 
         monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host"], offer=TwoChunks()))
         monkeypatch.setattr(side.engine, "pull_offer_async", pull)
-        reply = side._on_lookup(
+        reply = side.lookups.answer(
             LookupRequest(seq=1, req_id="p", fetch_missing=True, hashes=pack_hashes(hashes), num_tokens=100)
         )
         assert (reply.hit_tokens, reply.pull_from) == (96, 32)

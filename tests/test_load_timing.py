@@ -277,7 +277,7 @@ def test_a_pulls_chunks_are_loaded_as_they_land_and_the_request_is_reported_once
 
         monkeypatch.setattr(engine, "lookup_async", lambda _: PrefixLookup(["host"], offer=ThreeChunks()))
         monkeypatch.setattr(engine, "pull_offer_async", pull)
-        side._on_lookup(
+        side.lookups.answer(
             LookupRequest(seq=1, req_id="p", fetch_missing=True, hashes=pack_hashes(hashes), num_tokens=130)
         )
 

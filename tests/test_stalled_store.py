@@ -29,13 +29,13 @@ def test_a_stopped_store_leaves_the_engines_streams_at_their_pace(tiny_model, tm
         ]
         runs = run_stalled_stores(tiny_model, tmp_path / "fleet", stores)
     for figures in runs:
-        # The same bound as for a stalled holder: no worse than around a cold prompt (one
-        # prefill), with room for a shared host. A lookup that waited for the store's answer
-        # (its timeout, 2 s) or its bytes would freeze the stream for that long.
-        allowance = 2 * figures["largest_gap_cold_prompt_ms"] + 10 * figures["median_gap_ms"]
-        assert figures["largest_gap_stalled_holder_ms"] <= allowance, figures
         log = (Path(figures["logs"]) / f"{figures['engine']}.log").read_text()
         # The round that went unanswered is named, with its deadline; the prompt was recomputed.
         late = re.findall(r"remote tier \S+: its exists round for \d+ chunk\(s\) took over (\d+) ms", log)
         assert late and all(50 <= int(ms) <= 500 for ms in late), (figures, log[-3000:])
+        # The stalled holder's bound (no worse than around a cold prompt, one prefill, with room
+        # for a shared host) plus the one deadline the scheduler waited. A lookup that waited for
+        # the store's answer (its timeout, 2 s) or its bytes would freeze the stream that long.
+        allowance = 2 * figures["largest_gap_cold_prompt_ms"] + 10 * figures["median_gap_ms"] + max(map(int, late))
+        assert figures["largest_gap_stalled_holder_ms"] <= allowance, figures
         assert figures["stalled_request_s"] < 3 * figures["cold_prompt_s"] + 1.0, figures

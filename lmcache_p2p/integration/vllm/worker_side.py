@@ -1,8 +1,8 @@
 """The connector's worker half: one per TP rank, inside vLLM's worker process.
 
 It owns the rank's :class:`CacheEngine` (tiers, controller worker, peer client; built by
-``lmcache_p2p.worker.build_engine``), answers the scheduler's lookups (its local hit, and what a
-peer or the remote store offers beyond it), hands granted loads to its :class:`LoadExecutor` (in
+``lmcache_p2p.worker.build_engine``), answers the scheduler's lookups (:class:`RankLookups`: its
+local hit, and what a peer or the remote store offers beyond it), hands granted loads to its :class:`LoadExecutor` (in
 the step, layer by layer, or beside the steps, pulling an offer first), and stores after the
 forward pass (``wait_for_save``): whole chunks of whole blocks as opaque pages (DESIGN.md §4).
 Prompts arrive as chunk hashes; a lookup is answered at once, never waiting for bytes.
@@ -18,16 +18,13 @@ which the rank's pull policy weighs a peer pull against.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix, PrefixLookup
+from lmcache_p2p.cache_engine import CacheEngine, LoadPlan, PinnedPrefix
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import compat, kv_layout
 from lmcache_p2p.integration.vllm.engine_metrics import RankMetrics
@@ -39,39 +36,15 @@ from lmcache_p2p.integration.vllm.load_executor import (
     LoadTimeline,
 )
 from lmcache_p2p.integration.vllm.lookup_channel import (
-    LookupReply,
-    LookupRequest,
     LookupServer,
     engine_socket_path,
-    pack_sources,
 )
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
-from lmcache_p2p.miss_reasons import EVICTED, Miss
-from lmcache_p2p.peer_service import Offer
-from lmcache_p2p.protocol import unpack_hashes
-from lmcache_p2p.remote.offers import RemoteOffer
+from lmcache_p2p.integration.vllm.rank_lookups import RankLookups
 from lmcache_p2p.transfer.gpu_staging import DEFAULT_SLOTS as DEFAULT_NIXL_STAGING_PAGES
-from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
 from lmcache_p2p.worker import build_engine
 
 logger = logging.getLogger(__name__)
-
-# Pins of a lookup whose request never came back (scheduler gone, a lost release) are dropped.
-LOOKUP_PIN_TTL_S = 300.0
-
-
-@dataclass
-class _Lookup:
-    chunk_hashes: np.ndarray  # the prompt's, uint64 (the load's spec carries them again)
-    num_tokens: int  # the prompt's length
-    # Each leading chunk held in the local tiers when first asked, as its hit source (vocab); and
-    # what comes after it: an offer (a peer's or the remote store's) that the load pulls.
-    local_sources: list[str]
-    started: float  # when the rank was first asked (time.monotonic)
-    offer: Offer | None = None  # chunks after the local hit a peer or the store offers
-    offered_at: float | None = None  # when the offer was known
-    prefix: PinnedPrefix | None = None
-    miss: Miss | None = None  # why the first chunk past the hit and the offer is missed
 
 
 class _StepClock:
@@ -133,15 +106,13 @@ class WorkerSide:
         self.loads: LoadExecutor | None = None  # register_kv_caches makes it
         self._fences: GrantFences | None = None  # where loads beside the steps start (register_kv_caches)
         self.server: LookupServer | None = None
-        self._lookups: dict[str, _Lookup] = {}
-        self._lock = threading.Lock()  # _lookups: the lookup thread and the model runner share it
+        self.lookups: RankLookups | None = None  # answers the lookup server (register_kv_caches)
         self._saving: set[str] = set()  # requests we stored from (their blocks wait for finished_stores)
         self._finishing: set[str] = set()  # of those, finished in vLLM, store copies maybe in flight
         self._clock: _StepClock | None = None  # times prefill steps (register_kv_caches makes it)
         self.storage_events: StorageEventBuffer | None = None  # with --kv-events-config
         self.blender: Any = None  # blending.SegmentBlender, with enable_blending
         self.metrics: RankMetrics | None = None  # built with the engine (register_kv_caches)
-        self._segment_pins: dict[str, tuple[float, dict[int, Any]]] = {}  # req_id -> (when, key -> pinned chunk)
         self.tp_rank, self.tp_size = self._tp_rank_and_size()
 
     @staticmethod
@@ -168,6 +139,13 @@ class WorkerSide:
         if self.loads is None:
             raise RuntimeError("lmcache-p2p: the worker side was used before register_kv_caches (or after close)")
         return self.loads
+
+    @property
+    def _rank_lookups(self) -> RankLookups:
+        """The rank's lookups, which exist from register_kv_caches until close."""
+        if self.lookups is None:
+            raise RuntimeError("lmcache-p2p: the worker side was used before register_kv_caches (or after close)")
+        return self.lookups
 
     @property
     def _engine(self) -> CacheEngine:
@@ -210,7 +188,8 @@ class WorkerSide:
             from lmcache_p2p.integration.vllm.blending import SegmentBlender
 
             self.blender = SegmentBlender(self.vllm_config, self.config, kv_caches, self.engine.storage, self.tp_rank)
-        self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self._on_lookup)
+        self.lookups = RankLookups(self.engine, first.is_cuda, self.blender)
+        self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self.lookups.answer)
         logger.info(
             "lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
             "on %s; chunk %d tokens = %.2f MiB",
@@ -289,130 +268,6 @@ class WorkerSide:
         )
         return staging
 
-    # -- lookups (lookup thread) -----------------------------------------------------------------
-
-    def _on_lookup(self, request: LookupRequest) -> LookupReply:
-        self._expire_lookups()
-        if request.segments is not None:
-            return self._on_segment_lookup(request)
-        with self._lock:
-            state = self._lookups.get(request.req_id)
-        if state is None:
-            if request.hashes is None:
-                return LookupReply(seq=request.seq, req_id=request.req_id, error="a prefix lookup without its hashes")
-            chunk_hashes = unpack_hashes(request.hashes)
-            seen = time.monotonic()
-            if request.lora and len(request.lora) == 2:  # its adapter's id, for the controllers
-                self._engine.note_adapter(request.lora[0], request.lora[1])
-            if request.fetch_missing:
-                first = self._engine.lookup_async(chunk_hashes)
-            else:
-                first = PrefixLookup(self._engine.local_sources(chunk_hashes))
-            state = _Lookup(chunk_hashes, request.num_tokens, first.sources, seen)
-            state.offer, state.miss = first.offer, first.miss
-            if first.offer is not None:
-                state.offered_at = time.monotonic()
-            with self._lock:
-                self._lookups[request.req_id] = state
-        if state.prefix is None:
-            state.prefix = self._engine.pin_prefix(state.chunk_hashes)
-            if state.offer is not None and len(state.prefix.chunks) != len(state.local_sources):
-                # Part of the local hit was evicted since: the offer no longer continues it.
-                state.offer = None
-                state.miss = Miss(EVICTED, "from this rank's tiers while its lookup ran")
-            if state.offer is None:  # with an offer, counted once its load pulled it
-                self._engine.count_lookup(state.num_tokens, state.prefix.num_tokens, state.miss)
-        # A GPU rank says how far loading the hit crosses PCIe and whether it fetched part of it
-        # (async_kv_loads "auto" decides on both); a CPU rank's loads cross no link.
-        host_until = state.prefix.host_until() if self.planes[0].is_cuda else 0
-        sources = self._hit_sources(state)
-        held = state.prefix.num_tokens
-        offered = state.offer.chunks * self._engine.chunk_size if state.offer is not None else 0
-        return LookupReply(
-            seq=request.seq,
-            req_id=request.req_id,
-            hit_tokens=held + offered,
-            host_until=host_until,
-            fetched=any(source in (SOURCE_P2P, SOURCE_REMOTE) for source in sources),
-            chunk_sources=pack_sources(sources),
-            pull_from=held if offered else -1,
-        )
-
-    def _hit_sources(self, state: _Lookup) -> list[str]:
-        """Where each chunk of the hit comes from: the tier it was in when first asked; after
-        those, an offer the load pulls (a peer's, or the remote store's); one that arrived
-        otherwise (another request stored it) by where it is now."""
-        assert state.prefix is not None
-        held = len(state.prefix.chunks)
-        sources = state.local_sources[:held]
-        if state.offer is not None:
-            offered_by = SOURCE_REMOTE if isinstance(state.offer, RemoteOffer) else SOURCE_P2P
-            return sources + [offered_by] * state.offer.chunks
-        for index in range(len(sources), held):
-            location = self._engine.local_sources(state.chunk_hashes[index : index + 1])
-            sources.append(location[0] if location else SOURCE_HOST)
-        return sources
-
-    def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
-        """Which segments this rank holds whole in its local tiers, after pulling what they lack
-        from peers or the remote store (``fetch_missing``: a segment's keys are a chain like a
-        prefix's, indexed by the controller like any chunk); those are pinned for the load."""
-        engine = self._engine
-        storage = engine.storage
-        self._release_segments(request.req_id)  # asked again (a preempted request): the new answer stands
-        segments = [unpack_hashes(packed).tolist() for packed in request.segments or []]
-        if self.blender is not None:
-            # Segments being stored behind an earlier step count: wait for those stores only.
-            wanted = {int(key) for keys in segments for key in keys}
-            self.blender.poll_stores(wait=True, keys=wanted, req_id=request.req_id)
-        held, pins = [], {}
-        for keys in segments:
-            if request.fetch_missing:
-                try:
-                    engine.fetch(keys)
-                except Exception:  # a failed pull is a segment not held, never a failed lookup
-                    logger.exception("request %s: fetching a segment's %d chunk(s) failed", request.req_id, len(keys))
-            chunks = [storage.pin(int(k), gpu=True) for k in keys]  # the blender copies them to its device
-            whole = bool(keys) and all(c is not None for c in chunks)
-            held.append(whole)
-            for key, chunk in zip(keys, chunks, strict=True):
-                if chunk is None:
-                    continue
-                if whole:
-                    pins[int(key)] = chunk
-                else:
-                    chunk.release()
-        with self._lock:
-            self._segment_pins[request.req_id] = (time.monotonic(), pins)
-        return LookupReply(seq=request.seq, req_id=request.req_id, segments_held=held)
-
-    def _release_segments(self, req_id: str) -> None:
-        with self._lock:
-            entry = self._segment_pins.pop(req_id, None)
-        for chunk in (entry[1] if entry else {}).values():
-            chunk.release()
-
-    def _take_lookup(self, req_id: str) -> _Lookup | None:
-        with self._lock:
-            return self._lookups.pop(req_id, None)
-
-    def _expire_lookups(self) -> None:
-        cutoff = time.monotonic() - LOOKUP_PIN_TTL_S
-        with self._lock:
-            stale = [r for r, s in self._lookups.items() if s.started < cutoff]
-            states = [self._lookups.pop(r) for r in stale]
-            stale_segments = [r for r, (when, _) in self._segment_pins.items() if when < cutoff]
-        for req_id in stale_segments:
-            self._release_segments(req_id)
-        for req_id, state in zip(stale, states, strict=True):
-            logger.warning("request %s: dropping its lookup pins after %.0f s unclaimed", req_id, LOOKUP_PIN_TTL_S)
-            self._release(state)
-
-    @staticmethod
-    def _release(state: _Lookup) -> None:
-        if state.prefix is not None:
-            state.prefix.release()
-
     # -- per step (model runner thread) ----------------------------------------------------------
 
     def before_forward(self, meta: P2PConnectorMetadata) -> None:
@@ -433,12 +288,10 @@ class WorkerSide:
         if self.blender is not None:
             self.blender.poll_stores()
         loads.begin_step(meta)
+        lookups = self._rank_lookups
         for req_id in meta.released:
             loads.abort(req_id)  # finished (aborted) while its load pulls: its blocks are freed once reported
-            state = self._take_lookup(req_id)
-            if state is not None:
-                self._release(state)
-            self._release_segments(req_id)
+            lookups.drop(req_id)
         layerwise: list[tuple[LoadSpec, PinnedPrefix, LoadPlan]] = []
         for spec in meta.loads:
             if spec.blend is not None:
@@ -449,7 +302,7 @@ class WorkerSide:
                 # forgot them: only this load's end is reported for the request's blocks.
                 self._saving.discard(spec.req_id)
                 self._finishing.discard(spec.req_id)
-            state = self._take_lookup(spec.req_id)
+            state = lookups.take(spec.req_id)
             prefix = state.prefix if state is not None else None
             offer = state.offer if state is not None and spec.beside_steps else None
             then = state.miss if state is not None else None
@@ -482,8 +335,7 @@ class WorkerSide:
     # -- layer-wise loads ------------------------------------------------------------------------
 
     def _load_blended(self, spec) -> None:
-        with self._lock:
-            _, pins = self._segment_pins.pop(spec.req_id, (0.0, {}))
+        pins = self._rank_lookups.take_segment_pins(spec.req_id)
         try:
             if self.blender is None:
                 raise RuntimeError("a blended load reached a rank without enable_blending")
@@ -572,12 +424,9 @@ class WorkerSide:
         if self.server is not None:
             self.server.close()
             self.server = None
-        with self._lock:
-            states, self._lookups = list(self._lookups.values()), {}
-        for state in states:
-            self._release(state)
-        for req_id in list(self._segment_pins):
-            self._release_segments(req_id)
+        if self.lookups is not None:
+            self.lookups.close()
+            self.lookups = None
         if self.loads is not None:
             self.loads.close()
             self.loads = None

@@ -1,0 +1,205 @@
+"""A rank's answers to the scheduler's lookups (the lookup server's thread), and the state each
+answer leaves until the request's load takes it (the model runner's thread).
+
+A prefix lookup pins the chunks the local tiers hold and asks for an offer past them (a live
+peer's, the remote store's: ``CacheEngine.lookup_async``); the answer is the held tokens plus the
+offered ones, with where the offer starts. A segment lookup (blending) fetches the segments the
+tiers lack and pins the ones held whole. Pins live until the load takes them, the step releases
+the request, or ``LOOKUP_PIN_TTL_S`` passes unclaimed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lmcache_p2p.cache_engine import CacheEngine, PinnedPrefix, PrefixLookup
+from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, pack_sources
+from lmcache_p2p.miss_reasons import EVICTED, Miss
+from lmcache_p2p.peer_service import Offer
+from lmcache_p2p.protocol import unpack_hashes
+from lmcache_p2p.remote.offers import RemoteOffer
+from lmcache_p2p.vocab import SOURCE_HOST, SOURCE_P2P, SOURCE_REMOTE
+
+logger = logging.getLogger(__name__)
+
+# Pins of a lookup whose request never came back (scheduler gone, a lost release) are dropped.
+LOOKUP_PIN_TTL_S = 300.0
+
+
+@dataclass
+class RankLookup:
+    """One request's lookup on this rank, kept for its load."""
+
+    chunk_hashes: np.ndarray  # the prompt's, uint64 (the load's spec carries them again)
+    num_tokens: int  # the prompt's length
+    # Each leading chunk held in the local tiers when first asked, as its hit source (vocab); and
+    # what comes after it: an offer (a peer's or the remote store's) that the load pulls.
+    local_sources: list[str]
+    started: float  # when the rank was first asked (time.monotonic)
+    offer: Offer | None = None  # chunks after the local hit a peer or the store offers
+    offered_at: float | None = None  # when the offer was known
+    prefix: PinnedPrefix | None = None
+    miss: Miss | None = None  # why the first chunk past the hit and the offer is missed
+
+
+class RankLookups:
+    """The rank's lookups and segment pins by request id; the lookup thread writes them, the
+    model runner's thread takes them (one lock)."""
+
+    def __init__(self, engine: CacheEngine, on_gpu: bool, blender: Any = None):
+        self.engine = engine
+        self.on_gpu = on_gpu  # a GPU rank says how far its hit is in host memory
+        self.blender = blender  # blending.SegmentBlender: segment stores to wait for
+        self._lookups: dict[str, RankLookup] = {}
+        self._segment_pins: dict[str, tuple[float, dict[int, Any]]] = {}  # req_id -> (when, key -> pinned chunk)
+        self._lock = threading.Lock()
+
+    def answer(self, request: LookupRequest) -> LookupReply:
+        """The lookup server's handler (its thread): a prefix's hit and offer, or a segment lookup."""
+        self._expire()
+        if request.segments is not None:
+            return self._on_segment_lookup(request)
+        with self._lock:
+            state = self._lookups.get(request.req_id)
+        if state is None:
+            if request.hashes is None:
+                return LookupReply(seq=request.seq, req_id=request.req_id, error="a prefix lookup without its hashes")
+            chunk_hashes = unpack_hashes(request.hashes)
+            seen = time.monotonic()
+            if request.lora and len(request.lora) == 2:  # its adapter's id, for the controllers
+                self.engine.note_adapter(request.lora[0], request.lora[1])
+            if request.fetch_missing:
+                first = self.engine.lookup_async(chunk_hashes)
+            else:
+                first = PrefixLookup(self.engine.local_sources(chunk_hashes))
+            state = RankLookup(chunk_hashes, request.num_tokens, first.sources, seen)
+            state.offer, state.miss = first.offer, first.miss
+            if first.offer is not None:
+                state.offered_at = time.monotonic()
+            with self._lock:
+                self._lookups[request.req_id] = state
+        if state.prefix is None:
+            state.prefix = self.engine.pin_prefix(state.chunk_hashes)
+            if state.offer is not None and len(state.prefix.chunks) != len(state.local_sources):
+                # Part of the local hit was evicted since: the offer no longer continues it.
+                state.offer = None
+                state.miss = Miss(EVICTED, "from this rank's tiers while its lookup ran")
+            if state.offer is None:  # with an offer, counted once its load pulled it
+                self.engine.count_lookup(state.num_tokens, state.prefix.num_tokens, state.miss)
+        # A GPU rank says how far loading the hit crosses PCIe and whether it fetched part of it
+        # (async_kv_loads "auto" decides on both); a CPU rank's loads cross no link.
+        host_until = state.prefix.host_until() if self.on_gpu else 0
+        sources = self._hit_sources(state)
+        held = state.prefix.num_tokens
+        offered = state.offer.chunks * self.engine.chunk_size if state.offer is not None else 0
+        return LookupReply(
+            seq=request.seq,
+            req_id=request.req_id,
+            hit_tokens=held + offered,
+            host_until=host_until,
+            fetched=any(source in (SOURCE_P2P, SOURCE_REMOTE) for source in sources),
+            chunk_sources=pack_sources(sources),
+            pull_from=held if offered else -1,
+        )
+
+    def _hit_sources(self, state: RankLookup) -> list[str]:
+        """Where each chunk of the hit comes from: the tier it was in when first asked; after
+        those, an offer the load pulls (a peer's, or the remote store's); one that arrived
+        otherwise (another request stored it) by where it is now."""
+        assert state.prefix is not None
+        held = len(state.prefix.chunks)
+        sources = state.local_sources[:held]
+        if state.offer is not None:
+            offered_by = SOURCE_REMOTE if isinstance(state.offer, RemoteOffer) else SOURCE_P2P
+            return sources + [offered_by] * state.offer.chunks
+        for index in range(len(sources), held):
+            location = self.engine.local_sources(state.chunk_hashes[index : index + 1])
+            sources.append(location[0] if location else SOURCE_HOST)
+        return sources
+
+    def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
+        """Which segments this rank holds whole in its local tiers, after pulling what they lack
+        from peers or the remote store (``fetch_missing``: a segment's keys are a chain like a
+        prefix's, indexed by the controller like any chunk); those are pinned for the load."""
+        engine = self.engine
+        storage = engine.storage
+        self._release_segments(request.req_id)  # asked again (a preempted request): the new answer stands
+        segments = [unpack_hashes(packed).tolist() for packed in request.segments or []]
+        if self.blender is not None:
+            # Segments being stored behind an earlier step count: wait for those stores only.
+            wanted = {int(key) for keys in segments for key in keys}
+            self.blender.poll_stores(wait=True, keys=wanted, req_id=request.req_id)
+        held, pins = [], {}
+        for keys in segments:
+            if request.fetch_missing:
+                try:
+                    engine.fetch(keys)
+                except Exception:  # a failed pull is a segment not held, never a failed lookup
+                    logger.exception("request %s: fetching a segment's %d chunk(s) failed", request.req_id, len(keys))
+            chunks = [storage.pin(int(k), gpu=True) for k in keys]  # the blender copies them to its device
+            whole = bool(keys) and all(c is not None for c in chunks)
+            held.append(whole)
+            for key, chunk in zip(keys, chunks, strict=True):
+                if chunk is None:
+                    continue
+                if whole:
+                    pins[int(key)] = chunk
+                else:
+                    chunk.release()
+        with self._lock:
+            self._segment_pins[request.req_id] = (time.monotonic(), pins)
+        return LookupReply(seq=request.seq, req_id=request.req_id, segments_held=held)
+
+    def _release_segments(self, req_id: str) -> None:
+        with self._lock:
+            entry = self._segment_pins.pop(req_id, None)
+        for chunk in (entry[1] if entry else {}).values():
+            chunk.release()
+
+    def take(self, req_id: str) -> RankLookup | None:
+        """The request's lookup, for its load (which releases its pins), or None."""
+        with self._lock:
+            return self._lookups.pop(req_id, None)
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - LOOKUP_PIN_TTL_S
+        with self._lock:
+            stale = [r for r, s in self._lookups.items() if s.started < cutoff]
+            states = [self._lookups.pop(r) for r in stale]
+            stale_segments = [r for r, (when, _) in self._segment_pins.items() if when < cutoff]
+        for req_id in stale_segments:
+            self._release_segments(req_id)
+        for req_id, state in zip(stale, states, strict=True):
+            logger.warning("request %s: dropping its lookup pins after %.0f s unclaimed", req_id, LOOKUP_PIN_TTL_S)
+            self._release(state)
+
+    @staticmethod
+    def _release(state: RankLookup) -> None:
+        if state.prefix is not None:
+            state.prefix.release()
+
+    def take_segment_pins(self, req_id: str) -> dict[int, Any]:
+        """A blended load's pinned segment chunks (key -> chunk), its to release."""
+        with self._lock:
+            return self._segment_pins.pop(req_id, (0.0, {}))[1]
+
+    def drop(self, req_id: str) -> None:
+        """A request released before its load (finished, aborted, or a miss): its pins go."""
+        state = self.take(req_id)
+        if state is not None:
+            self._release(state)
+        self._release_segments(req_id)
+
+    def close(self) -> None:
+        with self._lock:
+            states, self._lookups = list(self._lookups.values()), {}
+        for state in states:
+            self._release(state)
+        for req_id in list(self._segment_pins):
+            self._release_segments(req_id)
