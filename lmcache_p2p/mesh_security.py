@@ -172,16 +172,39 @@ class _RefusalLog:
             return dict(self._by_key)
 
 
+# Asked by a context's ZAP handler before anything else about each new connection to one of its
+# server sockets: (the socket's ZAP domain, the peer's address) -> why it is refused now (ZAP
+# status 400: libzmq closes it), or None to go on to the key check. Called on the ZAP thread, once
+# per handshake: it must not block.
+ConnectionGate = Callable[[str, str], "str | None"]
+
+
 class _MeshAuthenticator(ThreadAuthenticator):
     """pyzmq's ZAP handler in a thread, remembering the address of the request it is answering
-    (pyzmq hands a curve callback only the domain and the key; the refusal log wants the peer)."""
+    (pyzmq hands a curve callback only the domain and the key; the refusal log wants the peer),
+    and asking its :data:`ConnectionGate` first when it has one."""
 
     peer_address = ""
+    gate: ConnectionGate | None = None
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         # Frames: version, request id, domain, address, identity, mechanism, credentials. The
         # thread answers one request at a time, so the attribute is this request's.
         self.peer_address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        gate = self.gate
+        if gate is not None and len(msg) >= 6:
+            try:
+                why = gate(msg[2].decode("utf-8", "replace"), self.peer_address)
+            except Exception:  # a failing gate must not take the ZAP thread (every handshake) down
+                logger.exception("the connection gate failed; admitting the connection")
+                why = None
+            if why is not None:
+                self._send_zap_reply(msg[1], b"400", why.encode("utf-8", "replace"))
+                return
+        if len(msg) >= 6:
+            # A domain names the socket for the gate; the mesh's key is checked alike on every
+            # socket (its curve callback serves the default domain, which pyzmq gives an empty one).
+            msg = [msg[0], msg[1], b"", *msg[3:]]
         await super().handle_zap_message(msg)
 
 
@@ -209,10 +232,17 @@ class _MeshKeyCheck:
 
 @dataclass
 class _Served:
-    """One libzmq context's ZAP handler."""
+    """One libzmq context's ZAP handler: of a mesh (``security``), or a plain one serving only a
+    gate (None: every plain client it lets through is admitted)."""
 
-    security: MeshSecurity
+    security: MeshSecurity | None
     auth: _MeshAuthenticator
+
+
+def _start_authenticator(key: int) -> _MeshAuthenticator:
+    auth = _MeshAuthenticator(zmq.Context.shadow(key), log=logging.getLogger(__name__ + ".zap"))
+    auth.start()
+    return auth
 
 
 # One ZAP handler per libzmq context (ZMQ has one ZAP endpoint per context), keyed by the
@@ -256,14 +286,18 @@ class MeshSecurity:
         with _served_lock:
             served = _served.get(key)
             if served is not None and served.auth.is_alive():
-                if served.security.keys.public != self.keys.public:
+                if served.security is None:  # a plain handler serving a gate: it checks keys from now on
+                    served.auth.configure_curve_callback("*", credentials_provider=_MeshKeyCheck(self, served.auth))
+                    served.security = self
+                elif served.security.keys.public != self.keys.public:
                     theirs = served.security.fingerprint
                     raise ValueError(f"this ZMQ context already serves mesh key {theirs}, not {self.fingerprint}")
                 return
+            gate = served.auth.gate if served is not None else None
             if served is not None:  # its thread ended: close its sockets, which hold the ZAP endpoint
                 served.auth.stop()
-            auth = _MeshAuthenticator(zmq.Context.shadow(key), log=logging.getLogger(__name__ + ".zap"))
-            auth.start()
+            auth = _start_authenticator(key)
+            auth.gate = gate
             auth.configure_curve_callback("*", credentials_provider=_MeshKeyCheck(self, auth))
             _served[key] = _Served(self, auth)
 
@@ -271,10 +305,7 @@ class MeshSecurity:
         """Stop ``ctx``'s ZAP handler. Call it before ``ctx.destroy()``/``term()``: the handler's
         sockets belong to a shadow context, so the owner's destroy() does not close them and
         term() would wait for them for ever."""
-        with _served_lock:
-            served = _served.pop(ctx.underlying, None)
-        if served is not None:
-            served.auth.stop()
+        stop_zap(ctx)
 
     # -- sockets ------------------------------------------------------------------------------------
 
@@ -324,6 +355,35 @@ class MeshSecurity:
                 f"controller: --mesh-secret-file or {MESH_SECRET_ENV})"
             ),
         )
+
+
+def gate_connections(ctx: zmq.Context, gate: ConnectionGate) -> None:
+    """Ask ``gate`` about every new connection to a server socket of ``ctx`` before admitting it
+    (a refused one is closed by libzmq at once, freeing its descriptor). Without a mesh attached,
+    a plain ZAP handler is started for it, admitting every client the gate lets through; a mesh
+    attached later checks keys on the same handler. libzmq asks ZAP about a plain (NULL) client
+    only on a socket with a ZAP domain: give each server socket one (``zmq.ZAP_DOMAIN``, before it
+    binds), which is also the name the gate is told. Stop it with :func:`stop_zap`."""
+    key = ctx.underlying
+    with _served_lock:
+        served = _served.get(key)
+        if served is None or not served.auth.is_alive():
+            security = served.security if served is not None else None
+            if served is not None:
+                served.auth.stop()
+            auth = _start_authenticator(key)
+            if security is not None:
+                auth.configure_curve_callback("*", credentials_provider=_MeshKeyCheck(security, auth))
+            served = _served[key] = _Served(security, auth)
+        served.auth.gate = gate
+
+
+def stop_zap(ctx: zmq.Context) -> None:
+    """Stop ``ctx``'s ZAP handler (a mesh's or a gate's), if it has one; before ``ctx`` ends."""
+    with _served_lock:
+        served = _served.pop(ctx.underlying, None)
+    if served is not None:
+        served.auth.stop()
 
 
 def for_context(ctx: zmq.Context) -> MeshSecurity | None:

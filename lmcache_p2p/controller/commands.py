@@ -19,6 +19,27 @@ it again: one TCP connect). Registrations are refused (:meth:`Capacity.check_roo
 descriptors in use, plus those the closed channels may still need, come within a margin of the
 limit, so a worker is never half-registered: listed but with no way to reach it.
 
+Connections. A Register refused for want of room does not stop its rank from connecting: libzmq
+accepts every connection to the monitor sockets, and at the descriptor limit its accept fails,
+the connection stays in the backlog, and its I/O thread spins on the listener (100% of a core)
+while HTTP, probes and command channels fail with EMFILE (issue 61: 1,500 ranks at ``ulimit -n
+4096`` left 0 workers listed and /health unanswered). So every new connection to the monitor
+sockets is put to :meth:`Capacity.admit_connection` first, by the context's ZAP handler (the
+mesh's, or a plain one: ``mesh_security.gate_connections``), and refused while it would leave
+fewer than :data:`GATE_MARGIN` descriptors beyond the command channels' reserve (ZAP status 400:
+libzmq closes it at once, freeing its descriptor). libzmq takes that refusal as final for that
+socket's connection: it does not reconnect, so there is no storm of retries; a worker's request
+socket is opened again at its next timeout (and its Register retried), while a socket never
+reopened stays unconnected. Status 300 ("try later") would keep the connection open until the
+handshake timeout, holding the descriptor the gate is there to save. The ranks held keep their
+connections. Registrations stop :data:`REGISTER_BAND` descriptors before the gate does, so a rank
+that cannot be registered still connects and hears "at capacity", and a registered one can still
+open its heartbeat connection. A probe needs :data:`PROBE_FDS` descriptors beyond the reserve and
+:data:`PROBE_SPARE`, or waits (:class:`NoDescriptors`). Refusals of both kinds are counted and
+logged at most once a minute, with the descriptors in use. A burst of connections can still reach
+the limit for a moment (libzmq accepts them before the gate answers); the gate then closes them
+as it answers, and nothing else is refused meanwhile but sockets opened at that moment.
+
 Reachability: :meth:`CommandBus.probe` completes one ZMQ handshake with a newly registered
 worker's command port (with the mesh's keys, as the channel would), so the orchestration can
 remove a worker that advertised an address the controller cannot reach.
@@ -27,14 +48,15 @@ remove a worker that advertised an address the controller cannot reach.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import itertools
 import logging
 import os
 import resource
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -45,6 +67,7 @@ from zmq.utils.monitor import parse_monitor_message
 from lmcache_p2p.controller.admission import RegisterRefused
 from lmcache_p2p.controller.errors import WorkerUnreachable
 from lmcache_p2p.controller.registry import WorkerKey
+from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.mesh_security import client_socket, resolve
 from lmcache_p2p.protocol import COMMAND_CLOCK_MARGIN_S, Ack, Command, CommandReply
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
@@ -66,11 +89,29 @@ FD_MARGIN = 512  # kept free: HTTP clients, the log, reachability probes, a reco
 # socket and a monitor pair each), and room to spare.
 SPARE_SOCKETS = 256
 MAX_WORKERS = 100_000  # registered ranks, whatever the descriptors allow: bounds the memory one sender can take
-# Counting /proc/self/fd costs 20-50 ms at 20k descriptors: at most once a second while there is
-# room, at most four times a second while refusing (a registration storm at capacity).
+# Counting /proc/self/fd costs 20-50 ms at 20k descriptors (1-2 ms at 4k): at most once a second
+# while there is room; while the estimate says full (a storm at capacity, or room freed by ranks
+# gone), as soon as the count is FD_RECOUNT_COST_TIMES its own last cost old, at least
+# FD_RECOUNT_MIN_S: counting then takes at most a tenth of the time, and a burst of connections
+# counted twice (accepted before the count, admitted after it) is not refused for long.
 FD_SAMPLE_EVERY_S = 1.0
-FD_RESAMPLE_FULL_S = 0.25
+FD_RECOUNT_COST_TIMES = 10
+FD_RECOUNT_MIN_S = 0.02
 PROBES_AT_ONCE = 32  # reachability probes in flight: 3 ZMQ sockets and 4 descriptors each
+PROBE_FDS = 4  # a probe's DEALER (mailbox, TCP connection) and its monitor pair's mailboxes
+# Beyond the channels' reserve, a new connection to a monitor socket is refused with fewer than
+# this many descriptors left, a probe with fewer than PROBE_SPARE: what stays is for HTTP, the log,
+# and each connection libzmq accepts before the gate refuses it (held only until then).
+GATE_MARGIN = FD_MARGIN // 2
+PROBE_SPARE = 64
+# With the gate, a Register is refused once fewer than this many descriptors beyond GATE_MARGIN
+# are left: room for its rank's last connections (a worker opens its heartbeat socket once
+# registered) and for registered ranks reconnecting. Without one, FD_MARGIN (its connections
+# are not counted as they come: every registration counts as three).
+REGISTER_BAND = 64
+# The monitor sockets' ZAP domains: the name each one's refusals are counted under.
+GATED_SOCKETS = ("pull", "reply", "heartbeat")
+CAPACITY_LOG_EVERY_S = 60.0  # refusals for want of room: one line per kind a minute, with the numbers
 PROBE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_CONNECT_RETRIED
@@ -101,25 +142,51 @@ def raise_fd_limit() -> FdLimit:
     return FdLimit(target, hard, soft)
 
 
+def _errno_name(e: OSError | zmq.ZMQError) -> str:
+    """``EMFILE`` for an error's errno: our line names it, the OS's text is the reader's to look up."""
+    return errno.errorcode.get(e.errno or 0, f"errno {e.errno}")
+
+
 def fds_in_use() -> int | None:
-    """Open descriptors of this process, where the OS lists them (Linux, macOS); None elsewhere."""
+    """Open descriptors of this process, where the OS lists them (Linux, macOS); None elsewhere.
+    With none left to open the listing itself, all of them: the soft limit."""
     for path in ("/proc/self/fd", "/dev/fd"):
-        with contextlib.suppress(OSError):
+        try:
             return len(os.listdir(path))
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                return soft
     return None
 
 
+class NoDescriptors(Exception):
+    """Not enough descriptors free to open this socket now; nothing was opened."""
+
+
 class Capacity:
-    """How many command channels may be open at once, and whether another rank fits."""
+    """How many command channels may be open at once, whether another rank fits, and whether
+    another connection may be accepted. Asked on the event loop (registrations, probes) and on
+    the ZAP thread (connections): the descriptor count is shared, under a lock."""
 
     def __init__(self, fd_limit: int, socket_limit: int):
         self.fd_limit = fd_limit
         by_fds = int(fd_limit * CHANNEL_SHARE) // FDS_PER_CHANNEL
         self.max_channels = max(16, min(by_fds, socket_limit - SPARE_SOCKETS))
         self.max_sockets = self.max_channels + SPARE_SOCKETS
+        # Set by the bus and the orchestration, read by the ZAP thread for its decisions and lines.
+        self.open_channels: Callable[[], int] = lambda: 0
+        self.registered: Callable[[], int] = lambda: 0
+        # True once a gate counts every connection it admits: a registration then adds none.
+        self.gated = False
+        self._lock = threading.Lock()
         self._sampled_at = float("-inf")
         self._sampled = 0
-        self._added_since = 0  # registrations since the sample
+        self._added_since = 0  # descriptors assumed taken since the sample
+        self._count_cost = 0.0  # seconds the last count took
+        self.connections_refused = dict.fromkeys(GATED_SOCKETS, 0)
+        self.probes_deferred = 0
+        self._log = RateLimitedLog(logger, every_s=CAPACITY_LOG_EVERY_S)
 
     def ranks_estimate(self, in_use: int) -> int:
         """Ranks that fit with ``in_use`` descriptors open now, each with its own three
@@ -132,40 +199,117 @@ class Capacity:
         that size under the default channel share would have them)."""
         return int((ranks * (FDS_PER_RANK + FDS_PER_CHANNEL) + FD_MARGIN + 64) * 1.2)
 
+    def channel_reserve(self) -> int:
+        """Descriptors the closed (or not yet opened) channels may need back at any command."""
+        return FDS_PER_CHANNEL * max(0, self.max_channels - self.open_channels())
+
+    def in_use(self, room: int) -> int | None:
+        """Descriptors in use, estimated: the last count plus what was taken since. Counted again
+        when the count is a second old, and sooner (see FD_RECOUNT_COST_TIMES) when the estimate
+        leaves fewer than ``room`` free. None where the OS lists no descriptors."""
+        now = time.monotonic()
+        with self._lock:
+            age, estimate = now - self._sampled_at, self._sampled + self._added_since
+            recount_after = max(FD_RECOUNT_MIN_S, FD_RECOUNT_COST_TIMES * self._count_cost)
+        if age < FD_SAMPLE_EVERY_S and (estimate + room <= self.fd_limit or age < recount_after):
+            return estimate
+        counted = fds_in_use()
+        if counted is None:
+            return None
+        with self._lock:
+            self._sampled, self._sampled_at, self._added_since = counted, now, 0
+            self._count_cost = time.monotonic() - now
+        return counted
+
+    def _took(self, fds: int) -> None:
+        with self._lock:
+            self._added_since += fds
+
     def check_room(self, registered: int, open_channels: int) -> None:
         """Raise :class:`RegisterRefused` unless one more rank fits. Descriptors are counted at
-        most once a second; in between, each registration counts as a rank's three connections
-        (ranks connect just before they register, possibly after the count). An estimate that
-        says "full" is checked against a fresh count first, at most four times a second."""
+        most once a second; in between, each connection the gate admitted counts as one (without
+        a gate, each registration as a rank's three connections: ranks connect just before they
+        register, possibly after the count). An estimate that says "full" is checked against a
+        fresh count first (:meth:`in_use`)."""
         if registered >= MAX_WORKERS:
             raise RegisterRefused(
                 f"controller at capacity: {registered} ranks registered, the most one controller takes "
                 f"({MAX_WORKERS}); run another controller for more"
             )
-        now = time.monotonic()
-        if now - self._sampled_at >= FD_SAMPLE_EVERY_S and not self._sample(now):
-            return  # nothing to count with: the channel limit still bounds the sockets
         # Channels closed (or not opened yet) may need their descriptors back at any command.
         reserve = FDS_PER_CHANNEL * max(0, self.max_channels - open_channels)
-        in_use = self._sampled + FDS_PER_RANK * self._added_since
-        if in_use + reserve + FD_MARGIN + FDS_PER_RANK > self.fd_limit and now - self._sampled_at >= FD_RESAMPLE_FULL_S:
-            self._sample(now)
-            in_use = self._sampled
-        if in_use + reserve + FD_MARGIN + FDS_PER_RANK > self.fd_limit:
+        margin = GATE_MARGIN + REGISTER_BAND if self.gated else FD_MARGIN
+        need = reserve + margin + FDS_PER_RANK
+        in_use = self.in_use(need)
+        if in_use is None:
+            return  # nothing to count with: the channel limit still bounds the sockets
+        if in_use + need > self.fd_limit:
             raise RegisterRefused(
                 f"controller at capacity: {in_use} of its {self.fd_limit} file descriptors in use "
                 f"({registered} ranks registered, {reserve} descriptors kept for command channels, "
-                f"{FD_MARGIN} spare); raise the controller's open-file limit (ulimit -n / LimitNOFILE; "
+                f"{margin} spare); raise the controller's open-file limit (ulimit -n / LimitNOFILE; "
                 f"about {self.needed_for(registered + 1000)} for {registered + 1000} ranks)"
             )
-        self._added_since += 1
+        if not self.gated:
+            self._took(FDS_PER_RANK)
 
-    def _sample(self, now: float) -> bool:
-        counted = fds_in_use()
-        if counted is None:
-            return False
-        self._sampled, self._sampled_at, self._added_since = counted, now, 0
-        return True
+    def admit_connection(self, socket: str, address: str) -> str | None:
+        """The ZAP thread's question for each new connection to a monitor socket (a
+        :data:`~lmcache_p2p.mesh_security.ConnectionGate`): None to admit it (counted as one
+        descriptor until the next count), or why it is refused: it would leave fewer than
+        :data:`GATE_MARGIN` descriptors beyond the channels' reserve."""
+        reserve = self.channel_reserve()
+        need = reserve + GATE_MARGIN + 1
+        in_use = self.in_use(need)
+        if in_use is None or in_use + need <= self.fd_limit:
+            self._took(1)
+            return None
+        name = socket if socket in self.connections_refused else "other"
+        with self._lock:
+            self.connections_refused[name] = self.connections_refused.get(name, 0) + 1
+            refused = dict(self.connections_refused)
+        why = (
+            f"controller at capacity: {in_use} of its {self.fd_limit} file descriptors in use "
+            f"({self.registered()} ranks registered, {reserve} kept for command channels, {GATE_MARGIN} spare)"
+        )
+        self._log.warning(
+            "connection",
+            "refused a connection to the %s socket from %s: %s; connections refused so far: %s. Raise the "
+            "controller's open-file limit (ulimit -n / LimitNOFILE) or run another controller",
+            name,
+            address,
+            why,
+            ", ".join(f"{k} {v}" for k, v in refused.items() if v),
+        )
+        return why
+
+    def check_probe_room(self) -> None:
+        """Raise :class:`NoDescriptors` unless a probe's sockets fit beyond the channels' reserve
+        and :data:`PROBE_SPARE`."""
+        reserve = self.channel_reserve()
+        need = reserve + PROBE_SPARE + PROBE_FDS
+        in_use = self.in_use(need)
+        if in_use is not None and in_use + need > self.fd_limit:
+            raise NoDescriptors(
+                f"{in_use} of {self.fd_limit} file descriptors in use ({reserve} kept for command channels, "
+                f"a probe needs {PROBE_FDS} and leaves {PROBE_SPARE})"
+            )
+
+    def note_probe_deferred(self, worker: str, why: str, waited_s: float, gave_up: bool) -> None:
+        """Count a probe put off for want of descriptors; a line a minute at most."""
+        with self._lock:
+            self.probes_deferred += 1
+            deferred = self.probes_deferred
+        self._log.warning(
+            "probe",
+            "probe of %s's command port %s: %s; %d probes put off for want of descriptors so far",
+            worker,
+            f"skipped after {waited_s:.0f} s (its first command will tell whether it is reachable)"
+            if gave_up
+            else "put off",
+            why,
+            deferred,
+        )
 
 
 class CommandBus:
@@ -178,6 +322,7 @@ class CommandBus:
         self._clients: dict[WorkerKey, RpcClient] = {}
         # Channels whose socket is (or may be) open, least recently used first.
         self._open: OrderedDict[WorkerKey, None] = OrderedDict()
+        self.capacity.open_channels = self._open.__len__
         self._probes = asyncio.Semaphore(PROBES_AT_ONCE)
         self._warned_short_timeout = False
         self.stats = {"channels_closed_idle": 0, "channels_failed_to_open": 0}
@@ -258,6 +403,14 @@ class CommandBus:
             except zmq.ZMQError as e:  # the socket could not be opened (nothing was sent)
                 self.stats["channels_failed_to_open"] += 1
                 self._open.pop(worker, None)
+                if e.errno == errno.EMFILE and self._out_of_descriptors():
+                    # The process's limit, not ZMQ's socket table: the channel limit stays as it
+                    # is, and this command fails; the next one finds room once the moment passes.
+                    raise WorkerUnreachable(
+                        f"{type(command).__name__} to {worker[0]} rank {worker[1]}: cannot open a command channel "
+                        f"now: controller at capacity, {fds_in_use()} of its {self.capacity.fd_limit} file "
+                        f"descriptors in use"
+                    ) from None
                 if e.errno == errno.EMFILE and attempt < 3 and (learned or self._learn_limit()):
                     # Idle channels were closed for it; ZMQ frees a closed socket's slot a moment
                     # later, on its reaper thread.
@@ -270,6 +423,11 @@ class CommandBus:
                     f"limit {self.capacity.fd_limit})"
                 ) from None
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _out_of_descriptors(self) -> bool:
+        """EMFILE from the process's descriptor limit (within PROBE_SPARE of it), not ZMQ's table."""
+        counted = fds_in_use()
+        return counted is not None and counted + PROBE_SPARE >= self.capacity.fd_limit
 
     def _learn_limit(self) -> bool:
         """ZMQ (or the OS) refused a socket below the channel limit: the context's socket table was
@@ -314,15 +472,23 @@ class CommandBus:
 
     async def probe(self, host: str, port: int, timeout: float) -> str | None:
         """None when a ZMQ handshake with ``host:port`` completes within ``timeout`` (with the mesh's
-        keys when the context has them, as the command channel would); else why not. A real
+        keys when the context has them, as the command channel would); else why not;
+        :class:`NoDescriptors` (nothing tried) when its sockets would not fit now. A real
         handshake, not a bare TCP connect: the worker's server sees a member come and go, not a
         stranger that dropped out of its handshake (which it would count and log as refused)."""
         async with self._probes:
-            sock = self.ctx.socket(zmq.DEALER)
+            self.capacity.check_probe_room()
+            try:
+                sock = self.ctx.socket(zmq.DEALER)
+            except zmq.ZMQError as e:  # past the count: descriptors (or ZMQ's socket table) ran out meanwhile
+                raise NoDescriptors(f"no socket for a probe ({_errno_name(e)})") from None
             try:
                 sock.setsockopt(zmq.LINGER, 0)
                 client_socket(sock, resolve(self.ctx, None), f"probe of {host}:{port}")
-                monitor = sock.get_monitor_socket(PROBE_EVENTS)
+                try:
+                    monitor = sock.get_monitor_socket(PROBE_EVENTS)
+                except zmq.ZMQError as e:
+                    raise NoDescriptors(f"no monitor socket for a probe ({_errno_name(e)})") from None
                 try:
                     sock.connect(f"tcp://{host}:{port}")
                     return await self._handshake(monitor, host, port, timeout)

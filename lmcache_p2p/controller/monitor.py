@@ -108,6 +108,9 @@ class Monitor:
         """Bind the three sockets; a port in use is a SettingsError naming it (and nothing stays bound)."""
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        # Each socket's name as its ZAP domain: libzmq then puts every plain connection to the
+        # context's gate too (commands.py, Capacity.admit_connection), which counts by that name.
+        self._pull.setsockopt(zmq.ZAP_DOMAIN, b"pull")
         server_socket(self._pull, self.security, "controller pull socket", MONITOR_MAX_MESSAGE_BYTES["pull"])
         self._bind("pull", self._pull.bind)
         self._servers = {
@@ -124,6 +127,7 @@ class Monitor:
             "heartbeat": self._server("heartbeat", {Heartbeat: self._on_heartbeat}),
         }
         for name, server in self._servers.items():
+            server.sock.setsockopt(zmq.ZAP_DOMAIN, name.encode())
             self._bind(name, server.bind)
         logger.info(
             "monitor sockets bound: pull %d, reply %d, heartbeat %d (epoch %s)",

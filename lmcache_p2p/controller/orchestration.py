@@ -13,7 +13,9 @@ ago. A registered worker's command port is then probed once (a ZMQ handshake, wi
 timeout); one that does not answer is removed like a silent worker ("command port unreachable")
 and its address refused for ``worker_timeout``, so a worker that advertises an address the
 controller cannot reach is never left listed with no way to command it, and does not flap in and
-out at every heartbeat either.
+out at every heartbeat either. A probe whose sockets would not fit in the descriptors left
+(commands.py, ``NoDescriptors``) waits and tries again for up to :data:`PROBE_WAIT_MAX_S`, then
+is skipped, counted and logged: the rank stays, and its first command says whether it is reachable.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 
 from lmcache_p2p.controller.admission import HostCheck, RegisterRefused, Resolver, shown, validate_register
-from lmcache_p2p.controller.commands import CommandBus
+from lmcache_p2p.controller.commands import CAPACITY_LOG_EVERY_S, CommandBus, NoDescriptors
 from lmcache_p2p.controller.errors import CommandRefused, Conflict, InvalidRequest
 from lmcache_p2p.controller.events import CommandEvent, EventLog
 from lmcache_p2p.controller.identity import PLAIN, RequestIdentity, instance_identity
@@ -59,6 +61,10 @@ PINNABLE_LOCATION = CPU
 
 # Addresses whose command port did not accept a connection, remembered this long at most.
 UNREACHABLE_KEPT = 4096
+# A probe put off for want of descriptors tries again after PROBE_RETRY_S, doubling to 5 s, and
+# is skipped once it has waited PROBE_WAIT_MAX_S (a controller held at its limit that long).
+PROBE_RETRY_S = 0.25
+PROBE_WAIT_MAX_S = 60.0
 
 
 class Orchestrator:
@@ -87,6 +93,18 @@ class Orchestrator:
         metrics.counter(
             "lmcache_controller_workers_unreachable_total", "Workers removed: their command port could not be reached"
         )
+        capacity = bus.capacity
+        capacity.registered = registry.workers.__len__
+        metrics.read_counter(
+            "lmcache_controller_connections_refused_total",
+            "Connections to the monitor sockets refused on arrival: the controller at its descriptor limit, by socket",
+            lambda: [({"socket": name}, float(n)) for name, n in capacity.connections_refused.copy().items()],
+        )
+        metrics.read_counter(
+            "lmcache_controller_probes_deferred_total",
+            "Reachability probes put off for want of descriptors",
+            lambda: [({}, float(capacity.probes_deferred))],
+        )
         metrics.counter(
             "lmcache_controller_completions_unknown_total",
             "CommandDone for an event this controller did not issue or no longer keeps (with several controllers, "
@@ -96,8 +114,11 @@ class Orchestrator:
         # (host, worker_port) -> (when its probe failed, why): registrations from it are refused meanwhile.
         self._unreachable: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
         self._probes: set[asyncio.Task] = set()
-        # A hostile or broken sender may register thousands of times a second: one line per field per 10 s.
+        # A hostile or broken sender may register thousands of times a second: one line per field per 10 s;
+        # a fleet past capacity, one line a minute (it goes on until someone raises the limit).
         self._refusals = RateLimitedLog(logger, every_s=10.0)
+        self._capacity_refusals = RateLimitedLog(logger, every_s=CAPACITY_LOG_EVERY_S)
+        self._task_failures = RateLimitedLog(logger, every_s=CAPACITY_LOG_EVERY_S)
 
     def close(self) -> None:
         for task in self._probes:
@@ -119,7 +140,8 @@ class Orchestrator:
             await self.hosts.check(msg.host)
         except RegisterRefused as e:
             self.metrics.inc("lmcache_controller_registrations_refused_total", field=e.field or "capacity")
-            self._refusals.warning(
+            log = self._refusals if e.field else self._capacity_refusals
+            log.warning(
                 e.field,
                 "refused Register of %s rank %s from %s: %s",
                 shown(msg.instance_id),
@@ -155,11 +177,34 @@ class Orchestrator:
         if on_unreachable is not None:
             task = asyncio.ensure_future(self._probe(record, on_unreachable))
             self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+            task.add_done_callback(self._probe_done)
+
+    def _probe_done(self, task: asyncio.Task) -> None:
+        """Every probe's outcome is taken here: one that raised is logged (a line a minute, the
+        rank named), never left for asyncio to report as an exception nobody retrieved."""
+        self._probes.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        self._task_failures.log(logging.ERROR, "probe", "a reachability probe failed: %s: %s", type(e).__name__, e)
 
     async def _probe(self, record: WorkerRecord, on_unreachable: Callable[[WorkerKey, str], None]) -> None:
         host, port = record.info.host, record.info.worker_port
-        why = await self.bus.probe(host, port, self.settings.command_timeout)
+        started, delay = time.monotonic(), PROBE_RETRY_S
+        while True:
+            if self.registry.workers.get(record.key) is not record:
+                return  # this registration was replaced (or ended) meanwhile
+            try:
+                why = await self.bus.probe(host, port, self.settings.command_timeout)
+                break
+            except NoDescriptors as e:
+                waited = time.monotonic() - started
+                gave_up = waited + delay > PROBE_WAIT_MAX_S
+                self.bus.capacity.note_probe_deferred(f"{record.key[0]} rank {record.key[1]}", str(e), waited, gave_up)
+                if gave_up:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(5.0, 2 * delay)
         if why is None or self.registry.workers.get(record.key) is not record:
             return  # reachable, or this registration was replaced (or ended) meanwhile
         self._unreachable[(host, port)] = (time.monotonic(), why)

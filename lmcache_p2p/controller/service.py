@@ -26,7 +26,13 @@ from lmcache_p2p.controller.registry import Registry
 from lmcache_p2p.controller.settings import ControllerSettings
 from lmcache_p2p.controller.traffic import FleetTraffic
 from lmcache_p2p.controller.views import Views
-from lmcache_p2p.mesh_security import HOW_TO_SET_CONTROLLER, MeshSecurity, warn_unauthenticated
+from lmcache_p2p.mesh_security import (
+    HOW_TO_SET_CONTROLLER,
+    MeshSecurity,
+    gate_connections,
+    stop_zap,
+    warn_unauthenticated,
+)
 
 logger = logging.getLogger("lmcache_p2p.controller")
 
@@ -54,6 +60,11 @@ class Controller:
         )
         if self.security is not None:
             self.security.attach(self.ctx)
+        # Every connection to the monitor sockets is asked about first: none is accepted that
+        # would leave the controller short of descriptors (commands.py, "Connections").
+        capacity = self.orchestrator.bus.capacity
+        gate_connections(self.ctx, capacity.admit_connection)
+        capacity.gated = True
         self.monitor = Monitor(
             self.ctx, settings, self.epoch, self.registry, self.traffic, self.orchestrator, self.metrics, self.security
         )
@@ -84,5 +95,4 @@ class Controller:
         self.monitor.close()
         self.orchestrator.close()
         self.events.close()
-        if self.security is not None:
-            self.security.detach(self.ctx)
+        stop_zap(self.ctx)  # the mesh's ZAP handler, or the gate's plain one
