@@ -1,12 +1,15 @@
 """``lmcache_server`` (the console script, as users start it) and its client ``LmServerStore``,
 over real loopback sockets: byte-exact round trips, LRU under the size cap, many clients at once,
-bad frames, bind failures, a server that stalls, dies and comes back."""
+bad frames, bind failures, a server that stalls, dies and comes back, and its door (issue 61):
+strangers closed at the handshake deadline, a trickled upload closed, an engine served through an
+idle flood at a low descriptor limit."""
 
 from __future__ import annotations
 
 import array
 import os
 import random
+import resource
 import signal
 import socket
 import struct
@@ -24,6 +27,7 @@ from remote_stores import LmServer, raw_frame
 from lmcache_p2p.remote import wire
 from lmcache_p2p.remote.lm_store import LmServerStore, RemoteRefused
 from lmcache_p2p.remote.store import RemoteUnavailable
+from lmcache_p2p.testing.measure import closed_by_server, idle_connections
 from lmcache_p2p.testing.ports import free_ports
 
 MiB = 1 << 20
@@ -33,8 +37,16 @@ MiB = 1 << 20
 def servers(tmp_path):
     started: list[LmServer] = []
 
-    def start(*extra: str, port: int | None = None, argv: list[str] | None = None, wait: bool = True):
-        server = LmServer(*extra, port=port, max_size_gb=None, argv=argv, log_dir=tmp_path).start(wait)
+    def start(
+        *extra: str,
+        port: int | None = None,
+        argv: list[str] | None = None,
+        wait: bool = True,
+        mesh_secret: str | None = None,
+    ):
+        server = LmServer(
+            *extra, port=port, max_size_gb=None, argv=argv, log_dir=tmp_path, mesh_secret=mesh_secret
+        ).start(wait)
         started.append(server)
         return server
 
@@ -279,3 +291,154 @@ def test_the_server_runs_without_torch_numpy_or_vllm(servers):
     script.client().put([(b"k", b"v")])
     maps = Path(f"/proc/{script.proc.pid}/maps").read_text()
     assert not [line for line in maps.splitlines() if any(m in line for m in ("torch", "numpy", "vllm"))]
+
+
+# -- the door (issue 61) ---------------------------------------------------------------------------
+
+SECRET = "the door tests' mesh secret"
+
+
+def test_strangers_who_say_nothing_are_closed_at_the_handshake_deadline_and_an_engine_gets_in_meanwhile(servers):
+    """Issue 61, case 4, at a cap of 16: 15 strangers that connect and say nothing and one that
+    stalls after the handshake's hello fill the cap. An engine with the secret is served at once
+    (it displaces the oldest stranger), well before any deadline; the other 15 are closed at the
+    handshake deadline (2 s here), not at the idle timeout (60 s), and the engine stays."""
+    server = servers("--max-connections", "16", "--handshake-timeout", "2", mesh_secret=SECRET)
+    flood_at = time.monotonic()
+    strangers = idle_connections(server.port, 15)
+    stalled = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    nonce = os.urandom(32)
+    stalled.sendall(wire.pack_header(wire.Op.AUTH, wire.AUTH_HELLO, len(nonce)) + nonce)
+    answer = stalled.recv(wire.HEADER.size)  # the hello is answered: all 16 are in, the last one too
+    assert wire.unpack_header(answer).kind == wire.Status.OK
+    stalled.recv(64)  # the server's nonce; the stranger never sends its proof
+    try:
+        engine = server.client(timeout_s=2.0)
+        engine.put([(b"k", b"v")])
+        assert engine.get([b"k"]) == [b"v"]
+        served_after = time.monotonic() - flood_at
+        assert served_after < 2.0, f"the engine was served {served_after:.2f} s into the flood: by the deadline"
+        assert closed_by_server(strangers) == 1  # the oldest stranger made room; the rest are still held
+
+        wait_for(lambda: closed_by_server(strangers) == 15, 10, "the strangers closed at their deadline")
+        closed_after = time.monotonic() - flood_at
+        assert 1.9 <= closed_after < 5.0, f"the strangers were closed {closed_after:.2f} s after connecting"
+        stalled.settimeout(2.0)
+        assert stalled.recv(1) == b"", "the stranger stalled mid-handshake is still held"
+        assert engine.get([b"k"]) == [b"v"]
+        health = engine.health()
+        assert (health["connections_evicted"], health["handshake_timeouts"]) == (1, 15), health
+        assert health["clients"] == 1 and health["auth_refused"] == 0, health
+    finally:
+        for sock in [*strangers, stalled]:
+            sock.close()
+    log = server.log()
+    assert "no mesh-secret handshake within 2 s (--handshake-timeout" in log
+    assert "closed the oldest connection without a handshake or request" in log
+    assert "--max-connections 16" in log and "Traceback" not in log
+
+
+def test_an_upload_trickling_below_the_minimum_rate_is_closed_and_a_fast_one_is_not(servers):
+    """A PUT whose value arrives a byte at a time (5 bytes/s) is closed once an upload window
+    (1 s here) has passed under --min-upload-rate, and its value is not stored; the stall rule
+    alone (30 s without a byte) never closes it. A 4 MiB value on another connection meanwhile
+    goes through."""
+    server = servers("--min-upload-rate", "64", "--upload-window", "1")
+    store = server.client()
+    meta = struct.pack("!HQ", 1, MiB) + b"t"
+    trickler = socket.create_connection(("127.0.0.1", server.port), timeout=0.2)
+    trickler.sendall(wire.HEADER.pack(wire.MAGIC, 1, wire.Op.PUT, 0, 1, len(meta), MiB) + meta)
+    started = time.monotonic()
+    big = payload(7, 4 * MiB)
+    store.put([(b"big", big)])
+    closed_after = None
+    try:
+        while closed_after is None and time.monotonic() - started < 6.0:
+            try:
+                if trickler.recv(1) == b"":
+                    closed_after = time.monotonic() - started
+                    break
+            except TimeoutError:
+                pass
+            except OSError:  # reset
+                closed_after = time.monotonic() - started
+                break
+            try:
+                trickler.send(b"x")
+            except OSError:
+                closed_after = time.monotonic() - started
+    finally:
+        trickler.close()
+    assert closed_after is not None, "a 5 bytes/s upload was held for 6 s"
+    assert closed_after < 3.0, f"closed after {closed_after:.2f} s: the window is 1 s"
+    assert store.get([b"big", b"t"]) == [big, None]
+    health = store.health()
+    assert health["slow_uploads"] == 1 and health["malformed"] == 0, health
+    assert "under --min-upload-rate 64 KiB/s" in server.log() and "Traceback" not in server.log()
+
+
+class LimitedLmServer(LmServer):
+    """``lmcache_server`` started with a descriptor limit of its own (set in the child before it
+    runs the server), as under ``ulimit -n``."""
+
+    def __init__(self, nofile: int, *extra: str, **kwargs):
+        super().__init__(*extra, **kwargs)
+        self.nofile = nofile
+
+    def start(self, wait: bool = True) -> LimitedLmServer:
+        nofile = self.nofile
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit)
+        wait_for(lambda: "listening on" in self.log() or self.proc.poll() is not None, what="lmcache_server")
+        assert self.proc.poll() is None, self.log()
+        return self
+
+
+def test_at_a_low_descriptor_limit_an_idle_flood_leaves_an_authenticated_engine_served_within_two_seconds(tmp_path):
+    """Issue 61, case 5, scaled: 300 idle connections against a server at ``ulimit -n 128`` (it may
+    hold about 100). An engine with the secret is answered within 2 s, before the flood's
+    handshake deadline (5 s, the default) or idle timeout (60 s) could have freed anything: its
+    connection displaces the oldest stranger. Before, it was refused for the idle timeout."""
+    server = LimitedLmServer(128, log_dir=tmp_path, mesh_secret=SECRET, max_size_gb=0.1).start()
+    socks: list[socket.socket] = []
+    try:
+        flood_at = time.monotonic()
+        socks = idle_connections(server.port, 300)
+        time.sleep(0.3)  # the server takes in what it can hold
+        client = server.client(timeout_s=1.0)
+        asked_at = time.monotonic()
+        while True:
+            try:
+                health = client.health()
+                break
+            except RemoteUnavailable:
+                assert time.monotonic() - asked_at < 2.0, "no answer to an engine within 2 s"
+                time.sleep(0.05)
+        assert time.monotonic() - flood_at < 5.0  # served before any stranger's deadline
+        assert health["connections_evicted"] > 0 and health["clients"] >= 1, health
+        client.put([(b"k", b"v")])
+        assert client.get([b"k"]) == [b"v"]
+    finally:
+        for s in socks:
+            s.close()
+        server.kill()
+    log = server.log()
+    assert "descriptor limit of 128" in log
+    assert "Traceback" not in log and "Too many open files" not in log, log[-2000:]
+
+
+def test_door_settings_out_of_range_exit_2_naming_the_setting():
+    cases = [
+        (["--handshake-timeout", "0"], "--handshake-timeout 0.0: expected seconds > 0"),
+        (["--upload-window", "nan"], "--upload-window nan: expected seconds > 0"),
+        (["--min-upload-rate", "-1"], "--min-upload-rate -1.0: expected KiB/s >= 0"),
+        (["--max-connections-per-address", "0"], "--max-connections-per-address 0: expected a number >= 1"),
+    ]
+    for flags, says in cases:
+        done = subprocess.run([SERVER, "127.0.0.1", "0", *flags], capture_output=True, text=True, timeout=20)
+        assert done.returncode == 2 and says in done.stderr, (flags, done.stderr)
+        assert "Traceback" not in done.stderr

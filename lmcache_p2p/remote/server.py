@@ -12,9 +12,16 @@ from them (``sock_sendall`` of memoryviews), so a 32 MiB chunk is copied only by
 What a client cannot do: make the server allocate past :mod:`.wire`'s bounds (every length is
 checked before its buffer exists, and a value is allocated only once its frame passed), crash it
 (a malformed frame closes that connection, with the reason logged), or hold a connection's memory
-forever by stalling mid-frame (closed after :data:`STALL_S`), or exhaust its descriptors with idle
-connections: at most ``--max-connections`` are open (lowered to what the descriptor limit allows),
-one more is closed at once and counted, and a connection with no request for ``--idle-timeout``
+forever by stalling mid-frame (closed after :data:`STALL_S`) or trickling an upload (a request
+arriving slower than ``--min-upload-rate`` over an ``--upload-window`` is closed), or keep others
+out with connections (issue 61): at most ``--max-connections`` are open (lowered to what the
+descriptor limit allows) and ``--max-connections-per-address`` from one client address; a
+connection must complete the mesh-secret handshake (without a secret: send its first request)
+within ``--handshake-timeout`` seconds; a newcomer past a cap, or one that finds no descriptor
+left, closes the oldest connection that has not (of its own address, past the per-address cap),
+so authenticated engines are never displaced by strangers and a stranger never waits for one,
+and is refused at once only when every open connection has; every refusal and close is counted
+(HEALTH) and logged at most once a minute. A connection with no request for ``--idle-timeout``
 seconds is closed (a pooled client notices and reconnects). The server holds at most its
 capacity plus, per connection, the one value being received (or the values of the reply being
 sent, when they were evicted meanwhile).
@@ -49,6 +56,7 @@ from collections.abc import Mapping
 from typing import TypeAlias
 
 from lmcache_p2p import version_line
+from lmcache_p2p.connection_book import PER_ADDRESS, ConnectionBook
 from lmcache_p2p.descriptors import OUT_OF_DESCRIPTORS, SpareDescriptor, connection_cap, descriptor_limit
 from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.mesh_security import MESH_SECRET_ENV, MeshSecretError, check_secret, read_secret_file
@@ -68,9 +76,23 @@ STALL_S = 30.0
 # after IDLE_S costs its client one reconnect (LmServerStore checks a pooled socket before use).
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_IDLE_S = 60.0
+# An engine's store keeps a few connections per process (LmServerStore's max_connections), so one
+# host of several engines needs tens; a quarter of the cap leaves the rest to the other hosts.
+DEFAULT_MAX_PER_ADDRESS = 256
+# An engine authenticates (two round trips) as soon as it connects: 5 s is for a loaded host and a
+# slow link, and short enough that strangers who say nothing do not hold room for a minute.
+DEFAULT_HANDSHAKE_S = 5.0
+# A request (a PUT's values, mostly) must arrive at this rate over each window, or it is closed:
+# a client trickling a byte every few seconds would otherwise pin its half-received value (and a
+# connection) forever, since the stall rule sees progress. 64 KiB/s is far below any engine's
+# link; a 32 MiB value at that rate would still take 8 minutes.
+DEFAULT_MIN_UPLOAD_KIB_S = 64.0
+DEFAULT_UPLOAD_WINDOW_S = 10.0
 # Refused strangers are logged at most this often (with the count since), as the mesh's ZMQ
 # sockets log theirs: a scanner hammering the port must not flood the log.
 REFUSAL_LOG_PERIOD_S = 60.0
+# Connections refused or closed by the listener's bounds: the same, one line a minute per reason.
+DOOR_LOG_PERIOD_S = 60.0
 # A refused client's request is drained for at most this long and this many bytes (see _refuse).
 REFUSED_DRAIN_S = 1.0
 REFUSED_DRAIN_BYTES = 64 << 20
@@ -180,7 +202,12 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
         self.header = bytearray(wire.HEADER.size)
         self.busy = False  # between a frame's first byte and the end of its reply
-        self.last_progress = time.monotonic()
+        self.opened = self.last_progress = time.monotonic()
+        # Between a frame's first byte and the first byte of its reply: the request is arriving,
+        # and must bring window_bytes at --min-upload-rate since window_start.
+        self.receiving = False
+        self.window_start = 0.0
+        self.window_bytes = 0
         self.task: asyncio.Task[None] | None = None
         self._scratch: bytearray | None = None
         # Without a secret every connection is served; with one, only after the AUTH handshake.
@@ -191,6 +218,8 @@ class _Connection:
         store = self.server.store
         try:
             while await self._read_header():
+                if self.server.auth is None:
+                    self.server.book.proved(self)  # no handshake to wait for: a request proves it
                 header = wire.unpack_header(self.header)
                 op = wire.check_request(header)
                 if op is wire.Op.AUTH:
@@ -235,8 +264,22 @@ class _Connection:
             logger.exception("closing the connection from %s after an internal error", self.peer)
         finally:
             self.sock.close()
-            self.server.connections.discard(self)
+            self.server.forget(self)
             logger.debug("disconnected %s (%d clients)", self.peer, len(self.server.connections))
+
+    def close_now(self) -> None:
+        """Close the socket here and now, not when the task next runs: a newcomer is waiting for
+        this one's place (and, out of descriptors, for its descriptor). The loop's reader and
+        writer on it go first, so that no callback touches the descriptor number once it is
+        reused; the task, cancelled, then finds it closed."""
+        fd = self.sock.fileno()
+        if fd >= 0:
+            self.loop.remove_reader(fd)
+            self.loop.remove_writer(fd)
+        self.sock.close()
+        self.server.forget(self)
+        if self.task is not None:
+            self.task.cancel()
 
     async def _read_header(self) -> bool:
         """False when the client closed the connection between frames."""
@@ -248,9 +291,14 @@ class _Connection:
                 if got == 0:
                     return False
                 raise wire.ProtocolError(f"the connection ended {got} bytes into a header")
+            now = time.monotonic()
+            if got == 0:  # a new frame: its upload's rate is measured from here
+                self.receiving = True
+                self.window_start, self.window_bytes = now, 0
             got += n
+            self.window_bytes += n
             self.busy = True
-            self.last_progress = time.monotonic()
+            self.last_progress = now
         return True
 
     async def _recv_into(self, view: memoryview) -> None:
@@ -259,6 +307,7 @@ class _Connection:
             if n == 0:
                 raise _PeerGone(f"closed by the client {len(view)} bytes before the end of a frame")
             view = view[n:]
+            self.window_bytes += n
             self.last_progress = time.monotonic()
 
     async def _recv_meta(self, header: wire.Header) -> bytearray:
@@ -276,6 +325,7 @@ class _Connection:
             n -= step
 
     async def _send(self, data: bytes | bytearray | memoryview) -> None:
+        self.receiving = False  # the request is in: a slow reader is the stall rule's
         view = memoryview(data)
         for start in range(0, len(view), SEND_SLICE):
             await self.loop.sock_sendall(self.sock, view[start : start + SEND_SLICE])
@@ -326,6 +376,7 @@ class _Connection:
                     "(the client runs with another mesh secret)"
                 )
             self.authenticated = True
+            self.server.book.proved(self)  # an engine: never displaced by a newcomer
             reply = auth.server_proof(*self._nonces)
             logger.debug("%s authenticated", self.peer)
         await self._send(wire.pack_header(wire.Status.OK, 0, len(reply)) + reply)
@@ -393,14 +444,32 @@ class Server:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         idle_s: float = DEFAULT_IDLE_S,
         auth: LmAuth | None = None,
+        *,
+        max_per_address: int = DEFAULT_MAX_PER_ADDRESS,
+        handshake_s: float = DEFAULT_HANDSHAKE_S,
+        min_upload_rate: float = DEFAULT_MIN_UPLOAD_KIB_S * 1024,  # bytes/s; 0: no minimum
+        upload_window_s: float = DEFAULT_UPLOAD_WINDOW_S,
     ):
         self.listeners = listeners
         self.auth = auth  # None: no mesh secret, every connection is served
         self.store = LruStore(capacity)
         self.connections: set[_Connection] = set()
         self.max_connections = max_connections
+        self.book: ConnectionBook[_Connection] = ConnectionBook(max_connections, min(max_per_address, max_connections))
         self.idle_s = idle_s
-        self.refused = {"at_cap": 0, "no_descriptors": 0}
+        self.handshake_s = handshake_s
+        self.min_upload_rate = min_upload_rate
+        self.upload_window_s = upload_window_s
+        # On accept: refused at once. After it: closed by a deadline, or to admit a newcomer.
+        self.refused = {"at_cap": 0, "per_address": 0, "no_descriptors": 0}
+        self.closed = {
+            "handshake_timeout": 0,
+            "slow_upload": 0,
+            "evicted_at_cap": 0,
+            "evicted_per_address": 0,
+            "evicted_no_descriptors": 0,
+        }
+        self.door_log = RateLimitedLog(logger, every_s=DOOR_LOG_PERIOD_S)
         self.idle_closed = 0
         self.spare = SpareDescriptor()
         self.malformed = 0
@@ -435,7 +504,16 @@ class Server:
             "malformed": self.malformed,
             "uptime_s": int(time.monotonic() - self.started),
             "auth_refused": self.auth_refused,
+            "connections_refused": sum(self.refused.values()),
+            "connections_evicted": sum(v for k, v in self.closed.items() if k.startswith("evicted_")),
+            "handshake_timeouts": self.closed["handshake_timeout"],
+            "slow_uploads": self.closed["slow_upload"],
         }
+
+    def forget(self, conn: _Connection) -> None:
+        """``conn`` is closed: it no longer counts against any cap."""
+        self.connections.discard(conn)
+        self.book.remove(conn)
 
     def stats_line(self) -> str:
         s = self.store
@@ -443,7 +521,11 @@ class Server:
             f"{len(s)} chunks, {_gib(s.bytes)} of {_gib(s.capacity)}, {s.hits} hits / {s.misses} misses, "
             f"{s.evictions} evictions, {len(self.connections)} clients, "
             f"{self.refused['at_cap']} refused at the cap of {self.max_connections}, "
-            f"{self.refused['no_descriptors']} for want of a descriptor, {self.idle_closed} closed idle"
+            f"{self.refused['per_address']} at the cap of {self.book.per_address} per address, "
+            f"{self.refused['no_descriptors']} for want of a descriptor, "
+            f"{sum(v for k, v in self.closed.items() if k.startswith('evicted_'))} closed to admit a newcomer, "
+            f"{self.closed['handshake_timeout']} for no handshake in {self.handshake_s:g} s, "
+            f"{self.closed['slow_upload']} for a slow upload, {self.idle_closed} closed idle"
             + (f", {self.auth_refused} refused without the mesh secret" if self.auth is not None else "")
         )
 
@@ -456,11 +538,16 @@ class Server:
                 if e.errno not in OUT_OF_DESCRIPTORS:
                     logger.debug("accept failed: %s", e)  # e.g. ECONNABORTED: that client is gone
                     continue
+                victim = self.book.oldest_unproved()
+                if victim is not None:  # its descriptor, freed at once, takes the newcomer
+                    self._evict(victim, "evicted_no_descriptors", "to free a descriptor (limit %d", descriptor_limit())
+                    continue
                 # Refused rather than left in the backlog, where it would wait for nothing.
                 self.refused["no_descriptors"] += 1
-                self.bad_frames.warning(
+                self.door_log.warning(
                     "no_descriptors",
-                    "refused a connection: no file descriptor left (limit %d, %d clients; %d refused so far)",
+                    "refused a connection: no file descriptor left (limit %d, %d clients, each past its handshake "
+                    "or first request; %d refused so far)",
                     descriptor_limit(),
                     len(self.connections),
                     self.refused["no_descriptors"],
@@ -468,38 +555,125 @@ class Server:
                 if not self.spare.refuse_one(listener):
                     await asyncio.sleep(0.05)  # nothing could be shed: wait, rather than spin
                 continue
-            if len(self.connections) >= self.max_connections:
+            host = str(addr[0])
+            verdict = self.book.admit(host)
+            if verdict.victim is not None:
+                if verdict.reason == PER_ADDRESS:
+                    self._evict(
+                        verdict.victim,
+                        "evicted_per_address",
+                        "to admit another from it: the address holds %d, its cap (--max-connections-per-address %d",
+                        self.book.open_from(host),
+                        self.book.per_address,
+                    )
+                else:
+                    self._evict(
+                        verdict.victim,
+                        "evicted_at_cap",
+                        "to admit one from %s: %d clients, the cap (--max-connections %d",
+                        host,
+                        len(self.connections),
+                        self.max_connections,
+                    )
+            elif verdict.reason is not None:
                 sock.close()
-                self.refused["at_cap"] += 1
-                self.bad_frames.warning(
-                    "at_cap",
-                    "refused a connection: %d clients, the cap (--max-connections; %d refused so far)",
-                    len(self.connections),
-                    self.refused["at_cap"],
-                )
+                self._refuse_at_accept(verdict.reason, host)
                 continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(self, sock, _fmt_addr(addr[0], addr[1]))
+            conn = _Connection(self, sock, _fmt_addr(host, addr[1]))
             self.connections.add(conn)
+            self.book.add(conn, host)
             conn.task = asyncio.create_task(conn.run())
             logger.debug("connection from %s (%d clients)", conn.peer, len(self.connections))
+
+    def _refuse_at_accept(self, reason: str, host: str) -> None:
+        self.refused[reason] += 1
+        if reason == PER_ADDRESS:
+            held, cap, flag = self.book.open_from(host), self.book.per_address, "--max-connections-per-address"
+            what = "it holds %d, its cap"
+        else:
+            held, cap, flag = len(self.connections), self.max_connections, "--max-connections"
+            what = "%d clients, the cap"
+        self.door_log.warning(
+            reason,
+            "refused a connection from %s: " + what + " (%s %d), each past its handshake or first request "
+            "(%d refused so far)",
+            host,
+            held,
+            flag,
+            cap,
+            self.refused[reason],
+        )
+
+    def _evict(self, victim: _Connection, reason: str, why: str, *args: object) -> None:
+        age = time.monotonic() - victim.opened
+        victim.close_now()
+        self.closed[reason] += 1
+        self.door_log.warning(
+            reason,
+            "closed the oldest connection without a handshake or request, from %s (open %.1f s), " + why + "; "
+            "%d closed so far)",
+            victim.peer,
+            age,
+            *args,
+            self.closed[reason],
+        )
+
+    def _close_slow(self, conn: _Connection, reason: str, why: str, *args: object) -> None:
+        conn.close_now()
+        self.closed[reason] += 1
+        self.door_log.warning(
+            reason,
+            "closed the connection from %s: " + why + "; %d closed so far)",
+            conn.peer,
+            *args,
+            self.closed[reason],
+        )
+
+    def _check_deadlines(self, now: float) -> None:
+        for conn in list(self.connections):
+            if conn.task is None:
+                continue
+            if now - conn.opened > self.handshake_s and not self.book.is_proved(conn):
+                self._close_slow(
+                    conn,
+                    "handshake_timeout",
+                    "no %s within %g s (--handshake-timeout",
+                    "mesh-secret handshake" if self.auth is not None else "request",
+                    self.handshake_s,
+                )
+            elif conn.receiving and self.min_upload_rate > 0 and now - conn.window_start >= self.upload_window_s:
+                rate = conn.window_bytes / (now - conn.window_start)
+                if rate < self.min_upload_rate:
+                    self._close_slow(
+                        conn,
+                        "slow_upload",
+                        "its request arrived at %.0f bytes/s over %.1f s (under --min-upload-rate %g KiB/s",
+                        rate,
+                        now - conn.window_start,
+                        self.min_upload_rate / 1024,
+                    )
+                else:  # the next window starts here
+                    conn.window_start, conn.window_bytes = now, 0
+            elif conn.busy and now - conn.last_progress > STALL_S:
+                logger.warning("closing the connection from %s: stalled mid-frame for %.0f s", conn.peer, STALL_S)
+                conn.task.cancel()
+            elif not conn.busy and now - conn.last_progress > self.idle_s:
+                self.idle_closed += 1
+                logger.debug("closing the connection from %s: no request for %.0f s", conn.peer, self.idle_s)
+                conn.task.cancel()
 
     async def _tick(self) -> None:
         last_line = ""
         next_stats = time.monotonic() + STATS_EVERY_S
+        # Often enough that a deadline is kept to within a quarter of itself (and a second).
+        every = min(1.0, self.handshake_s / 4, self.upload_window_s / 4)
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(every)
             now = time.monotonic()
-            for conn in list(self.connections):
-                if conn.busy and now - conn.last_progress > STALL_S and conn.task is not None:
-                    logger.warning("closing the connection from %s: stalled mid-frame for %.0f s", conn.peer, STALL_S)
-                    conn.task.cancel()
-                elif not conn.busy and now - conn.last_progress > self.idle_s and conn.task is not None:
-                    self.idle_closed += 1
-                    logger.debug("closing the connection from %s: no request for %.0f s", conn.peer, self.idle_s)
-                    conn.task.cancel()
+            self._check_deadlines(now)
             if now >= next_stats:
                 next_stats = now + STATS_EVERY_S
                 line = self.stats_line()
@@ -641,8 +815,40 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
-        help=f"open client connections at most; one more is closed at once and counted (default "
-        f"{DEFAULT_MAX_CONNECTIONS}, lowered to what the file descriptor limit allows)",
+        help=f"open client connections at most (default {DEFAULT_MAX_CONNECTIONS}, lowered to what the file "
+        "descriptor limit allows); a newcomer past it closes the oldest connection that has not completed the "
+        "handshake (without a mesh secret: sent a request), or is closed at once when every one has",
+    )
+    parser.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=DEFAULT_MAX_PER_ADDRESS,
+        metavar="N",
+        help=f"open connections from one client address at most (default {DEFAULT_MAX_PER_ADDRESS}); past it a "
+        "newcomer closes that address's oldest connection without a handshake, or is closed at once",
+    )
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=DEFAULT_HANDSHAKE_S,
+        metavar="S",
+        help=f"close a connection that has not completed the mesh-secret handshake (without a secret: sent its "
+        f"first request) S seconds after connecting (default {DEFAULT_HANDSHAKE_S:g})",
+    )
+    parser.add_argument(
+        "--min-upload-rate",
+        type=float,
+        default=DEFAULT_MIN_UPLOAD_KIB_S,
+        metavar="KIB_S",
+        help=f"close a connection whose request arrives slower than KIB_S KiB/s over an --upload-window "
+        f"(default {DEFAULT_MIN_UPLOAD_KIB_S:g}; 0: no minimum)",
+    )
+    parser.add_argument(
+        "--upload-window",
+        type=float,
+        default=DEFAULT_UPLOAD_WINDOW_S,
+        metavar="S",
+        help=f"the seconds over which --min-upload-rate is measured (default {DEFAULT_UPLOAD_WINDOW_S:g})",
     )
     parser.add_argument(
         "--idle-timeout",
@@ -682,8 +888,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-size-gb {args.max_size_gb} is not a positive size")
     if args.max_connections < 1:
         parser.error(f"--max-connections {args.max_connections}: expected a number >= 1")
-    if not (math.isfinite(args.idle_timeout) and args.idle_timeout > 0):
-        parser.error(f"--idle-timeout {args.idle_timeout}: expected seconds > 0")
+    if args.max_connections_per_address < 1:
+        parser.error(f"--max-connections-per-address {args.max_connections_per_address}: expected a number >= 1")
+    for flag, value in (
+        ("--idle-timeout", args.idle_timeout),
+        ("--handshake-timeout", args.handshake_timeout),
+        ("--upload-window", args.upload_window),
+    ):
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"{flag} {value}: expected seconds > 0")
+    if not (math.isfinite(args.min_upload_rate) and args.min_upload_rate >= 0):
+        parser.error(f"--min-upload-rate {args.min_upload_rate}: expected KiB/s >= 0 (0: no minimum)")
     if args.device.lower() != "cpu":
         print(
             f"lmcache_server: DEVICE {args.device!r} is not supported: this server keeps every chunk in CPU "
@@ -715,7 +930,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     max_connections = connection_cap(args.max_connections, 1.0, DESCRIPTOR_RESERVE)
-    server = Server(listeners, capacity, max_connections, args.idle_timeout, LmAuth(secret) if secret else None)
+    server = Server(
+        listeners,
+        capacity,
+        max_connections,
+        args.idle_timeout,
+        LmAuth(secret) if secret else None,
+        max_per_address=args.max_connections_per_address,
+        handshake_s=args.handshake_timeout,
+        min_upload_rate=args.min_upload_rate * 1024,
+        upload_window_s=args.upload_window,
+    )
     if secret is None:
         logger.warning(
             "unauthenticated: anyone who can reach this port can read, overwrite and clear every engine's chunks. "
@@ -727,12 +952,17 @@ def main(argv: list[str] | None = None) -> int:
     addrs = ", ".join(_fmt_addr(*s.getsockname()[:2]) for s in listeners)
     logger.info(
         "listening on %s (device cpu, capacity %s; at most %d connections of --max-connections %d under a "
-        "descriptor limit of %d, idle ones closed after %g s)",
+        "descriptor limit of %d, %d per client address, handshake within %g s, uploads at %g KiB/s or more "
+        "over %g s, idle ones closed after %g s)",
         addrs,
         _gib(capacity),
         max_connections,
         args.max_connections,
         descriptor_limit(),
+        server.book.per_address,
+        args.handshake_timeout,
+        args.min_upload_rate,
+        args.upload_window,
         args.idle_timeout,
     )
     with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C before the loop's own handler was in place

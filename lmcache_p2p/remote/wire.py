@@ -98,6 +98,13 @@ HEALTH_FIELDS = (
     "malformed",
     "uptime_s",
     "auth_refused",
+    # The listener's bounds (issue 61): connections refused on accept (a cap full of connections
+    # past their handshake, or no descriptor), closed to admit a newcomer, closed for no handshake
+    # in time, closed for an upload under the minimum rate.
+    "connections_refused",
+    "connections_evicted",
+    "handshake_timeouts",
+    "slow_uploads",
 )
 
 
