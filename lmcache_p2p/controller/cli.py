@@ -51,6 +51,9 @@ async def _serve(settings: ControllerSettings, http_socket: socket.socket, t0: f
         header_timeout_s=settings.http_header_timeout,
         keep_alive_s=settings.http_keep_alive,
         backlog=HTTP_BACKLOG,
+        max_per_address=settings.http_max_connections_per_address,
+        cap_flag="--http-max-connections",
+        per_address_flag="--http-max-connections-per-address",
     )
     server = BoundedServer(
         app, http_socket, limits, "controller", log_level="warning", access_log=False, lifespan="off"
@@ -58,12 +61,14 @@ async def _serve(settings: ControllerSettings, http_socket: socket.socket, t0: f
     counts = server.counts
     controller.metrics.read_counter(
         "lmcache_controller_http_connections_refused_total",
-        "HTTP connections closed on accept: at_cap (--http-max-connections), no_descriptors (EMFILE)",
+        "HTTP connections closed on accept, every open one having sent a request: at_cap (--http-max-connections), "
+        "per_address (--http-max-connections-per-address), no_descriptors (EMFILE)",
         lambda: [({"reason": k}, float(v)) for k, v in counts.refused.items()],
     )
     controller.metrics.read_counter(
         "lmcache_controller_http_connections_closed_total",
-        "HTTP connections closed before a complete request header: header_timeout, header_too_large",
+        "HTTP connections closed before a complete request header: header_timeout, header_too_large, and "
+        "evicted_at_cap, evicted_per_address, evicted_no_descriptors (the oldest, to admit a newcomer)",
         lambda: [({"reason": k}, float(v)) for k, v in counts.closed.items()],
     )
     controller.start()

@@ -56,6 +56,10 @@ MONITOR_MAX_MESSAGE_BYTES = {"pull": 32 * 2**20, "reply": 4 * 2**20, "heartbeat"
 # client sends a request's headers in one packet right after connecting: 10 s is for slow links.
 # Keep-alive: uvicorn's default.
 DEFAULT_HTTP_MAX_CONNECTIONS = 1024
+# One client address may hold at most half of them: a router (or a proxy in front of the API,
+# whose connections all come from one address) keeps room for its bursts, and every other client
+# still finds the other half (lmcache_p2p/connection_book.py).
+DEFAULT_HTTP_MAX_CONNECTIONS_PER_ADDRESS = 512
 DEFAULT_HTTP_HEADER_TIMEOUT = 10.0
 DEFAULT_HTTP_KEEP_ALIVE = 5.0
 
@@ -118,6 +122,7 @@ class ControllerSettings:
     events_file: str | None = None
     # HTTP connection bounds (DEFAULT_HTTP_* say why these numbers).
     http_max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS
+    http_max_connections_per_address: int = DEFAULT_HTTP_MAX_CONNECTIONS_PER_ADDRESS
     http_header_timeout: float = DEFAULT_HTTP_HEADER_TIMEOUT
     http_keep_alive: float = DEFAULT_HTTP_KEEP_ALIVE
     # POST /route's weights (ROUTE_WEIGHTS says what each is).
@@ -158,8 +163,10 @@ class ControllerSettings:
                 raise SettingsError(f"--{name.replace('_', '-')} {getattr(self, name)}: expected seconds > 0")
         if self.http_keep_alive < 1:
             raise SettingsError(f"--http-keep-alive {self.http_keep_alive}: expected seconds >= 1")
-        if isinstance(self.http_max_connections, bool) or self.http_max_connections < 1:
-            raise SettingsError(f"--http-max-connections {self.http_max_connections!r}: expected a number >= 1")
+        for name in ("http_max_connections", "http_max_connections_per_address"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value < 1:
+                raise SettingsError(f"--{name.replace('_', '-')} {value!r}: expected a number >= 1")
         if self.worker_timeout < self.health_check_interval:
             raise SettingsError(
                 f"--worker-timeout {self.worker_timeout} is shorter than --health-check-interval "
@@ -263,8 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-max-connections",
         type=int,
         metavar="N",
-        help=f"open HTTP connections at most; more are closed at once, counted in /metrics "
-        f"(default {DEFAULT_HTTP_MAX_CONNECTIONS}, lowered to half the free file descriptors)",
+        help=f"open HTTP connections at most (default {DEFAULT_HTTP_MAX_CONNECTIONS}, lowered to half the free "
+        "file descriptors); a newcomer past it closes the oldest connection that has sent no request, or is "
+        "closed at once when every one has; both counted in /metrics",
+    )
+    p.add_argument(
+        "--http-max-connections-per-address",
+        type=int,
+        metavar="N",
+        help=f"open HTTP connections from one client address at most (default "
+        f"{DEFAULT_HTTP_MAX_CONNECTIONS_PER_ADDRESS}); past it a newcomer closes that address's oldest connection "
+        "that has sent no request, or is closed at once; raise it for a proxy in front of the API",
     )
     p.add_argument(
         "--http-header-timeout",
@@ -371,6 +387,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
             "worker_timeout": float,
             "command_timeout": float,
             "http_max_connections": int,
+            "http_max_connections_per_address": int,
             "http_header_timeout": float,
             "http_keep_alive": float,
             **dict.fromkeys(ROUTE_WEIGHTS, float),

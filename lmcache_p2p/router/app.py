@@ -439,6 +439,8 @@ class RouterService:
         if config.api_token:
             self._controller_headers["authorization"] = f"Bearer {config.api_token}"
         self._route_timeout = httpx.Timeout(config.route_timeout_s, connect=config.connect_timeout_s)
+        # The listener's refusals and closes (http_listener.ListenerCounts), when served by it.
+        self.listener_counts: Any = None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -957,6 +959,11 @@ class RouterService:
             "controller_switches": self.controllers.switches,
             "engines": {i: e.serve_url for i, e in sorted(self.engines.engines.items())},
             "cooling": sorted(self.cooling()),
+            **(
+                {"connections": {"refused": dict(c.refused), "closed": dict(c.closed)}}
+                if (c := self.listener_counts) is not None
+                else {}
+            ),
         }
 
 

@@ -102,8 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=RouterConfig.max_connections,
         metavar="N",
-        help=f"open client connections at most; more are closed at once, counted and logged "
-        f"(default {RouterConfig.max_connections}, lowered to half the free file descriptors)",
+        help=f"open client connections at most (default {RouterConfig.max_connections}, lowered to half the free "
+        "file descriptors); a newcomer past it closes the oldest connection that has sent no request, or is "
+        "closed at once when every one has; both counted in /router/stats and logged",
+    )
+    p.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=RouterConfig.max_connections_per_address,
+        metavar="N",
+        help=f"open connections from one client address at most (default "
+        f"{RouterConfig.max_connections_per_address}); past it a newcomer closes that address's oldest connection "
+        "that has sent no request, or is closed at once; raise it for a proxy in front of the router",
     )
     p.add_argument(
         "--header-timeout",
@@ -188,6 +198,8 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
         raise FlagError(f"--keep-alive-timeout {args.keep_alive_timeout}: expected seconds >= 1")
     if args.max_connections < 1:
         raise FlagError(f"--max-connections {args.max_connections}: expected a number >= 1")
+    if args.max_connections_per_address < 1:
+        raise FlagError(f"--max-connections-per-address {args.max_connections_per_address}: expected a number >= 1")
     if args.max_body_bytes < 1:
         raise FlagError(f"--max-body-bytes {args.max_body_bytes}: expected a number of bytes >= 1")
     if args.model is not None and not args.model.strip():
@@ -204,6 +216,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Router
         tokenizer=args.tokenizer,
         max_body_bytes=args.max_body_bytes,
         max_connections=args.max_connections,
+        max_connections_per_address=args.max_connections_per_address,
         header_timeout_s=args.header_timeout,
         keep_alive_s=args.keep_alive_timeout,
     )
@@ -220,8 +233,15 @@ async def serve(config: RouterConfig, sock: socket.socket, tokenizer: LocalToken
     from lmcache_p2p.router.app import create_app
 
     app = create_app(config, tokenizer=tokenizer)
-    limits = ConnectionLimits(config.max_connections, config.header_timeout_s, config.keep_alive_s, BACKLOG)
+    limits = ConnectionLimits(
+        config.max_connections,
+        config.header_timeout_s,
+        config.keep_alive_s,
+        BACKLOG,
+        max_per_address=config.max_connections_per_address,
+    )
     server = BoundedServer(app, sock, limits, "router", log_level="warning", access_log=False, lifespan="on")
+    app.state.router.listener_counts = server.counts  # for /router/stats
     host, port = sock.getsockname()[:2]
     logger.info("lmcache_router serving on http://%s:%d", host if ":" not in host else f"[{host}]", port)
     await server.serve()

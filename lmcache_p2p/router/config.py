@@ -30,6 +30,9 @@ class RouterConfig:
     # minutes, and each costs a second descriptor toward an engine: 2,048 (the listen backlog) is
     # lowered to half the free descriptors at start. Header timeout and keep-alive: as the controller's.
     max_connections: int = 2048
+    # One client address may hold at most half of them, so one client (a proxy in front, whose
+    # connections all come from one address, keeps room for its bursts) never takes the rest.
+    max_connections_per_address: int = 1024
     header_timeout_s: float = 10.0
     keep_alive_s: float = 5.0
 
