@@ -573,7 +573,7 @@ def create_app(controller: Controller) -> FastAPI:
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=reads)
     async def metrics() -> Response:
-        return Response(controller.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+        return Response(await controller.metrics.render_async(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get(
         "/controller/dashboard",

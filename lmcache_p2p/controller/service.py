@@ -19,6 +19,7 @@ import zmq.asyncio
 from lmcache_p2p.controller.admission import Resolver
 from lmcache_p2p.controller.commands import CommandBus
 from lmcache_p2p.controller.events import EventLog
+from lmcache_p2p.controller.heap import HeapKeeper
 from lmcache_p2p.controller.metrics import Metrics
 from lmcache_p2p.controller.monitor import Monitor
 from lmcache_p2p.controller.orchestration import Orchestrator
@@ -68,6 +69,18 @@ class Controller:
         self.monitor = Monitor(
             self.ctx, settings, self.epoch, self.registry, self.traffic, self.orchestrator, self.metrics, self.security
         )
+        self.heap = HeapKeeper(self.registry.workers.__len__)
+        self.metrics.read_counter(
+            "lmcache_controller_gc_freezes_total",
+            "Times the heap was frozen out of the garbage collector's walks (after start-up, after the registry "
+            "changed size)",
+            lambda: [({}, float(self.heap.freezes))],
+        )
+        self.metrics.gauge(
+            "lmcache_controller_gc_frozen_objects",
+            "Objects the garbage collector no longer walks",
+            lambda: [({}, float(self.heap.frozen_objects))],
+        )
         self.views = Views(
             settings,
             self.epoch,
@@ -90,8 +103,10 @@ class Controller:
         else:
             warn_unauthenticated("controller", HOW_TO_SET_CONTROLLER)
         self.monitor.start()
+        self.heap.start()
 
     def close(self) -> None:
+        self.heap.close()
         self.monitor.close()
         self.orchestrator.close()
         self.events.close()

@@ -49,6 +49,19 @@ def _same(described: dict) -> Any:
     return described
 
 
+# Ranks walked per step of the keys-held count (/metrics' key holders): ~1 ms at a time.
+KEYS_HELD_STEP = 500
+
+
+def _run(steps: Steps[T]) -> T:
+    """A walk in steps, run through at once (where nothing else is waiting for the loop)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 class Views:
     def __init__(
         self,
@@ -270,17 +283,31 @@ class Views:
         return {"workers": described, "thresholds": self.status_thresholds()}
 
     def key_stats(self) -> dict:
-        instances: dict[str, dict[str, int]] = {}
-        for record in self.registry.workers.values():
-            per = instances.setdefault(record.info.instance_id, {})
-            for loc, st in record.locations.items():
-                per[loc] = per.get(loc, 0) + self.registry.index.holder_count(st.holder)
+        instances = _run(self.keys_held_steps())
         return {
             "total_keys": self.registry.index.live_keys,
             "instances": instances,
             "index_capacity": self.registry.index.capacity,
             "index_bytes": self.registry.index.nbytes,
         }
+
+    def keys_held_steps(self) -> Steps[dict[str, dict[str, int]]]:
+        """Keys held per instance and location, walked :data:`KEYS_HELD_STEP` ranks at a time (a
+        yield between: 13-23 ms in one go at 10,000 ranks), over the ranks registered when it began."""
+        instances: dict[str, dict[str, int]] = {}
+        records = list(self.registry.workers.values())
+        index = self.registry.index
+        for start in range(0, len(records), KEYS_HELD_STEP):
+            for record in records[start : start + KEYS_HELD_STEP]:
+                per = instances.setdefault(record.info.instance_id, {})
+                for loc, st in record.locations.items():
+                    per[loc] = per.get(loc, 0) + index.holder_count(st.holder)
+            yield
+        return instances
+
+    def _key_holder_series(self) -> Steps[list[tuple[dict[str, str], float]]]:
+        instances = yield from self.keys_held_steps()
+        return [({"instance_id": i, "location": loc}, n) for i, per in instances.items() for loc, n in per.items()]
 
     # -- events and the dashboard ------------------------------------------------------------------
 
@@ -366,17 +393,12 @@ class Views:
             "Distinct chunk keys with at least one holder",
             lambda: [({}, reg.index.live_keys)],
         )
-        m.gauge(
-            "lmcache_controller_key_holders",
-            "Keys held, by instance and location",
-            lambda: [
-                ({"instance_id": i, "location": loc}, n)
-                for i, per in self.key_stats()["instances"].items()
-                for loc, n in per.items()
-            ],
-        )
+        m.gauge("lmcache_controller_key_holders", "Keys held, by instance and location", self._key_holder_series)
         m.gauge("lmcache_controller_workers", "Registered workers", lambda: [({}, len(reg.workers))])
-        m.gauge("lmcache_controller_instances", "Registered instances", lambda: [({}, len(reg.instances()))])
+        # Counted from the keys alone: grouping every record by instance took 5 ms at 10,000 ranks.
+        m.gauge(
+            "lmcache_controller_instances", "Registered instances", lambda: [({}, len({k[0] for k in reg.workers}))]
+        )
         m.gauge("lmcache_controller_index_bytes", "Memory of the chunk index tables", lambda: [({}, reg.index.nbytes)])
         m.gauge("lmcache_controller_uptime_seconds", "Seconds since start", lambda: [({}, self.uptime_s())])
         for stat in (
