@@ -94,7 +94,7 @@ class Metrics:
         fair = FairShare(RENDER_SLICE_S)
         parts = []
         for item in self._families():
-            if item is not _STEP:
+            if isinstance(item, Metric):  # else a step of a reader's walk
                 for part in _text_in_parts(item):
                     parts.append(part)
                     await fair.turn()
@@ -104,7 +104,7 @@ class Metrics:
     # prometheus-client's Collector interface
     def collect(self) -> Iterator[Metric]:
         for item in self._families():
-            if item is not _STEP:
+            if isinstance(item, Metric):
                 yield item
 
     def _families(self) -> Iterator[Metric | object]:
