@@ -179,7 +179,10 @@ class _LeavingBus:
     unreachable, as a closed channel makes it, after the departure already failed its event."""
 
     def __init__(self):
+        from lmcache_p2p.controller.commands import Capacity
+
         self.orchestrator = None
+        self.capacity = Capacity(fd_limit=65536, socket_limit=65536)  # room for everything here
 
     async def request(self, worker, command, timeout):
         record = self.orchestrator.registry.remove_worker(worker, "deregistered")
