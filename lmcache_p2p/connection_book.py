@@ -17,6 +17,10 @@ A connection that has sent a request (or authenticated) is never displaced: the 
 takes is always a stranger's, so a flood of connections that say nothing costs the clients that
 speak nothing but a reconnect, and a client that connects and speaks at once is served.
 
+:meth:`ConnectionBook.make_room` acts on a verdict for a listener: it names the cap a verdict
+meets (the setting that sets it, for the log line) and hands the connection to displace to the
+listener's own eviction, so every listener reports a displacement in the same words.
+
 Imports only the standard library: ``lmcache_server`` uses it on a box without the rest.
 """
 
@@ -24,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 C = TypeVar("C", bound=Hashable)
+C_contra = TypeVar("C_contra", bound=Hashable, contravariant=True)
 
 # Why a newcomer was refused, or why the connection it displaced was closed.
 PER_ADDRESS = "per_address"
@@ -43,14 +48,36 @@ class Verdict(Generic[C]):
     victim: C | None = None
 
 
+class Evict(Protocol[C_contra]):
+    """A listener's eviction: closes ``victim``, counts it under ``reason`` (``evicted_at_cap``,
+    ``evicted_per_address``) and logs ``why % args``. ``why`` ends inside an open parenthesis (at
+    the cap it names) that the listener's line closes with its count, e.g.
+    ``"...(--max-connections 1024; 311 closed so far)"``."""
+
+    def __call__(self, victim: C_contra, reason: str, why: str, /, *args: object) -> None: ...
+
+
 class ConnectionBook(Generic[C]):
     """Open connections by client address; the unproved ones in order of arrival."""
 
-    def __init__(self, cap: int, per_address: int):
+    def __init__(
+        self,
+        cap: int,
+        per_address: int,
+        *,
+        cap_flag: str = "--max-connections",
+        per_address_flag: str = "--max-connections-per-address",
+        counted_as: str = "open",
+    ):
         if cap < 1 or per_address < 1:
             raise ValueError(f"caps must be >= 1, got cap {cap}, per_address {per_address}")
         self.cap = cap
         self.per_address = per_address
+        # For log lines: the settings that set the caps (the one to raise), and the word after the
+        # count of open connections ("64 open, the cap ...", "1024 clients, the cap ...").
+        self.cap_flag = cap_flag
+        self.per_address_flag = per_address_flag
+        self.counted_as = counted_as
         self._address: dict[C, str] = {}
         self._open_from: dict[str, int] = {}
         # Insertion-ordered: the first key is the oldest unproved connection.
@@ -83,6 +110,32 @@ class ConnectionBook(Generic[C]):
         if len(self._address) >= self.cap:
             return Verdict(AT_CAP, self.oldest_unproved())
         return Verdict()
+
+    def bound(self, reason: str, address: str) -> tuple[int, str, int]:
+        """The cap a verdict's ``reason`` names for a newcomer from ``address``: how many
+        connections count against it, the setting that sets it, and its value."""
+        if reason == PER_ADDRESS:
+            return self.open_from(address), self.per_address_flag, self.per_address
+        return len(self._address), self.cap_flag, self.cap
+
+    def make_room(self, address: str, evict: Evict[C]) -> str | None:
+        """Judge a newcomer from ``address`` (:meth:`admit`) and act on the verdict: None when it
+        may be :meth:`add`\\ ed, after ``evict`` has closed the connection it displaces, if any;
+        otherwise the reason it is refused (:data:`PER_ADDRESS` or :data:`AT_CAP`), for the
+        caller to close it, count and log."""
+        verdict = self.admit(address)
+        if verdict.reason is None:
+            return None
+        if verdict.victim is None:
+            return verdict.reason
+        held, flag, cap = self.bound(verdict.reason, address)
+        if verdict.reason == PER_ADDRESS:
+            why = "to admit another from it: the address holds %d, its cap (%s %d"
+            evict(verdict.victim, "evicted_per_address", why, held, flag, cap)
+        else:
+            why = "to admit one from %s: %d " + self.counted_as + ", the cap (%s %d"
+            evict(verdict.victim, "evicted_at_cap", why, address, held, flag, cap)
+        return None
 
     def oldest_unproved(self) -> C | None:
         return next(iter(self._unproved), None)

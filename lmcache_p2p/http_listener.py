@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from lmcache_p2p.connection_book import AT_CAP, PER_ADDRESS, ConnectionBook
+from lmcache_p2p.connection_book import AT_CAP, ConnectionBook
 from lmcache_p2p.descriptors import OUT_OF_DESCRIPTORS, SpareDescriptor, connection_cap, descriptor_limit
 from lmcache_p2p.logs import RateLimitedLog
 
@@ -177,13 +177,11 @@ class Acceptor:
         book: ConnectionBook[BoundedHTTPProtocol],
         counts: ListenerCounts,
         log: RateLimitedLog,
-        limits: ConnectionLimits,
     ):
         self.listener = listener
         self.book = book
         self.counts = counts
         self.log = log
-        self.limits = limits
         self.spare = SpareDescriptor()
 
     async def run(self, protocol_factory: Any) -> None:
@@ -215,30 +213,10 @@ class Acceptor:
                     await asyncio.sleep(0.05)  # nothing could be shed: wait, rather than spin on the listener
                 continue
             host = peer_host(addr)
-            verdict = self.book.admit(host)
-            if verdict.victim is not None:
-                if verdict.reason == PER_ADDRESS:
-                    self._evict(
-                        verdict.victim,
-                        "evicted_per_address",
-                        "to admit another from it: the address holds %d, its cap (%s %d",
-                        self.book.open_from(host),
-                        self.limits.per_address_flag,
-                        self.book.per_address,
-                    )
-                else:
-                    self._evict(
-                        verdict.victim,
-                        "evicted_at_cap",
-                        "to admit one from %s: %d open, the cap (%s %d",
-                        host,
-                        len(self.book),
-                        self.limits.cap_flag,
-                        self.book.cap,
-                    )
-            elif verdict.reason is not None:
+            refused = self.book.make_room(host, self._evict)
+            if refused is not None:
                 sock.close()
-                self._refused(verdict.reason, host)
+                self._refused(refused, host)
                 continue
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -264,28 +242,17 @@ class Acceptor:
 
     def _refused(self, reason: str, host: str) -> None:
         self.counts.refused[reason] += 1
-        if reason == AT_CAP:
-            self.log.warning(
-                reason,
-                "refused a connection from %s: %d open, the cap (%s %d), each past its first request "
-                "(%d refused so far)",
-                host,
-                len(self.book),
-                self.limits.cap_flag,
-                self.book.cap,
-                self.counts.refused[reason],
-            )
-        else:
-            self.log.warning(
-                reason,
-                "refused a connection from %s: it holds %d open, its cap (%s %d), each past its first request "
-                "(%d refused so far)",
-                host,
-                self.book.open_from(host),
-                self.limits.per_address_flag,
-                self.book.per_address,
-                self.counts.refused[reason],
-            )
+        held, flag, cap = self.book.bound(reason, host)
+        what = "%d open, the cap" if reason == AT_CAP else "it holds %d open, its cap"
+        self.log.warning(
+            reason,
+            "refused a connection from %s: " + what + " (%s %d), each past its first request (%d refused so far)",
+            host,
+            held,
+            flag,
+            cap,
+            self.counts.refused[reason],
+        )
 
     def close(self) -> None:
         self.spare.close()
@@ -301,7 +268,9 @@ class BoundedServer(uvicorn.Server):
         log = RateLimitedLog(logging.getLogger(f"lmcache_p2p.{name}"), every_s=LOG_EVERY_S)
         self.cap = connection_cap(limits.max_connections, DESCRIPTOR_SHARE, DESCRIPTOR_RESERVE)
         per_address = min(self.cap, limits.max_per_address or self.cap)
-        book: ConnectionBook[BoundedHTTPProtocol] = ConnectionBook(self.cap, per_address)
+        book: ConnectionBook[BoundedHTTPProtocol] = ConnectionBook(
+            self.cap, per_address, cap_flag=limits.cap_flag, per_address_flag=limits.per_address_flag
+        )
         # A class of this server's own: uvicorn builds protocols from a class, never an instance.
         protocol = type(
             "BoundedHTTPProtocol",
@@ -319,7 +288,7 @@ class BoundedServer(uvicorn.Server):
         )
         self.counts = counts
         self.book = book
-        self.acceptor = Acceptor(listener, book, counts, log, limits)
+        self.acceptor = Acceptor(listener, book, counts, log)
         self._accepting: asyncio.Task[None] | None = None
         logging.getLogger(f"lmcache_p2p.{name}").info(
             "HTTP connections: at most %d (configured %d, descriptor limit %d), %d per client address, "

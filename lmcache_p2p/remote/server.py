@@ -455,7 +455,9 @@ class Server:
         self.store = LruStore(capacity)
         self.connections: set[_Connection] = set()
         self.max_connections = max_connections
-        self.book: ConnectionBook[_Connection] = ConnectionBook(max_connections, min(max_per_address, max_connections))
+        self.book: ConnectionBook[_Connection] = ConnectionBook(
+            max_connections, min(max_per_address, max_connections), counted_as="clients"
+        )
         self.idle_s = idle_s
         self.handshake_s = handshake_s
         self.min_upload_rate = min_upload_rate
@@ -556,28 +558,10 @@ class Server:
                     await asyncio.sleep(0.05)  # nothing could be shed: wait, rather than spin
                 continue
             host = str(addr[0])
-            verdict = self.book.admit(host)
-            if verdict.victim is not None:
-                if verdict.reason == PER_ADDRESS:
-                    self._evict(
-                        verdict.victim,
-                        "evicted_per_address",
-                        "to admit another from it: the address holds %d, its cap (--max-connections-per-address %d",
-                        self.book.open_from(host),
-                        self.book.per_address,
-                    )
-                else:
-                    self._evict(
-                        verdict.victim,
-                        "evicted_at_cap",
-                        "to admit one from %s: %d clients, the cap (--max-connections %d",
-                        host,
-                        len(self.connections),
-                        self.max_connections,
-                    )
-            elif verdict.reason is not None:
+            refused = self.book.make_room(host, self._evict)
+            if refused is not None:
                 sock.close()
-                self._refuse_at_accept(verdict.reason, host)
+                self._refuse_at_accept(refused, host)
                 continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
@@ -590,12 +574,8 @@ class Server:
 
     def _refuse_at_accept(self, reason: str, host: str) -> None:
         self.refused[reason] += 1
-        if reason == PER_ADDRESS:
-            held, cap, flag = self.book.open_from(host), self.book.per_address, "--max-connections-per-address"
-            what = "it holds %d, its cap"
-        else:
-            held, cap, flag = len(self.connections), self.max_connections, "--max-connections"
-            what = "%d clients, the cap"
+        held, flag, cap = self.book.bound(reason, host)
+        what = "it holds %d, its cap" if reason == PER_ADDRESS else "%d clients, the cap"
         self.door_log.warning(
             reason,
             "refused a connection from %s: " + what + " (%s %d), each past its handshake or first request "
