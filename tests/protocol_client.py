@@ -96,7 +96,12 @@ WEBUI_CONTROLLER = ("--worker-timeout", "6", "--health-check-interval", "0.5")
 
 
 class ControllerProcess:
-    """``lmcache_controller`` as a user starts it, on free loopback ports."""
+    """``lmcache_controller`` as a user starts it, on free loopback ports.
+
+    ``preexec_fn`` runs in the child before the controller starts (e.g. to lower its open-file
+    limit). ``read_log``: a thread reads the controller's output as it comes, into ``lines``, so a
+    flood of log lines never fills the pipe and stalls it; :meth:`stop` returns them all the same.
+    """
 
     def __init__(
         self,
@@ -105,7 +110,13 @@ class ControllerProcess:
         env: dict | None = None,
         argv: list[str] | None = None,
         reads_protected: bool = False,
+        preexec_fn: Callable[[], None] | None = None,
+        read_log: bool = False,
     ):
+        self.preexec_fn = preexec_fn
+        self.read_log = read_log
+        self.lines: list[str] = []
+        self._reader: threading.Thread | None = None
         # With --protect-reads the readiness GET answers 401: up all the same.
         self.ready_statuses = (200, 401) if reads_protected else (200,)
         self.http_port, self.pull, self.reply, self.heartbeat = ports or free_ports(4)
@@ -131,15 +142,35 @@ class ControllerProcess:
     def start(self) -> ControllerProcess:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            preexec_fn=self.preexec_fn,
         )
+        if self.read_log:
+            self.lines = []
+            self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)
+            self._reader.start()
         wait_for(self._up, 15, "controller HTTP")
         self.ready_after = time.monotonic() - self.started_at
         return self
 
+    def _read(self, stdout) -> None:
+        for line in stdout:
+            self.lines.append(line)
+
+    def _log(self) -> str:
+        """The output of the process that has exited."""
+        if self._reader is None:
+            return self.proc.stdout.read()
+        self._reader.join(5)  # to the end of the pipe
+        return "".join(self.lines)
+
     def _up(self) -> bool:
         if self.proc.poll() is not None:
-            raise AssertionError(f"controller exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            raise AssertionError(f"controller exited {self.proc.returncode}: {self._log()}")
         try:
             return self.http.get("/controller/workers").status_code in self.ready_statuses
         except httpx.TransportError:
@@ -153,7 +184,11 @@ class ControllerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.stdout.read() if self.proc else ""
+        return self._log() if self.proc else ""
+
+    def open_fds(self) -> int:
+        """How many descriptors the controller's process holds now."""
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def kill(self) -> None:
         self.proc.kill()

@@ -7,10 +7,7 @@ flood is gone a new rank registers. Everything over real ZMQ and HTTP on loopbac
 
 from __future__ import annotations
 
-import os
 import resource
-import subprocess
-import threading
 import time
 
 import pytest
@@ -30,44 +27,6 @@ FLOOD = 400  # then these at once: 1,200 connections, past the limit itself
 
 def _low_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
-
-
-class LimitedController(ControllerProcess):
-    """A controller under ``FD_LIMIT`` descriptors, its log read as it comes (a flood's lines
-    must never fill the pipe and stall it)."""
-
-    def start(self) -> LimitedController:
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self.env,
-            preexec_fn=_low_fd_limit,
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-        wait_for(self._up, 15, "controller HTTP")
-        return self
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        time.sleep(0.2)  # the reader's last lines
-        return "".join(self.lines)
-
-    def open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
 
 class Ranks:
@@ -146,7 +105,9 @@ def test_at_its_descriptor_limit_the_controller_refuses_the_ranks_it_cannot_hold
         if hard < need:
             pytest.skip(f"this test holds {need} descriptors; the limit here is {hard}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    controller = LimitedController().start()
+    # Under FD_LIMIT descriptors, its log read as it comes: a flood's lines must never fill the pipe
+    # and stall it.
+    controller = ControllerProcess(preexec_fn=_low_fd_limit, read_log=True).start()
     fleet = FakeFleet(controller, total, tp=1, prefix="cap")
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, total * 3 + 256)

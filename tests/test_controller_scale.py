@@ -5,12 +5,11 @@ open-file limit, registrations past capacity are refused with a clear error, nev
 from __future__ import annotations
 
 import resource
-import subprocess
 import time
 
 import pytest
 from fake_fleet import FakeFleet
-from protocol_client import ControllerProcess, wait_for
+from protocol_client import ControllerProcess
 
 # Past the 1,024 sockets of a default ZMQ context, where registrations and commands used to fail.
 RANKS = 1100
@@ -58,23 +57,8 @@ def _small_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (SMALL_FD_LIMIT, SMALL_FD_LIMIT))
 
 
-class _LimitedController(ControllerProcess):
-    def start(self) -> _LimitedController:
-        self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self.env,
-            preexec_fn=_small_fd_limit,
-        )
-        wait_for(self._up, 15, "controller HTTP")
-        return self
-
-
 def test_past_capacity_registrations_are_refused_and_every_registered_rank_answers():
-    controller = _LimitedController("--log-level", "warning").start()
+    controller = ControllerProcess("--log-level", "warning", preexec_fn=_small_fd_limit).start()
     fleet = FakeFleet(controller, 900, tp=1, prefix="capped")
     try:
         # Each rank over its own connection, as real ranks: the controller's descriptors run out.
