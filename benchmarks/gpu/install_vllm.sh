@@ -13,6 +13,11 @@ if ls wheels.part* > /dev/null 2>&1; then
   mkdir -p wheels && tar -C wheels -xf wheels.tar && rm wheels.tar
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu/site wheels/*.whl
+# A --target install leaves the wheels' .pth files unread (Python reads them only in its site
+# directories), and NVIDIA's CuTe DSL finds its `cutlass` package through one: vLLM 0.34's engine
+# core then fails at warm-up with "No module named 'cutlass'". This makes the folder a site
+# directory for every process that has it on PYTHONPATH.
+printf 'import site\nsite.addsitedir("/tmp/gpu/site")\n' > /tmp/gpu/site/sitecustomize.py
 # nixl_cu13 installs its module as nixl_cu13; the code imports nixl (PyPI's meta package would).
 [ -d /tmp/gpu/site/nixl_cu13 ] && ln -sfn nixl_cu13 /tmp/gpu/site/nixl
 # The project's plugin entry point (vLLM finds general plugins through distribution metadata)
