@@ -22,14 +22,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CHUNK = 256
 
 
-def _preempt_and_repeat(engine, tiny_model, num_blocks: int) -> dict:
+def _preempt_and_repeat(engine, tiny_model, num_blocks: int, block_args: tuple = ()) -> dict:
     """Four prompts of 260 tokens (a chunk each) generating 300 tokens in a KV cache of
     ``num_blocks`` blocks: some start, grow, and vLLM preempts one while our stores of them are
     in flight. The batch run again, its chunks now loaded from our CPU tier, gives the same
     tokens. Returns the engine's info after the first batch."""
     eng = engine(
         {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.25},
-        args=("--num-blocks", str(num_blocks), "--max-model-len", "640"),
+        args=("--num-blocks", str(num_blocks), "--max-model-len", "640", *block_args),
     )
     prompts = sample_prompts(tiny_model, 260, seeds=[21, 22, 23, 24])
     first = eng.request("generate_batch", prompts=prompts, max_tokens=300, timeout=300)
@@ -57,7 +57,8 @@ def test_an_engine_runs_a_supported_vllm_and_preempted_requests_keep_their_outpu
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the H200 device)")
 def test_on_a_gpu_with_asynchronous_scheduling_a_preemption_drops_no_output_for_our_saves(engine, tiny_model):
-    info = _preempt_and_repeat(engine, tiny_model, num_blocks=60)  # 60 GPU blocks of 16 tokens
+    # 60 GPU blocks of 16 tokens (vLLM 0.34's default block holds 64: the batch would fit)
+    info = _preempt_and_repeat(engine, tiny_model, num_blocks=60, block_args=("--block-size", "16"))
     assert info["async_scheduling"] is True, info
     assert info["preemptions_keeping_output"] > 0 and info["preemptions_dropping_output"] == 0, info
 

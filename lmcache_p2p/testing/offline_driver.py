@@ -212,6 +212,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
     parser.add_argument("--num-blocks", type=int, help="vLLM's KV cache blocks (a small cache preempts)")
+    parser.add_argument(
+        "--block-size", type=int, help="tokens a KV cache block holds (vLLM's default: 16 before 0.34, 64 from 0.34)"
+    )
     parser.add_argument("--kv-role", default="kv_both")
     parser.add_argument("--dtype", default="float32", help="the model's dtype in vLLM (on a GPU: bfloat16)")
     parser.add_argument(
@@ -247,6 +250,8 @@ def main(argv=None) -> None:
         enable_prefix_caching=False,
         kv_cache_memory_bytes=args.kv_cache_mib << 20,
         num_gpu_blocks_override=args.num_blocks,
+        # only when asked: a test that sizes its cache in blocks names the block it means
+        **({"block_size": args.block_size} if args.block_size else {}),
         distributed_executor_backend="uni",
         kv_transfer_config=kv_transfer,
         seed=0,
