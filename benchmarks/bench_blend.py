@@ -26,10 +26,17 @@ tokens equal ``full``'s (and the mean share of leading tokens equal), and the ti
 takes here (the blend or the prefill, transformers on this host's CPU: a relative cost, not an
 engine's TTFT).
 
-``--task``: each prompt's question has an answer in its documents (which module's documentation
-contains eight words quoted from the middle of one of them); every method's greedy answer is
-scored against it: ``task_exact`` (the first word generated is the module's name) and ``task_f1``
-(token F1 of the answer's first line, as LongBench scores the original's CacheBlend runs).
+``--task`` (``--task quote``): each prompt's question has an answer in its documents (which
+module's documentation contains eight words quoted from the middle of one of them); every
+method's greedy answer is scored against it: ``task_exact`` (the first word generated is the
+module's name) and ``task_f1`` (token F1 of the answer's first line, as LongBench scores the
+original's CacheBlend runs). ``--task pair``: multi-document question answering, as in the
+CacheBlend authors' multi-hop sets: the question quotes two passages from two different
+documents and asks for both modules (``task_exact``: both named in the answer's first line).
+
+Every share (greedy tokens equal to ``full``'s, the first token equal, answers right) comes with
+its count and a 95% interval (Wilson's score interval): a few dozen prompts separate methods only
+where the intervals do.
 
 ``--engine``: the same prompts through vLLM CPU engines with our connector (the offline driver),
 one engine per method: ``full`` with blending off, the others with ``enable_blending`` (naive:
@@ -120,13 +127,21 @@ def documents(words: int) -> list[str]:
     return docs
 
 
+TASKS = ("quote", "pair")
+
+
 def build_prompt(
-    rng: random.Random, docs: list[str], task: bool, questions: tuple[str, ...] = QUESTIONS
+    rng: random.Random, docs: list[str], task: str | None, questions: tuple[str, ...] = QUESTIONS
 ) -> tuple[list[str], str, str | None]:
-    """A prompt of 3 to 6 of ``docs``: (the documents chosen, the prompt, and with ``task`` the
-    answer its question has, else None)."""
+    """A prompt of 3 to 6 of ``docs``: (the documents chosen, the prompt, and with ``task`` (one
+    of :data:`TASKS`) the answer its question has, else None)."""
     chosen = rng.sample(docs, rng.randint(3, 6))
-    question, answer = task_question(rng, chosen) if task else (rng.choice(questions), None)
+    if task == "pair":
+        question, answer = pair_question(rng, chosen)
+    elif task:
+        question, answer = task_question(rng, chosen)
+    else:
+        question, answer = rng.choice(questions), None
     return chosen, join_segments([SYSTEM, *chosen, question]), answer
 
 
@@ -134,36 +149,76 @@ def join_segments(segments: list[str]) -> str:
     return DEFAULT_SEPARATOR.join(segments)
 
 
+def quoted(doc: str, at: float = 0.5) -> tuple[str, str]:
+    """(the module a document describes, eight of its words from ``at`` of the way through)."""
+    head, _, text = doc.partition(": ")
+    words = text.split()
+    start = max(0, min(int(len(words) * at) - 4, len(words) - 8))
+    return head.split()[-1], " ".join(words[start : start + 8])
+
+
 def task_question(rng: random.Random, chosen: list[str]) -> tuple[str, str]:
     """A question the documents answer: which module's documentation holds eight words quoted
     from the middle of one of them; (the question, that module's name). The model must find the
     passage and copy the name that opens its document, which takes attention across segments."""
-    doc = rng.choice(chosen)
-    head, _, text = doc.partition(": ")
-    words = text.split()
-    start = max(0, len(words) // 2 - 4)
-    quote = " ".join(words[start : start + 8])
-    return f'Question: Which module\'s documentation contains the words "{quote}"? Answer: Module', head.split()[-1]
+    name, quote = quoted(rng.choice(chosen))
+    return f'Question: Which module\'s documentation contains the words "{quote}"? Answer: Module', name
+
+
+def pair_question(rng: random.Random, chosen: list[str]) -> tuple[str, str]:
+    """Multi-document: two passages quoted from two different documents, both modules asked for;
+    (the question, the two names separated by a space). Each name opens a different segment, so
+    the answer needs attention into two cached segments, one of them read for the second quote
+    after the model has written the first name."""
+    first, second = rng.sample(chosen, 2)
+    (name1, quote1), (name2, quote2) = quoted(first, 0.4), quoted(second, 0.6)
+    question = (
+        f'Question: The words "{quote1}" come from one module\'s documentation and the words "{quote2}" '
+        "from another's. Which two modules are they? Answer: Modules"
+    )
+    return question, f"{name1} {name2}"
 
 
 def answer_scores(generated: str, answer: str) -> tuple[bool, float]:
-    """(exact: the first word generated is the answer; token F1 of the first line against it,
-    as LongBench scores the original's CacheBlend runs), case and punctuation ignored."""
+    """(exact: for one name, the first word generated is it; for several (``--task pair``), each
+    is among the first line's words; token F1 of the first line against the names, as LongBench
+    scores the original's CacheBlend runs), case and punctuation ignored."""
     predicted = re.findall(r"[a-z0-9_]+", generated.strip().split("\n")[0].lower())
-    gold = answer.lower()
-    exact = bool(predicted) and predicted[0] == gold
-    if gold not in predicted:
+    gold = answer.lower().split()
+    matched = len(set(gold) & set(predicted))  # each name once, however often it repeats
+    exact = bool(predicted) and (predicted[0] == gold[0] if len(gold) == 1 else matched == len(gold))
+    if not matched:
         return exact, 0.0
-    precision = 1 / len(predicted)  # the one gold word, matched once however often it repeats
-    return exact, 2 * precision / (precision + 1)
+    precision, recall = matched / len(predicted), matched / len(gold)
+    return exact, 2 * precision * recall / (precision + recall)
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> list[float]:
+    """Wilson's score interval (95% by default) for a share of ``successes`` in ``trials``: it
+    stays inside [0, 1] and is honest at 0 or all, where the normal interval collapses."""
+    if trials == 0:
+        return [0.0, 1.0]
+    share = successes / trials
+    centre = (share + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * ((share * (1 - share) + z * z / (4 * trials)) / trials) ** 0.5 / (1 + z * z / trials)
+    return [round(max(0.0, centre - half), 3), round(min(1.0, centre + half), 3)]
+
+
+def shares(name: str, hits: list[bool]) -> dict:
+    """``name``'s share, count and 95% interval, as JSON fields."""
+    k, n = sum(hits), len(hits)
+    return {f"{name}_share": round(k / n, 3) if n else None, f"{name}_count": [k, n], f"{name}_ci95": wilson(k, n)}
 
 
 def task_scores(scores: list[tuple[bool, float]]) -> dict:
     """``task_exact`` and ``task_f1`` over a method's answers (nothing without ``--task``)."""
     if not scores:
         return {}
+    exact = [e for e, _ in scores]
     return {
-        "task_exact": round(sum(e for e, _ in scores) / len(scores), 3),
+        "task_exact": round(sum(exact) / len(exact), 3),
+        "task_exact_count": [sum(exact), len(exact)],
+        "task_exact_ci95": wilson(sum(exact), len(exact)),
         "task_f1": round(statistics.fmean(f for _, f in scores), 3),
     }
 
@@ -313,6 +368,7 @@ def engine_run(
         if method == "full":
             reference = outputs
         same = [o == r for o, r in zip(outputs, reference, strict=True)]
+        first = [o[:1] == r[:1] for o, r in zip(outputs, reference, strict=True)]
         line = {
             "bench": "blend_engine",
             "method": method,
@@ -321,7 +377,8 @@ def engine_run(
             "ttft_ms_p50_p90": [round(percentile(ttfts, 50), 1), round(percentile(ttfts, 90), 1)],
             # Does it hold as the run goes on (the tiers filling)? The mean of each quarter.
             "ttft_ms_by_quarter": [round(statistics.fmean(q), 1) for q in quarters(ttfts)],
-            "greedy_equal_share": round(sum(same) / len(same), 3),
+            **shares("greedy_equal", same),
+            **shares("first_token_equal", first),
             "blended_requests": blended,
             "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
             "blend_phases_device_ms_mean": phases,
@@ -379,9 +436,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--task",
-        action="store_true",
-        help="ask a question the documents answer (which module's documentation quotes a passage) and "
-        "score the answers: task_exact, task_f1",
+        nargs="?",
+        const="quote",
+        choices=TASKS,
+        help="ask a question the documents answer and score the answers (task_exact, task_f1): quote (the "
+        "default: which module's documentation quotes a passage) or pair (two passages from two documents: "
+        "which two modules)",
     )
     parser.add_argument(
         "--long-docs",
@@ -433,7 +493,7 @@ def main() -> int:
     adapter = HFDecoder(model)
     separator = separator_ids(encode, DEFAULT_SEPARATOR)
     results: dict[str, dict[str, list]] = {
-        m: {"k": [], "v": [], "same": [], "lead": [], "ms": [], "task": []} for m in methods
+        m: {"k": [], "v": [], "same": [], "first": [], "lead": [], "ms": [], "task": []} for m in methods
     }
     prompt_tokens, segment_counts = [], []
     for p in range(args.prompts):
@@ -462,6 +522,7 @@ def main() -> int:
             r["k"].append(deviation(k, full_k))
             r["v"].append(deviation(v, full_v))
             r["same"].append(out == reference)
+            r["first"].append(out[:1] == reference[:1])
             r["lead"].append(leading_equal(out, reference) / args.new_tokens)
             r["ms"].append(ms)
             if gold is not None:
@@ -481,14 +542,15 @@ def main() -> int:
             "v_deviation_per_layer": [round(statistics.fmean(x[i] for x in r["v"]), 4) for i in range(layers)],
             "k_deviation_mean": round(statistics.fmean(statistics.fmean(x) for x in r["k"]), 4),
             "v_deviation_mean": round(statistics.fmean(statistics.fmean(x) for x in r["v"]), 4),
-            "greedy_equal_share": round(sum(r["same"]) / len(r["same"]), 3),
+            **shares("greedy_equal", r["same"]),
+            **shares("first_token_equal", r["first"]),
             "greedy_leading_equal_share": round(statistics.fmean(r["lead"]), 3),
             "ms_mean": round(statistics.fmean(r["ms"]), 1),
             "ms_min_max": [round(min(r["ms"]), 1), round(max(r["ms"]), 1)],
             **task_scores(r["task"]),
         }
         print(json.dumps(line), flush=True)
-        keep = ("v_deviation_mean", "greedy_equal_share", "ms_mean", "task_exact")
+        keep = ("v_deviation_mean", "greedy_equal_share", "first_token_equal_share", "ms_mean", "task_exact")
         summary[method] = {k: line[k] for k in keep if k in line}
     summary["prompt_tokens_min_max"] = [min(prompt_tokens), max(prompt_tokens)]
     summary["segments_min_max"] = [min(segment_counts), max(segment_counts)]
