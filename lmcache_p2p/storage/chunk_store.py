@@ -1,10 +1,13 @@
 """What a chunk store is to the code that uses it: an index of chunk hashes across the local tiers
 and the lifecycle of the pages chunks live in, behind one small protocol (:class:`ChunkStore`),
-and the queue of admit/evict records it keeps for each reader (:class:`StorageEventQueue`).
+the queue of admit/evict records it keeps for each reader (:class:`StorageEventQueue`), and what
+peer pulls need beyond it to land pages (:class:`PullLanding`).
 
 :class:`~lmcache_p2p.storage.manager.StorageManager` is the store; the write-back of pulls that
 landed in VRAM (``storage.landing``) writes into a :class:`ChunkStore`, and so depends on this
-protocol, never on the manager.
+protocol, never on the manager. So does the worker: only ``worker.build_engine``, which builds the
+store, sees the manager; it hands the worker the store as a :class:`ChunkStore` and its pools as a
+:class:`PullLanding` (``storage.pull_landing.TierLanding``).
 
 Page lifecycle: a producer that fills a page in place (a kernel gather, a peer pull, the remote
 tier's fetch) ``reserve_page``\\s one, fills it, then ``commit_page``\\s it under its chunk hash,
@@ -25,10 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from lmcache_p2p.keys import ChunkKey
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
+from lmcache_p2p.storage.gpu_tier import GpuTier
+from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.vocab import CPU, StorageEvent
 
 
@@ -68,8 +74,17 @@ class ChunkStore(Protocol):
 
     chunk_size: int
     page_bytes: int
+    # The layout's exchange digest: what peers compare at hello and in every pull, so engines
+    # with other layouts or key rules never exchange chunks.
+    fingerprint: int
 
     def key(self, chunk_hash: int) -> ChunkKey: ...
+
+    @property
+    def locations(self) -> list[str]:
+        """The locations chunks are held at here (LocalCPUBackend, LocalDiskBackend), as the
+        controller names them."""
+        ...
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -80,6 +95,11 @@ class ChunkStore(Protocol):
     def location_of(self, chunk_hash: int) -> str | None: ...
 
     def holds(self, chunk_hash: int, location: str) -> bool: ...
+
+    def held_hashes(self, location: str) -> np.ndarray:
+        """Every chunk hash held at ``location`` (a re-sync's full key set); ValueError for a
+        location that is none of :attr:`locations`' kinds."""
+        ...
 
     def pin(self, chunk_hash: int, gpu: bool = False) -> PinnedChunk | None:
         """The chunk's payload, held (not evicted, its page not reused) until released."""
@@ -109,4 +129,42 @@ class ChunkStore(Protocol):
 
     def record_events(self) -> StorageEventQueue:
         """A new queue of this store's admits and evicts from now on, for one reader to drain."""
+        ...
+
+    def stats(self) -> dict:
+        """Each tier's counters, for /status and the health command."""
+        ...
+
+
+class PullLanding(Protocol):
+    """What a peer pull needs of a rank's store beyond :class:`ChunkStore` (whose
+    ``reserve_page``/``commit_page``/``abandon_page`` it fills CPU pages with) to land pages: the
+    pools a holder may write into, and the GPU tier's side of a pull that landed in VRAM."""
+
+    @property
+    def cpu_pool(self) -> PagePool:
+        """The pool ``reserve_page``'s pages are in: the transports register it, and a pull reads
+        the pages it landed there to check them."""
+        ...
+
+    @property
+    def gpu_tier(self) -> GpuTier | None:
+        """The GPU tier a same-host holder may write the engine's prefix pulls into (``local_gpu``),
+        else None; the transports register and reserve its pages."""
+        ...
+
+    def commit_landed(
+        self,
+        chunk_hashes: Sequence[int],
+        gpu_pages: Sequence[int],
+        cpu_pages: Sequence[int],
+        checksums: Sequence[int],
+        device_checksums: Sequence[int] | None = None,
+    ) -> None:
+        """Chunks a holder wrote into GPU tier pages: loadable now, written back behind into the
+        reserved ``cpu_pages`` (:meth:`VramLanding.commit_landed`)."""
+        ...
+
+    def abandon_gpu_page(self, page: int) -> None:
+        """Give back a GPU tier page a pull landed in but does not commit."""
         ...

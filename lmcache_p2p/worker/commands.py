@@ -41,8 +41,8 @@ from lmcache_p2p.protocol import (
     unpack_hashes,
 )
 from lmcache_p2p.rpc import Handler, RemoteError, RequestFailed, RpcServer
+from lmcache_p2p.storage.chunk_store import ChunkStore
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
-from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.vocab import CPU
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.links import ControllerLinks
@@ -58,7 +58,7 @@ class CommandServer:
         self,
         ctx: zmq.asyncio.Context,
         identity: WorkerIdentity,
-        storage: StorageManager,
+        storage: ChunkStore,
         link: ControllerLinks,
         peers: P2PClient | None,
         status: Callable[[], dict],

@@ -56,7 +56,7 @@ from lmcache_p2p.protocol import (
     pack_hashes,
 )
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
-from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.storage.chunk_store import ChunkStore
 from lmcache_p2p.vocab import StorageEvent
 from lmcache_p2p.worker.adapters import ServedAdapters
 from lmcache_p2p.worker.identity import WorkerIdentity
@@ -125,7 +125,7 @@ class ControllerLink:
         self,
         ctx: zmq.asyncio.Context,
         identity: WorkerIdentity,
-        storage: StorageManager,
+        storage: ChunkStore,
         pull_url: str,
         reply_url: str,
         heartbeat_time: float,

@@ -25,7 +25,7 @@ from lmcache_p2p.miss_reasons import HOLDER_GONE, Miss, PulledChunks
 from lmcache_p2p.protocol import MeshPeer
 from lmcache_p2p.pull_policy import PullPolicy
 from lmcache_p2p.rpc import RpcClient
-from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.storage.chunk_store import ChunkStore, PullLanding
 from lmcache_p2p.transfer import Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S
@@ -49,7 +49,8 @@ class P2PClient:
         self,
         ctx: zmq.asyncio.Context,
         identity: WorkerIdentity,
-        storage: StorageManager,
+        storage: ChunkStore,
+        landing: PullLanding,
         link: ControllerLinks,
         transports: dict[str, Transport],
         preferred: str,
@@ -71,7 +72,7 @@ class P2PClient:
             identity,
             self.connections,
             transports,
-            PullPages(storage, self.stats),
+            PullPages(storage, landing, self.stats),
             self.stats,
             batch_chunks=batch_chunks,
             pipeline_depth=pipeline_depth,

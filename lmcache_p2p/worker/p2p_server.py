@@ -39,8 +39,8 @@ from lmcache_p2p.protocol import (
     unpack_pages,
 )
 from lmcache_p2p.rpc import Answer, Handler, RpcServer
+from lmcache_p2p.storage.chunk_store import ChunkStore
 from lmcache_p2p.storage.cpu_tier import PinnedChunk
-from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.vocab import GPU
 from lmcache_p2p.worker.identity import WorkerIdentity
@@ -63,7 +63,7 @@ class PeerServer:
         self,
         ctx: zmq.asyncio.Context,
         identity: WorkerIdentity,
-        storage: StorageManager,
+        storage: ChunkStore,
         transports: dict[str, Transport],
         client: P2PClient,
         max_concurrent_pulls: int = 4,

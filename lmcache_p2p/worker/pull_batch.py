@@ -25,7 +25,7 @@ from lmcache_p2p.keys import in_parallel, payload_checksum
 from lmcache_p2p.miss_reasons import CHECKSUM_FAILED, EVICTED, HOLDER_GONE, POOL_FULL, Miss
 from lmcache_p2p.protocol import ChunkPull, ChunkPullReply, pack_hashes, pack_pages, unpack_hashes
 from lmcache_p2p.rpc import RemoteError, RequestFailed
-from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.storage.chunk_store import ChunkStore, PullLanding
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.transfer.base import Landing
 from lmcache_p2p.worker.peer_links import Peer, PeerConnection
@@ -95,10 +95,13 @@ class Batch:
 
 class PullPages:
     """The store's side of pulls: pages reserved for a batch, checked, committed, or given back
-    (kept out of the pool, counted as quarantined, while a holder may still write into them)."""
+    (kept out of the pool, counted as quarantined, while a holder may still write into them).
+    CPU pages go through the store (``storage``), pages landed in the GPU tier through
+    ``landing``, whose ``cpu_pool`` holds the pages the store reserves."""
 
-    def __init__(self, storage: StorageManager, stats: PullStats):
+    def __init__(self, storage: ChunkStore, landing: PullLanding, stats: PullStats):
         self.storage = storage
+        self.landing = landing
         self.stats = stats
 
     def reserve(self, batch: Batch) -> None:
@@ -113,19 +116,15 @@ class PullPages:
         if len(batch.pages) < len(hashes):
             # Only the chunks we have pages for are asked for. The rest are no miss at the
             # holder: our pool is full, and the run ends here (a move/copy must not skip them).
-            cpu = self.storage.cpu
-            assert cpu is not None  # config.validate(): enable_p2p requires local_cpu
             batch.pool_full = (
                 f"CPU pool full: reserved {len(batch.pages)} of {len(hashes)} pages (every other "
-                f"page of {cpu.pool.num_pages} is pinned or in a transfer)"
+                f"page of {self.landing.cpu_pool.num_pages} is pinned or in a transfer)"
             )
             batch.hashes = hashes[: len(batch.pages)]
 
     def verify(self, pages: list[int], checksums: np.ndarray) -> int:
         """How many leading pages match their checksums (hashed on several threads)."""
-        cpu = self.storage.cpu
-        assert cpu is not None  # config.validate(): enable_p2p requires local_cpu
-        pool = cpu.pool
+        pool = self.landing.cpu_pool
         got = in_parallel(lambda page: payload_checksum(pool.page(page).numpy()), pages[: len(checksums)])
         for i, checksum in enumerate(got):
             if checksum != int(checksums[i]):
@@ -145,10 +144,8 @@ class PullPages:
         held = [batch.hashes[i] for i in kept]
         if batch.gpu_pages:
             if kept:
-                landing = self.storage.landing
-                assert landing is not None  # GPU tier pages were reserved: the store has the tier and its landing
                 device = batch.device_checksums
-                landing.commit_landed(
+                self.landing.commit_landed(
                     held,
                     [batch.gpu_pages[i] for i in kept],
                     [batch.pages[i] for i in kept],
@@ -162,14 +159,14 @@ class PullPages:
         self.give_back([page for i, page in enumerate(batch.pages) if i not in taken])
         for i, page in enumerate(batch.gpu_pages):
             if i not in taken:
-                self.storage.abandon_gpu_page(page)
+                self.landing.abandon_gpu_page(page)
         return held
 
     def abandon(self, batch: Batch, start: int = 0) -> None:
         """Give a batch's pages (CPU and GPU tier) back from chunk ``start`` on."""
         self.give_back(batch.pages[start:])
         for page in batch.gpu_pages[start:]:
-            self.storage.abandon_gpu_page(page)
+            self.landing.abandon_gpu_page(page)
 
     def abandon_finished(self, task: asyncio.Task) -> None:
         """A batch of a pull its caller gave up on: nothing commits it, so its pages go back."""

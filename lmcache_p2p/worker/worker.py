@@ -31,7 +31,9 @@ from lmcache_p2p.miss_reasons import NOT_HELD, TIMEOUT, Miss
 from lmcache_p2p.peer_service import EngineCounters
 from lmcache_p2p.protocol import Traffic
 from lmcache_p2p.pull_policy import PrefillRate, PullPolicy
+from lmcache_p2p.storage.chunk_store import ChunkStore, PullLanding
 from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.storage.pull_landing import TierLanding
 from lmcache_p2p.transfer import TcpTransport, TransferError, Transport, make_transport
 from lmcache_p2p.worker.adapters import ServedAdapters
 from lmcache_p2p.worker.commands import CommandServer
@@ -58,7 +60,8 @@ def build_engine(
     """One rank's cache engine: its tiers, and with ``enable_controller`` its worker (which
     reports the engine's counters). ``pin_memory`` is for the CPU pool; ``device`` is the KV's
     (torch.device) when it is a GPU, where GPU staging goes. Everything that runs an engine builds
-    it here (the vLLM connector's worker half, the stand-in)."""
+    it here (the vLLM connector's worker half, the stand-in). The one place that sees the
+    ``StorageManager``: the worker gets it as a ``ChunkStore`` and its tiers as a ``PullLanding``."""
     config.validate()
     config.validate_for_tp(layout.tp_size)
     config.validate_for_block_size(layout.block_size)
@@ -71,7 +74,7 @@ def build_engine(
     peers = None
     if config.enable_controller:
         try:
-            peers = Worker(config, storage, layout, rank, counters, device=device)
+            peers = Worker(config, storage, TierLanding.of(storage), layout, rank, counters, device=device)
         except BaseException:
             storage.close()  # its disk writer thread
             raise
@@ -79,12 +82,15 @@ def build_engine(
 
 
 class Worker:
-    """The network side of one rank (a ``PeerService`` for its :class:`CacheEngine`)."""
+    """The network side of one rank (a ``PeerService`` for its :class:`CacheEngine`): its chunks
+    through ``storage``, and with P2P its pulls landed through ``landing`` (None without a CPU
+    tier, which P2P requires)."""
 
     def __init__(
         self,
         config: LMCacheConfig,
-        storage: StorageManager,
+        storage: ChunkStore,
+        landing: PullLanding | None,
         layout: LayoutFingerprint,
         rank: int,
         counters: EngineCounters,
@@ -93,6 +99,7 @@ class Worker:
         self.config = config
         self.device = device  # the engine's KV device (torch.device); GPU staging goes there
         self.storage = storage
+        self.landing = landing
         self.counters = counters  # the engine's totals: the lookup ones go out with each heartbeat
         self.identity = WorkerIdentity.from_config(config, layout, rank)
         self.started_at = time.time()
@@ -109,11 +116,12 @@ class Worker:
         # Read here, in the engine's thread, so a bad secret file fails the engine's start-up.
         secret = config.resolved_mesh_secret()
         self.security = MeshSecurity(secret) if secret is not None else None
-        if config.enable_p2p and storage.gpu is not None and storage.page_bytes % 4 == 0:
+        gpu_tier = landing.gpu_tier if landing is not None else None
+        if config.enable_p2p and gpu_tier is not None and storage.page_bytes % 4 == 0:
             # What the first pull landing in the GPU tier checks its pages with. Made here, in the
             # engine's thread, not within the worker's start-up window: its first build on a
             # machine (nvcc) takes a minute or more, and failed every GPU engine's start.
-            device_checksum.prepare(storage.page_bytes, storage.gpu.pool.buffer.device)
+            device_checksum.prepare(storage.page_bytes, gpu_tier.pool.buffer.device)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -183,11 +191,14 @@ class Worker:
             if config.enable_p2p:
                 channel = config.transfer_channel
                 assert channel is not None  # config.validate(): required with enable_p2p
-                self.transports = self._make_transports(channel)
+                landing = self.landing
+                assert landing is not None  # config.validate(): enable_p2p requires local_cpu
+                self.transports = self._make_transports(channel, landing)
                 self.client = P2PClient(
                     self.ctx,
                     me,
                     self.storage,
+                    landing,
                     self.link,
                     self.transports,
                     channel,
@@ -241,10 +252,8 @@ class Worker:
         if client is not None and link is not None and not client.is_warm(instance_id, rank):
             link.beat_soon(f"{instance_id} rank {rank} greeted us and is not in our warm set")
 
-    def _make_transports(self, channel: str) -> dict[str, Transport]:
-        cpu = self.storage.cpu
-        assert cpu is not None  # config.validate(): enable_p2p requires local_cpu
-        pool, session = cpu.pool, self.identity.session
+    def _make_transports(self, channel: str, landing: PullLanding) -> dict[str, Transport]:
+        pool, session = landing.cpu_pool, self.identity.session
         transports: dict[str, Transport] = {}
         if channel != "tcp":
             try:
@@ -256,7 +265,7 @@ class Worker:
                     self.config.nixl_buffer_device,
                     self.config.nixl_buffer_size,
                     self.device,
-                    gpu_tier=self.storage.gpu,
+                    gpu_tier=landing.gpu_tier,
                 )
             except TransferError as e:
                 if self.config.nixl_buffer_device == "cuda":  # the fast path was asked for by name
