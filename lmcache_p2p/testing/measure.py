@@ -53,3 +53,37 @@ def closed_by_server(socks: list[socket.socket]) -> int:
         except OSError:  # reset, or never connected: the server is not holding it
             closed += 1
     return closed
+
+
+def footprint(pids: list[int]) -> dict:
+    """Open descriptors, threads and resident MiB summed over ``pids`` (/proc; a process gone
+    meanwhile counts nothing), with how many of them were read."""
+    fds = threads = rss_pages = read = 0
+    for pid in pids:
+        try:
+            n_fds = len(os.listdir(f"/proc/{pid}/fd"))
+            with open(f"/proc/{pid}/status") as f:
+                n_threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+            with open(f"/proc/{pid}/statm") as f:
+                pages = int(f.read().split()[1])
+        except (OSError, StopIteration, ValueError):
+            continue
+        fds, threads, rss_pages, read = fds + n_fds, threads + n_threads, rss_pages + pages, read + 1
+    rss_mib = rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return {"processes": read, "fds": fds, "threads": threads, "rss_mib": round(rss_mib, 1)}
+
+
+def process_group(pgid: int) -> list[int]:
+    """The pids whose process group is ``pgid`` (an engine's API server, engine core, workers)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # pgrp; a zombie holds nothing
+            pids.append(int(entry))
+    return pids
