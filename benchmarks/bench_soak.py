@@ -9,17 +9,20 @@ checked at the end from /proc/net/tcp):
 * two ``lmcache_controller`` processes, the high-availability pair (README, "High availability"):
   every engine is given both, paired by position;
 * ``--engines`` vLLM CPU OpenAI servers with the connector on the tiny test model, P2P over TCP,
-  each pinned to a core in turn; odd engines write behind to a Redis (Debian's
-  ``redis-server``, ``--maxmemory`` with LRU eviction), even ones to an ``lmcache_server``;
+  each pinned to a core in turn, vLLM's own prefix cache off (``--no-enable-prefix-caching``:
+  a repeat is then the connector's to serve; ``--vllm-prefix-caching`` keeps it); odd engines
+  write behind to a Redis (Debian's ``redis-server``, ``--maxmemory`` with LRU eviction), even
+  ones to an ``lmcache_server``;
 * one client thread: greedy completions of ``--max-tokens`` tokens of token-id prompts, a random
   live engine each, a random one of ``--recurring`` recurring prompts or (``--new-fraction``)
   the next never-sent prompt;
 * a chaos loop (``--seed``): after a random pause (``--fault-min-s`` to ``--fault-max-s``) it
   ``kill -9``s one process group (an engine, one of the controllers, the Redis or the
-  ``lmcache_server``), waits 1-5 s and restarts it on the same ports, waits until it answers,
-  then pauses again; one fault at a time, so one controller at most is ever down and one engine
-  at least is up. No fault starts in the last ``--quiet-end-s``; the soak ends when the time is
-  up and the last restart is back.
+  ``lmcache_server``: each kind once a round, the rounds' orders and the targets random),
+  waits 1-5 s and restarts it on the same ports, waits until it answers, then pauses again;
+  one fault at a time, so one controller at most is ever down and one engine at least is up.
+  No fault starts in the last ``--quiet-end-s``; the soak ends when the time is up and the last
+  restart is back.
 
 The reference outputs come from a vLLM engine without the connector (the offline driver,
 ``--no-connector``), started before the fleet: every prompt the client may send is computed
@@ -270,6 +273,7 @@ class Soak:
             replies.append(f"127.0.0.1:{reply}")
         self.members += [redis, lmserver, *self.controllers]
         cores = os.cpu_count() or 1
+        prefix_caching = () if a.vllm_prefix_caching else ("--no-enable-prefix-caching",)
         for i in range(1, a.engines + 1):
             port = free_ports(1)[0]
             store = f"redis://127.0.0.1:{redis_port}" if i % 2 else f"lm://127.0.0.1:{lm_port}"
@@ -299,7 +303,7 @@ class Soak:
                 "taskset",
                 "--cpu-list",
                 core,
-                *vllm_server_command(self.model, port, "--host", "127.0.0.1", *CPU_ENGINE_ARGS),
+                *vllm_server_command(self.model, port, "--host", "127.0.0.1", *CPU_ENGINE_ARGS, *prefix_caching),
             ]
             url = f"http://127.0.0.1:{port}"
             engine = Member(f"engine{i}", "engine", command, self.workdir, http_ready(f"{url}/health"), env)
@@ -473,12 +477,15 @@ class Soak:
 
     def chaos_loop(self, deadline: float) -> None:
         rng = random.Random(self.args.seed)
-        kinds = ["engine", "controller", "redis", "lmcache_server"]
+        kinds: list[str] = []
         while True:
             pause = rng.uniform(self.args.fault_min_s, self.args.fault_max_s)
             if self.stop_chaos.wait(pause) or self.now() + self.args.quiet_end_s > deadline:
                 return
-            kind = rng.choice(kinds)
+            if not kinds:  # each kind once a round, in a random order: a short soak meets them all
+                kinds = ["engine", "controller", "redis", "lmcache_server"]
+                rng.shuffle(kinds)
+            kind = kinds.pop()
             targets = [m for m in self.members if m.kind == kind]
             member = rng.choice(targets)
             down_s = rng.uniform(1.0, 5.0)
@@ -704,6 +711,11 @@ def main() -> int:
     ap.add_argument("--workdir", help="logs and configs (default: a new temporary directory, kept)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--cpu-gb", type=float, default=0.0625, help="each engine's CPU pool (small: it evicts)")
+    ap.add_argument(
+        "--vllm-prefix-caching",
+        action="store_true",
+        help="keep vLLM's own prefix cache on (it then answers most repeats before the connector is asked)",
+    )
     ap.add_argument("--recurring", type=int, default=8, help="recurring prompts")
     ap.add_argument("--new-fraction", type=float, default=0.3, help="share of requests with a never-sent prompt")
     ap.add_argument("--max-new-prompts", type=int, default=600, help="new prompts computed for the reference at most")
