@@ -14,8 +14,9 @@ checked at the end from /proc/net/tcp):
   write behind to a Redis (Debian's ``redis-server``, ``--maxmemory`` with LRU eviction), even
   ones to an ``lmcache_server``;
 * one client thread: greedy completions of ``--max-tokens`` tokens of token-id prompts, a random
-  live engine each, a random one of ``--recurring`` recurring prompts or (``--new-fraction``)
-  the next never-sent prompt;
+  live engine each, a random one of ``--recurring`` recurring prompts, or (``--new-fraction``)
+  the next never-sent prompt, or (``--recent-fraction``) one of the last ``--recent-window`` new
+  prompts again (held by the engine that answered it, or by no live one since a kill);
 * a chaos loop (``--seed``): after a random pause (``--fault-min-s`` to ``--fault-max-s``) it
   ``kill -9``s one process group (an engine, one of the controllers, the Redis or the
   ``lmcache_server``: each kind once a round, the rounds' orders and the targets random),
@@ -361,7 +362,7 @@ class Soak:
 
     # -- the client ----------------------------------------------------------------------------
 
-    def ask(self, engine: Member, index: int, record: bool = True) -> None:
+    def ask(self, engine: Member, index: int, record: bool = True, kind: str = "recurring") -> None:
         url = self.engine_urls[engine.name]
         incarnation = engine.incarnation
         body = {
@@ -372,7 +373,7 @@ class Soak:
             "return_token_ids": True,
         }
         at = self.now()
-        entry: dict = {"at_s": at, "engine": engine.name, "prompt": index}
+        entry: dict = {"at_s": at, "engine": engine.name, "prompt": index, "kind": kind}
         try:
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=self.args.request_timeout_s)
             response.raise_for_status()
@@ -394,21 +395,29 @@ class Soak:
         with self.lock:
             self.requests.append(entry)
 
+    def choose_prompt(self, rng: random.Random) -> tuple[int, str]:
+        """The next prompt's index and kind: a never-sent one (``--new-fraction``), one of the
+        last ``--recent-window`` new ones again (``--recent-fraction``: held by whichever engine
+        answered it, maybe one killed since), else a recurring one."""
+        a = self.args
+        draw = rng.random()
+        if draw < a.new_fraction and self.next_new < len(self.prompts) - a.recurring:
+            self.next_new += 1
+            return a.recurring + self.next_new - 1, "new"
+        if draw < a.new_fraction + a.recent_fraction and self.next_new > 0:
+            return a.recurring + rng.randrange(max(0, self.next_new - a.recent_window), self.next_new), "recent"
+        return rng.randrange(a.recurring), "recurring"
+
     def client_loop(self) -> None:
         rng = random.Random(self.args.seed * 1000 + 1)
-        recurring, new = self.args.recurring, len(self.prompts) - self.args.recurring
         while not self.stop_load.is_set():
             live = [e for e in self.engines if e.up]
             if not live:
                 time.sleep(0.2)
                 continue
             engine = rng.choice(live)
-            if rng.random() < self.args.new_fraction and self.next_new < new:
-                index = recurring + self.next_new
-                self.next_new += 1
-            else:
-                index = rng.randrange(recurring)
-            self.ask(engine, index)
+            index, kind = self.choose_prompt(rng)
+            self.ask(engine, index, kind=kind)
             self.stop_load.wait(self.args.pause_s)
 
     # -- metrics -------------------------------------------------------------------------------
@@ -459,7 +468,7 @@ class Soak:
                 last_line = minute
                 self.progress(minute)
 
-    def progress(self, minute: int) -> None:
+    def progress(self, minute: int | str) -> None:
         with self.lock:
             requests = list(self.requests)
         outcome = Counter(r["outcome"] for r in requests)
@@ -555,7 +564,7 @@ class Soak:
         threads[2].join(30)
         self.sample_metrics()
         end_s = self.now()
-        self.progress(int(end_s // 60))
+        self.progress("end")
         return self.report(setup_s, end_s)
 
     def reference_outputs(self) -> list[list[int]]:
@@ -618,6 +627,7 @@ class Soak:
             "requests_answered": outcome["answered"],
             "requests_failed_by_fault": outcome["failed_by_fault"],
             "requests_failed_otherwise": outcome["failed"],
+            "answered_by_prompt_kind": Counter(r["kind"] for r in requests if r["outcome"] == "answered"),
             "failures": Counter(r["error"].split(":")[0] for r in requests if "error" in r),
             "outputs_differed": len(differed),
             "differed_examples": differed[:5],
@@ -718,6 +728,10 @@ def main() -> int:
     )
     ap.add_argument("--recurring", type=int, default=8, help="recurring prompts")
     ap.add_argument("--new-fraction", type=float, default=0.3, help="share of requests with a never-sent prompt")
+    ap.add_argument(
+        "--recent-fraction", type=float, default=0.2, help="share of requests repeating a recent new prompt"
+    )
+    ap.add_argument("--recent-window", type=int, default=20, help="how many of the last new prompts count as recent")
     ap.add_argument("--max-new-prompts", type=int, default=600, help="new prompts computed for the reference at most")
     ap.add_argument("--prompt-tokens", type=int, default=700)
     ap.add_argument("--max-tokens", type=int, default=8)
