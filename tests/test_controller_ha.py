@@ -197,17 +197,26 @@ def test_the_router_given_both_controllers_keeps_routing_when_one_dies(controlle
 
 
 class StandinLink:
-    """What ControllerLinks uses of a ControllerLink: a lookup answer, messages kept, a warm set."""
+    """What ControllerLinks uses of a ControllerLink: a session (registered, a warm set), a lookup
+    answer, messages kept by the event stream."""
 
     def __init__(self, name: str, reply: P2PLookupReply, registered: bool = True):
         self.reply = SimpleNamespace(address=f"tcp://{name}:8400")
         self.me = SimpleNamespace(describe=lambda: "inst rank 0")
-        self.registered, self.epoch, self.answer = registered, f"epoch-{name}", reply
-        self.settling = False
+        self.session = SimpleNamespace(
+            registered=registered,
+            epoch=f"epoch-{name}",
+            settling=False,
+            unanswered_since=None,
+            effective_channel=None,
+            channel_error=None,
+            on_peers=None,
+            max_warm_peers=0,
+        )
+        self.lookup = self
+        self.events = self
+        self.answer = reply
         self.stats = {"p2p_lookups": 0, "p2p_lookups_rechecked": 0}
-        self._lookups_failing_since = None
-        self.effective_channel = self.channel_error = self.on_peers = None
-        self.max_warm_peers = 0
         self.sent: list = []
 
     async def p2p_lookup(self, hashes, timeout):
@@ -251,7 +260,7 @@ def test_lookups_go_in_order_past_timeout_misses_messages_to_all_warm_set_from_t
             holders=[replace(holder, matched_chunks=chunks)] if chunks else [], miss_reason="not_held"
         )
 
-    first.settling, first.answer, second.answer = True, offering(0), offering(3)
+    first.session.settling, first.answer, second.answer = True, offering(0), offering(3)
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 3
     first.answer, second.answer = offering(2), offering(1)
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).holders[0].matched_chunks == 2
@@ -261,7 +270,7 @@ def test_lookups_go_in_order_past_timeout_misses_messages_to_all_warm_set_from_t
     first.answer = offering(0)
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
     assert first.stats["p2p_lookups_rechecked"] == 3 and second.stats["p2p_lookups"] == 6
-    first.settling = False
+    first.session.settling = False
     assert asyncio.run(links.p2p_lookup(hashes, 1.0)).miss_reason == "not_held"
     assert second.stats["p2p_lookups"] == 6
     first.answer = unanswered
@@ -271,11 +280,11 @@ def test_lookups_go_in_order_past_timeout_misses_messages_to_all_warm_set_from_t
 
     taken: list = []
     links.on_peers = lambda peers, registered: taken.append(peers)
-    first.on_peers(["from c1"], True)
-    second.on_peers(["from c2"], False)  # dropped: c1 is registered and comes first
+    first.session.on_peers(["from c1"], True)
+    second.session.on_peers(["from c2"], False)  # dropped: c1 is registered and comes first
     assert taken == [["from c1"]]
-    first.registered = False
-    second.on_peers(["from c2"], False)  # c1 gone: c2's set is taken
+    first.session.registered = False
+    second.session.on_peers(["from c2"], False)  # c1 gone: c2's set is taken
     assert taken == [["from c1"], ["from c2"]] and links.epoch == "epoch-c2"
     assert [s["warm_set_from_here"] for s in links.status()] == [False, True]
 

@@ -16,8 +16,8 @@ from lmcache_p2p.rpc import RemoteError
 from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.storage.memory import PagePool
 from lmcache_p2p.vocab import CPU, DISK, StorageEvent
+from lmcache_p2p.worker.event_stream import EventBatcher
 from lmcache_p2p.worker.identity import _route_address
-from lmcache_p2p.worker.link import EventBatcher
 
 
 def event(kind, h, location=CPU):

@@ -50,7 +50,7 @@ def prompt_tokens(rank: int, prompt: int, chunks: int, chunk_size: int) -> np.nd
 
 
 class HashStore:
-    """What a ControllerLink reads of a StorageManager, over chunk hashes alone: its locations,
+    """What a ControllerLink reads of a ChunkStore, over chunk hashes alone: its locations,
     the hashes held at one (a re-sync's key set), and a queue of admits per reader."""
 
     locations = [CPU]
@@ -180,7 +180,7 @@ class LinkFleet:
                 per_controller.append(
                     {
                         "reply_url": links[0].reply.address,
-                        "registered": sum(link.registered for link in links),
+                        "registered": sum(link.session.registered for link in links),
                         **totals,
                     }
                 )

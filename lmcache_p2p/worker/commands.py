@@ -246,7 +246,7 @@ class CommandServer:
             error = f"worker error: {e}"
         if error and not ok:
             logger.warning("%s: %s %s failed: %s", me.describe(), kind, command.event_id, error)
-        # Sent to every controller; each ControllerLink.send puts the removals above (batched
+        # Sent to every controller; each EventStream.send puts the removals above (batched
         # events) ahead of the done: once a move is done, /lookup no longer lists its source.
         self.link.send(
             CommandDone(

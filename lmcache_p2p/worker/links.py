@@ -8,10 +8,10 @@ drains its own queue of the store's events (each link asks the store for one), s
 controller indexes every key. What the facade decides is only where a request goes:
 
 * a peer lookup asks the links in order and takes the first answer; a link that is not registered
-  or whose last lookup went unanswered answers a ``timeout`` miss at once (ControllerLink's fast
+  or whose last lookup went unanswered answers a ``timeout`` miss at once (PeerLookup's fast
   miss), and a lookup that goes unanswered moves on to the next link right then, so a dead first
   controller costs one lookup timeout once, and nothing after its link has noticed. A controller
-  that restarted a moment ago (``ControllerLink.settling``: within a heartbeat interval and a
+  that restarted a moment ago (``ControllerSession.settling``: within a heartbeat interval and a
   re-sync) knows only the ranks that registered again: an answer of it that does not offer every
   chunk is checked with the next controller, and the longer offer wins;
 * a message (a command's ``CommandDone``, a ``Deregister``) goes to every controller: a worker
@@ -33,7 +33,8 @@ import numpy as np
 from lmcache_p2p.miss_reasons import TIMEOUT
 from lmcache_p2p.protocol import MeshPeer, P2PLookupReply
 from lmcache_p2p.vocab import OFFER_TIMEOUT_S
-from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S, ControllerLink
+from lmcache_p2p.worker.link import ControllerLink
+from lmcache_p2p.worker.session import REQUEST_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -59,30 +60,30 @@ class ControllerLinks:
 
     @property
     def effective_channel(self) -> str | None:
-        return self.links[0].effective_channel
+        return self.links[0].session.effective_channel
 
     @effective_channel.setter
     def effective_channel(self, value: str | None) -> None:
         for link in self.links:
-            link.effective_channel = value
+            link.session.effective_channel = value
 
     @property
     def channel_error(self) -> str | None:
-        return self.links[0].channel_error
+        return self.links[0].session.channel_error
 
     @channel_error.setter
     def channel_error(self, value: str | None) -> None:
         for link in self.links:
-            link.channel_error = value
+            link.session.channel_error = value
 
     @property
     def max_warm_peers(self) -> int:
-        return self.links[0].max_warm_peers
+        return self.links[0].session.max_warm_peers
 
     @max_warm_peers.setter
     def max_warm_peers(self, value: int) -> None:
         for link in self.links:
-            link.max_warm_peers = value
+            link.session.max_warm_peers = value
 
     @property
     def on_peers(self) -> PeersCallback | None:
@@ -92,7 +93,7 @@ class ControllerLinks:
     def on_peers(self, callback: PeersCallback | None) -> None:
         self._on_peers = callback
         for link in self.links:
-            link.on_peers = None if callback is None else self._peers_callback(link)
+            link.session.on_peers = None if callback is None else self._peers_callback(link)
 
     def _peers_callback(self, link: ControllerLink) -> PeersCallback:
         def take(peers: list[MeshPeer], registered: bool) -> object:
@@ -120,7 +121,7 @@ class ControllerLinks:
     # -- state -----------------------------------------------------------------------------------
 
     def first_registered(self) -> ControllerLink | None:
-        return next((link for link in self.links if link.registered), None)
+        return next((link for link in self.links if link.session.registered), None)
 
     @property
     def registered(self) -> bool:
@@ -131,7 +132,7 @@ class ControllerLinks:
     def epoch(self) -> str:
         """The first registered controller's epoch ("" while none is)."""
         link = self.first_registered()
-        return link.epoch if link is not None else ""
+        return link.session.epoch if link is not None else ""
 
     @property
     def stats(self) -> dict[str, int]:
@@ -147,9 +148,9 @@ class ControllerLinks:
         return [
             {
                 "reply_url": link.reply.address,
-                "registered": link.registered,
-                "controller_epoch": link.epoch,
-                "lookups_failing": link._lookups_failing_since is not None,
+                "registered": link.session.registered,
+                "controller_epoch": link.session.epoch,
+                "lookups_failing": link.session.unanswered_since is not None,
                 "warm_set_from_here": link is self._peers_from,
                 **link.stats,
             }
@@ -167,18 +168,18 @@ class ControllerLinks:
             link.close(deregister=deregister)
 
     def send(self, message) -> bool:
-        """To every controller (each flushes its own events first, as ControllerLink.send does);
+        """To every controller (each flushes its own events first, as EventStream.send does);
         True when at least one could queue it."""
-        sent = [link.send(message) for link in self.links]
+        sent = [link.events.send(message) for link in self.links]
         return any(sent)
 
     def flush(self) -> None:
         for link in self.links:
-            link.flush()
+            link.events.flush()
 
     def beat_soon(self, why: str) -> None:
         for link in self.links:
-            link.beat_soon(why)
+            link.session.beat_soon(why)
 
     # -- peer lookup -----------------------------------------------------------------------------
 
@@ -190,19 +191,19 @@ class ControllerLinks:
         would otherwise spend its whole wait on a dead controller while a live one could
         answer); the last gets the whole ``timeout``, as a lone controller would."""
         if len(self.links) == 1:
-            return await self.links[0].p2p_lookup(hashes, timeout)
+            return await self.links[0].lookup.p2p_lookup(hashes, timeout)
         unanswered: list[str] = []
         unsettled: P2PLookupReply | None = None  # a settling controller's short answer, while others are asked
         for i, link in enumerate(self.links):
             wait = timeout if i == len(self.links) - 1 else min(timeout, FAILOVER_WAIT_S)
-            reply = await link.p2p_lookup(hashes, wait)
+            reply = await link.lookup.p2p_lookup(hashes, wait)
             if not reply.holders and reply.miss_reason == TIMEOUT:
                 unanswered.append(f"{link.reply.address}: {reply.miss_detail}")
                 continue
             if unsettled is not None:  # the longer offer wins; the settling controller's on a tie
                 return reply if _offered(reply) > _offered(unsettled) else unsettled
-            if link.settling and _offered(reply) < len(hashes):
-                link.stats["p2p_lookups_rechecked"] += 1
+            if link.session.settling and _offered(reply) < len(hashes):
+                link.lookup.stats["p2p_lookups_rechecked"] += 1
                 unsettled = reply
                 continue
             if self._answered_by is not link and unanswered:

@@ -15,10 +15,10 @@ import numpy as np
 
 from lmcache_p2p.miss_reasons import BELOW_BREAK_EVEN, NOT_HELD, Miss
 from lmcache_p2p.pull_policy import PullPolicy
-from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S
 from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
 from lmcache_p2p.worker.pull_stats import PullStats
+from lmcache_p2p.worker.session import REQUEST_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from lmcache_p2p.rpc import RpcClient
 from lmcache_p2p.storage.chunk_store import ChunkStore, PullLanding
 from lmcache_p2p.transfer import Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
-from lmcache_p2p.worker.link import REQUEST_TIMEOUT_S
 from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.offers import OfferMaker, PeerOffer
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
@@ -36,6 +35,7 @@ from lmcache_p2p.worker.pull_batch import PullPages
 from lmcache_p2p.worker.pull_job import PullJob, PullResult, PullSetup
 from lmcache_p2p.worker.pull_pump import Landed, PullOverlap, PullPump
 from lmcache_p2p.worker.pull_stats import PullStats
+from lmcache_p2p.worker.session import REQUEST_TIMEOUT_S
 from lmcache_p2p.worker.warm_peers import WarmSet
 
 logger = logging.getLogger(__name__)

@@ -78,7 +78,7 @@ class PeerServer:
         # Called with (instance id, rank) of each requester that opened a session: a rank that
         # greets us is live and of our layout, which the worker uses to learn of newcomers early.
         self.on_greeted: Callable[[str, int], object] | None = None
-        # Sends the storage events waiting in the worker's batcher (ControllerLink.flush): a move's
+        # Sends the storage events waiting in the worker's batchers (EventStream.flush): a move's
         # destination reports what it now holds before its reply lets the source call it done.
         self.flush_events: Callable[[], object] | None = None
         self.stats = {
