@@ -235,7 +235,9 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         """This rank's counters' growth since its last report, and its tiers' occupancy."""
         if self._worker is None:
             return None
-        data = self._worker.take_metrics()
+        # Still bound here: vLLM asks for the stats before it clears the step's metadata.
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        data = self._worker.take_metrics(meta if isinstance(meta, P2PConnectorMetadata) else None)
         return engine_metrics.build_stats(data) if data is not None else None
 
     @classmethod

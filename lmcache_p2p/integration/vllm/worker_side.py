@@ -401,9 +401,15 @@ class WorkerSide:
         self._saving -= done
         return done
 
-    def take_metrics(self) -> dict | None:
+    def take_metrics(self, meta: P2PConnectorMetadata | None) -> dict | None:
         """For vLLM's /metrics (engine_metrics.py): this rank's counters' growth since its last
-        report and its tiers' occupancy, at most every 50 ms; None between reports."""
+        report and its tiers' occupancy, at most every 50 ms, after a step that computed tokens
+        (``meta``: the step's metadata); None between reports. Not after a step that computed
+        nothing (every request waiting for its load, as while a peer's chunks are pulled): vLLM's
+        offline engine (``LLM``) records a step's stats only when the step produced output, so a
+        report there would be lost, and the growth it carried with it."""
+        if meta is not None and meta.step_tokens == 0:
+            return None
         return self.metrics.take() if self.metrics is not None and self.engine is not None else None
 
     def take_load_errors(self) -> set[int]:
