@@ -332,6 +332,36 @@ def test_a_lookup_offers_what_the_store_holds_the_load_fetches_it_and_a_stopped_
         server.kill()
 
 
+def test_the_first_exists_round_may_take_the_longest_deadline_and_the_store_is_connected_at_start(caplog):
+    """A first round may open the connections (a cluster client discovers the slots first): it
+    gets the longest deadline, and the engine connects at start so that its first lookup does not
+    pay for that. Later rounds get a deadline that follows the store's usual round."""
+    import logging
+
+    from lmcache_p2p.cache_engine import CacheEngine
+    from lmcache_p2p.remote.offers import ExistsRounds
+    from lmcache_p2p.vocab import REMOTE_OFFER_TIMEOUT_S
+
+    rounds = ExistsRounds()
+    assert rounds.deadline() == REMOTE_OFFER_TIMEOUT_S
+    rounds.took(0.001)
+    assert rounds.deadline() == ExistsRounds.DEADLINE_MIN_S
+    for _ in range(ExistsRounds.WINDOW):
+        rounds.took(0.004)
+    assert rounds.deadline() == pytest.approx(ExistsRounds.DEADLINE_PER_USUAL * 0.004)
+
+    server = LmServer().start()
+    reader = manager(server.url)
+    try:
+        with caplog.at_level(logging.INFO, logger="lmcache_p2p.remote.tier"):
+            engine = CacheEngine(reader_config(server.url), LAYOUT, reader)
+            wait_for(lambda: "connected (ping" in caplog.text, timeout=10, what="the engine to connect to the store")
+        engine.close()
+    finally:
+        reader.close()
+        server.kill()
+
+
 def reader_config(url: str) -> LMCacheConfig:
     return LMCacheConfig.from_dict(
         {"chunk_size": CHUNK, "max_local_cpu_size": 64 * PAGE / 2**30, "remote_url": url, "remote_timeout_s": 1.0}

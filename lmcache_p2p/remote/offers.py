@@ -49,7 +49,9 @@ class ExistsRounds:
     must cost a running stream about what a prefill costs it, while a healthy store on a busy host
     must still answer in time. The deadline is ``DEADLINE_PER_USUAL`` times the usual (median)
     round of late, between ``DEADLINE_MIN_S`` and ``REMOTE_OFFER_TIMEOUT_S``; a round past it goes
-    on, and until it ends no lookup asks again."""
+    on, and until it ends no lookup asks again. Before any round was measured the deadline is
+    ``REMOTE_OFFER_TIMEOUT_S``: a first round may open the connections (a cluster client also
+    discovers the slots and connects to each master), which takes more than a round on a busy host."""
 
     DEADLINE_PER_USUAL = 20
     DEADLINE_MIN_S = 0.05  # a round on loopback takes ~1 ms; a loaded 2-core host's, a few
@@ -63,6 +65,8 @@ class ExistsRounds:
         return sorted(self._recent)[len(self._recent) // 2] if self._recent else 0.0
 
     def deadline(self) -> float:
+        if not self._recent:
+            return REMOTE_OFFER_TIMEOUT_S
         return min(REMOTE_OFFER_TIMEOUT_S, max(self.DEADLINE_MIN_S, self.DEADLINE_PER_USUAL * self.usual_s()))
 
     def took(self, seconds: float) -> None:
@@ -87,6 +91,8 @@ class RemoteOffers:
         self._threads: concurrent.futures.ThreadPoolExecutor | None = concurrent.futures.ThreadPoolExecutor(
             FETCH_THREADS, thread_name_prefix="lmcache-fetch"
         )
+        # Connect now, off the step path, so that the first lookup pays a round and not the set-up.
+        self._threads.submit(tier.connect)
 
     def offer(self, hashes: list[int], timeout: float | None = None) -> RemoteOffer | Miss:
         """The leading chunks of ``hashes`` the store holds, as an offer, capped at what the CPU

@@ -227,6 +227,17 @@ class RemoteTier:
     def is_up(self) -> bool:
         return self._clock() >= self._down_until
 
+    def connect(self) -> None:
+        """Open the store's connection (one ping) before the first lookup needs it; a store down
+        now is marked down, as a failed round would mark it."""
+        try:
+            took = self.store.ping()
+        except Exception as e:  # as in prefix_length: the store's failure is an outage, never the engine's error
+            self._failed("connect", e)
+            return
+        self._succeeded()
+        logger.info("remote tier %s connected (ping %.2f ms)", self.name, took * 1e3)
+
     def _failed(self, doing: str, error: Exception) -> None:
         with self._lock:
             self.counters.errors += 1
