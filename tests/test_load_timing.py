@@ -133,13 +133,22 @@ class TimedCopy:
     on_device = True
 
     next_seconds = 0.003  # how long the next copy made runs
-    next_delay = 0.0  # and how long it waits behind other work first
+    # and how long it waits behind other work first; None: it starts when the host first looks at
+    # it (so that a loaded host's late step cannot find a short copy already over)
+    next_delay: float | None = 0.0
 
     def __init__(self, plans, planes, layer_planes, fence=None, staging=None, after=None):
         self.plans = plans
         self.queued_at = time.monotonic()
-        self.started_at = self.queued_at + TimedCopy.next_delay
+        delay = TimedCopy.next_delay
+        self._started_at = None if delay is None else self.queued_at + delay
         self.seconds = TimedCopy.next_seconds
+
+    @property
+    def started_at(self) -> float:
+        if self._started_at is None:
+            self._started_at = time.monotonic()
+        return self._started_at
 
     def started(self) -> bool:
         return time.monotonic() >= self.started_at
@@ -162,7 +171,7 @@ def timed_loads(monkeypatch):
     device_planes = [SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))]
     loads = LoadExecutor(engine, device_planes, {})  # type: ignore[arg-type]
 
-    def queue(req_id: str, seconds: float, delay: float = 0.0) -> None:
+    def queue(req_id: str, seconds: float, delay: float | None = 0.0) -> None:
         TimedCopy.next_seconds, TimedCopy.next_delay = seconds, delay
         spec = LoadSpec(req_id, hashes, 64, blocks, 0, 64, beside_steps=True)
         assert loads.load(spec, engine.pin_prefix(hashes)) is None
@@ -203,7 +212,7 @@ def test_a_computing_step_waits_at_most_2_ms_and_only_for_a_copy_about_to_end(ti
     time.sleep(0.002)
     assert step(loads, computing=True)[0] == {"measured"}  # (done already: reported, no wait)
 
-    queue("nearly done", 0.0015)
+    queue("nearly done", 0.0015, delay=None)  # running when the step looks, ending 1.5 ms later
     with caplog.at_level(logging.DEBUG):
         received, took = step(loads, computing=True)
     assert received == {"nearly done"}
