@@ -23,7 +23,6 @@ from protocol_client import layout, wait_for
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.miss_reasons import EVICTED, HOLDER_GONE, Miss
 from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.storage.pull_landing import TierLanding
 from lmcache_p2p.worker import pull_pump
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.peer_links import Peer
@@ -97,9 +96,7 @@ def _setup(batch_chunks: int = 4, depth: int = 3) -> tuple[PullSetup, StorageMan
     storage = StorageManager(config, layout(), pin_memory=False)
     stats = PullStats()
     me = WorkerIdentity("requester", 0, "127.0.0.1", 0, layout(), 16)
-    landing = TierLanding.of(storage)
-    assert landing is not None
-    pages = PullPages(storage, landing, stats)
+    pages = PullPages(storage, storage, stats)  # the store is its own PullLanding
     setup = PullSetup(me, FakeConnections(), {}, pages, stats, batch_chunks, depth)  # type: ignore[arg-type]
     return setup, storage
 

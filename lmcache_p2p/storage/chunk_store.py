@@ -6,8 +6,8 @@ peer pulls need beyond it to land pages (:class:`PullLanding`).
 :class:`~lmcache_p2p.storage.manager.StorageManager` is the store; the write-back of pulls that
 landed in VRAM (``storage.landing``) writes into a :class:`ChunkStore`, and so depends on this
 protocol, never on the manager. So does the worker: only ``worker.build_engine``, which builds the
-store, sees the manager; it hands the worker the store as a :class:`ChunkStore` and its pools as a
-:class:`PullLanding` (``storage.pull_landing.TierLanding``).
+store, sees the manager; it hands the worker the store twice, as a :class:`ChunkStore` and as
+the :class:`PullLanding` of its pools.
 
 Page lifecycle: a producer that fills a page in place (a kernel gather, a peer pull, the remote
 tier's fetch) ``reserve_page``\\s one, fills it, then ``commit_page``\\s it under its chunk hash,

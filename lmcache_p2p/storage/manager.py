@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 class StorageManager:
     """The :class:`ChunkStore` of one engine rank: its tiers' index and page lifecycle, the
-    write-behind of CPU admits, and the event queues of its readers."""
+    write-behind of CPU admits, and the event queues of its readers; and the :class:`PullLanding`
+    its peer pulls land through, once it has a CPU tier."""
 
     def __init__(
         self,
@@ -337,6 +338,30 @@ class StorageManager:
 
     def abandon_gpu_page(self, page: int) -> None:
         self._gpu_tier().pool.free(page)
+
+    # -- the PullLanding of peer pulls -----------------------------------------------------------
+
+    @property
+    def cpu_pool(self) -> PagePool:
+        if self.cpu is None:  # build_engine hands the worker no landing then (P2P requires local_cpu)
+            raise RuntimeError("no CPU tier (local_cpu is off), so no pull can land here")
+        return self.cpu.pool
+
+    @property
+    def gpu_tier(self) -> GpuTier | None:
+        return self.gpu
+
+    def commit_landed(
+        self,
+        chunk_hashes: Sequence[int],
+        gpu_pages: Sequence[int],
+        cpu_pages: Sequence[int],
+        checksums: Sequence[int],
+        device_checksums: Sequence[int] | None = None,
+    ) -> None:
+        if self.landing is None:  # made with the GPU tier
+            raise RuntimeError("no GPU tier (local_gpu is off), so no pull can have landed in it")
+        self.landing.commit_landed(chunk_hashes, gpu_pages, cpu_pages, checksums, device_checksums=device_checksums)
 
     def _gpu_tier(self) -> GpuTier:
         if self.gpu is None:

@@ -33,7 +33,6 @@ from lmcache_p2p.protocol import Traffic
 from lmcache_p2p.pull_policy import PrefillRate, PullPolicy
 from lmcache_p2p.storage.chunk_store import ChunkStore, PullLanding
 from lmcache_p2p.storage.manager import StorageManager
-from lmcache_p2p.storage.pull_landing import TierLanding
 from lmcache_p2p.transfer import TcpTransport, TransferError, Transport, make_transport
 from lmcache_p2p.worker.adapters import ServedAdapters
 from lmcache_p2p.worker.commands import CommandServer
@@ -74,7 +73,9 @@ def build_engine(
     peers = None
     if config.enable_controller:
         try:
-            peers = Worker(config, storage, TierLanding.of(storage), layout, rank, counters, device=device)
+            # The store is its own PullLanding, once it has a CPU tier for pulls to land in.
+            landing = storage if storage.cpu is not None else None
+            peers = Worker(config, storage, landing, layout, rank, counters, device=device)
         except BaseException:
             storage.close()  # its disk writer thread
             raise
