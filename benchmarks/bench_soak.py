@@ -55,7 +55,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import sys
@@ -77,6 +76,7 @@ from lmcache_p2p.testing import offline_driver  # noqa: E402
 from lmcache_p2p.testing.measure import footprint, process_group  # noqa: E402
 from lmcache_p2p.testing.ports import free_ports  # noqa: E402
 from lmcache_p2p.testing.processes import CPU_ENGINE_ARGS, CPU_ENGINE_ENV, ServedProcess, http_status  # noqa: E402
+from lmcache_p2p.testing.served_fleet import controller_command, venv_bin  # noqa: E402
 from lmcache_p2p.testing.tiny_model import build, sample_prompts  # noqa: E402
 
 CHUNK = 256
@@ -101,10 +101,6 @@ BOUNDS: dict[str, dict[str, float]] = {
 
 def log(message: str) -> None:
     print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _bin(name: str) -> str:
-    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name) or name
 
 
 def tcp_up(port: int) -> bool:
@@ -232,7 +228,7 @@ class Soak:
             "redis",
             "redis",
             [
-                _bin("redis-server"),
+                venv_bin("redis-server"),
                 *("--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(redis_dir)),
                 *("--save", "", "--appendonly", "no", "--daemonize", "no"),
                 *("--maxmemory", f"{REDIS_MAXMEMORY_MIB}mb", "--maxmemory-policy", "allkeys-lru"),
@@ -243,7 +239,7 @@ class Soak:
         lmserver = Member(
             "lmcache_server",
             "lmcache_server",
-            [_bin("lmcache_server"), "127.0.0.1", str(lm_port), "--max-size-gb", str(LMSERVER_GB)],
+            [venv_bin("lmcache_server"), "127.0.0.1", str(lm_port), "--max-size-gb", str(LMSERVER_GB)],
             self.workdir,
             lambda: tcp_up(lm_port),
         )
@@ -251,20 +247,10 @@ class Soak:
         for name in ("controller_a", "controller_b"):
             http, pull, reply, heartbeat = free_ports(4)
             url = f"http://127.0.0.1:{http}"
-            monitor = f'{{"pull": {pull}, "reply": {reply}, "heartbeat": {heartbeat}}}'
-            command = [
-                _bin("lmcache_controller"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(http),
-                "--monitor-ports",
-                monitor,
-            ]
             controller = Member(
                 name,
                 "controller",
-                command,
+                controller_command(http, pull, reply, heartbeat),
                 self.workdir,
                 http_ready(f"{url}/controller/workers"),
             )

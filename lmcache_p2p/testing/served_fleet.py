@@ -33,8 +33,26 @@ GPU_ENGINE_ARGS = ("--dtype", "float32", "--enforce-eager", "--max-model-len", "
 GPU_ENGINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _bin(name: str) -> str:
-    return shutil.which(name, path=str(Path(sys.executable).parent)) or name
+def venv_bin(name: str) -> str:
+    """``name`` from this interpreter's environment (where the project's scripts are installed),
+    else from PATH (a system server: ``redis-server``), else as given."""
+    return shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name) or name
+
+
+def controller_command(http: int, pull: int, reply: int, heartbeat: int, *extra: str) -> list[str]:
+    """``lmcache_controller`` on 127.0.0.1: its HTTP API on port ``http``, its ZMQ monitor on
+    ``pull``, ``reply`` and ``heartbeat``; ``extra``: more of its arguments."""
+    monitor = f'{{"pull": {pull}, "reply": {reply}, "heartbeat": {heartbeat}}}'
+    return [
+        venv_bin("lmcache_controller"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http),
+        "--monitor-ports",
+        monitor,
+        *extra,
+    ]
 
 
 def tp_engine_env(tp: int) -> dict[str, str]:
@@ -123,16 +141,7 @@ class ServedFleet:
         http, pull, reply, heartbeat = free_ports(4)
         controller = ServedProcess(
             "controller",
-            [
-                _bin("lmcache_controller"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(http),
-                "--monitor-ports",
-                f'{{"pull": {pull}, "reply": {reply}, "heartbeat": {heartbeat}}}',
-                *self.controller_args,
-            ],
+            controller_command(http, pull, reply, heartbeat, *self.controller_args),
             self.workdir / "controller.log",
         ).start()
         self.processes["controller"] = controller
@@ -206,7 +215,7 @@ class ServedFleet:
 
     def start_router(self, policy: str, name: str | None = None, *extra: str) -> tuple[ServedProcess, str]:
         """``lmcache_router`` with ``policy``; (its process, its URL) once healthy."""
-        command = [_bin("lmcache_router"), "--controller-url", self.controller_url, "--port", "{port}"]
+        command = [venv_bin("lmcache_router"), "--controller-url", self.controller_url, "--port", "{port}"]
         return self.start_server(name or f"router-{policy}", [*command, "--policy", policy, *extra])
 
     def stop(self) -> None:
