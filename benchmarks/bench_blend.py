@@ -211,14 +211,12 @@ def shares(name: str, hits: list[bool]) -> dict:
 
 
 def task_scores(scores: list[tuple[bool, float]]) -> dict:
-    """``task_exact`` and ``task_f1`` over a method's answers (nothing without ``--task``)."""
+    """``task_exact`` (share, count and 95% interval) and ``task_f1`` over a method's answers
+    (nothing without ``--task``)."""
     if not scores:
         return {}
-    exact = [e for e, _ in scores]
     return {
-        "task_exact": round(sum(exact) / len(exact), 3),
-        "task_exact_count": [sum(exact), len(exact)],
-        "task_exact_ci95": wilson(sum(exact), len(exact)),
+        **shares("task_exact", [e for e, _ in scores]),
         "task_f1": round(statistics.fmean(f for _, f in scores), 3),
     }
 
@@ -385,7 +383,7 @@ def engine_run(
             **task_scores(scores),
         }
         print(json.dumps(line), flush=True)
-        summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share", "task_exact") if k in line}
+        summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share", "task_exact_share") if k in line}
     summary["workdir"] = str(workdir)  # the engines' logs
     summary["args"] = vars(args)
     print(json.dumps(summary), flush=True)
@@ -550,7 +548,7 @@ def main() -> int:
             **task_scores(r["task"]),
         }
         print(json.dumps(line), flush=True)
-        keep = ("v_deviation_mean", "greedy_equal_share", "first_token_equal_share", "ms_mean", "task_exact")
+        keep = ("v_deviation_mean", "greedy_equal_share", "first_token_equal_share", "ms_mean", "task_exact_share")
         summary[method] = {k: line[k] for k in keep if k in line}
     summary["prompt_tokens_min_max"] = [min(prompt_tokens), max(prompt_tokens)]
     summary["segments_min_max"] = [min(segment_counts), max(segment_counts)]

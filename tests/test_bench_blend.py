@@ -54,6 +54,14 @@ def test_the_95_percent_interval_brackets_the_share_and_stays_within_zero_and_on
     assert wilson(0, 0) == [0.0, 1.0]
 
 
+def test_the_task_score_is_a_share_with_its_count_and_interval_under_the_name_the_summary_keeps():
+    bench = bench_blend()
+    scores = bench.task_scores([(True, 1.0), (False, 0.5), (True, 0.5), (False, 0.0)])
+    assert scores["task_exact_share"] == 0.5 and scores["task_exact_count"] == [2, 4]
+    assert scores["task_exact_ci95"] == bench.wilson(2, 4) and scores["task_f1"] == 0.5
+    assert bench.task_scores([]) == {}  # without --task
+
+
 def test_a_pair_question_quotes_two_different_documents_and_its_answer_names_their_modules():
     bench = bench_blend()
     docs = [f"Module m{i}: " + " ".join(f"w{i}_{j}" for j in range(40)) for i in range(8)]
