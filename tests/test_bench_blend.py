@@ -6,20 +6,12 @@ one module and for the two-document question; and the 95% intervals are Wilson's
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+from benchmark_scripts import load_benchmark
 from transformers import AutoTokenizer
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_blend.py"
 
 
 def bench_blend():
-    spec = importlib.util.spec_from_file_location("bench_blend", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_blend.py")
 
 
 def test_the_warm_up_prompt_is_inside_a_small_locally_trained_vocabulary_and_under_a_chunk(tiny_model):
