@@ -16,6 +16,7 @@ import zmq
 from lmcache_p2p import gpu_ops
 from lmcache_p2p.cache_engine import PrefixLookup
 from lmcache_p2p.integration.vllm.kv_layout import UnsupportedKVLayout, block_planes, fingerprint
+from lmcache_p2p.integration.vllm.load_jobs import by_outcome
 from lmcache_p2p.integration.vllm.lookup_channel import (
     Hit,
     LookupClient,
@@ -890,9 +891,11 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
         meta = P2PConnectorMetadata()
         meta.loads.append(LoadSpec("p", hashes, 100, [7, 6, 5, 4, 3, 2], 0, 96, beside_steps=True))
         side.start_load_kv(meta)
-        received, failed = side.finished_loads(report_failed_blocks=True)
-        assert (received, failed) == (set(), {"p"})
-        assert side.take_load_errors() == {3, 2}  # chunk 2's blocks, and only those
+        (job,) = side.finished_loads()
+        assert by_outcome([job]) == (set(), {"p"}) and job.loaded_to == 64
+        assert job.unloaded_blocks == [3, 2]  # chunk 2's blocks, and only those
+        side.recompute_blocks(job.unloaded_blocks)  # as the connector does for vLLM < 0.32
+        assert side.take_load_errors() == {3, 2}
         assert side.engine.counters.retrieved_tokens == 64
         # The chunk the pull did not bring is a miss, with the pull's reason.
         assert side.engine.misses.totals()["holder_gone"] == 1

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/e2e.py reads engine 2's load timeline lines (load_executor.LoadTimeline, DEBUG)
+"""benchmarks/gpu/e2e.py reads engine 2's load timeline lines (load_jobs.LoadTimeline, DEBUG)
 into the medians of each gap: the line the rank writes and the parser agree."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from lmcache_p2p.integration.vllm import load_executor
-from lmcache_p2p.integration.vllm.load_executor import LoadTimeline
+from lmcache_p2p.integration.vllm.load_jobs import LoadTimeline
 
 E2E = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "e2e.py"
 
@@ -30,9 +29,8 @@ def test_the_benchmark_reads_each_gap_of_the_timeline_lines_the_rank_writes(capl
     local.queued, local.copy_started, local.copy_ended = 200.003, 200.004, 200.030
     local.pieces = 1
     with caplog.at_level(logging.DEBUG):
-        executor = load_executor.LoadExecutor.__new__(load_executor.LoadExecutor)
-        executor._timelines = {"e2warmup-0-ab12": pulled, "e2warmup-1-cd34": local, "e1warmup-0-ef56": local}
-        executor._log_timelines({"e2warmup-0-ab12", "e2warmup-1-cd34", "e1warmup-0-ef56"})
+        for req_id, timeline in (("e2warmup-0-ab12", pulled), ("e2warmup-1-cd34", local), ("e1warmup-0-ef56", local)):
+            timeline.log_reported(req_id)
     timelines = e2e.load_timelines(caplog.text, "e2warmup-")
     assert sorted(timelines) == [0, 1]
     assert timelines[0]["pieces"] == 5 and timelines[0]["step_wait_ms"] == 0.8

@@ -26,14 +26,10 @@ from instances import tokens
 
 from lmcache_p2p.cache_engine import _PendingStore, _ReservedChunk
 from lmcache_p2p.config import GB, LMCacheConfig
-from lmcache_p2p.integration.vllm import load_executor
-from lmcache_p2p.integration.vllm.load_executor import (
-    BUSY_STEP_COPY_WAIT_S,
-    IDLE_STEP_WAIT_S,
-    GrantFences,
-    LoadExecutor,
-    LoadTimeline,
-)
+from lmcache_p2p.integration.vllm import async_loads
+from lmcache_p2p.integration.vllm.async_loads import BUSY_STEP_COPY_WAIT_S, IDLE_STEP_WAIT_S
+from lmcache_p2p.integration.vllm.load_executor import GrantFences, LoadExecutor
+from lmcache_p2p.integration.vllm.load_jobs import LoadTimeline, by_outcome
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.layerwise import LayerwiseLoad
@@ -167,7 +163,7 @@ class TimedCopy:
 def timed_loads(monkeypatch):
     """A rank's executor whose loads beside the steps are TimedCopy copies "on a device"."""
     engine, kv, hashes, blocks = stored_prompt("cpu", chunks=2)
-    monkeypatch.setattr(load_executor, "LayerwiseLoad", TimedCopy)
+    monkeypatch.setattr(async_loads, "LayerwiseLoad", TimedCopy)
     device_planes = [SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))]
     loads = LoadExecutor(engine, device_planes, {})  # type: ignore[arg-type]
 
@@ -175,7 +171,7 @@ def timed_loads(monkeypatch):
         TimedCopy.next_seconds, TimedCopy.next_delay = seconds, delay
         spec = LoadSpec(req_id, hashes, 64, blocks, 0, 64, beside_steps=True)
         assert loads.load(spec, engine.pin_prefix(hashes)) is None
-        assert req_id in loads._beside_steps
+        assert loads.jobs.job_of(req_id) is not None
 
     yield loads, queue
     loads.close()
@@ -186,7 +182,7 @@ def step(loads: LoadExecutor, computing: bool) -> tuple[set[str], float]:
     """One get_finished: what it reported, and how long it took."""
     loads.begin_step(P2PConnectorMetadata(step_tokens=512 if computing else 0))
     t0 = time.monotonic()
-    received, failed = loads.finished(report_failed_blocks=False)
+    received, failed = by_outcome(loads.finished())
     assert not failed
     return received, time.monotonic() - t0
 
@@ -301,14 +297,14 @@ def test_a_pulls_chunks_are_loaded_as_they_land_and_the_request_is_reported_once
             computing = P2PConnectorMetadata(step_tokens=256)
             side._loads.begin_step(computing)
             land(1)
-            assert side.finished_loads(report_failed_blocks=False) == (set(), set())
+            assert by_outcome(side.finished_loads()) == (set(), set())
             assert loaded(0) and loaded(1) and not loaded(2)  # while the pull goes on
             land(2)
-            assert side.finished_loads(report_failed_blocks=False) == (set(), set())
+            assert by_outcome(side.finished_loads()) == (set(), set())
             assert loaded(2) and not loaded(3)
             land(3)
             pull_done.set_result(PulledChunks(3))
-            assert side.finished_loads(report_failed_blocks=False) == ({"p"}, set())
+            assert by_outcome(side.finished_loads()) == ({"p"}, set())
         assert all(loaded(c) for c in range(4))
         assert engine.counters.retrieved_tokens == 128
         (line,) = re.findall(
@@ -343,18 +339,18 @@ def test_a_load_whose_piece_fails_to_queue_loads_the_pieces_before_it_and_vllm_r
         assert loads.pull_then_load(spec, offer, held)  # type: ignore[arg-type]
         loads.begin_step(P2PConnectorMetadata(step_tokens=256))
         hooks[0](1)
-        assert loads.finished(report_failed_blocks=False) == (set(), set())
-        real = load_executor.LayerwiseLoad
-        monkeypatch.setattr(load_executor, "LayerwiseLoad", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+        assert by_outcome(loads.finished()) == (set(), set())
+        real = async_loads.LayerwiseLoad
+        monkeypatch.setattr(async_loads, "LayerwiseLoad", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
         hooks[0](2)
-        assert loads.finished(report_failed_blocks=False) == (set(), set())
-        monkeypatch.setattr(load_executor, "LayerwiseLoad", real)
+        assert by_outcome(loads.finished()) == (set(), set())
+        monkeypatch.setattr(async_loads, "LayerwiseLoad", real)
         hooks[0](3)
         pull_done.set_result(PulledChunks(3))
-        assert loads.finished(report_failed_blocks=False) == (set(), {"q"})
+        assert by_outcome(loads.finished()) == (set(), {"q"})
         assert kv.matches(hashes, blocks, CHUNK, 2 * CHUNK)  # chunks 0-1: the first piece
         assert engine.counters.retrieved_tokens == 2 * CHUNK
-        assert loads._failed_receives == {} and loads._beside_steps == {}
+        assert loads.jobs.jobs == {}  # each job reported once
     finally:
         loads.close()
         engine.close()
@@ -454,7 +450,7 @@ def test_on_a_gpu_a_step_computing_nothing_reports_the_copy_it_queued_in_the_sam
         grant = torch.cuda.Event()
         grant.record(torch.cuda.current_stream())
         assert loads.load(spec, engine.pin_prefix(hashes), after=grant) is None
-        assert loads.finished(report_failed_blocks=False) == ({"r"}, set())
+        assert by_outcome(loads.finished()) == ({"r"}, set())
         assert kv.matches(hashes, blocks, CHUNK, 8 * CHUNK)
     finally:
         loads.close()
@@ -485,13 +481,13 @@ def test_on_a_gpu_a_pull_landed_in_batches_is_copied_through_the_staging_ring_pi
         with caplog.at_level(logging.DEBUG):
             for landed in (3, 5):  # chunks 0-1 are the rank's own; each landing is a piece
                 hooks[0](landed)
-                assert loads.finished(report_failed_blocks=False) == (set(), set())
+                assert by_outcome(loads.finished()) == (set(), set())
             hooks[0](6)
             pull_done.set_result(PulledChunks(6))
             received: set[str] = set()
             deadline = time.monotonic() + 5
             while not received and time.monotonic() < deadline:
-                received, failed = loads.finished(report_failed_blocks=False)
+                received, failed = by_outcome(loads.finished())
                 assert not failed
         assert received == {"g"}
         assert kv.matches(hashes, blocks, CHUNK, 8 * CHUNK)

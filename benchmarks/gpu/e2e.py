@@ -64,7 +64,7 @@ DEVICE_CHECK = re.compile(
 )
 # A load beside the steps' way through engine 2's rank, one DEBUG line once reported (--timeline:
 # LMCACHE_LOG_LEVEL=DEBUG there): ms from the rank's first sight of the request to each point
-# ("-" where it did not pass one), in load_executor.LoadTimeline's order.
+# ("-" where it did not pass one), in load_jobs.LoadTimeline's order.
 LOAD_TIMELINE = re.compile(
     r"request (?P<req>\S+) timeline, ms from first seen: (?P<points>.*?) \(first seen at [\d.]+ s monotonic; "
     r"(?P<pieces>\d+) piece\(s\); a computing step waited (?P<step_wait>[\d.]+) ms for its copy\)"

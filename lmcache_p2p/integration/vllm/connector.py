@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from lmcache_p2p import logs
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import compat, engine_metrics
+from lmcache_p2p.integration.vllm.load_jobs import by_outcome
 from lmcache_p2p.integration.vllm.metadata import P2PConnectorMetadata
 
 if TYPE_CHECKING:
@@ -207,15 +208,18 @@ class LMCacheConnectorV1(KVConnectorBase_V1):
         a failed one's blocks are reported by get_block_ids_with_load_errors."""
         if self._worker is None or self._worker.engine is None:
             return None, None
-        received, failed = self._worker.finished_loads(report_failed_blocks=True)
-        return self._worker.finished_stores(finished_req_ids) or None, (received | failed) or None
+        ended = self._worker.finished_loads()
+        for job in ended:  # vLLM < 0.32 recomputes a failed one's blocks, named by load errors
+            self._worker.recompute_blocks(job.unloaded_blocks)
+        received = {job.req_id for job in ended}
+        return self._worker.finished_stores(finished_req_ids) or None, received or None
 
     def get_transfer_results(self, finished_req_ids: set) -> Any:
         """vLLM >= 0.32: as get_finished, with a load beside the steps that failed reported as a
         failed receive (vLLM frees its blocks and asks about the request afresh)."""
         if self._worker is None or self._worker.engine is None:
             return compat.transfer_results(set(), set(), set())
-        received, failed = self._worker.finished_loads(report_failed_blocks=False)
+        received, failed = by_outcome(self._worker.finished_loads())
         for req_id in failed:
             logger.warning(
                 "request %s: its load beside the steps failed; reported to vLLM as a failed receive "

@@ -29,12 +29,8 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.integration.vllm import compat, kv_layout
 from lmcache_p2p.integration.vllm.engine_metrics import RankMetrics
 from lmcache_p2p.integration.vllm.kv_events import StorageEventBuffer, kv_events_enabled
-from lmcache_p2p.integration.vllm.load_executor import (
-    LANDED_CHECK_TIMEOUT_S,
-    GrantFences,
-    LoadExecutor,
-    LoadTimeline,
-)
+from lmcache_p2p.integration.vllm.load_executor import GrantFences, LoadExecutor
+from lmcache_p2p.integration.vllm.load_jobs import LANDED_CHECK_TIMEOUT_S, LoadJob, LoadTimeline
 from lmcache_p2p.integration.vllm.lookup_channel import (
     LookupServer,
     engine_socket_path,
@@ -421,10 +417,15 @@ class WorkerSide:
         if self.loads is not None:
             self.loads.wait_for_layer(layer_name)
 
-    def finished_loads(self, report_failed_blocks: bool) -> tuple[set[str], set[str]]:
-        """Requests whose load beside the steps is done, and those whose load failed (in part or
-        whole): see :meth:`LoadExecutor.finished`."""
-        return self._loads.finished(report_failed_blocks)
+    def finished_loads(self) -> list[LoadJob]:
+        """The loads beside the steps that ended since the last call, each once (DONE or FAILED,
+        with how far they loaded): see AsyncLoads.finished."""
+        return self._loads.finished()
+
+    def recompute_blocks(self, blocks: list[int]) -> None:
+        """Blocks a failed load beside the steps did not fill, reported to vLLM < 0.32 through
+        get_block_ids_with_load_errors (take_load_errors)."""
+        self._loads.add_errors(blocks)
 
     def close(self) -> None:
         if self.server is not None:
