@@ -3,25 +3,15 @@ into the medians of each gap: the line the rank writes and the parser agree."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 from lmcache_p2p.integration.vllm.load_jobs import LoadTimeline
 
-E2E = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "e2e.py"
-
-
-def e2e_module():
-    spec = importlib.util.spec_from_file_location("e2e_bench", E2E)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_the_benchmark_reads_each_gap_of_the_timeline_lines_the_rank_writes(caplog):
-    e2e = e2e_module()
+    e2e = load_benchmark("gpu/e2e.py")
     pulled = LoadTimeline(100.0, offered=100.001, granted=100.004, pull_started=100.004, pull_ended=100.060)
     pulled.queued, pulled.copy_started, pulled.copy_ended = 100.020, 100.021, 100.064  # copied as it landed
     pulled.pieces, pulled.step_wait_ms = 5, 0.8
