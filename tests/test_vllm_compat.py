@@ -179,7 +179,7 @@ def test_a_failed_receive_moves_the_hit_back_so_the_recomputed_chunks_are_stored
         scheduler.update_state_after_alloc(request, SimpleNamespace(get_block_ids=lambda: (list(range(40)),)), 512)
         scheduler.build_connector_meta(_empty_step())
         scheduler.update_connector_output(SimpleNamespace(finished_recving={"a"}, failed_recving={"a"}))
-        assert scheduler._requests["a"].hit == 0  # the chunks it recomputes are stored again
+        assert scheduler._requests["a"].lookup.hit == 0  # the chunks it recomputes are stored again
     finally:
         scheduler.close()
         server.close()

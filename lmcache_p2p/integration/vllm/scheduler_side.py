@@ -47,40 +47,73 @@ LOOKUP_REPLY_SLACK_S = 10.0
 
 
 @dataclass
-class _Request:
-    chunk_hashes: np.ndarray  # the prompt's full chunks' chained hashes, uint64
-    num_tokens: int  # the prompt's length
-    hit: int | None = None  # tokens the ranks can load; None until they answered
+class _Lookup:
+    """The ranks' answer to the request's lookup (``hit`` None until they answered)."""
+
+    hit: int | None = None  # tokens the ranks can load
     host_until: int = 0  # where the part of the hit some rank holds in host memory ends (0: none)
     fetched: bool = False  # part of the hit is fetched for this lookup (a pull, the remote store)
     sources: tuple[str, ...] = ()  # each chunk of the hit's source (vocab.HIT_SOURCES)
     pull_from: int | None = None  # past this token the hit is an offer (a peer's, the store's), pulled by the load
-    fetch: bool = True  # may its lookup fetch (peers, the remote store)? Not after a failed load
-    logged_need: int | None = None
-    load_tokens: int = 0  # granted by the scheduler in update_state_after_alloc
-    block_ids: list[int] = field(default_factory=list)
-    saved_upto: int = 0  # prompt tokens already handed to the ranks to store
-    stored: bool = False  # a store was handed to the ranks: its blocks are freed after get_finished
-    seen_at: float = field(default_factory=time.monotonic)  # first asked about (its lookup's start)
-    lookup_ms: float = 0.0  # from seen_at until every rank answered (a peer pull included)
-    remembered: bool = False  # its chunks' blocks are known to the KV-event mapper
-    # Blending (enable_blending, a prompt of two or more segments): its tokens, reusable segments
-    # and where its last segment starts; such a prompt takes the segment path, never the prefix one.
-    tokens: np.ndarray | None = None
-    segments: list[BlendSegment] | None = None
-    last_start: int = 0
-    segments_stored: bool = False
-    # async_kv_loads: vLLM's own prefix-cache tokens when the hit was granted (the load starts
-    # there), and whether a load beside the steps is in flight (its blocks must outlive it).
+    ms: float = 0.0  # from the request's first sight until every rank answered
+    logged_need: int | None = None  # the last "need to load" logged for it
+
+
+@dataclass
+class _Grant:
+    """vLLM's grant of the hit (update_state_after_alloc), until it goes into a step's metadata."""
+
+    tokens: int = 0  # granted external tokens, not yet handed to the ranks
+    # vLLM's own prefix-cache tokens when the hit was granted (the load starts there)
     local_tokens: int = 0
     beside_steps: bool = False  # the last answer to vLLM granted the load beside the steps
-    loading_beside_steps: bool = False
-    loads_beside_steps: int = 0  # of those, reported done (vLLM asks again only after a failed one)
-    # loads_beside_steps when the last failed one was looked up again; past 1, two failed: no
-    # more grants, it is recomputed.
+
+
+@dataclass
+class _AsyncLoads:
+    """The request's loads beside the steps (async_kv_loads): the ranks run each as a job."""
+
+    in_flight: bool = False  # one is copying into its blocks (they must outlive it)
+    reported: int = 0  # of those, reported done (vLLM asks again only after a failed one)
+    # ``reported`` when the last failed one was looked up again; past 1, two failed: no more
+    # grants, it is recomputed.
     retried_after: int = 0
+
+
+@dataclass
+class _Stores:
+    saved_upto: int = 0  # prompt tokens already handed to the ranks to store
+    stored: bool = False  # a store was handed to the ranks: its blocks are freed after get_finished
+
+
+@dataclass
+class _Blend:
+    """A prompt of two or more segments (enable_blending): it takes the segment path, never the
+    prefix one."""
+
+    tokens: np.ndarray  # the prompt's, int32
+    segments: list[BlendSegment]  # the reusable ones
+    last_start: int  # where its last segment starts
+    segments_stored: bool = False
+
+
+@dataclass
+class _Request:
+    """Everything the scheduler side keeps about one request, in parts."""
+
+    chunk_hashes: np.ndarray  # the prompt's full chunks' chained hashes, uint64
+    num_tokens: int  # the prompt's length
     # What its keys are made of besides the tokens (salt, adapter, images), or why it has none.
     keys: RequestKeys = field(default_factory=RequestKeys)
+    seen_at: float = field(default_factory=time.monotonic)  # first asked about (its lookup's start)
+    block_ids: list[int] = field(default_factory=list)  # its block table
+    may_fetch: bool = True  # may its lookup fetch (peers, the remote store)? Not after a failed load
+    remembered: bool = False  # its chunks' blocks are known to the KV-event mapper
+    lookup: _Lookup = field(default_factory=_Lookup)
+    grant: _Grant = field(default_factory=_Grant)
+    async_loads: _AsyncLoads = field(default_factory=_AsyncLoads)
+    stores: _Stores = field(default_factory=_Stores)
+    blend: _Blend | None = None
 
     @property
     def unkeyed(self) -> bool:
@@ -162,33 +195,33 @@ class SchedulerSide:
             state.remembered = True
         if not self.loads or compat.skips_external_kv(request):
             return 0, False  # (vLLM >= 0.32 also drops our answer for such a request)
-        if state.retried_after > 1:
+        if state.async_loads.retried_after > 1:
             return 0, False
-        if state.loads_beside_steps > state.retried_after and not self._retry_beside_steps(req_id, state):
+        if state.async_loads.reported > state.async_loads.retried_after and not self._retry_beside_steps(req_id, state):
             return 0, False
-        if state.segments is not None:
-            hit = state.hit if state.hit is not None else self._ask_segments(req_id, state)
+        if state.blend is not None:
+            hit = state.lookup.hit if state.lookup.hit is not None else self._ask_segments(req_id, state, state.blend)
         elif not len(state.chunk_hashes):
             return 0, False
         else:
-            hit = state.hit if state.hit is not None else self._ask(req_id, state)
+            hit = state.lookup.hit if state.lookup.hit is not None else self._ask(req_id, state)
         # vLLM must compute at least the prompt's last token to sample from it.
         usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
-        host = min(state.host_until, usable)  # loading [num_computed_tokens, usable) crosses PCIe up to here
+        host = min(state.lookup.host_until, usable)  # loading [num_computed_tokens, usable) crosses PCIe up to here
         from_host = host > num_computed_tokens
         # Part of it offered (by a peer, by the remote store): the load pulls it first, always
         # beside the steps (vLLM holds the request as WAITING_FOR_REMOTE_KVS, and no step waits
         # on those bytes).
-        pulls = state.pull_from is not None and state.pull_from < usable
+        pulls = state.lookup.pull_from is not None and state.lookup.pull_from < usable
         beside = need > 0 and (pulls or self._loads_beside_steps_for(state, from_host))
-        state.local_tokens, state.beside_steps = num_computed_tokens, beside
-        if need != state.logged_need:
-            state.logged_need = need
+        state.grant.local_tokens, state.grant.beside_steps = num_computed_tokens, beside
+        if need != state.lookup.logged_need:
+            state.lookup.logged_need = need
             how = ""
             if beside and pulls:
                 origin = self._offered_by(state)
-                how = f", beside the steps after pulling tokens [{state.pull_from}, {usable}) from {origin}"
+                how = f", beside the steps after pulling tokens [{state.lookup.pull_from}, {usable}) from {origin}"
             elif beside:
                 how = ", beside the steps" + (f" (host memory up to token {host})" if from_host else "")
             elif need and from_host and self.loads_beside_steps == AUTO:  # auto kept it: fetched
@@ -200,15 +233,15 @@ class SchedulerSide:
                 state.num_tokens,
                 hit,
                 need,
-                state.lookup_ms,
+                state.lookup.ms,
                 how,
             )
         return need, beside
 
     def _offered_by(self, state: _Request) -> str:
         """Who offered the hit past ``pull_from``, for the log."""
-        index = (state.pull_from or 0) // self.chunk_size
-        source = state.sources[index] if index < len(state.sources) else ""
+        index = (state.lookup.pull_from or 0) // self.chunk_size
+        source = state.lookup.sources[index] if index < len(state.lookup.sources) else ""
         return "the remote store" if source == SOURCE_REMOTE else "a peer"
 
     def may_load_async(self, request: Any) -> bool:
@@ -221,8 +254,8 @@ class SchedulerSide:
         if not self.loads or compat.skips_external_kv(request):
             return False
         state = self._requests.get(request.request_id)
-        if state is not None and state.hit is not None:
-            return state.beside_steps
+        if state is not None and state.lookup.hit is not None:
+            return state.grant.beside_steps
         return self._beside_steps_possible
 
     def _loads_beside_steps_for(self, state: _Request, from_host: bool) -> bool:
@@ -233,30 +266,30 @@ class SchedulerSide:
         step it would add, and a hit just pulled shares PCIe with the next request's pull (on the
         H200 such loads beside the steps ran at 26-31 GB/s against 48 in the step; see
         docs/architecture.md). Blended loads stay in the step: they compute as they load."""
-        if state.segments is not None or self.loads_beside_steps is False:
+        if state.blend is not None or self.loads_beside_steps is False:
             return False
         if self.loads_beside_steps is True:
             return True
-        return from_host and not state.fetched
+        return from_host and not state.lookup.fetched
 
     def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
         """vLLM asks again about a request whose load beside the steps is done only when that load
         failed from its first block (it freed the blocks and retries). The ranks are asked afresh
         once (what failed may be gone now); after a second failure it is recomputed."""
-        state.retried_after = state.loads_beside_steps
-        if state.loads_beside_steps > 1:
+        state.async_loads.retried_after = state.async_loads.reported
+        if state.async_loads.reported > 1:
             logger.warning(
                 "Reqid: %s, its load beside the steps failed %d times: recomputing its %d tokens",
                 req_id,
-                state.loads_beside_steps,
+                state.async_loads.reported,
                 state.num_tokens,
             )
             return False
         # In the local tiers only: a pull that failed (a holder stalled or died) is not made
         # again, and what it brought before failing is here now.
         logger.warning("Reqid: %s, its load beside the steps failed: looking it up again in the local tiers", req_id)
-        state.hit, state.logged_need, state.pull_from = None, None, None
-        state.fetch = False
+        state.lookup = _Lookup()
+        state.may_fetch = False
         return True
 
     def _request(self, req_id: str, request: Any) -> _Request:
@@ -280,7 +313,7 @@ class SchedulerSide:
                     self.blend.segments(tokens, keys.identity) if self.blend is not None and keys.blendable else None
                 )
                 if planned is not None:
-                    state.tokens, (state.segments, state.last_start) = tokens, planned
+                    state.blend = _Blend(tokens, *planned)
             self._requests[req_id] = state
         return state
 
@@ -290,44 +323,50 @@ class SchedulerSide:
         num_tokens = len(prompt_token_ids) if prompt_token_ids is not None else 0
         return _Request(np.zeros(0, dtype=np.uint64), num_tokens, keys=keys)
 
-    def _ask_segments(self, req_id: str, state: _Request) -> int:
+    def _ask_segments(self, req_id: str, state: _Request, blend: _Blend) -> int:
         """Blending: which reusable segments the ranks hold, and the tokens a blended load fills."""
-        assert self.blend is not None and state.segments is not None
+        assert self.blend is not None
         # Segments' pulls run one after another on the rank, each within the peer fetch timeout.
-        timeout_s = LOOKUP_REPLY_SLACK_S + (PEER_FETCH_TIMEOUT_S * len(state.segments) if self.fetch_missing else 0)
-        held = self.client.lookup_segments(req_id, [s.keys for s in state.segments], self.fetch_missing, timeout_s)
-        for segment, whole in zip(state.segments, held, strict=True):
+        timeout_s = LOOKUP_REPLY_SLACK_S + (PEER_FETCH_TIMEOUT_S * len(blend.segments) if self.fetch_missing else 0)
+        held = self.client.lookup_segments(req_id, [s.keys for s in blend.segments], self.fetch_missing, timeout_s)
+        for segment, whole in zip(blend.segments, held, strict=True):
             segment.held = whole
-        state.hit = self.blend.decide(state.segments, state.last_start, state.num_tokens)
-        state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
-        if not state.hit:  # nothing to blend: segments some ranks pinned go now (as in _ask)
+        state.lookup.hit = self.blend.decide(blend.segments, blend.last_start, state.num_tokens)
+        state.lookup.ms = (time.monotonic() - state.seen_at) * 1e3
+        if not state.lookup.hit:  # nothing to blend: segments some ranks pinned go now (as in _ask)
             self._released.append(req_id)
-        cached = sum(s.end - s.start for s in state.segments if s.held)
+        cached = sum(s.end - s.start for s in blend.segments if s.held)
         logger.info(
             "Reqid: %s, blend: %d segment(s) before the last, %d held (%d tokens); blending tokens [0, %d) of %d%s",
             req_id,
-            len(state.segments),
+            len(blend.segments),
             sum(held),
             cached,
-            state.hit,
+            state.lookup.hit,
             state.num_tokens,
-            "" if state.hit else " (nothing: a plain prefill, then the segments are stored)",
+            "" if state.lookup.hit else " (nothing: a plain prefill, then the segments are stored)",
         )
-        return state.hit
+        return state.lookup.hit
 
     def _ask(self, req_id: str, state: _Request) -> int:
-        """Ask the ranks: the tokens they can load now or pull beside the steps (``state.hit``)."""
+        """Ask the ranks: the tokens they can load now or pull beside the steps (``state.lookup.hit``)."""
         hit = self.client.lookup(
             req_id,
             state.chunk_hashes,
             state.num_tokens,
-            self.fetch_missing and state.fetch,
+            self.fetch_missing and state.may_fetch,
             LOOKUP_REPLY_TIMEOUT_S,
             lora=state.keys.lora,
         )
-        state.hit, state.host_until, state.fetched, state.sources = hit.tokens, hit.host_until, hit.fetched, hit.sources
-        state.pull_from = hit.pull_from
-        state.lookup_ms = (time.monotonic() - state.seen_at) * 1e3
+        state.lookup = _Lookup(
+            hit.tokens,
+            hit.host_until,
+            hit.fetched,
+            hit.sources,
+            hit.pull_from,
+            ms=(time.monotonic() - state.seen_at) * 1e3,
+            logged_need=state.lookup.logged_need,
+        )
         if not hit.tokens:
             # Some rank can load none of it (it holds none, failed or did not answer), so the
             # engine loads nothing: what the other ranks pinned goes with the next step, not
@@ -342,9 +381,9 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if not num_external_tokens or state is None:
             return {}
-        start = state.local_tokens
-        counts = tokens_by_source(state.sources, start, start + num_external_tokens, self.chunk_size)
-        if state.segments is not None or sum(counts.values()) != num_external_tokens:
+        start = state.grant.local_tokens
+        counts = tokens_by_source(state.lookup.sources, start, start + num_external_tokens, self.chunk_size)
+        if state.blend is not None or sum(counts.values()) != num_external_tokens:
             return {SOURCE_REMOTE: num_external_tokens}
         return counts
 
@@ -352,10 +391,10 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        state.load_tokens = num_external_tokens
-        if num_external_tokens == 0 and state.hit:
+        state.grant.tokens = num_external_tokens
+        if num_external_tokens == 0 and state.lookup.hit:
             self._released.append(request.request_id)  # nothing to load: the ranks may unpin
-        elif num_external_tokens and state.beside_steps:
+        elif num_external_tokens and state.grant.beside_steps:
             # Granted asynchronously: no step schedules the request until its load is done, so its
             # load goes into the next metadata with the blocks allocated for it here.
             state.block_ids = list(blocks.get_block_ids()[0])
@@ -370,12 +409,12 @@ class SchedulerSide:
         meta.load_after_forward = compat.loads_after_forward(scheduler_output)
         for req_id in self._beside_steps:
             state = self._requests.get(req_id)
-            if state is not None and state.load_tokens:
-                self._add_load(meta, req_id, state, state.local_tokens + state.load_tokens, beside_steps=True)
-                state.loading_beside_steps = True
+            if state is not None and state.grant.tokens:
+                self._add_load(meta, req_id, state, state.grant.local_tokens + state.grant.tokens, beside_steps=True)
+                state.async_loads.in_flight = True
                 # Stores handed out before a preemption read blocks freed then; the ranks forget
                 # them too, so that an abort during this load is reported (and freed) once.
-                state.stored = False
+                state.stores.stored = False
         self._beside_steps = []
         for new in scheduler_output.scheduled_new_reqs:
             # A request id already tracked arriving as new was preempted and resumed (vLLM 0.34,
@@ -412,8 +451,8 @@ class SchedulerSide:
         for req_id in preempted:
             state = self._requests.get(req_id)
             if state is not None:  # it will be looked up again when it is rescheduled
-                state.hit, state.logged_need, state.load_tokens, state.pull_from = None, None, 0, None
-                state.loads_beside_steps, state.retried_after = 0, 0
+                state.lookup, state.async_loads = _Lookup(), _AsyncLoads()
+                state.grant.tokens = 0
         # A preempted request's blocks are freed at once, so copies of them still in flight must
         # finish before this step writes anything.
         meta.fence_stores = bool(preempted)
@@ -424,17 +463,17 @@ class SchedulerSide:
         self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int, beside_steps: bool = False
     ) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.
-        if state.load_tokens:
+        if state.grant.tokens:
             blend = None
-            if state.segments is not None and state.tokens is not None and self.blend is not None:
-                blend = self.blend.load_spec(state.tokens, state.segments, computed)
+            if state.blend is not None and self.blend is not None:
+                blend = self.blend.load_spec(state.blend.tokens, state.blend.segments, computed)
             meta.loads.append(
                 LoadSpec(
                     req_id,
                     state.chunk_hashes,
                     state.num_tokens,
                     list(state.block_ids),
-                    start=computed - state.load_tokens,
+                    start=computed - state.grant.tokens,
                     end=computed,
                     blend=blend,
                     beside_steps=beside_steps,
@@ -445,34 +484,34 @@ class SchedulerSide:
             logger.info(
                 "Reqid: %s, loading %d tokens %s, %.1f ms after the request was first seen (hit known at %.1f ms)",
                 req_id,
-                state.load_tokens,
+                state.grant.tokens,
                 "beside the steps" if beside_steps else "in this step",
                 (time.monotonic() - state.seen_at) * 1e3,
-                state.lookup_ms,
+                state.lookup.ms,
             )
-            state.load_tokens = 0
+            state.grant.tokens = 0
 
     def _add_store(self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed_after: int) -> None:
         if not self.stores or state.unkeyed:
             return
-        if state.segments is not None:
+        if state.blend is not None:
             # Blended KV is approximate: never stored as prefix chunks. New segments are stored
             # once, computed on their own by the rank (from the tokens, not from these blocks).
-            if not state.segments_stored and state.tokens is not None and self.blend is not None:
-                spec = self.blend.store_spec(req_id, state.tokens, state.segments)
+            if not state.blend.segments_stored and self.blend is not None:
+                spec = self.blend.store_spec(req_id, state.blend.tokens, state.blend.segments)
                 if spec is not None:
                     meta.segment_stores.append(spec)
-                state.segments_stored = True
+                state.blend.segments_stored = True
             return
         end = min(computed_after, state.num_tokens) // self.chunk_size * self.chunk_size
         # Chunks the lookup found are held already; storing starts after them.
-        if end <= max(state.saved_upto, state.hit or 0) or len(state.block_ids) * self.block_size < end:
+        if end <= max(state.stores.saved_upto, state.lookup.hit or 0) or len(state.block_ids) * self.block_size < end:
             return
         meta.stores.append(
             StoreSpec(req_id, state.chunk_hashes[: end // self.chunk_size], state.block_ids[: end // self.block_size])
         )
-        state.saved_upto = end
-        state.stored = True
+        state.stores.saved_upto = end
+        state.stores.stored = True
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Blocks of a request we stored from stay allocated until the ranks report its store
@@ -483,8 +522,8 @@ class SchedulerSide:
         self._released.append(request.request_id)
         # A load beside the steps still copying into its blocks (an abort): they are freed once
         # the ranks report it done (get_finished's receiving side).
-        delay_free = state.stored or state.loading_beside_steps
-        if state.stored:
+        delay_free = state.stores.stored or state.async_loads.in_flight
+        if state.stores.stored:
             self._frees_pending.add(request.request_id)
         return delay_free, None
 
@@ -504,9 +543,9 @@ class SchedulerSide:
         self._frees_pending.difference_update(getattr(connector_output, "finished_sending", None) or ())
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             state = self._requests.get(req_id)
-            if state is not None and state.loading_beside_steps:
-                state.loading_beside_steps = False
-                state.loads_beside_steps += 1
+            if state is not None and state.async_loads.in_flight:
+                state.async_loads.in_flight = False
+                state.async_loads.reported += 1
         carrier = getattr(connector_output, "kv_cache_events", None)
         if self.kv_events is not None and isinstance(carrier, ChunkStorageEvents):
             self.kv_events.take_rank_events(carrier)
@@ -527,18 +566,18 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if state is None:
             return
-        start = state.local_tokens if from_token is None else from_token
+        start = state.grant.local_tokens if from_token is None else from_token
         token = start // self.chunk_size * self.chunk_size
-        if (state.hit or 0) <= token and state.saved_upto <= token:
+        if (state.lookup.hit or 0) <= token and state.stores.saved_upto <= token:
             return
         logger.info(
             "Reqid: %s, its load failed from token %d: the chunks from there are stored once recomputed",
             req_id,
             token,
         )
-        if state.hit is not None:
-            state.hit = min(state.hit, token)
-        state.saved_upto = min(state.saved_upto, token)
+        if state.lookup.hit is not None:
+            state.lookup.hit = min(state.lookup.hit, token)
+        state.stores.saved_upto = min(state.stores.saved_upto, token)
 
     def take_events(self) -> Iterable[Any]:
         return self.kv_events.take_events() if self.kv_events is not None else ()
