@@ -7,18 +7,22 @@ lives in paged per-layer tensors; the engine hands them in with the block ids of
 tokens. Prompts arrive as their chained chunk hashes, computed once per request by the caller
 (``keys.chunk_hash_array``); chunk *i* covers tokens ``[i * chunk_size, (i + 1) * chunk_size)``:
 
-* ``store``: gather each full chunk not held yet into a CPU page (and, with ``local_gpu``, a GPU
-  tier page in the same launch) and admit it;
+* ``store_async``: gather each full chunk not held yet into a CPU page (and, with ``local_gpu``,
+  a GPU tier page in the same launch) on a copy stream beside the next forward pass, admitted by
+  a later ``poll_stores``;
 * ``lookup_async``: what a prompt's lookup can promise without waiting for bytes: the local hit,
   then an offer of what comes after it (a live peer's, through the controller's index; else the
   remote store's, from one bounded ``exists`` round) that the load pulls beside the steps
-  (``pull_offer_async``); ``lookup`` is the same, waited for (the test stand-in, blending);
-* ``retrieve``: scatter the held leading chunks into the request's blocks (from the GPU tier's
-  copy where there is one: device to device);
+  (``pull_offer_async``); ``fetch`` is the same, waited for (blended segments);
+* ``plan_load`` / ``run_load`` / ``loaded``: what loading pinned chunks into a request's blocks
+  copies (from the GPU tier's copy where there is one: device to device), the copy, and its
+  account (the connector's loads beside the steps copy plans through ``layerwise``);
 * ``observe_prefill``: the engine's measured forward passes, the prefill rate the worker's pull
   policy weighs a peer pull against (``lmcache_p2p.pull_policy``).
 
-Nothing here raises into the engine for a cache problem: a failure is a shorter hit.
+Nothing here raises into the engine for a cache problem: a failure is a shorter hit. The same
+face, waited for (store, look up, retrieve), is ``lmcache_p2p.testing.sync_engine``'s, for the
+test stand-in and tests.
 """
 
 from __future__ import annotations
@@ -107,24 +111,6 @@ class CacheEngine:
         self._evictions = EvictionMemory(storage.record_events())
 
     # -- store -----------------------------------------------------------------------------------
-
-    def store(
-        self,
-        chunk_hashes: ChunkHashes,
-        layers: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        num_tokens: int | None = None,
-    ) -> int:
-        """Save the chunks ``chunk_hashes`` names whose KV sits in ``block_ids`` (one block id per
-        ``block_size`` tokens from token 0, in order); returns the tokens newly stored.
-        ``num_tokens`` is the prompt's length for the log (default: the chunks' tokens)."""
-        batch = self._reserve(chunk_hashes, block_ids)
-        try:
-            gpu_ops.gather_chunks(layers, *_gather_targets(batch))
-        except BaseException:
-            self._abandon(batch)
-            raise
-        return self._commit(batch, self._prompt_tokens(chunk_hashes, num_tokens))
 
     def store_async(
         self,
@@ -265,26 +251,15 @@ class CacheEngine:
         here = self.local_miss(hashes[at])
         return Miss(NEVER_STORED, miss.detail) if here.reason == NEVER_STORED and miss.detail else here
 
-    def lookup(self, chunk_hashes: ChunkHashes, num_tokens: int | None = None, fetch_missing: bool = True) -> int:
-        """Leading tokens of the prompt ``chunk_hashes`` names that :meth:`retrieve` can load now
-        (with ``fetch_missing``, what the local tiers lack is first pulled from a peer and then
-        fetched from the remote store: :meth:`_fetch_explained`). ``num_tokens`` is the prompt's
-        length for the counters (default: its full chunks' tokens)."""
-        hashes = hash_list(chunk_hashes)
-        if fetch_missing:
-            hit, miss = self._fetch_explained(hashes)
-        else:
-            hit = self.storage.lookup_prefix(hashes).num_chunks
-            miss = self.local_miss(hashes[hit]) if hit < len(hashes) else None
-        self.count_lookup(self._prompt_tokens(hashes, num_tokens), hit * self.chunk_size, miss)
-        return hit * self.chunk_size
-
-    def _fetch_explained(self, hashes: list[int]) -> tuple[int, Miss | None]:
+    def fetch(self, chunk_hashes: ChunkHashes) -> tuple[int, Miss | None]:
         """:meth:`lookup_async`'s answer, waited for: a peer's offer pulled (then the remote
         store asked for the rest), or the remote fetch; the leading chunks now held, and why
-        the next one is not. Peers come first because the controller's index is exact and a
-        peer's pages cross one link with no server between; the remote store serves what no
-        live peer holds (the holder restarted or left)."""
+        the next one is not. Counts no lookup: for chunks that are not a prompt's prefix (a
+        blended prompt's segments) and the synchronous stand-in (testing.sync_engine). Peers
+        come first because the controller's index is exact and a peer's pages cross one link
+        with no server between; the remote store serves what no live peer holds (the holder
+        restarted or left)."""
+        hashes = hash_list(chunk_hashes)
         # Waited for anyway: the store gets as long as any of its round trips.
         first = self.lookup_async(hashes, WAITING_OFFER_TIMEOUT_S, self.config.remote_timeout_s)
         miss = first.miss
@@ -305,12 +280,6 @@ class CacheEngine:
                 remote.fetch_prefix_into(self.storage, hashes[hit:])
         hit = self.storage.lookup_prefix(hashes).num_chunks
         return hit, (miss if hit < len(hashes) else None)
-
-    def fetch(self, chunk_hashes: ChunkHashes) -> int:
-        """Leading chunks of ``chunk_hashes`` held locally once what the local tiers lack has
-        been fetched (:meth:`_fetch_explained`). Counts no lookup: for chunks that are not a
-        prompt's prefix (a blended prompt's segments)."""
-        return self._fetch_explained(hash_list(chunk_hashes))[0]
 
     def lookup_async(
         self, chunk_hashes: ChunkHashes, offer_timeout: float = OFFER_TIMEOUT_S, exists_timeout: float | None = None
@@ -417,22 +386,6 @@ class CacheEngine:
             plan.loaded_to = min(chunk_start + self.chunk_size, end)
         return plan
 
-    def load(
-        self,
-        prefix: PinnedPrefix,
-        layers: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        start: int = 0,
-        end: int | None = None,
-        total_tokens: int | None = None,
-    ) -> int:
-        """Scatter the pinned chunks covering tokens ``[start, end)`` into ``block_ids`` (every
-        layer, one batch, done when this returns). Returns the end of what was loaded (``start``
-        when nothing was)."""
-        plan = self.plan_load(prefix, block_ids, start, end, total_tokens)
-        self.run_load(plan, layers)
-        return plan.loaded_to
-
     def run_load(self, plan: LoadPlan, layers: Sequence[torch.Tensor]) -> None:
         """Copy a planned load into ``layers`` (every layer, one batch, done when this returns)."""
         t0 = time.perf_counter()
@@ -470,21 +423,6 @@ class CacheEngine:
             plan.nbytes / 1e9 / max(seconds, 1e-9),
             f" ({'; '.join(notes)})" if notes else "",
         )
-
-    def retrieve(
-        self,
-        chunk_hashes: ChunkHashes,
-        layers: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        max_tokens: int | None = None,
-        num_tokens: int | None = None,
-    ) -> int:
-        """Load the held leading chunks of ``chunk_hashes`` into ``block_ids``; returns tokens
-        loaded. ``num_tokens`` is the prompt's length for the log (default: its chunks' tokens)."""
-        with self.pin_prefix(chunk_hashes, max_tokens) as prefix:
-            end = prefix.num_tokens if max_tokens is None else min(prefix.num_tokens, max_tokens)
-            total = self._prompt_tokens(chunk_hashes, num_tokens)
-            return self.load(prefix, layers, block_ids, 0, end, total_tokens=total)
 
     # -- prefill rate ----------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from lmcache_p2p.integration.vllm.lookup_channel import (
 )
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.protocol import unpack_hashes
+from lmcache_p2p.testing.sync_engine import store
 
 HASHES = chunk_hash_array(np.arange(300, dtype=np.int32), 256)  # a 300-token prompt: one full chunk
 
@@ -511,7 +512,7 @@ def test_a_rank_answers_its_local_hit_and_an_offer_past_it_at_once(engine_id, mo
     prompt = list(range(100))  # three full chunks and a tail
     hashes = chunk_hash_array(prompt, 32)
     try:
-        assert side.engine.store(hashes[:2], side.planes, list(range(8))) == 64
+        assert store(side.engine, hashes[:2], side.planes, list(range(8))) == 64
 
         def ask(**fields):
             return side.lookups.answer(LookupRequest(seq=1, req_id="r", fetch_missing=False, **fields))
@@ -762,7 +763,7 @@ def test_when_one_tp_rank_can_load_nothing_the_others_drop_their_lookup_pins_at_
     request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(600)))
     storage = rank0._engine.storage
     try:
-        assert rank0._engine.store(chunk_hash_array(request.prompt_token_ids, 256)[:2], rank0.planes, list(range(32)))
+        assert store(rank0._engine, chunk_hash_array(request.prompt_token_ids, 256)[:2], rank0.planes, list(range(32)))
         assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
         assert storage.cpu.pins_held == 2  # rank 0 pinned its 512 tokens for a load that will not come
         scheduler.update_state_after_alloc(request, None, 0)
@@ -867,7 +868,7 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
     side = _cpu_worker_side(engine_id)
     hashes = chunk_hash_array(list(range(100)), 32)  # three full chunks (two blocks each) and a tail
     try:
-        assert side.engine.store(hashes[:1], side.planes, [0, 1]) == 32
+        assert store(side.engine, hashes[:1], side.planes, [0, 1]) == 32
 
         class TwoChunks:
             chunks = 2
@@ -876,7 +877,7 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
                 return self
 
         def pull(offer, on_landed=None):  # brings chunk 1 (from blocks 2-3), then the holder is gone
-            side.engine.store(hashes[:2], side.planes, [0, 1, 2, 3])
+            store(side.engine, hashes[:2], side.planes, [0, 1, 2, 3])
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(PulledChunks(1, Miss(HOLDER_GONE, "the holder left mid-pull")))
             return done

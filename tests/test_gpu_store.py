@@ -11,6 +11,7 @@ from lmcache_p2p.cache_engine import CacheEngine
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
+from lmcache_p2p.testing.sync_engine import retrieve
 from lmcache_p2p.worker import build_engine
 
 CHUNK = 32
@@ -38,7 +39,7 @@ def check_async_store(device: str) -> None:
         assert not engine.stores_pending("req-1")
         assert engine.counters.stored_tokens == 8 * CHUNK
         kv.wipe()
-        assert engine.retrieve(hashes, kv.layers, blocks) == 8 * CHUNK
+        assert retrieve(engine, hashes, kv.layers, blocks) == 8 * CHUNK
         assert kv.matches(hashes, blocks, CHUNK, 8 * CHUNK)
     finally:
         engine.close()
@@ -67,7 +68,7 @@ def test_a_fenced_stream_writes_blocks_only_after_the_copy_read_them():
             layer.zero_()
         engine.poll_stores(wait=True)
         kv.wipe()
-        assert engine.retrieve(hashes, kv.layers, blocks) == 32 * CHUNK
+        assert retrieve(engine, hashes, kv.layers, blocks) == 32 * CHUNK
         assert kv.matches(hashes, blocks, CHUNK, 32 * CHUNK)  # the pages hold the KV from before
     finally:
         engine.close()

@@ -23,6 +23,7 @@ from lmcache_p2p.device_checksum import device_checksums
 from lmcache_p2p.keys import chunk_hash_array, payload_checksum
 from lmcache_p2p.protocol import ChannelHello
 from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
+from lmcache_p2p.testing.sync_engine import retrieve, store
 from lmcache_p2p.transfer.base import TransferError, check_hello_bounds
 from lmcache_p2p.vocab import CPU, GPU
 from lmcache_p2p.worker import build_engine
@@ -96,7 +97,7 @@ def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(tier
     prompt = chunk_hash_array(tokens(4 * CHUNK, seed=1), CHUNK)
     blocks = list(range(len(kv.layers[0])))
     kv.prefill(prompt, blocks, CHUNK)
-    assert engine.store(prompt, kv.layers, blocks) == 4 * CHUNK
+    assert store(engine, prompt, kv.layers, blocks) == 4 * CHUNK
     storage = engine.storage
     assert storage.stats()["gpu"]["chunks"] == 4 and len(storage.cpu) == 4
     for h in prompt.tolist():
@@ -106,7 +107,7 @@ def test_a_store_copies_chunks_into_the_gpu_tier_and_a_load_reads_that_copy(tier
             assert from_gpu.checksum == from_cpu.checksum
     kv.wipe()
     with caplog.at_level("INFO", logger="lmcache_p2p.cache_engine"):
-        assert engine.retrieve(prompt, kv.layers, blocks) == 4 * CHUNK
+        assert retrieve(engine, prompt, kv.layers, blocks) == 4 * CHUNK
     assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
     assert "(4 of 4 chunks from the GPU tier)" in caplog.text
 
@@ -137,7 +138,7 @@ def test_with_peers_a_store_takes_its_gpu_copies_device_checksums_behind_it():
         prompt = chunk_hash_array(tokens(4 * CHUNK, seed=2), CHUNK)
         blocks = list(range(len(kv.layers[0])))
         kv.prefill(prompt, blocks, CHUNK)
-        assert engine.store(prompt, kv.layers, blocks) == 4 * CHUNK
+        assert store(engine, prompt, kv.layers, blocks) == 4 * CHUNK
         if storage.hasher is not None:
             storage.hasher._threads.shutdown(wait=True)  # the work behind the store, done
         for h in prompt.tolist():
@@ -156,8 +157,8 @@ def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses(tiered
     blocks = list(range(len(kv.layers[0])))
     kv.prefill(prompt, blocks, CHUNK)
     storage = engine.storage
-    engine.store(prompt[:3], kv.layers, blocks)
-    engine.store(prompt, kv.layers, blocks)  # chunks 3 and 4 are new
+    store(engine, prompt[:3], kv.layers, blocks)
+    store(engine, prompt, kv.layers, blocks)  # chunks 3 and 4 are new
     gpu_stats = storage.stats()["gpu"]
     events = [(e.kind, e.location) for e in queue.take_events()]
     # Three pages: the two new chunks took the least recently used ones, and nobody was told.
@@ -169,7 +170,7 @@ def test_the_gpu_tier_evicts_on_its_own_and_loses_what_the_cpu_tier_loses(tiered
     assert not storage.gpu.contains(storage.key(hashes[4])) and storage.location_of(hashes[4]) is None
     # Loads still get every held chunk, from whichever tier has it.
     kv.wipe()
-    assert engine.retrieve(prompt[:4], kv.layers, blocks) == 4 * CHUNK
+    assert retrieve(engine, prompt[:4], kv.layers, blocks) == 4 * CHUNK
     assert kv.matches(prompt, blocks, CHUNK, 4 * CHUNK)
     storage.clear()
     assert len(storage.gpu) == 0 and storage.stats()["gpu"]["free_pages"] == 3

@@ -12,6 +12,7 @@ from lmcache_p2p.config import GB, LMCacheConfig
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.layerwise import LayerwiseLoad
 from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
+from lmcache_p2p.testing.sync_engine import store
 from lmcache_p2p.worker import build_engine
 
 CUDA = torch.cuda.is_available()
@@ -28,7 +29,7 @@ def stored_prompt(device: str, chunks: int = 4):
     hashes = chunk_hash_array(tokens(chunks * CHUNK, seed=4), CHUNK)
     blocks = list(range(len(kv.layers[0])))
     kv.prefill(hashes, blocks, CHUNK)
-    assert engine.store(hashes, kv.layers, blocks) == chunks * CHUNK
+    assert store(engine, hashes, kv.layers, blocks) == chunks * CHUNK
     kv.wipe()
     layers = {f"model.layers.{i}.self_attn.attn": range(i, i + 1) for i in range(len(kv.layers))}
     return engine, kv, hashes, blocks, layers

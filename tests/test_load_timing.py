@@ -35,6 +35,7 @@ from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.layerwise import LayerwiseLoad
 from lmcache_p2p.miss_reasons import PulledChunks
 from lmcache_p2p.testing.standin import MODEL_SHAPES, StandInKV
+from lmcache_p2p.testing.sync_engine import retrieve, store
 from lmcache_p2p.worker import build_engine
 
 CUDA = torch.cuda.is_available()
@@ -53,7 +54,7 @@ def stored_prompt(device: str, chunks: int = 4, num_blocks: int = 64, shape=SHAP
     hashes = chunk_hash_array(tokens(chunks * CHUNK, seed=4), CHUNK)
     blocks = list(range(chunks * CHUNK // kv.layout().block_size))
     kv.prefill(hashes, blocks, CHUNK)
-    assert engine.store(hashes, kv.layers, blocks) == chunks * CHUNK
+    assert store(engine, hashes, kv.layers, blocks) == chunks * CHUNK
     kv.wipe()
     return engine, kv, hashes, blocks
 
@@ -261,7 +262,7 @@ def test_a_pulls_chunks_are_loaded_as_they_land_and_the_request_is_reported_once
     source = [0, 1, 2, 3, 4, 5, 6, 7]  # where the chunks' KV is made (the "peer" stores from there)
     target = [15, 14, 13, 12, 11, 10, 9, 8]
     try:
-        assert engine.store(hashes[:1], side.planes, source[:2]) == 32
+        assert store(engine, hashes[:1], side.planes, source[:2]) == 32
 
         class ThreeChunks:
             chunks = 3
@@ -277,7 +278,7 @@ def test_a_pulls_chunks_are_loaded_as_they_land_and_the_request_is_reported_once
             return pull_done
 
         def land(chunks: int) -> None:  # the peer's batch committed in our store
-            engine.store(hashes[: 1 + chunks], side.planes, source[: 2 * (1 + chunks)])
+            store(engine, hashes[: 1 + chunks], side.planes, source[: 2 * (1 + chunks)])
             hooks[0](chunks)
 
         monkeypatch.setattr(engine, "lookup_async", lambda _: PrefixLookup(["host"], offer=ThreeChunks()))
@@ -433,7 +434,7 @@ def test_on_a_gpu_a_load_waits_for_the_store_reading_its_blocks_and_not_for_the_
             torch.cuda.synchronize()
         engine.poll_stores(wait=True)
         kv.wipe()  # the store read blocks a before the load overwrote them
-        assert engine.retrieve(other[:4], kv.layers, a) == 4 * CHUNK
+        assert retrieve(engine, other[:4], kv.layers, a) == 4 * CHUNK
         assert kv.matches(other[:4], a, CHUNK, 4 * CHUNK)
     finally:
         engine.close()

@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ from lmcache_p2p.keys import (
     chunk_hash_array,
     hash_list,
 )
-from lmcache_p2p.testing import jsonlines
+from lmcache_p2p.testing import jsonlines, sync_engine
 
 
 @dataclass(frozen=True)
@@ -154,11 +155,12 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
             engine.note_adapter(identity.lora_name, identity.lora_id)  # as the connector's worker half does
         # the prompt's keys, once
         num_tokens, hashes = len(tokens), chunk_hash_array(tokens, chunk_size, identity=identity, mm=mm)
+        answer: dict[str, Any]
         if op == "prefill":
             kv.prefill(hashes, blocks, chunk_size)
             if prefill_tokens_per_s:
                 engine.observe_prefill(num_tokens, num_tokens / prefill_tokens_per_s)
-            answer = {"stored": engine.store(hashes, kv.layers, blocks, num_tokens=num_tokens)}
+            answer = {"stored": sync_engine.store(engine, hashes, kv.layers, blocks, num_tokens=num_tokens)}
         elif op == "fill":  # store the chunks' payloads with no KV tensors involved (benchmarks)
             answer = {
                 "stored": chunk_size
@@ -173,7 +175,7 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
         elif op == "clear":
             answer = {"dropped": engine.storage.clear()}
         elif op == "lookup":
-            answer = {"hit": engine.lookup(hashes, num_tokens, fetch_missing=request.get("peers", True))}
+            answer = {"hit": sync_engine.lookup(engine, hashes, num_tokens, fetch_missing=request.get("peers", True))}
         elif op == "offer":  # an engine's peer lookup alone (its scheduler's question, nothing pulled)
             first = engine.lookup_async(hashes)
             answer = {
@@ -211,7 +213,7 @@ def handler(engine, kv: StandInKV, chunk_size: int, prefill_tokens_per_s: float 
             }
         elif op == "retrieve":
             kv.wipe()
-            n = engine.retrieve(hashes, kv.layers, blocks, num_tokens=num_tokens)
+            n = sync_engine.retrieve(engine, hashes, kv.layers, blocks, num_tokens=num_tokens)
             answer = {"retrieved": n, "exact": kv.matches(hashes, blocks, chunk_size, n)}
         elif op == "status":
             answer = engine.status()
