@@ -76,13 +76,14 @@ def _corrupt(engine) -> int:
 
 
 def _fail_next_load(engine) -> None:
-    real = engine.run_load
+    # Every load is planned first, in the step, layer by layer and beside the steps alike.
+    real = engine.plan_load
 
-    def failing(plan, layers):
-        engine.run_load = real
+    def failing(*args, **kwargs):
+        engine.plan_load = real
         raise RuntimeError("injected load failure (offline driver: fail_next_load)")
 
-    engine.run_load = failing
+    engine.plan_load = failing
 
 
 def _generate(llm, request: dict) -> dict:

@@ -91,7 +91,7 @@ class AsyncLoads:
     def _new_job(
         self, spec: LoadSpec, timeline: LoadTimeline | None, after: torch.cuda.Event | None, pull: Pull | None = None
     ) -> LoadJob:
-        now = time.monotonic()
+        now = pull.started if pull is not None else time.monotonic()  # a pull starts as it is granted
         timeline = timeline or LoadTimeline(now)
         if timeline.granted is None:
             timeline.granted = now
