@@ -120,6 +120,33 @@ class _Request:
         return bool(self.keys.unkeyed)
 
 
+class LoadPlacement:
+    """Where a granted load runs: in the step, or beside the steps (vLLM's asynchronous loads,
+    load_kv_async). ``setting`` is async_kv_loads: True, False or "auto"."""
+
+    def __init__(self, setting: bool | str, fetch_missing: bool, device: str):
+        self.setting = setting
+        # Whether any request may be granted a load beside the steps before its lookup says so: an
+        # offer (a peer's, the remote store's) always loads there, and "auto" puts host-memory
+        # hits there on a GPU only.
+        self.possible = fetch_missing or setting is True or (setting == AUTO and device == "cuda")
+
+    def beside_steps(self, blended: bool, from_host: bool, fetched: bool) -> bool:
+        """Whether a load with no offered part (``from_host``: part of it crosses PCIe;
+        ``fetched``: fetched for this lookup) is granted beside the steps. Under "auto" only a
+        load crossing PCIe from what the ranks held before the lookup is: a copy from host memory
+        (~26 ms a 10,000-token document on the H200) then overlaps other requests' steps, while a
+        load from GPU memory (~1 ms) costs less than the step it would add, and a hit just pulled
+        shares PCIe with the next request's pull (on the H200 such loads beside the steps ran at
+        26-31 GB/s against 48 in the step; see docs/architecture.md). Blended loads stay in the
+        step: they compute as they load."""
+        if blended or self.setting is False:
+            return False
+        if self.setting is True:
+            return True
+        return from_host and not fetched
+
+
 class SchedulerSide:
     def __init__(self, vllm_config: Any, config: LMCacheConfig):
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -141,13 +168,8 @@ class SchedulerSide:
         self.client = LookupClient(paths, self.chunk_size)
         # Beyond the local tiers: peers (enable_p2p) and the remote store (remote_url).
         self.fetch_missing = config.enable_p2p or config.remote_url is not None
-        self.loads_beside_steps = config.async_kv_loads  # True, False or "auto": where it crosses PCIe
-        # Whether any request may be granted a load beside the steps before its lookup says so: an
-        # offer (a peer's, the remote store's) always loads there, and "auto" puts host-memory
-        # hits there on a GPU only.
         device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
-        on_gpu_auto = self.loads_beside_steps == AUTO and device == "cuda"
-        self._beside_steps_possible = self.fetch_missing or self.loads_beside_steps is True or on_gpu_auto
+        self.placement = LoadPlacement(config.async_kv_loads, self.fetch_missing, device)
         self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
@@ -214,7 +236,9 @@ class SchedulerSide:
         # beside the steps (vLLM holds the request as WAITING_FOR_REMOTE_KVS, and no step waits
         # on those bytes).
         pulls = state.lookup.pull_from is not None and state.lookup.pull_from < usable
-        beside = need > 0 and (pulls or self._loads_beside_steps_for(state, from_host))
+        beside = need > 0 and (
+            pulls or self.placement.beside_steps(state.blend is not None, from_host, state.lookup.fetched)
+        )
         state.grant.local_tokens, state.grant.beside_steps = num_computed_tokens, beside
         if need != state.lookup.logged_need:
             state.lookup.logged_need = need
@@ -224,7 +248,7 @@ class SchedulerSide:
                 how = f", beside the steps after pulling tokens [{state.lookup.pull_from}, {usable}) from {origin}"
             elif beside:
                 how = ", beside the steps" + (f" (host memory up to token {host})" if from_host else "")
-            elif need and from_host and self.loads_beside_steps == AUTO:  # auto kept it: fetched
+            elif need and from_host and self.placement.setting == AUTO:  # auto kept it: fetched
                 how = f", in the step (host memory up to token {host}, fetched for this lookup: "
                 how += "the next pull shares PCIe)"
             logger.info(
@@ -256,21 +280,7 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is not None and state.lookup.hit is not None:
             return state.grant.beside_steps
-        return self._beside_steps_possible
-
-    def _loads_beside_steps_for(self, state: _Request, from_host: bool) -> bool:
-        """Whether a load of this request (``from_host``: part of it crosses PCIe) is granted
-        beside the steps (load_kv_async). Under "auto" only a load crossing PCIe from what the
-        ranks held before the lookup is: a copy from host memory (~26 ms a 10,000-token document on the H200) then
-        overlaps other requests' steps, while a load from GPU memory (~1 ms) costs less than the
-        step it would add, and a hit just pulled shares PCIe with the next request's pull (on the
-        H200 such loads beside the steps ran at 26-31 GB/s against 48 in the step; see
-        docs/architecture.md). Blended loads stay in the step: they compute as they load."""
-        if state.blend is not None or self.loads_beside_steps is False:
-            return False
-        if self.loads_beside_steps is True:
-            return True
-        return from_host and not state.lookup.fetched
+        return self.placement.possible
 
     def _retry_beside_steps(self, req_id: str, state: _Request) -> bool:
         """vLLM asks again about a request whose load beside the steps is done only when that load
