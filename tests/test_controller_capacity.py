@@ -138,7 +138,15 @@ def test_at_its_descriptor_limit_the_controller_refuses_the_ranks_it_cannot_hold
         )
         assert refused_connections > 0, f"{unanswered} Registers unanswered, yet no connection counted as refused"
         listed = {w["instance_id"] for w in controller.http.get("/controller/workers").json()["workers"]}
-        assert listed == {fleet.ranks[n][0] for n in [*held, *accepted]}
+        registered = {fleet.ranks[n][0] for n in [*held, *accepted]}
+        assert {fleet.ranks[n][0] for n in held} <= listed <= registered
+        # An accepted rank is listed, unless the controller's probe of its command port found it
+        # unreachable (this process answers 400 ranks' probes; on a loaded host some time out):
+        # dropped then, and counted, never silently.
+        dropped = len(registered - listed)
+        assert controller.metric("lmcache_controller_workers_unreachable_total") >= dropped, (
+            f"{dropped} accepted rank(s) not listed, and not counted as unreachable"
+        )
 
         # The ranks it holds keep heartbeating, and answer commands through it.
         beats = ranks.heartbeats(held)
