@@ -51,6 +51,9 @@ def test_each_event_moves_a_job_as_the_table_says_and_any_other_is_refused(phase
     else:
         assert job.on(event) is expected and job.phase is expected
         assert job.aborted == (event is E.ABORTED)
+
+
+def test_the_table_holds_exactly_the_transitions_written_out_here():
     assert set(TRANSITIONS) == {(p, e) for p, events in EXPECTED.items() for e in events}
 
 

@@ -337,7 +337,7 @@ def test_a_load_whose_piece_fails_to_queue_loads_the_pieces_before_it_and_vllm_r
         )
         offer = SimpleNamespace(chunks=3, first=lambda n: offer)
         spec = LoadSpec("q", hashes, 128, blocks, 0, 128, beside_steps=True)
-        assert loads.pull_then_load(spec, offer, held)  # type: ignore[arg-type]
+        assert loads.jobs.pull_then_load(spec, offer, held)  # type: ignore[arg-type]
         loads.begin_step(P2PConnectorMetadata(step_tokens=256))
         hooks[0](1)
         assert by_outcome(loads.finished()) == (set(), set())
@@ -477,7 +477,7 @@ def test_on_a_gpu_a_pull_landed_in_batches_is_copied_through_the_staging_ring_pi
         spec = LoadSpec("g", hashes, 8 * CHUNK, blocks, 0, 8 * CHUNK, beside_steps=True)
         grant = torch.cuda.Event()
         grant.record(torch.cuda.current_stream())
-        assert loads.pull_then_load(spec, offer, engine.pin_prefix(hashes[:2]), after=grant)  # type: ignore[arg-type]
+        assert loads.jobs.pull_then_load(spec, offer, engine.pin_prefix(hashes[:2]), after=grant)  # type: ignore[arg-type]
         loads.begin_step(P2PConnectorMetadata(step_tokens=256))
         with caplog.at_level(logging.DEBUG):
             for landed in (3, 5):  # chunks 0-1 are the rank's own; each landing is a piece

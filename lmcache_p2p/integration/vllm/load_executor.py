@@ -39,8 +39,6 @@ from lmcache_p2p.integration.vllm.load_jobs import (
 )
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.layerwise import LayerwiseLoad
-from lmcache_p2p.miss_reasons import Miss
-from lmcache_p2p.peer_service import Offer
 
 logger = logging.getLogger(__name__)
 
@@ -221,19 +219,6 @@ class LoadExecutor:
         if loaded_to < spec.end:
             self.report_short_load(spec, loaded_to)
         return None
-
-    def pull_then_load(
-        self,
-        spec: LoadSpec,
-        offer: Offer,
-        local: PinnedPrefix,
-        then: Miss | None = None,
-        after: torch.cuda.Event | None = None,
-        timeline: LoadTimeline | None = None,
-    ) -> bool:
-        """A granted load beside the steps whose chunks past the local hit were offered: a job
-        that pulls them first (AsyncLoads.pull_then_load). False where nothing needs pulling."""
-        return self.jobs.pull_then_load(spec, offer, local, then, after, timeline) is not None
 
     # -- in the step, layer by layer --------------------------------------------------------------
 

@@ -309,7 +309,7 @@ class WorkerSide:
             if (
                 offer is not None
                 and prefix is not None
-                and loads.pull_then_load(spec, offer, prefix, then, after, timeline)
+                and loads.jobs.pull_then_load(spec, offer, prefix, then, after, timeline) is not None
             ):
                 continue  # loaded once the pull ends (get_finished)
             if prefix is None:  # no pinned answer here (expired, or this rank restarted): pin now
