@@ -53,7 +53,8 @@ def test_segments_stored_once_are_blended_in_another_order_and_a_full_blend_equa
     eng = engine({**BASE, "enable_blending": True, "blend_recompute_ratios": [1.0]}, name="blend")
     cold = eng.generate(other)  # nothing stored: computed as usual, and its leading segments stored
     log = eng.log()
-    assert "blend: 3 segment(s) before the last, 0 held (0 tokens); blending tokens [0, 0)" in log
+    nothing = "0 held or offered (0 tokens; 0 pulled first); blending tokens [0, 0)"
+    assert nothing in log
     assert "stored 3 segment(s)" in log
     eng.generate(one)  # the same segments in another order, after other text: blended
     log = eng.log()
@@ -140,7 +141,10 @@ def test_an_engine_pulls_the_segments_a_peer_stored_and_blends_them(engine, prom
         wait_for(indexed, timeout=10, what="the controller to index engine A's three segment chunks")
         out = b.generate(one)
         log = b.log()
-        assert "blend: 3 segment(s) before the last, 3 held" in log and "cached in 3 segment(s) reused" in log
+        # Offered at the lookup, pulled beside the steps by the load, blended in the next step.
+        assert "3 held or offered (" in log and "; 3 pulled first)" in log
+        assert "pulling 3 segment(s) of 3 chunk(s) a peer offered" in log
+        assert "cached in 3 segment(s) reused" in log
         assert b.status()["p2p_client"]["chunks_pulled"] == 3
         assert a.generate(one) == out
     finally:
@@ -161,7 +165,9 @@ def test_an_engine_fetches_the_segments_another_stored_in_the_remote_store_and_b
     b = engine(config, name="b")
     out = b.generate(one)
     log = b.log()
-    assert "blend: 3 segment(s) before the last, 3 held" in log and "cached in 3 segment(s) reused" in log
+    assert "3 held or offered (" in log and "; 3 pulled first)" in log
+    assert "pulling 3 segment(s) of 3 chunk(s) the remote store offered" in log
+    assert "cached in 3 segment(s) reused" in log
     remote = b.status()["storage"]["remote"]
     assert remote["chunks_read"] == 3 and remote["bad_values"] == 0
     assert a.generate(one) == out

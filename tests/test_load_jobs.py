@@ -1,8 +1,8 @@
 """A rank's loads beside the steps as jobs by id (integration/vllm/load_jobs.py, async_loads.py):
 the phase table, and every event driven through a rank's jobs: grants, landings, a pull's end or
 deadline, aborts in each phase, a piece that cannot be queued, and a request granted again after
-a preemption. Copies are stand-ins "on a device" (test_load_timing.TimedCopy) where their timing
-is the point."""
+a preemption, and a blended load's segment pulls. Copies are stand-ins "on a device"
+(test_load_timing.TimedCopy) where their timing is the point."""
 
 from __future__ import annotations
 
@@ -194,3 +194,53 @@ def test_a_request_granted_again_after_a_preemption_gets_a_new_job(rank):
     again = rank.jobs.start(spec(rank, "r"), rank.engine.pin_prefix(rank.hashes))
     assert again.job_id != first.job_id and rank.jobs.job_of("r") is again
     assert step(rank) == [again]
+
+
+# -- a blended load's segments, pulled beside the steps -----------------------------------------
+
+
+def test_a_blended_loads_segments_are_pulled_pinned_whole_and_reported_for_the_step_that_blends(rank):
+    """Both segments a peer offered land: the job ends DONE with every chunk pinned here (the
+    step that first schedules the request blends from those pins); it copies nothing itself."""
+    pulls = rank.pull()
+    keys = [int(h) for h in rank.hashes]
+    segments = [(keys[:2], SimpleNamespace(chunks=2)), (keys[2:], SimpleNamespace(chunks=2))]
+    job = rank.jobs.pull_segments(spec(rank, "b"), segments)  # type: ignore[arg-type]
+    assert job.phase is P.PULLING and len(pulls) == 2
+    pulls[0][0].set_result(PulledChunks(2))
+    assert step(rank) == [] and job.phase is P.PULLING  # one of two pulls ended: nothing is blended yet
+    pulls[1][0].set_result(PulledChunks(2))
+    assert step(rank, computing=False) == [job]
+    assert job.phase is P.DONE and job.loaded_to == 4 * CHUNK and job.pieces == []
+    assert job.segments is not None and sorted(job.segments.pins) == sorted(keys)
+    job.segments.release()
+
+
+def test_a_segment_that_does_not_land_whole_fails_the_blended_load_and_its_pins_go(rank):
+    """A blend needs every segment: where one pulled segment is not held whole once its pull
+    ends (a chunk the holder no longer had), the job fails from the load's start, vLLM
+    recomputes the prompt, and no chunk stays pinned for it."""
+    pulls = rank.pull()
+    keys = [int(h) for h in rank.hashes]
+    segments = [(keys[:2], SimpleNamespace(chunks=2)), ([keys[2], 0xDEAD], SimpleNamespace(chunks=2))]
+    job = rank.jobs.pull_segments(spec(rank, "c"), segments)  # type: ignore[arg-type]
+    for future, _ in pulls:
+        future.set_result(PulledChunks(1))
+    assert step(rank, computing=False) == [job]
+    assert job.phase is P.FAILED and job.loaded_to == 0 and job.unloaded_blocks == rank.blocks
+    assert job.segments is not None and job.segments.missing == 1 and job.segments.pins == {}
+
+
+def test_an_abort_while_segments_pull_gives_the_pulls_up_and_ends_the_job_failed(rank):
+    pulls = rank.pull()
+    keys = [int(h) for h in rank.hashes]
+    job = rank.jobs.pull_segments(spec(rank, "d"), [(keys, SimpleNamespace(chunks=4))])  # type: ignore[arg-type]
+    rank.jobs.abort("d")
+    assert pulls[0][0].cancelled()
+    assert step(rank) == [job] and job.phase is P.FAILED and job.aborted
+
+
+def test_a_rank_that_holds_every_segment_reports_the_blended_load_at_once(rank):
+    """Under TP another rank may pull while this one holds them all: its job ends at the next step."""
+    job = rank.jobs.pull_segments(spec(rank, "e"), [])
+    assert job.pull is None and step(rank) == [job] and job.phase is P.DONE

@@ -16,9 +16,11 @@ one DEBUG line once reported (load_jobs.LoadTimeline).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import logging
+import threading
 import time
 
 import torch
@@ -35,6 +37,7 @@ from lmcache_p2p.integration.vllm.load_jobs import (
     LoadTimeline,
     Piece,
     Pull,
+    SegmentPulls,
     Wakeup,
     copy_kind,
     log_landed_chunk_failed,
@@ -152,6 +155,38 @@ class AsyncLoads:
         )
         return job
 
+    def pull_segments(
+        self, spec: LoadSpec, offers: list[tuple[list[int], Offer]], timeline: LoadTimeline | None = None
+    ) -> LoadJob:
+        """A granted blended load's part beside the steps: a job that pulls the segments a peer or
+        the remote store offered (``(keys, offer)`` each) and pins them, copying nothing. It
+        ends DONE once every one is held (the step that first schedules the request blends
+        them), FAILED where one is not (vLLM recomputes the prompt)."""
+        if not offers:  # this rank holds every segment (another rank pulls): done at the next step
+            job = self._new_job(spec, timeline, None)
+            job.segments = SegmentPulls([])
+            return job
+        now = time.monotonic()
+        landed = Landed(self._wakeup)
+        future = _all_pulled([self.engine.pull_offer_async(offer) for _, offer in offers])
+        offered = sum(offer.chunks for _, offer in offers)
+        local = PinnedPrefix([], self.engine.chunk_size)
+        pull = Pull(local, future, offered, now, landed, origin=" or ".join(sorted({_origin(o) for _, o in offers})))
+        job = self._new_job(spec, timeline, None, pull)
+        job.segments = SegmentPulls([keys for keys, _ in offers])
+        job.timeline.pull_started = now
+        future.add_done_callback(functools.partial(_stamp_pull_end, job.timeline))
+        future.add_done_callback(lambda _: self._wakeup.fire())
+        logger.info(
+            "request %s: pulling %d segment(s) of %d chunk(s) %s offered, to blend tokens [0, %d) once they land",
+            spec.req_id,
+            len(offers),
+            offered,
+            pull.origin,
+            spec.end,
+        )
+        return job
+
     def abort(self, req_id: str) -> None:
         """The request finished (an abort): a pull is given up now; what landed is still copied
         and the job is reported as usual, for vLLM to free the blocks."""
@@ -177,7 +212,7 @@ class AsyncLoads:
                 self._end_pull(job, JobEvent.PULL_ENDED, now)
             elif now - pull.started > PEER_FETCH_TIMEOUT_S:
                 self._end_pull(job, JobEvent.PULL_LATE, now)
-            else:
+            elif job.segments is None:
                 self._copy_landed(job)
 
     def _end_pull(self, job: LoadJob, event: JobEvent, now: float) -> None:
@@ -202,6 +237,9 @@ class AsyncLoads:
             )
             miss = None if aborted else Miss(TIMEOUT, why)
         job.on(event)
+        if job.segments is not None:
+            self._pin_segments(job, pulled, event, now)
+            return
         spec, engine = job.spec, self.engine
         prefix = engine.pin_prefix(spec.chunk_hashes, spec.end)
         pull.local.release()  # the lookup's pin of the local hit: the new pin holds it
@@ -219,6 +257,37 @@ class AsyncLoads:
             spec.end,
         )
         self._add_piece(job, prefix)  # the rest after what landed earlier
+
+    def _pin_segments(self, job: LoadJob, pulled: int, event: JobEvent, now: float) -> None:
+        """A blended load's segment pull ended: pin each pulled segment, whole or not at all."""
+        segments = job.segments
+        assert segments is not None and job.pull is not None
+        storage = self.engine.storage
+        for keys in segments.keys if event is JobEvent.PULL_ENDED else []:
+            chunks = [storage.pin(int(key), gpu=True) for key in keys]  # the blender copies them to its device
+            held = [chunk for chunk in chunks if chunk is not None]
+            if len(held) == len(keys):
+                for key, chunk in zip(keys, held, strict=True):
+                    if int(key) in segments.pins:  # a segment repeated in the prompt: pinned once
+                        chunk.release()
+                    else:
+                        segments.pins[int(key)] = chunk
+                continue
+            segments.missing += 1
+            for chunk in held:
+                chunk.release()
+        if event is not JobEvent.PULL_ENDED:
+            segments.missing = len(segments.keys)
+        logger.info(
+            "request %s: pulled %d of the %d chunk(s) %s offered for %d segment(s) in %.1f ms; %d held whole",
+            job.req_id,
+            pulled,
+            job.pull.offered,
+            job.pull.origin,
+            len(segments.keys),
+            (now - job.pull.started) * 1e3,
+            len(segments.keys) - segments.missing,
+        )
 
     def _copy_landed(self, job: LoadJob) -> None:
         """Queue the copy of what a running pull landed since the job's last piece (its chunks are
@@ -297,7 +366,14 @@ class AsyncLoads:
 
     def _check(self, job: LoadJob) -> None:
         """Its copies are done: chunks a peer wrote into the GPU tier whose check was still running
-        when they were pinned are waited for; the job ends where its good KV ends."""
+        when they were pinned are waited for; the job ends where its good KV ends. A blended
+        load's segment pull ends all or nothing: the blend needs every segment."""
+        if job.segments is not None:
+            whole = not job.segments.missing and not job.aborted
+            if not whole:
+                job.segments.release()
+            job.end(job.spec.end if whole else job.spec.start, self.engine.layout.block_size)
+            return
         plan = job.plan()
         loaded_to = plan.loaded_to
         if plan.unchecked:
@@ -412,6 +488,8 @@ class AsyncLoads:
             if job.phase is JobPhase.PULLING and job.pull is not None:
                 job.pull.future.cancel()
                 job.pull.local.release()
+            if job.segments is not None:
+                job.segments.release()
             for piece in job.pieces:  # their pins go once their copies are done
                 piece.copy.synchronize()
                 piece.prefix.release()
@@ -426,3 +504,41 @@ def _origin(offer: Offer) -> str:
 
 def _stamp_pull_end(timeline: LoadTimeline, _future: concurrent.futures.Future) -> None:
     timeline.pull_ended = time.monotonic()
+
+
+def _all_pulled(pulls: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+    """One future for several pulls: done when all are, with the chunks they brought summed and
+    the first one's reason for bringing fewer; cancelling it cancels them."""
+    combined: concurrent.futures.Future = concurrent.futures.Future()
+    left = [len(pulls)]
+    lock = threading.Lock()
+
+    def one_done(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        chunks, miss = 0, None
+        for pull in pulls:
+            try:
+                outcome: PulledChunks = pull.result(0)
+            except concurrent.futures.CancelledError:
+                miss = miss or Miss(TIMEOUT, "the pull was given up")
+                continue
+            except Exception as e:
+                miss = miss or Miss(HOLDER_GONE, f"the pull failed: {e}")
+                continue
+            chunks += outcome.chunks
+            miss = miss or outcome.miss
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # given up meanwhile
+            combined.set_result(PulledChunks(chunks, miss))
+
+    def give_up(done: concurrent.futures.Future) -> None:
+        if done.cancelled():
+            for pull in pulls:
+                pull.cancel()
+
+    combined.add_done_callback(give_up)
+    for pull in pulls:
+        pull.add_done_callback(one_done)
+    return combined

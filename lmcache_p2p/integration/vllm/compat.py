@@ -160,6 +160,14 @@ def loads_after_forward(scheduler_output: Any) -> bool:
     return not getattr(scheduler_output, "has_sync_kv_loads", True)
 
 
+def load_before_forward(scheduler_output: Any) -> None:
+    """Have this step's ``start_load_kv`` run before its forward pass (vLLM >= 0.32 decides from
+    ``has_sync_kv_loads``, which counts only the loads it granted in the step): for a blend of
+    segments pulled beside the steps, which vLLM counts as loaded already."""
+    if hasattr(scheduler_output, "has_sync_kv_loads"):
+        scheduler_output.has_sync_kv_loads = True
+
+
 def transfer_results(finished_sending: set[str], finished_recving: set[str], failed_recving: set[str]) -> Any:
     """vLLM's ``KVConnectorTransferResults`` (>= 0.32; only such releases call
     ``get_transfer_results``). A failed receive is reported as finished too: vLLM releases the

@@ -5,6 +5,7 @@ runs them.
 A job is made when its load is granted (start_load_kv) and lives until get_finished reports it:
 
     PULLING  a peer's (or the remote store's) offer is pulled; what lands is copied as it comes
+             (a blended load's segments: pulled and pinned, for the step that blends them)
     COPYING  every piece is queued on the load stream (no piece is to come)
     CHECKING the copies are done; chunks a peer wrote into the GPU tier are checksum-checked
     DONE     loaded all it promised            } reported once, as (job id, loaded_to); vLLM
@@ -25,6 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -182,6 +184,23 @@ class Pull:
 
 
 @dataclass
+class SegmentPulls:
+    """A blended load's part beside the steps: the segments a peer or the remote store offered,
+    pulled and pinned here. The blend itself runs in the step that first schedules the request
+    (it computes through the model's layers, and every TP rank's step must run it), from these
+    pins and those of the segments held when looked up."""
+
+    keys: list[list[int]]  # each pulled segment's chunk keys
+    pins: dict[int, Any] = field(default_factory=dict)  # key -> pinned chunk, once pulled
+    missing: int = 0  # pulled segments not held whole once the pull ended
+
+    def release(self) -> None:
+        for chunk in self.pins.values():
+            chunk.release()
+        self.pins = {}
+
+
+@dataclass
 class Piece:
     """Part of a job's copies: its pins, what it copies, and the copy (queued on the load stream;
     where the kernels cannot take it, done by the host at once)."""
@@ -203,6 +222,7 @@ class LoadJob:
     timeline: LoadTimeline
     phase: JobPhase = JobPhase.COPYING
     pull: Pull | None = None
+    segments: SegmentPulls | None = None  # a blended load's: it pulls segments and copies nothing
     pieces: list[Piece] = field(default_factory=list)
     after: torch.cuda.Event | None = None  # where its copies start on vLLM's stream (GrantFences)
     aborted: bool = False

@@ -47,7 +47,8 @@ class LookupRequest(msgspec.Struct, tag="lookup"):
     hashes: bytes | None = None
     num_tokens: int = 0
     # Blending (docs/blend.md): each reusable segment's chunk keys (pack_hashes); the rank says
-    # which segments it holds whole in its local tiers and pins them for the load.
+    # which segments it holds whole in its local tiers (pinned for the load) and, with
+    # ``fetch_missing``, which of the others a peer or the remote store offers whole.
     segments: list[bytes] | None = None
     # The request's LoRA adapter, [name, lora_id] (adapter_id.py), on the full request only: the
     # rank reports it to the controller, which keys requests naming the adapter the same way.
@@ -60,6 +61,7 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     hit_tokens: int = 0
     error: str = ""
     segments_held: list[bool] | None = None  # a segment lookup's answer, one per segment
+    segments_offered: list[bool] | None = None  # not held, offered whole: the blended load pulls it first
     # Where the hit's last chunk held in host memory ends (tokens; 0: none): loading up to there
     # crosses PCIe. Only a rank whose KV cache is on a GPU counts it (a CPU engine's loads cross none).
     host_until: int = 0
@@ -70,6 +72,19 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     # The hit past this token is an offer (a peer's, the remote store's): the load pulls it
     # first, beside the engine's steps (-1: the whole hit is held here).
     pull_from: int = -1
+
+
+@dataclass
+class SegmentHits:
+    """A segment lookup's answer over every rank, one entry per segment: whether the blended load
+    can use it (each rank holds it whole or has it offered whole), and whether a rank pulls it first."""
+
+    usable: list[bool]
+    pulled: list[bool]
+
+    @property
+    def pulls(self) -> bool:
+        return any(self.pulled)
 
 
 def pack_sources(sources: list[str]) -> bytes:
@@ -289,10 +304,11 @@ class LookupClient:
 
     def lookup_segments(
         self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float
-    ) -> list[bool]:
-        """Which of ``segments`` (each a segment's chunk keys) every rank holds whole in its local
-        tiers (with ``fetch_missing``: after pulling what they lack), pinned there for the load.
-        A rank that does not answer, or fails, holds none."""
+    ) -> SegmentHits:
+        """Which of ``segments`` (each a segment's chunk keys) every rank can blend: held whole in
+        its local tiers (pinned there for the load) or, with ``fetch_missing``, offered whole by a
+        peer or the remote store (the blended load pulls it first, beside the steps). A rank
+        that does not answer, or fails, holds none."""
         self._seq += 1
         seq = self._seq
         payload = _encoder.encode(
@@ -305,24 +321,29 @@ class LookupClient:
         )
         for sock in self._socks:
             sock.send(payload, copy=False)
-        held = [True] * len(segments)
+        none = SegmentHits([False] * len(segments), [False] * len(segments))
+        usable, pulled = [True] * len(segments), [False] * len(segments)
         answered = 0
         deadline = time.monotonic() + timeout_s
         while answered < len(self._socks):
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 logger.warning("segment lookup of request %s: a TP rank did not answer; treating it as a miss", req_id)
-                return [False] * len(segments)
+                return none
             for sock, _ in self._poller.poll(left_ms):
                 reply = self._decode(sock.recv())
                 if reply is None or reply.seq != seq:
                     continue
                 answered += 1
-                if reply.error or reply.segments_held is None or len(reply.segments_held) != len(segments):
+                held = reply.segments_held
+                offered = reply.segments_offered or [False] * len(segments)
+                if reply.error or held is None or len(held) != len(segments) or len(offered) != len(segments):
                     logger.warning("segment lookup of request %s failed on a rank (%s)", req_id, reply.error)
-                    return [False] * len(segments)
-                held = [a and b for a, b in zip(held, reply.segments_held, strict=True)]
-        return held
+                    return none
+                for i, (here, there) in enumerate(zip(held, offered, strict=True)):
+                    usable[i] = usable[i] and (here or there)
+                    pulled[i] = pulled[i] or (there and not here)
+        return SegmentHits(usable, [u and p for u, p in zip(usable, pulled, strict=True)])
 
     @staticmethod
     def _decode(payload: bytes) -> LookupReply | None:

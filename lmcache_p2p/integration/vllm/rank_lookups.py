@@ -3,9 +3,10 @@ answer leaves until the request's load takes it (the model runner's thread).
 
 A prefix lookup pins the chunks the local tiers hold and asks for an offer past them (a live
 peer's, the remote store's: ``CacheEngine.lookup_async``); the answer is the held tokens plus the
-offered ones, with where the offer starts. A segment lookup (blending) fetches the segments the
-tiers lack and pins the ones held whole. Pins live until the load takes them, the step releases
-the request, or ``LOOKUP_PIN_TTL_S`` passes unclaimed.
+offered ones, with where the offer starts. A segment lookup (blending) pins the segments held
+whole and asks for an offer of each of the others (the blended load pulls those first, beside the
+steps). Pins live until the load takes them, the step releases the request, or
+``LOOKUP_PIN_TTL_S`` passes unclaimed.
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ class RankLookup:
     miss: Miss | None = None  # why the first chunk past the hit and the offer is missed
 
 
+@dataclass
+class SegmentOffer:
+    """A segment this rank lacks that a peer or the remote store offers whole past what is held."""
+
+    keys: list[int]  # the segment's chunk keys
+    offer: Offer  # its chunks past the leading ones held here
+
+
+@dataclass
+class SegmentLookup:
+    """One blended request's segment lookup on this rank, kept for its load."""
+
+    started: float  # when the rank was asked (time.monotonic)
+    pins: dict[int, Any]  # the segments held whole: key -> pinned chunk, the load's to release
+    offers: list[SegmentOffer]  # the segments the load pulls first
+
+
 class RankLookups:
     """The rank's lookups and segment pins by request id; the lookup thread writes them, the
     model runner's thread takes them (one lock)."""
@@ -57,7 +75,7 @@ class RankLookups:
         self.on_gpu = on_gpu  # a GPU rank says how far its hit is in host memory
         self.blender = blender  # blending.SegmentBlender: segment stores to wait for
         self._lookups: dict[str, RankLookup] = {}
-        self._segment_pins: dict[str, tuple[float, dict[int, Any]]] = {}  # req_id -> (when, key -> pinned chunk)
+        self._segments: dict[str, SegmentLookup] = {}
         self._lock = threading.Lock()
 
     def answer(self, request: LookupRequest) -> LookupReply:
@@ -124,9 +142,10 @@ class RankLookups:
         return sources
 
     def _on_segment_lookup(self, request: LookupRequest) -> LookupReply:
-        """Which segments this rank holds whole in its local tiers, after pulling what they lack
-        from peers or the remote store (``fetch_missing``: a segment's keys are a chain like a
-        prefix's, indexed by the controller like any chunk); those are pinned for the load."""
+        """Which segments this rank holds whole in its local tiers (pinned for the load) and,
+        with ``fetch_missing``, which of the others a peer or the remote store offers whole (a
+        segment's keys are a chain like a prefix's, indexed by the controller like any chunk).
+        Nothing is pulled here: the blended load pulls the offered segments beside the steps."""
         engine = self.engine
         storage = engine.storage
         self._release_segments(request.req_id)  # asked again (a preempted request): the new answer stands
@@ -135,31 +154,45 @@ class RankLookups:
             # Segments being stored behind an earlier step count: wait for those stores only.
             wanted = {int(key) for keys in segments for key in keys}
             self.blender.poll_stores(wait=True, keys=wanted, req_id=request.req_id)
-        held, pins = [], {}
+        held, offered = [], []
+        found = SegmentLookup(time.monotonic(), {}, [])
         for keys in segments:
-            if request.fetch_missing:
-                try:
-                    engine.fetch(keys)
-                except Exception:  # a failed pull is a segment not held, never a failed lookup
-                    logger.exception("request %s: fetching a segment's %d chunk(s) failed", request.req_id, len(keys))
             chunks = [storage.pin(int(k), gpu=True) for k in keys]  # the blender copies them to its device
             whole = bool(keys) and all(c is not None for c in chunks)
             held.append(whole)
             for key, chunk in zip(keys, chunks, strict=True):
                 if chunk is None:
                     continue
-                if whole:
-                    pins[int(key)] = chunk
-                else:
+                if whole and int(key) not in found.pins:
+                    found.pins[int(key)] = chunk
+                else:  # not whole, or a segment repeated in the prompt: pinned once already
                     chunk.release()
+            offer = self._offer_segment(request.req_id, keys) if not whole and request.fetch_missing else None
+            offered.append(offer is not None)
+            if offer is not None:
+                found.offers.append(offer)
         with self._lock:
-            self._segment_pins[request.req_id] = (time.monotonic(), pins)
-        return LookupReply(seq=request.seq, req_id=request.req_id, segments_held=held)
+            self._segments[request.req_id] = found
+        return LookupReply(seq=request.seq, req_id=request.req_id, segments_held=held, segments_offered=offered)
+
+    def _offer_segment(self, req_id: str, keys: list[int]) -> SegmentOffer | None:
+        """An offer of the segment's chunks past its leading ones held here, when it covers the
+        rest of the segment (a segment is blended whole or not at all); else None."""
+        if not keys:
+            return None
+        try:
+            found = self.engine.lookup_async(keys)
+        except Exception:  # a failed lookup is a segment not offered, never a failed answer
+            logger.exception("request %s: looking up a segment's %d chunk(s) failed", req_id, len(keys))
+            return None
+        if found.offer is None or len(found.sources) + found.offer.chunks < len(keys):
+            return None
+        return SegmentOffer(keys, found.offer)
 
     def _release_segments(self, req_id: str) -> None:
         with self._lock:
-            entry = self._segment_pins.pop(req_id, None)
-        for chunk in (entry[1] if entry else {}).values():
+            found = self._segments.pop(req_id, None)
+        for chunk in (found.pins if found else {}).values():
             chunk.release()
 
     def take(self, req_id: str) -> RankLookup | None:
@@ -172,7 +205,7 @@ class RankLookups:
         with self._lock:
             stale = [r for r, s in self._lookups.items() if s.started < cutoff]
             states = [self._lookups.pop(r) for r in stale]
-            stale_segments = [r for r, (when, _) in self._segment_pins.items() if when < cutoff]
+            stale_segments = [r for r, found in self._segments.items() if found.started < cutoff]
         for req_id in stale_segments:
             self._release_segments(req_id)
         for req_id, state in zip(stale, states, strict=True):
@@ -184,10 +217,31 @@ class RankLookups:
         if state.prefix is not None:
             state.prefix.release()
 
-    def take_segment_pins(self, req_id: str) -> dict[int, Any]:
-        """A blended load's pinned segment chunks (key -> chunk), its to release."""
+    def take_segments(self, req_id: str) -> SegmentLookup:
+        """A blended load's segment lookup: its pinned chunks (the load's to release) and the
+        offers it pulls; empty where none was kept."""
         with self._lock:
-            return self._segment_pins.pop(req_id, (0.0, {}))[1]
+            return self._segments.pop(req_id, None) or SegmentLookup(time.monotonic(), {}, [])
+
+    def take_segment_offers(self, req_id: str) -> list[SegmentOffer]:
+        """The offered segments a blended load pulls beside the steps (its pins stay here for
+        the step that blends them)."""
+        with self._lock:
+            found = self._segments.get(req_id)
+            if found is None:
+                return []
+            offers, found.offers = found.offers, []
+        return offers
+
+    def add_segment_pins(self, req_id: str, pins: dict[int, Any]) -> None:
+        """Pins of segments the blended load pulled, kept beside the lookup's for its blend."""
+        with self._lock:
+            found = self._segments.setdefault(req_id, SegmentLookup(time.monotonic(), {}, []))
+            for key, chunk in pins.items():
+                if key in found.pins:
+                    chunk.release()  # one pin per key is enough
+                else:
+                    found.pins[key] = chunk
 
     def drop(self, req_id: str) -> None:
         """A request released before its load (finished, aborted, or a miss): its pins go."""
@@ -201,5 +255,5 @@ class RankLookups:
             states, self._lookups = list(self._lookups.values()), {}
         for state in states:
             self._release(state)
-        for req_id in list(self._segment_pins):
+        for req_id in list(self._segments):
             self._release_segments(req_id)

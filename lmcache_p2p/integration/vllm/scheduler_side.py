@@ -34,7 +34,7 @@ from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PCon
 from lmcache_p2p.integration.vllm.model_kinds import check_model
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.tenancy import RequestKeys, request_keys
-from lmcache_p2p.vocab import OFFER_TIMEOUT_S, PEER_FETCH_TIMEOUT_S, REMOTE_OFFER_TIMEOUT_S, SOURCE_REMOTE
+from lmcache_p2p.vocab import OFFER_TIMEOUT_S, REMOTE_OFFER_TIMEOUT_S, SOURCE_REMOTE
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 # its tiers and its offers (the controller's holders within OFFER_TIMEOUT_S, the remote store's
 # exists round within REMOTE_OFFER_TIMEOUT_S); past this a rank is stuck, and the lookup a miss.
 LOOKUP_REPLY_TIMEOUT_S = OFFER_TIMEOUT_S + REMOTE_OFFER_TIMEOUT_S + 10.0
-# A segment lookup (blending) still pulls its segments before it answers, one after another.
+# A segment lookup (blending) asks for an offer of each segment a rank lacks, one after another.
 LOOKUP_REPLY_SLACK_S = 10.0
 
 
@@ -95,6 +95,10 @@ class _Blend:
     segments: list[BlendSegment]  # the reusable ones
     last_start: int  # where its last segment starts
     segments_stored: bool = False
+    pulls: bool = False  # some rank pulls an offered segment first: the load goes beside the steps
+    # The segments were pulled beside the steps for a blend of [0, blend_at): the step that first
+    # schedules the request from there blends them (0: none pending).
+    blend_at: int = 0
 
 
 @dataclass
@@ -236,6 +240,7 @@ class SchedulerSide:
         # beside the steps (vLLM holds the request as WAITING_FOR_REMOTE_KVS, and no step waits
         # on those bytes).
         pulls = state.lookup.pull_from is not None and state.lookup.pull_from < usable
+        pulls = pulls or (state.blend is not None and state.blend.pulls)
         beside = need > 0 and (
             pulls or self.placement.beside_steps(state.blend is not None, from_host, state.lookup.fetched)
         )
@@ -243,7 +248,9 @@ class SchedulerSide:
         if need != state.lookup.logged_need:
             state.lookup.logged_need = need
             how = ""
-            if beside and pulls:
+            if beside and pulls and state.blend is not None:
+                how = ", beside the steps after pulling the segments offered (the blend runs in the step after)"
+            elif beside and pulls:
                 origin = self._offered_by(state)
                 how = f", beside the steps after pulling tokens [{state.lookup.pull_from}, {usable}) from {origin}"
             elif beside:
@@ -334,24 +341,29 @@ class SchedulerSide:
         return _Request(np.zeros(0, dtype=np.uint64), num_tokens, keys=keys)
 
     def _ask_segments(self, req_id: str, state: _Request, blend: _Blend) -> int:
-        """Blending: which reusable segments the ranks hold, and the tokens a blended load fills."""
+        """Blending: which reusable segments the ranks hold or have offered, and the tokens a
+        blended load fills."""
         assert self.blend is not None
-        # Segments' pulls run one after another on the rank, each within the peer fetch timeout.
-        timeout_s = LOOKUP_REPLY_SLACK_S + (PEER_FETCH_TIMEOUT_S * len(blend.segments) if self.fetch_missing else 0)
-        held = self.client.lookup_segments(req_id, [s.keys for s in blend.segments], self.fetch_missing, timeout_s)
-        for segment, whole in zip(blend.segments, held, strict=True):
-            segment.held = whole
+        # Each rank asks for an offer of every segment it lacks, one after another.
+        per_segment = OFFER_TIMEOUT_S + REMOTE_OFFER_TIMEOUT_S if self.fetch_missing else 0.0
+        timeout_s = LOOKUP_REPLY_SLACK_S + per_segment * len(blend.segments)
+        hits = self.client.lookup_segments(req_id, [s.keys for s in blend.segments], self.fetch_missing, timeout_s)
+        for segment, usable in zip(blend.segments, hits.usable, strict=True):
+            segment.held = usable
         state.lookup.hit = self.blend.decide(blend.segments, blend.last_start, state.num_tokens)
         state.lookup.ms = (time.monotonic() - state.seen_at) * 1e3
+        blend.pulls = bool(state.lookup.hit) and hits.pulls
         if not state.lookup.hit:  # nothing to blend: segments some ranks pinned go now (as in _ask)
             self._released.append(req_id)
         cached = sum(s.end - s.start for s in blend.segments if s.held)
         logger.info(
-            "Reqid: %s, blend: %d segment(s) before the last, %d held (%d tokens); blending tokens [0, %d) of %d%s",
+            "Reqid: %s, blend: %d segment(s) before the last, %d held or offered (%d tokens; %d pulled first); "
+            "blending tokens [0, %d) of %d%s",
             req_id,
             len(blend.segments),
-            sum(held),
+            sum(hits.usable),
             cached,
+            sum(hits.pulled),
             state.lookup.hit,
             state.num_tokens,
             "" if state.lookup.hit else " (nothing: a plain prefill, then the segments are stored)",
@@ -402,7 +414,8 @@ class SchedulerSide:
         if state is None:
             return
         state.grant.tokens = num_external_tokens
-        if num_external_tokens == 0 and state.lookup.hit:
+        pending_blend = state.blend is not None and state.blend.blend_at > 0  # its pins are for this step
+        if num_external_tokens == 0 and state.lookup.hit and not pending_blend:
             self._released.append(request.request_id)  # nothing to load: the ranks may unpin
         elif num_external_tokens and state.grant.beside_steps:
             # Granted asynchronously: no step schedules the request until its load is done, so its
@@ -463,20 +476,34 @@ class SchedulerSide:
             if state is not None:  # it will be looked up again when it is rescheduled
                 state.lookup, state.async_loads = _Lookup(), _AsyncLoads()
                 state.grant.tokens = 0
+                if state.blend is not None:
+                    state.blend.pulls, state.blend.blend_at = False, 0
         # A preempted request's blocks are freed at once, so copies of them still in flight must
         # finish before this step writes anything.
         meta.fence_stores = bool(preempted)
         meta.released, self._released = self._released, []
+        if meta.load_after_forward and any(spec.blend is not None and not spec.beside_steps for spec in meta.loads):
+            # A blend of segments pulled beside the steps: vLLM counts its tokens as loaded, but
+            # the blend must write them before the forward pass reads them.
+            compat.load_before_forward(scheduler_output)
+            meta.load_after_forward = False
         return meta
 
     def _add_load(
         self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int, beside_steps: bool = False
     ) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.
+        blend_now = state.blend is not None and 0 < state.blend.blend_at == computed and not beside_steps
+        if state.blend is not None and not beside_steps:
+            state.blend.blend_at = 0  # scheduled: blended now, or (a failed pull) computed in full
+        if blend_now:
+            state.grant.tokens = computed  # the blend its segments' pull was granted for: [0, computed)
         if state.grant.tokens:
             blend = None
             if state.blend is not None and self.blend is not None:
                 blend = self.blend.load_spec(state.blend.tokens, state.blend.segments, computed)
+                if beside_steps:
+                    state.blend.blend_at = computed
             meta.loads.append(
                 LoadSpec(
                     req_id,

@@ -290,6 +290,12 @@ class WorkerSide:
             lookups.drop(req_id)
         layerwise: list[tuple[LoadSpec, PinnedPrefix, LoadPlan]] = []
         for spec in meta.loads:
+            if spec.blend is not None and spec.beside_steps:
+                # Segments offered by a peer or the remote store: pulled beside the steps; the
+                # blend runs in the step that first schedules the request (below, next time).
+                offers = [(o.keys, o.offer) for o in lookups.take_segment_offers(spec.req_id)]
+                loads.jobs.pull_segments(spec, offers)
+                continue
             if spec.blend is not None:
                 self._load_blended(spec)
                 continue
@@ -331,7 +337,7 @@ class WorkerSide:
     # -- layer-wise loads ------------------------------------------------------------------------
 
     def _load_blended(self, spec) -> None:
-        pins = self._rank_lookups.take_segment_pins(spec.req_id)
+        pins = self._rank_lookups.take_segments(spec.req_id).pins
         try:
             if self.blender is None:
                 raise RuntimeError("a blended load reached a rank without enable_blending")
@@ -419,8 +425,14 @@ class WorkerSide:
 
     def finished_loads(self) -> list[LoadJob]:
         """The loads beside the steps that ended since the last call, each once (DONE or FAILED,
-        with how far they loaded): see AsyncLoads.finished."""
-        return self._loads.finished()
+        with how far they loaded): see AsyncLoads.finished. A blended load's segments pulled in
+        full are kept with its segment lookup for the step that blends them."""
+        ended = self._loads.finished()
+        for job in ended:
+            if job.segments is not None and job.segments.pins:
+                self._rank_lookups.add_segment_pins(job.req_id, job.segments.pins)
+                job.segments.pins = {}
+        return ended
 
     def recompute_blocks(self, blocks: list[int]) -> None:
         """Blocks a failed load beside the steps did not fill, reported to vLLM < 0.32 through
