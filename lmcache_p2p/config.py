@@ -360,7 +360,8 @@ class LMCacheConfig:
         "beside the steps, whatever this key says. For the engine's own tiers, `auto`: a load that crosses PCIe "
         "from what a GPU engine held in host memory (its CPU pool, disk) goes beside the steps; one all in GPU "
         "memory (the GPU tier), a hit fetched from the remote store for its lookup, or on a CPU engine stays in "
-        "the step; `True`/`False`: every such load / none; blended loads stay in the step",
+        "the step; `True`/`False`: every such load / none; a blend runs in the step (segments a peer or the remote "
+        "store offered are pulled beside the steps first)",
         group="tuning",
         basis=(
             "[BENCHMARKS.md, CPU offload](../BENCHMARKS.md#cpu-offload-seed-002) and [Peer hits on "

@@ -905,3 +905,20 @@ def test_a_pull_that_brings_part_of_an_offer_loads_that_part_and_vllm_recomputes
             assert torch.equal(plane[[7, 6, 5, 4]], plane[[0, 1, 2, 3]])
     finally:
         side.close()
+
+
+def test_a_blend_whose_segments_were_pulled_runs_only_in_the_step_scheduled_from_its_end(caplog):
+    """vLLM counts a blended load granted beside the steps as loaded once its segments landed;
+    the blend itself runs in the step that schedules the request from the blend's end. A failed
+    pull (vLLM computes from token 0) blends nothing, quietly; any other start is an error."""
+    from lmcache_p2p.integration.vllm.blending import BlendRequest
+
+    request = BlendRequest(np.zeros(300, dtype=np.int32), [], last_start=280, blend_at=256)
+    assert request.scheduled("r", 256) and request.blend_at == 0
+    assert not request.scheduled("r", 256)  # once
+    request.blend_at = 256
+    with caplog.at_level(logging.ERROR):
+        assert not request.scheduled("r", 0) and not caplog.records
+        request.blend_at = 256
+        assert not request.scheduled("r", 128)
+    assert "scheduled from token 128, not at its blend's end 256: not blended" in caplog.text

@@ -27,13 +27,43 @@ import numpy as np
 from lmcache_p2p.blend.segments import segment_chunks, separator_ids, split_segments
 from lmcache_p2p.blend.support import check_architecture, check_full_attention
 from lmcache_p2p.config import ConfigError, LMCacheConfig
+from lmcache_p2p.integration.vllm.lookup_channel import LookupClient
 from lmcache_p2p.integration.vllm.metadata import BlendSegment, BlendSpec, SegmentStoreSpec
 from lmcache_p2p.keys import KeyIdentity
+from lmcache_p2p.vocab import OFFER_TIMEOUT_S, REMOTE_OFFER_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
 MAX_KEPT_GAPS = 64  # distinct separator runs a rank keeps the KV of (a few KB to MB each)
 MAX_KEPT_GAP_TOKENS = 32  # longer gaps are text no rank held, not separators
+# How long the scheduler waits for every rank's answer to a segment lookup, beyond the offers it
+# asks for (each rank asks for an offer of each segment it lacks, one after another).
+SEGMENT_LOOKUP_SLACK_S = 10.0
+
+
+@dataclass
+class BlendRequest:
+    """A prompt of two or more segments (enable_blending), as the scheduler side keeps it: it
+    takes the segment path, never the prefix one."""
+
+    tokens: np.ndarray  # the prompt's, int32
+    segments: list[BlendSegment]  # the reusable ones
+    last_start: int  # where its last segment starts
+    segments_stored: bool = False
+    pulls: bool = False  # some rank pulls an offered segment first: the load goes beside the steps
+    # The segments were pulled beside the steps for a blend of [0, blend_at): the step that first
+    # schedules the request from there blends them (0: none pending).
+    blend_at: int = 0
+
+    def scheduled(self, req_id: str, computed: int) -> bool:
+        """vLLM scheduled the request from token ``computed``: whether this step blends the
+        segments its load pulled beside the steps (it was granted the blend of ``[0, computed)``)."""
+        pending, self.blend_at = self.blend_at, 0  # blended now, or (a failed pull) computed in full
+        if pending and computed and computed != pending:  # vLLM counts tokens as loaded that no blend writes
+            logger.error(
+                "Reqid: %s, scheduled from token %d, not at its blend's end %d: not blended", req_id, computed, pending
+            )
+        return bool(pending) and computed == pending
 
 
 class BlendPlanner:
@@ -97,6 +127,31 @@ class BlendPlanner:
         cached = sum(s.end - s.start for s in segments if s.held)
         end = min(last_start, num_tokens - 1) // self.block_size * self.block_size
         return end if cached >= self.block_size and end > 0 else 0
+
+    def ask(self, client: LookupClient, req_id: str, request: BlendRequest, num_tokens: int, fetch: bool) -> int:
+        """Ask the ranks which reusable segments they hold or (``fetch``) have offered whole;
+        mark each segment usable or not and whether a rank pulls first; the tokens a blended
+        load fills (0: none)."""
+        per_segment = OFFER_TIMEOUT_S + REMOTE_OFFER_TIMEOUT_S if fetch else 0.0
+        timeout_s = SEGMENT_LOOKUP_SLACK_S + per_segment * len(request.segments)
+        hits = client.lookup_segments(req_id, [s.keys for s in request.segments], fetch, timeout_s)
+        for segment, usable in zip(request.segments, hits.usable, strict=True):
+            segment.held = usable
+        hit = self.decide(request.segments, request.last_start, num_tokens)
+        request.pulls = bool(hit) and hits.pulls
+        logger.info(
+            "Reqid: %s, blend: %d segment(s) before the last, %d held or offered (%d tokens; %d pulled first); "
+            "blending tokens [0, %d) of %d%s",
+            req_id,
+            len(request.segments),
+            sum(hits.usable),
+            sum(s.end - s.start for s in request.segments if s.held),
+            sum(hits.pulled),
+            hit,
+            num_tokens,
+            "" if hit else " (nothing: a plain prefill, then the segments are stored)",
+        )
+        return hit
 
     @staticmethod
     def load_spec(tokens: np.ndarray, segments: list[BlendSegment], end: int) -> BlendSpec:

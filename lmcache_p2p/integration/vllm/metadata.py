@@ -19,7 +19,7 @@ class BlendSegment:
     start: int
     end: int
     keys: np.ndarray  # uint64, blend.segments.segment_chunks' keys
-    held: bool  # every rank holds it whole (pinned by the segment lookup)
+    held: bool  # every rank holds it whole (pinned by the segment lookup) or pulls it first, offered whole
 
 
 @dataclass

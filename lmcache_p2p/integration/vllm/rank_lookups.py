@@ -231,12 +231,14 @@ class RankLookups:
             if found is None:
                 return []
             offers, found.offers = found.offers, []
+            found.started = time.monotonic()  # its pins now wait for the pull, then the blend
         return offers
 
     def add_segment_pins(self, req_id: str, pins: dict[int, Any]) -> None:
         """Pins of segments the blended load pulled, kept beside the lookup's for its blend."""
         with self._lock:
             found = self._segments.setdefault(req_id, SegmentLookup(time.monotonic(), {}, []))
+            found.started = time.monotonic()
             for key, chunk in pins.items():
                 if key in found.pins:
                     chunk.release()  # one pin per key is enough

@@ -27,10 +27,10 @@ import numpy as np
 
 from lmcache_p2p.config import AUTO, ConfigError, LMCacheConfig
 from lmcache_p2p.integration.vllm import compat
-from lmcache_p2p.integration.vllm.blending import BlendPlanner
+from lmcache_p2p.integration.vllm.blending import BlendPlanner, BlendRequest
 from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents, kv_events_enabled
 from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path, tokens_by_source
-from lmcache_p2p.integration.vllm.metadata import BlendSegment, LoadSpec, P2PConnectorMetadata, StoreSpec
+from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata, StoreSpec
 from lmcache_p2p.integration.vllm.model_kinds import check_model
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.tenancy import RequestKeys, request_keys
@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 # its tiers and its offers (the controller's holders within OFFER_TIMEOUT_S, the remote store's
 # exists round within REMOTE_OFFER_TIMEOUT_S); past this a rank is stuck, and the lookup a miss.
 LOOKUP_REPLY_TIMEOUT_S = OFFER_TIMEOUT_S + REMOTE_OFFER_TIMEOUT_S + 10.0
-# A segment lookup (blending) asks for an offer of each segment a rank lacks, one after another.
-LOOKUP_REPLY_SLACK_S = 10.0
 
 
 @dataclass
@@ -87,21 +85,6 @@ class _Stores:
 
 
 @dataclass
-class _Blend:
-    """A prompt of two or more segments (enable_blending): it takes the segment path, never the
-    prefix one."""
-
-    tokens: np.ndarray  # the prompt's, int32
-    segments: list[BlendSegment]  # the reusable ones
-    last_start: int  # where its last segment starts
-    segments_stored: bool = False
-    pulls: bool = False  # some rank pulls an offered segment first: the load goes beside the steps
-    # The segments were pulled beside the steps for a blend of [0, blend_at): the step that first
-    # schedules the request from there blends them (0: none pending).
-    blend_at: int = 0
-
-
-@dataclass
 class _Request:
     """Everything the scheduler side keeps about one request, in parts."""
 
@@ -117,7 +100,7 @@ class _Request:
     grant: _Grant = field(default_factory=_Grant)
     async_loads: _AsyncLoads = field(default_factory=_AsyncLoads)
     stores: _Stores = field(default_factory=_Stores)
-    blend: _Blend | None = None
+    blend: BlendRequest | None = None
 
     @property
     def unkeyed(self) -> bool:
@@ -142,8 +125,8 @@ class LoadPlacement:
         (~26 ms a 10,000-token document on the H200) then overlaps other requests' steps, while a
         load from GPU memory (~1 ms) costs less than the step it would add, and a hit just pulled
         shares PCIe with the next request's pull (on the H200 such loads beside the steps ran at
-        26-31 GB/s against 48 in the step; see docs/architecture.md). Blended loads stay in the
-        step: they compute as they load."""
+        26-31 GB/s against 48 in the step; see docs/architecture.md). A blend with nothing to
+        pull stays in the step: it computes as it loads."""
         if blended or self.setting is False:
             return False
         if self.setting is True:
@@ -330,7 +313,7 @@ class SchedulerSide:
                     self.blend.segments(tokens, keys.identity) if self.blend is not None and keys.blendable else None
                 )
                 if planned is not None:
-                    state.blend = _Blend(tokens, *planned)
+                    state.blend = BlendRequest(tokens, *planned)
             self._requests[req_id] = state
         return state
 
@@ -340,34 +323,15 @@ class SchedulerSide:
         num_tokens = len(prompt_token_ids) if prompt_token_ids is not None else 0
         return _Request(np.zeros(0, dtype=np.uint64), num_tokens, keys=keys)
 
-    def _ask_segments(self, req_id: str, state: _Request, blend: _Blend) -> int:
-        """Blending: which reusable segments the ranks hold or have offered, and the tokens a
-        blended load fills."""
+    def _ask_segments(self, req_id: str, state: _Request, blend: BlendRequest) -> int:
+        """Blending: the tokens a blended load fills, from the segments the ranks hold or have
+        offered (not after a failed load: then only the local tiers count, as for a prefix)."""
         assert self.blend is not None
-        # Each rank asks for an offer of every segment it lacks, one after another.
-        per_segment = OFFER_TIMEOUT_S + REMOTE_OFFER_TIMEOUT_S if self.fetch_missing else 0.0
-        timeout_s = LOOKUP_REPLY_SLACK_S + per_segment * len(blend.segments)
-        hits = self.client.lookup_segments(req_id, [s.keys for s in blend.segments], self.fetch_missing, timeout_s)
-        for segment, usable in zip(blend.segments, hits.usable, strict=True):
-            segment.held = usable
-        state.lookup.hit = self.blend.decide(blend.segments, blend.last_start, state.num_tokens)
+        fetch = self.fetch_missing and state.may_fetch
+        state.lookup.hit = self.blend.ask(self.client, req_id, blend, state.num_tokens, fetch)
         state.lookup.ms = (time.monotonic() - state.seen_at) * 1e3
-        blend.pulls = bool(state.lookup.hit) and hits.pulls
         if not state.lookup.hit:  # nothing to blend: segments some ranks pinned go now (as in _ask)
             self._released.append(req_id)
-        cached = sum(s.end - s.start for s in blend.segments if s.held)
-        logger.info(
-            "Reqid: %s, blend: %d segment(s) before the last, %d held or offered (%d tokens; %d pulled first); "
-            "blending tokens [0, %d) of %d%s",
-            req_id,
-            len(blend.segments),
-            sum(hits.usable),
-            cached,
-            sum(hits.pulled),
-            state.lookup.hit,
-            state.num_tokens,
-            "" if state.lookup.hit else " (nothing: a plain prefill, then the segments are stored)",
-        )
         return state.lookup.hit
 
     def _ask(self, req_id: str, state: _Request) -> int:
@@ -493,10 +457,7 @@ class SchedulerSide:
         self, meta: P2PConnectorMetadata, req_id: str, state: _Request, computed: int, beside_steps: bool = False
     ) -> None:
         # ``computed`` already counts the external tokens the scheduler granted us.
-        blend_now = state.blend is not None and 0 < state.blend.blend_at == computed and not beside_steps
-        if state.blend is not None and not beside_steps:
-            state.blend.blend_at = 0  # scheduled: blended now, or (a failed pull) computed in full
-        if blend_now:
+        if state.blend is not None and not beside_steps and state.blend.scheduled(req_id, computed):
             state.grant.tokens = computed  # the blend its segments' pull was granted for: [0, computed)
         if state.grant.tokens:
             blend = None
@@ -603,6 +564,8 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if state is None:
             return
+        if state.blend is not None:
+            state.blend.blend_at = 0  # no blend follows a failed segment pull: vLLM computes the prompt
         start = state.grant.local_tokens if from_token is None else from_token
         token = start // self.chunk_size * self.chunk_size
         if (state.lookup.hit or 0) <= token and state.stores.saved_upto <= token:

@@ -293,7 +293,9 @@ class WorkerSide:
             if spec.blend is not None and spec.beside_steps:
                 # Segments offered by a peer or the remote store: pulled beside the steps; the
                 # blend runs in the step that first schedules the request (below, next time).
-                offers = [(o.keys, o.offer) for o in lookups.take_segment_offers(spec.req_id)]
+                # Only the segments the blend uses: the job is all or nothing.
+                used = {tuple(int(k) for k in s.keys) for s in spec.blend.segments if s.held}
+                offers = [(o.keys, o.offer) for o in lookups.take_segment_offers(spec.req_id) if tuple(o.keys) in used]
                 loads.jobs.pull_segments(spec, offers)
                 continue
             if spec.blend is not None:
@@ -341,7 +343,7 @@ class WorkerSide:
         try:
             if self.blender is None:
                 raise RuntimeError("a blended load reached a rank without enable_blending")
-            self._wait_landed_checks(pins)
+            self._drop_failed_landed_checks(spec.req_id, pins)
             loaded_to = self.blender.load(spec.req_id, spec.blend, spec.block_ids, pins)
         except Exception:
             logger.exception("request %s: blending tokens [0, %d) failed", spec.req_id, spec.end)
@@ -352,12 +354,27 @@ class WorkerSide:
         if loaded_to < spec.end:
             self._loads.report_short_load(spec, loaded_to)
 
-    def _wait_landed_checks(self, pins: dict[int, Any]) -> None:
+    def _drop_failed_landed_checks(self, req_id: str, pins: dict[int, Any]) -> None:
         """Segments that a peer wrote into the GPU tier are blended only once their checksums
-        are checked (a blend cannot be undone after the step); raises if one failed."""
-        for key, chunk in pins.items():
-            if chunk.check is not None and key in chunk.check.result(LANDED_CHECK_TIMEOUT_S):
-                raise RuntimeError(f"segment chunk {key:016x} failed its checksum check after landing in VRAM")
+        are checked (a blend cannot be undone after the step): a chunk that failed its check, or
+        was not checked in time, is dropped, and the blender recomputes its segment. Never
+        raises: under TP every rank must run the blend (it computes through the model's layers,
+        whose collectives the other ranks' blends wait on)."""
+        for key, chunk in list(pins.items()):
+            if chunk.check is None:
+                continue
+            try:
+                bad = key in chunk.check.result(LANDED_CHECK_TIMEOUT_S)
+            except Exception:  # not checked in time, or the check itself failed
+                bad = True
+            if bad:
+                logger.error(
+                    "request %s: segment chunk %016x failed its checksum check after landing in VRAM; "
+                    "its segment is recomputed",
+                    req_id,
+                    key,
+                )
+                pins.pop(key).release()
 
     def wait_for_save(self, meta: P2PConnectorMetadata) -> None:
         """Launch this step's stores; on a GPU they copy beside the next forward pass, and the
