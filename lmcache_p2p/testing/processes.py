@@ -54,6 +54,10 @@ def post_json(url: str, body: dict, timeout: float) -> Any:
 
 # vLLM's worker start-up line, e.g. "... distributed_init_method=tcp://127.0.0.1:57573 backend=gloo".
 _CPU_SHM_INIT_PORT = re.compile(r"distributed_init_method=tcp://\S*:(\d+)(?:\s|$)", re.MULTILINE)
+# vLLM draws its workers' rendezvous port from the kernel's ephemeral range and binds it later; any
+# outgoing connection on the host may take it in between (CI met this: "EADDRINUSE" at start-up).
+# Such a start is tried once more.
+_VLLM_PORT_RACE = "EADDRINUSE"
 
 
 class ServedProcess:
@@ -63,9 +67,10 @@ class ServedProcess:
         self.name, self.args, self.log_path = name, args, log_path
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self._started_again = False
 
-    def start(self) -> ServedProcess:
-        self._log = open(self.log_path, "w")  # noqa: SIM115  (open for the process's life; stop() closes it)
+    def start(self, mode: str = "w") -> ServedProcess:
+        self._log = open(self.log_path, mode)  # noqa: SIM115  (open for the process's life; stop() closes it)
         self.proc = subprocess.Popen(
             self.args,
             stdout=self._log,
@@ -96,6 +101,14 @@ class ServedProcess:
         """Until ``url`` answers 200; raises with the log tail if the process dies or time runs out."""
         started = last_report = time.monotonic()
         while True:
+            if self.exited() and not self._started_again and _VLLM_PORT_RACE in self.log():
+                self._started_again = True
+                print(f"    {self.name}: vLLM's own port was taken while it started; starting it again", flush=True)
+                self._log.write(f"\n--- {self.name} started again: its port race above ---\n")
+                self._log.close()
+                self._unlink_cpu_shm()
+                self.start(mode="a")
+                continue
             if self.exited():
                 raise RuntimeError(
                     f"{self.name} exited with code {self.process.returncode}; "
