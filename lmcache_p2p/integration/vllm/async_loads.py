@@ -41,6 +41,7 @@ from lmcache_p2p.integration.vllm.load_jobs import (
     Wakeup,
     copy_kind,
     log_landed_chunk_failed,
+    pin_whole,
 )
 from lmcache_p2p.integration.vllm.metadata import LoadSpec
 from lmcache_p2p.layerwise import LayerwiseLoad
@@ -176,7 +177,6 @@ class AsyncLoads:
         job.segments = SegmentPulls([keys for keys, _ in offers])
         job.timeline.pull_started = now
         future.add_done_callback(functools.partial(_stamp_pull_end, job.timeline))
-        future.add_done_callback(lambda _: self._wakeup.fire())
         logger.info(
             "request %s: pulling %d segment(s) of %d chunk(s) %s offered, to blend tokens [0, %d) once they land",
             spec.req_id,
@@ -262,21 +262,9 @@ class AsyncLoads:
         """A blended load's segment pull ended: pin each pulled segment, whole or not at all."""
         segments = job.segments
         assert segments is not None and job.pull is not None
-        storage = self.engine.storage
-        for keys in segments.keys if event is JobEvent.PULL_ENDED else []:
-            chunks = [storage.pin(int(key), gpu=True) for key in keys]  # the blender copies them to its device
-            held = [chunk for chunk in chunks if chunk is not None]
-            if len(held) == len(keys):
-                for key, chunk in zip(keys, held, strict=True):
-                    if int(key) in segments.pins:  # a segment repeated in the prompt: pinned once
-                        chunk.release()
-                    else:
-                        segments.pins[int(key)] = chunk
-                continue
-            segments.missing += 1
-            for chunk in held:
-                chunk.release()
-        if event is not JobEvent.PULL_ENDED:
+        if event is JobEvent.PULL_ENDED:
+            segments.missing = sum(not pin_whole(self.engine.storage, keys, segments.pins) for keys in segments.keys)
+        else:  # given up: nothing it brought is blended
             segments.missing = len(segments.keys)
         logger.info(
             "request %s: pulled %d of the %d chunk(s) %s offered for %d segment(s) in %.1f ms; %d held whole",

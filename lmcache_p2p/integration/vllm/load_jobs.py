@@ -200,6 +200,21 @@ class SegmentPulls:
         self.pins = {}
 
 
+def pin_whole(storage: Any, keys: list[int], pins: dict[int, Any]) -> bool:
+    """Pin a segment's chunks into ``pins`` (key -> pinned chunk) if every one is held, else none;
+    a key pinned already (a segment repeated in the prompt) keeps its one pin. Whether it was whole."""
+    chunks = [storage.pin(int(key), gpu=True) for key in keys]  # the blender copies them to its device
+    whole = bool(keys) and all(chunk is not None for chunk in chunks)
+    for key, chunk in zip(keys, chunks, strict=True):
+        if chunk is None:
+            continue
+        if whole and int(key) not in pins:
+            pins[int(key)] = chunk
+        else:
+            chunk.release()
+    return whole
+
+
 @dataclass
 class Piece:
     """Part of a job's copies: its pins, what it copies, and the copy (queued on the load stream;

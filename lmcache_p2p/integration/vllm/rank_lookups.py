@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from lmcache_p2p.cache_engine import CacheEngine, PinnedPrefix, PrefixLookup
+from lmcache_p2p.integration.vllm.load_jobs import pin_whole
 from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, pack_sources
 from lmcache_p2p.miss_reasons import EVICTED, Miss
 from lmcache_p2p.peer_service import Offer
@@ -157,16 +158,8 @@ class RankLookups:
         held, offered = [], []
         found = SegmentLookup(time.monotonic(), {}, [])
         for keys in segments:
-            chunks = [storage.pin(int(k), gpu=True) for k in keys]  # the blender copies them to its device
-            whole = bool(keys) and all(c is not None for c in chunks)
+            whole = pin_whole(storage, keys, found.pins)
             held.append(whole)
-            for key, chunk in zip(keys, chunks, strict=True):
-                if chunk is None:
-                    continue
-                if whole and int(key) not in found.pins:
-                    found.pins[int(key)] = chunk
-                else:  # not whole, or a segment repeated in the prompt: pinned once already
-                    chunk.release()
             offer = self._offer_segment(request.req_id, keys) if not whole and request.fetch_missing else None
             offered.append(offer is not None)
             if offer is not None:
