@@ -141,7 +141,8 @@ def _v1_runner_missing() -> str | None:
 def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n 2 --dist loadgroup`` (make test), tests that share a module-scoped
     fixture run on one worker: spread over both, each worker set the fixture up for itself (two
-    pairs of TP=2 engines at once on two cores starved a holder past its pull timeout). Tests that
+    pairs of TP=2 engines at once on two cores starved a holder past its pull timeout; the modules
+    that start TP engines share one group, ``tensor_parallel``, for the same reason). Tests that
     start engines are skipped where the run asks for a model runner this vLLM does not have."""
     no_v1 = _v1_runner_missing()
     for item in items:
@@ -153,3 +154,20 @@ def pytest_collection_modifyitems(config, items):
         shared = any(defs[-1].scope == "module" for defs in fixtures.name2fixturedefs.values() if defs)
         if shared and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def pytest_configure(config):
+    """``--dist loadgroup`` (make test) sends each ``xdist_group`` to one worker by suffixing the
+    tests' node ids (``…@group``), which pytest-xdist 3.8 does by setting ``item._nodeid``. Where
+    pytest's node id no longer reads that attribute (9.2), the groups are dropped silently: the
+    engine modules then start their fleets on both workers at once, and two TP=2 fleets on two
+    cores starved a holder past its pull timeout. Stop before any test runs instead."""
+    if config.getoption("dist", None) != "loadgroup":
+        return
+    from _pytest.nodes import Node
+
+    if "_nodeid" not in Node.nodeid.fget.__code__.co_names:  # type: ignore[attr-defined]
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} and this pytest-xdist do not group tests under --dist loadgroup "
+            "(the node id ignores xdist's group suffix); install the versions in locks/ (make install)"
+        )

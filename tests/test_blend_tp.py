@@ -16,7 +16,8 @@ from lmcache_p2p.testing.processes import stream_completion
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine]
+# One TP fleet at a time (test_vllm_tp says why).
+pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.xdist_group("tensor_parallel")]
 
 
 def test_a_tp2_engine_blends_rank_by_rank_and_a_full_blend_equals_its_cold_answer(tmp_path, tiny_model):
