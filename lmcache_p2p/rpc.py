@@ -217,7 +217,10 @@ class RpcClient:
                     self._owe(request_id, waiting)
                 if waiting.conn is self._conn:
                     self.reset()
-                raise RequestFailed(f"{self.name}: no answer from {self.address} within {timeout:.1f}s")
+                # Which of the two tells a dead holder from one we never reached (IMMEDIATE: a
+                # send waits for the connection, so "not sent" means no connection came up).
+                how = "sent, not answered" if sent else "not sent: no connection came up"
+                raise RequestFailed(f"{self.name}: no answer from {self.address} within {timeout:.1f}s ({how})")
             reply, frames = waiting.future.result()  # raises the RequestFailed a reset put there
             if isinstance(reply, RequestFailed):
                 raise reply
@@ -236,6 +239,12 @@ class RpcClient:
             self._schedule_give_up(waiting.conn)
 
     # -- the socket ------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Open the socket now rather than at the first request, so that request does not wait
+        for the TCP (and CurveZMQ) handshake. Nothing is sent."""
+        if self._conn is None:
+            self._open()
 
     def _open(self) -> _Connection:
         sock = self.ctx.socket(zmq.DEALER)

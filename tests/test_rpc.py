@@ -120,7 +120,7 @@ def test_timeout_resets_and_a_late_answer_reaches_its_handler():
         )
         client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
         try:
-            with pytest.raises(RequestFailed, match="no answer"):
+            with pytest.raises(RequestFailed, match=r"no answer .* \(sent, not answered\)"):
                 await client.request_frames(
                     HealthCommand(event_id="slow"), CommandReply, 0.3, on_late=lambda reply, frames: late.append(reply)
                 )
@@ -180,10 +180,38 @@ def test_no_server_is_a_request_failed_within_the_timeout():
         ctx = zmq.asyncio.Context()
         client = RpcClient(ctx, f"tcp://127.0.0.1:{free_ports(1)[0]}", command_reply_decoder, "worker 0")
         try:
-            with pytest.raises(RequestFailed):
+            # The error tells a holder we never reached from one that did not answer.
+            with pytest.raises(RequestFailed, match="not sent: no connection came up"):
                 await client.request(HealthCommand(event_id="e"), CommandReply, 0.3)
         finally:
             client.close()
+            ctx.destroy(0)
+
+    run(main())
+
+
+def test_connect_opens_the_connection_before_the_first_request():
+    """A warm peer's pull socket is connected at its hello: the first pull does not wait for it."""
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+        port = free_ports(1)[0]
+        server = _server(ctx, port, {HealthCommand: lambda c: CommandReply(event_id=c.event_id, ok=True)})
+        monitor = server.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        client = RpcClient(ctx, f"tcp://127.0.0.1:{port}", command_reply_decoder, "worker 0")
+        try:
+            assert not await monitor.poll(300), "a connection before connect()"
+            client.connect()
+            client.connect()  # once is enough: no second socket
+            assert await monitor.poll(5000), "connect() did not bring the connection up"
+            await monitor.recv_multipart()
+            assert (await client.request(HealthCommand(event_id="e"), CommandReply, 5)).ok
+            assert not await monitor.poll(300), "the request opened another connection"
+        finally:
+            client.close()
+            server.sock.disable_monitor()
+            monitor.close(0)
+            server.close()
             ctx.destroy(0)
 
     run(main())

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p import device_checksum
-from lmcache_p2p.keys import in_parallel
+from lmcache_p2p.keys import INLINE_HASH_BYTES, in_parallel
 from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
     ChannelHello,
@@ -224,9 +224,12 @@ class PeerServer:
             pins.append(chunk)
         if not pins:
             return ChunkPullReply(ok=True, served=0), []
-        # Known since store for most chunks; the rest are hashed now, on several threads. (Read
-        # here when all are known: a hop to a thread and back costs ms in an engine's process.)
-        if all(c.checksum_known for c in pins):
+        # Known since store for most chunks; the rest are hashed now: here when they are few host
+        # pages (a hop to a thread and back costs more in an engine's process), else on threads.
+        unknown = [c for c in pins if not c.checksum_known]
+        if not unknown or (
+            all(c.location != GPU for c in unknown) and sum(c.data.numel() for c in unknown) <= INLINE_HASH_BYTES
+        ):
             checksums = [c.checksum for c in pins]
         else:
             checksums = await asyncio.to_thread(in_parallel, lambda c: c.checksum, pins)

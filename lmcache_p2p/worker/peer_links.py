@@ -169,6 +169,8 @@ class PeerConnections:
                 continue  # it serves tcp: ask for that instead
             conn.channel = channel
             conn.staged = reply.staged
+            # The pulls' socket, connected now: a warm peer's first pull then finds it up.
+            conn.lookup.connect()
             await self.transports[channel].connect(peer.key, reply)  # tcp data streams
             conn.hello_ms = (time.perf_counter() - t0) * 1e3
             if channel != self.preferred:
