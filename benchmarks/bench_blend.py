@@ -6,6 +6,7 @@ a genuinely pretrained model. Prints one JSON line per method and a summary line
     .venv/bin/python benchmarks/bench_blend.py [--prompts 8] [--ratios 0.05,0.15,0.3] [--new-tokens 16] [--task]
     .venv/bin/python benchmarks/bench_blend.py --engine [--prompts 8]     # the same in vLLM CPU engines
     .venv/bin/python benchmarks/bench_blend.py --engine --stream 200 --methods full,blend_0.15  # a long run
+    .venv/bin/python benchmarks/bench_blend.py --engine --segments-from peer   # segments pulled from a peer
     python benchmarks/bench_blend.py --engine --model DIR --dtype bfloat16  # on a GPU host (vLLM's CUDA build)
 
 The model: SmolLM2-135M-Instruct (lmcache_p2p.testing.pretrained; ``--model DIR`` for another
@@ -47,6 +48,13 @@ in the engine) and the share whose greedy tokens equal the ``full`` engine's. Th
 where vLLM's build puts them: on a GPU host, on the GPU (``--dtype bfloat16`` for a model of
 real size, e.g. benchmarks/gpu/e2e.py's Llama-3.1-8B shape; its random weights make the greedy
 comparison a check of numerics, not of quality).
+
+``--engine --segments-from peer``: the segments come from another engine. Per blending method
+two engines and a controller: the holder serves each seeding prompt (storing its segments), the
+measured engine has never seen them and pulls them from the holder (offered at its lookup,
+pulled beside the steps), then blends. Its tiers are cleared after each measured prompt, so
+every one pulls. ``full`` runs as above (one engine, nothing reused). Per method also the
+pulls from the holder (``peer_pulls``).
 
 ``--engine --stream N``: N prompts in a row over one pool of documents, without seeding prompts:
 a document's first use stores its segment, every later use reuses it, as in a RAG service
@@ -311,13 +319,16 @@ def engine_run(
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from pathlib import Path
 
-    from instances import InstanceProcess
+    from instances import InstanceProcess, instance_config
+    from protocol_client import ControllerProcess
 
     from lmcache_p2p.testing import offline_driver
     from lmcache_p2p.testing.processes import CPU_ENGINE_ENV
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_blend_engine_"))
     env = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
+    from_peer = args.segments_from == "peer"
+    controller = ControllerProcess().start() if from_peer else None
     command = offline_driver.command(
         path,
         "--max-model-len",
@@ -340,13 +351,26 @@ def engine_run(
         if method != "full":
             ratio, check = (0.0, 0) if method == "naive" else (float(method.split("_")[1]), args.check_layer)
             config |= {"enable_blending": True, "blend_recompute_ratios": [ratio], "blend_check_layers": [check]}
+        holder = None
+        if controller is not None and method != "full":
+            # Two engines of one mesh: the holder stores the segments, the measured one pulls them.
+            config |= instance_config(method, controller, chunk_size=256, cpu_gb=args.cpu_gb)
+            holder_config = {
+                **config,
+                **instance_config(f"{method}_holder", controller, chunk_size=256, cpu_gb=args.cpu_gb),
+            }
+            holder = InstanceProcess(holder_config, workdir, name=f"{method}_holder", command=command, env=env)
+            holder.start(timeout=300).request("generate", prompt_ids=warmup, max_tokens=1, timeout=300)
         engine = InstanceProcess(config, workdir, name=method, command=command, env=env).start(timeout=300)
         try:
             engine.request("generate", prompt_ids=warmup, max_tokens=1, timeout=300)
             ttfts, outputs, scores = [], [], []
             for n, (seed_prompt, measured, gold) in enumerate(prompts):
                 if seed_prompt is not None:
-                    engine.request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
+                    (holder or engine).request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
+                if holder is not None:
+                    holder.request("flush", timeout=60)  # its segments reported to the controller
+                    time.sleep(0.3)  # and indexed there
                 if n % 25 == 24:
                     print(f"{method}: {n + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
                 answer = engine.request("generate", prompt_ids=measured, max_tokens=args.new_tokens, timeout=300)
@@ -354,7 +378,12 @@ def engine_run(
                 outputs.append(answer["token_ids"])
                 if gold is not None:
                     scores.append(answer_scores(decode(answer["token_ids"]), gold))
+                if holder is not None and controller is not None:  # the next prompt pulls again
+                    engine.request("flush", timeout=60)  # what it stored of this one, then none of it
+                    controller.http.post("/clear", json={"instance_id": method, "location": "LocalCPUBackend"})
             log = engine.log()
+            # Pulls from the holder, the seed's line (one per segment pulled).
+            pulled = len(re.findall(rf"Retrieved \d+ out of total \d+ tokens.*\(from {method}_holder ", log))
             blended = log.count("cached in")
             # The rank's own time for each blend (segment loads, re-rotation, recompute, block writes).
             blend_ms = [
@@ -363,6 +392,8 @@ def engine_run(
             phases = blend_phases(log)
         finally:
             engine.stop(timeout=60)
+            if holder is not None:
+                holder.stop(timeout=60)
         if method == "full":
             reference = outputs
         same = [o == r for o, r in zip(outputs, reference, strict=True)]
@@ -378,12 +409,15 @@ def engine_run(
             **shares("greedy_equal", same),
             **shares("first_token_equal", first),
             "blended_requests": blended,
+            "peer_pulls": pulled,
             "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
             "blend_phases_device_ms_mean": phases,
             **task_scores(scores),
         }
         print(json.dumps(line), flush=True)
         summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share", "task_exact_share") if k in line}
+    if controller is not None:
+        controller.stop()
     summary["workdir"] = str(workdir)  # the engines' logs
     summary["args"] = vars(args)
     print(json.dumps(summary), flush=True)
@@ -420,6 +454,13 @@ def main() -> int:
         metavar="N",
         help="--engine: N prompts in a row over the same 12 documents, no seeding prompts (a document's "
         "first use stores it, every later one reuses it); TTFT per quarter of the run",
+    )
+    parser.add_argument(
+        "--segments-from",
+        choices=("self", "peer"),
+        default="self",
+        help="--engine: blend from segments the measured engine stored itself (seeding prompts) or pulled "
+        "from another engine that stored them",
     )
     parser.add_argument("--dtype", default="float32", help="--engine: the engines' dtype (bfloat16 on a GPU)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="--engine: each engine's KV cache")
@@ -472,6 +513,8 @@ def main() -> int:
             parser.error(f"--methods: unknown {unknown}; the methods are {methods}")
         methods = [m for m in methods if m in wanted]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    if args.segments_from == "peer" and (not args.engine or args.stream):
+        parser.error("--segments-from peer: only with --engine and without --stream")
     if args.engine and args.stream:
         stream: list[tuple[list[int] | None, list[int], str | None]] = []
         for _ in range(args.stream):
