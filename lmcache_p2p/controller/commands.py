@@ -20,25 +20,25 @@ descriptors in use, plus those the closed channels may still need, come within a
 limit, so a worker is never half-registered: listed but with no way to reach it.
 
 Connections. A Register refused for want of room does not stop its rank from connecting: libzmq
-accepts every connection to the monitor sockets, and at the descriptor limit its accept fails,
-the connection stays in the backlog, and its I/O thread spins on the listener (100% of a core)
-while HTTP, probes and command channels fail with EMFILE (issue 61: 1,500 ranks at ``ulimit -n
-4096`` left 0 workers listed and /health unanswered). So every new connection to the monitor
-sockets is put to :meth:`Capacity.admit_connection` first, by the context's ZAP handler (the
-mesh's, or a plain one: ``mesh_security.gate_connections``), and refused while it would leave
-fewer than :data:`GATE_MARGIN` descriptors beyond the command channels' reserve (ZAP status 400:
-libzmq closes it at once, freeing its descriptor). libzmq takes that refusal as final for that
-socket's connection: it does not reconnect, so there is no storm of retries; a worker's request
-socket is opened again at its next timeout (and its Register retried), while a socket never
-reopened stays unconnected. Status 300 ("try later") would keep the connection open until the
-handshake timeout, holding the descriptor the gate is there to save. The ranks held keep their
-connections. Registrations stop :data:`REGISTER_BAND` descriptors before the gate does, so a rank
-that cannot be registered still connects and hears "at capacity", and a registered one can still
-open its heartbeat connection. A probe needs :data:`PROBE_FDS` descriptors beyond the reserve and
-:data:`PROBE_SPARE`, or waits (:class:`NoDescriptors`). Refusals of both kinds are counted and
+accepts every connection to the monitor sockets, and at the descriptor limit its accept fails, the
+connection stays in the backlog, and its I/O thread spins on the listener (100% of a core) while
+HTTP, probes and command channels fail with EMFILE (issue 61: 1,500 ranks at ``ulimit -n 4096`` left
+0 workers listed and /health unanswered). So every new connection to the monitor sockets is put to
+:meth:`Capacity.admit_connection` first, by the context's ZAP handler (the mesh's, or a plain one:
+``mesh_security.gate_connections``), and refused while it would leave fewer than :data:`GATE_MARGIN`
+descriptors beyond the command channels' reserve (ZAP status 400: libzmq closes it at once, freeing
+its descriptor). libzmq takes that refusal as final for that socket's connection: it does not
+reconnect, so there is no storm of retries; a worker's request socket is opened again at its next
+timeout (and its Register retried), and its pull socket once, registered, it finds that socket
+unconnected (``worker/event_stream.py``). Status 300 ("try later") would keep the connection open
+until the handshake timeout, holding the descriptor the gate is there to save. The ranks held keep
+their connections. Registrations stop :data:`REGISTER_BAND` descriptors before the gate does, so a
+rank that cannot be registered still connects and hears "at capacity", and a registered one can
+still open its heartbeat connection. A probe needs :data:`PROBE_FDS` descriptors beyond the reserve
+and :data:`PROBE_SPARE`, or waits (:class:`NoDescriptors`). Refusals of both kinds are counted and
 logged at most once a minute, with the descriptors in use. A burst of connections can still reach
-the limit for a moment (libzmq accepts them before the gate answers); the gate then closes them
-as it answers, and nothing else is refused meanwhile but sockets opened at that moment.
+the limit for a moment (libzmq accepts them before the gate answers); the gate then closes them as
+it answers, and nothing else is refused meanwhile but sockets opened at that moment.
 
 Reachability: :meth:`CommandBus.probe` completes one ZMQ handshake with a newly registered
 worker's command port (with the mesh's keys, as the channel would), so the orchestration can

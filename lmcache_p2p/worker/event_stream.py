@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p.config import split_host_port
+from lmcache_p2p.logs import RateLimitedLog
 from lmcache_p2p.mesh_security import MeshSecurity, client_socket
 from lmcache_p2p.protocol import Ack, KeyEvents, ResyncBatch, encode, pack_hashes
 from lmcache_p2p.rpc import RemoteError, RequestFailed, RpcClient
@@ -33,8 +34,14 @@ from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.session import REQUEST_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
+_reopen_log = RateLimitedLog(logger, every_s=60.0)
 
 RESYNC_BATCH_KEYS = 65536
+# A registered rank whose pull socket finds no connection, this long after the socket was opened,
+# opens it again. A controller near its descriptor limit refuses a new connection for good (ZAP
+# status 400: libzmq does not reconnect), so a socket refused then would stay unconnected once
+# the controller has room: every batch after it would go the long way, as a re-sync.
+REOPEN_AFTER_S = 2.0
 
 
 class EventBatcher:
@@ -108,14 +115,10 @@ class EventStream:
         self.registered = registered
         self.flush_interval = flush_interval
         pull_host, pull_port = split_host_port(pull_url)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.setsockopt(zmq.IMMEDIATE, 1)
-        self.push.setsockopt(zmq.SNDHWM, 10000)
-        # Watched: the one socket that lives as long as the link, so a controller that refuses our
-        # handshake (another mesh secret, or one where we have none) is said here, in our log.
-        client_socket(self.push, security, f"{identity.describe()}: controller pull socket", watch=True)
-        self.push.connect(f"tcp://{pull_host}:{pull_port}")
+        self._ctx = ctx
+        self._security = security
+        self._pull_address = f"tcp://{pull_host}:{pull_port}"
+        self.push = self._open_push()
         # The store's admits and evicts for this stream, drained on the loop into the batcher (at
         # each flush, before a re-sync's cut and at registration).
         self.events = store.record_events()
@@ -124,9 +127,39 @@ class EventStream:
         self._sent_at_last_beat: dict[str, int] = {}  # EventBatcher.sent_seqs() at the last beat
         self._unsent: set[str] = set()  # locations with a batch the pull socket refused
         self._task: asyncio.Task | None = None
-        self.stats = {"batches_sent": 0, "events_dropped": 0, "resyncs_sent": 0}
+        self.stats = {"batches_sent": 0, "events_dropped": 0, "resyncs_sent": 0, "pull_socket_reopened": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
+
+    def _open_push(self) -> zmq.asyncio.Socket:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.IMMEDIATE, 1)
+        push.setsockopt(zmq.SNDHWM, 10000)
+        # Watched: the one socket that lives as long as the link, so a controller that refuses our
+        # handshake (another mesh secret, or one where we have none) is said here, in our log.
+        client_socket(push, self._security, f"{self.me.describe()}: controller pull socket", watch=True)
+        push.connect(self._pull_address)
+        self._push_opened_at = time.monotonic()
+        return push
+
+    def _reopen_push(self) -> None:
+        """Registered, yet a send found no connection: a socket older than :data:`REOPEN_AFTER_S`
+        is opened again (nothing is queued on it: with IMMEDIATE a send without a connection fails)."""
+        age = time.monotonic() - self._push_opened_at
+        if age < REOPEN_AFTER_S:
+            return
+        self.push.close(linger=0)
+        self.push = self._open_push()
+        self.stats["pull_socket_reopened"] += 1
+        _reopen_log.info(
+            self.me.describe(),
+            "%s: the controller's pull socket had no connection while registered (%.1f s after it was "
+            "opened; a refused handshake is not retried): opened it again (%d time(s))",
+            self.me.describe(),
+            age,
+            self.stats["pull_socket_reopened"],
+        )
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._flush_loop())
@@ -198,6 +231,7 @@ class EventStream:
             else:
                 self.stats["events_dropped"] += 1
                 self._unsent.add(batch.location)
+                self._reopen_push()
 
     async def _resync(self, location: str) -> None:
         me = self.me
