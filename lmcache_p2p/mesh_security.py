@@ -318,14 +318,17 @@ class MeshSecurity:
         sock.curve_server = True
         _start_watch(sock, name, _HANDSHAKE_FAILED, self._stranger)
 
-    def client(self, sock: zmq.Socket, name: str = "", watch: bool = False) -> None:
+    def client(
+        self, sock: zmq.Socket, name: str = "", watch: bool = False, on_refused: Callable[[], None] | None = None
+    ) -> None:
         """Make ``sock`` (before it connects) a CURVE client of the mesh. With ``watch`` its
-        failed handshakes are logged: the server runs with another secret, or none."""
+        failed handshakes are logged: the server runs with another secret, or none, or refused
+        us (:func:`client_socket` says what ``on_refused`` is for)."""
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.curve_serverkey = self.keys.public
         if watch:
-            _watch_client(sock, name, secured=True)
+            _watch_client(sock, name, secured=True, on_refused=on_refused)
 
     @property
     def refused(self) -> int:
@@ -337,7 +340,7 @@ class MeshSecurity:
         ZMQ does not report)."""
         return self._refusals.counts()
 
-    def _stranger(self, name: str, endpoint: str, why: str) -> None:
+    def _stranger(self, name: str, endpoint: str, why: str, event: int) -> None:
         self._note_refusal(
             name,
             f"on {name} ({endpoint}; ZMQ does not say from where)",
@@ -409,14 +412,23 @@ def server_socket(sock: zmq.Socket, security: MeshSecurity | None, name: str, ma
         security.server(sock, name)
 
 
-def client_socket(sock: zmq.Socket, security: MeshSecurity | None, name: str = "", watch: bool = False) -> None:
+def client_socket(
+    sock: zmq.Socket,
+    security: MeshSecurity | None,
+    name: str = "",
+    watch: bool = False,
+    on_refused: Callable[[], None] | None = None,
+) -> None:
     """Set up a socket that connects, before it connects: a CURVE client of the mesh with
     ``security``, plain without. With ``watch``, handshakes the server refuses are logged
-    (rate-limited): the one place a member with the wrong secret, or none, hears of it."""
+    (rate-limited): the one place a member with the wrong secret, or none, hears of it. And
+    ``on_refused`` is called on the loop each time the server's ZAP handler refuses the socket's
+    connection (another mesh's key, or a controller at its descriptor limit): libzmq does not
+    connect such a socket again, so its owner may want to open a new one."""
     if security is not None:
-        security.client(sock, name, watch=watch)
+        security.client(sock, name, watch=watch, on_refused=on_refused)
     elif watch:
-        _watch_client(sock, name, secured=False)
+        _watch_client(sock, name, secured=False, on_refused=on_refused)
 
 
 # -- monitors ---------------------------------------------------------------------------------------
@@ -424,9 +436,15 @@ def client_socket(sock: zmq.Socket, security: MeshSecurity | None, name: str = "
 _client_refusals = _RefusalLog()
 
 
-def _watch_client(sock: zmq.Socket, name: str, secured: bool) -> None:
-    def on_event(name: str, endpoint: str, why: str) -> None:
-        if not secured:
+def _watch_client(sock: zmq.Socket, name: str, secured: bool, on_refused: Callable[[], None] | None = None) -> None:
+    def on_event(name: str, endpoint: str, why: str, event: int) -> None:
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if on_refused is not None:
+                on_refused()
+            hint = "it refused this process: it is at its connection capacity" + (
+                ", or it runs with another mesh secret" if secured else ""
+            )
+        elif not secured:
             hint = f"it requires a mesh secret and this process has none (set mesh_secret_file or {MESH_SECRET_ENV})"
         elif "mechanism mismatch" in why:
             hint = "it runs without a mesh secret and this process has one: give both the same, or neither"
@@ -442,8 +460,10 @@ def _watch_client(sock: zmq.Socket, name: str, secured: bool) -> None:
             ),
         )
 
-    # A plain client is told apart by the mechanism mismatch alone; a hang-up means nothing for it.
-    _start_watch(sock, name, _CLIENT_HANDSHAKE_FAILED if secured else zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, on_event)
+    # A plain client is told apart by the mechanism mismatch (or a refusal) alone; a hang-up means
+    # nothing for it.
+    plain_events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    _start_watch(sock, name, _CLIENT_HANDSHAKE_FAILED if secured else plain_events, on_event)
 
 
 def _describe(event: int, value: int) -> str:
@@ -460,7 +480,7 @@ def _describe(event: int, value: int) -> str:
     return name.lower().removeprefix("protocol_error_").replace("_", " ") if name else f"protocol error {value:#x}"
 
 
-def _start_watch(sock: zmq.Socket, name: str, events: int, on_event: Callable[[str, str, str], None]) -> None:
+def _start_watch(sock: zmq.Socket, name: str, events: int, on_event: Callable[[str, str, str, int], None]) -> None:
     """Read ``sock``'s monitor events (``events``) on the running loop until the socket closes.
     Only asyncio sockets on a running loop are watched (every socket of the mesh is one); a
     plain socket's refusals are still refused, only not counted."""
@@ -477,7 +497,7 @@ def _start_watch(sock: zmq.Socket, name: str, events: int, on_event: Callable[[s
     task.add_done_callback(_watchers.discard)
 
 
-async def _read_monitor(monitor: zmq.asyncio.Socket, name: str, on_event: Callable[[str, str, str], None]) -> None:
+async def _read_monitor(monitor: zmq.asyncio.Socket, name: str, on_event: Callable[[str, str, str, int], None]) -> None:
     try:
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
@@ -485,7 +505,7 @@ async def _read_monitor(monitor: zmq.asyncio.Socket, name: str, on_event: Callab
                 return
             endpoint = event["endpoint"].decode("utf-8", "replace")
             try:
-                on_event(name, endpoint, _describe(event["event"], event["value"]))
+                on_event(name, endpoint, _describe(event["event"], event["value"]), event["event"])
             except Exception:
                 logger.exception("%s: counting a monitor event failed", name)
     except (asyncio.CancelledError, zmq.ZMQError):  # the context is gone

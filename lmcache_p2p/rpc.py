@@ -219,7 +219,7 @@ class RpcClient:
                     self.reset()
                 # Which of the two tells a dead holder from one we never reached (IMMEDIATE: a
                 # send waits for the connection, so "not sent" means no connection came up).
-                how = "sent, not answered" if sent else "not sent: no connection came up"
+                how = "sent, not answered" if sent else "not sent: no connection came up, or its queue stayed full"
                 raise RequestFailed(f"{self.name}: no answer from {self.address} within {timeout:.1f}s ({how})")
             reply, frames = waiting.future.result()  # raises the RequestFailed a reset put there
             if isinstance(reply, RequestFailed):

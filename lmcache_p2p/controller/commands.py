@@ -27,15 +27,16 @@ HTTP, probes and command channels fail with EMFILE (issue 61: 1,500 ranks at ``u
 :meth:`Capacity.admit_connection` first, by the context's ZAP handler (the mesh's, or a plain one:
 ``mesh_security.gate_connections``), and refused while it would leave fewer than :data:`GATE_MARGIN`
 descriptors beyond the command channels' reserve (ZAP status 400: libzmq closes it at once, freeing
-its descriptor). libzmq takes that refusal as final for that socket's connection: it does not
-reconnect, so there is no storm of retries; a worker's request socket is opened again at its next
-timeout (and its Register retried), and its pull socket once, registered, it finds that socket
-unconnected (``worker/event_stream.py``). Status 300 ("try later") would keep the connection open
-until the handshake timeout, holding the descriptor the gate is there to save. The ranks held keep
-their connections. Registrations stop :data:`REGISTER_BAND` descriptors before the gate does, so a
-rank that cannot be registered still connects and hears "at capacity", and a registered one can
-still open its heartbeat connection. A probe needs :data:`PROBE_FDS` descriptors beyond the reserve
-and :data:`PROBE_SPARE`, or waits (:class:`NoDescriptors`). Refusals of both kinds are counted and
+its descriptor). libzmq mostly takes that refusal as final for that socket's connection (under load
+it sometimes reconnected by itself), so there is no storm of retries; a worker's request socket is
+opened again at its next timeout (and its Register retried), and its pull socket, once registered, 2
+s after opening the refused one, then at doubling intervals up to a minute while refusals go on
+(``worker/event_stream.py``). Status 300 ("try later") would keep the connection open until the
+handshake timeout, holding the descriptor the gate is there to save. The ranks held keep their
+connections. Registrations stop :data:`REGISTER_BAND` descriptors before the gate does, so a rank
+that cannot be registered still connects and hears "at capacity", and a registered one can still
+open its heartbeat connection. A probe needs :data:`PROBE_FDS` descriptors beyond the reserve and
+:data:`PROBE_SPARE`, or waits (:class:`NoDescriptors`). Refusals of both kinds are counted and
 logged at most once a minute, with the descriptors in use. A burst of connections can still reach
 the limit for a moment (libzmq accepts them before the gate answers); the gate then closes them as
 it answers, and nothing else is refused meanwhile but sockets opened at that moment.

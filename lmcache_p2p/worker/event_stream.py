@@ -37,11 +37,13 @@ logger = logging.getLogger(__name__)
 _reopen_log = RateLimitedLog(logger, every_s=60.0)
 
 RESYNC_BATCH_KEYS = 65536
-# A registered rank whose pull socket finds no connection, this long after the socket was opened,
-# opens it again. A controller near its descriptor limit refuses a new connection for good (ZAP
-# status 400: libzmq does not reconnect), so a socket refused then would stay unconnected once
-# the controller has room: every batch after it would go the long way, as a re-sync.
+# A registered rank whose pull socket the controller refused opens it again, this long after it
+# opened the refused one, doubling while refusals go on (up to REOPEN_MAX_S). A controller near
+# its descriptor limit refuses a new connection (ZAP status 400), and libzmq mostly gives such a
+# connection up for good, so a socket refused then would stay unconnected once there is room:
+# every batch after it would go the long way, as a re-sync.
 REOPEN_AFTER_S = 2.0
+REOPEN_MAX_S = 60.0
 
 
 class EventBatcher:
@@ -118,6 +120,7 @@ class EventStream:
         self._ctx = ctx
         self._security = security
         self._pull_address = f"tcp://{pull_host}:{pull_port}"
+        self._reopen_after_s = REOPEN_AFTER_S
         self.push = self._open_push()
         # The store's admits and evicts for this stream, drained on the loop into the batcher (at
         # each flush, before a re-sync's cut and at registration).
@@ -127,7 +130,13 @@ class EventStream:
         self._sent_at_last_beat: dict[str, int] = {}  # EventBatcher.sent_seqs() at the last beat
         self._unsent: set[str] = set()  # locations with a batch the pull socket refused
         self._task: asyncio.Task | None = None
-        self.stats = {"batches_sent": 0, "events_dropped": 0, "resyncs_sent": 0, "pull_socket_reopened": 0}
+        self.stats = {
+            "batches_sent": 0,
+            "events_dropped": 0,
+            "resyncs_sent": 0,
+            "pull_socket_refused": 0,  # handshakes the controller refused (its ZAP gate or another mesh)
+            "pull_socket_reopened": 0,
+        }
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -138,27 +147,41 @@ class EventStream:
         push.setsockopt(zmq.SNDHWM, 10000)
         # Watched: the one socket that lives as long as the link, so a controller that refuses our
         # handshake (another mesh secret, or one where we have none) is said here, in our log.
-        client_socket(push, self._security, f"{self.me.describe()}: controller pull socket", watch=True)
+        client_socket(
+            push,
+            self._security,
+            f"{self.me.describe()}: controller pull socket",
+            watch=True,
+            on_refused=lambda: self._refused(push),
+        )
         push.connect(self._pull_address)
         self._push_opened_at = time.monotonic()
+        self._push_refused = False
         return push
 
-    def _reopen_push(self) -> None:
-        """Registered, yet a send found no connection: a socket older than :data:`REOPEN_AFTER_S`
-        is opened again (nothing is queued on it: with IMMEDIATE a send without a connection fails)."""
+    def _refused(self, push: zmq.asyncio.Socket) -> None:
+        if push is self.push:  # not a late event of a socket already replaced
+            self._push_refused = True
+            self.stats["pull_socket_refused"] += 1
+
+    def _reopen_refused_push(self) -> None:
+        """Registered, and the controller refused the pull socket's connection: open a new one
+        (nothing is queued on the old one: with IMMEDIATE a send without a connection fails)."""
         age = time.monotonic() - self._push_opened_at
-        if age < REOPEN_AFTER_S:
+        if not self._push_refused or age < self._reopen_after_s:
             return
         self.push.close(linger=0)
         self.push = self._open_push()
+        self._reopen_after_s = min(REOPEN_MAX_S, 2 * self._reopen_after_s)
         self.stats["pull_socket_reopened"] += 1
         _reopen_log.info(
             self.me.describe(),
-            "%s: the controller's pull socket had no connection while registered (%.1f s after it was "
-            "opened; a refused handshake is not retried): opened it again (%d time(s))",
+            "%s: the controller refused the pull socket's connection (%.1f s ago it was opened; libzmq does "
+            "not retry a refused one): opened it again (%d time(s); next no sooner than %.0f s after)",
             self.me.describe(),
             age,
             self.stats["pull_socket_reopened"],
+            self._reopen_after_s,
         )
 
     def start(self) -> None:
@@ -220,6 +243,7 @@ class EventStream:
         if not self.registered():
             self.stats["events_dropped"] += self.batcher.drop()
             return
+        self._reopen_refused_push()
         for location in self._unsent - self._resyncing:
             # A batch of it was refused (the pull socket had no connection): the re-sync, over
             # the request socket, tells the controller what that batch would have.
@@ -228,10 +252,10 @@ class EventStream:
         for batch in self.batcher.cut(self.me.instance_id, self.me.rank):
             if self.send(batch):
                 self.stats["batches_sent"] += 1
+                self._reopen_after_s = REOPEN_AFTER_S
             else:
                 self.stats["events_dropped"] += 1
                 self._unsent.add(batch.location)
-                self._reopen_push()
 
     async def _resync(self, location: str) -> None:
         me = self.me
