@@ -66,6 +66,7 @@ connector's prefix reuse (prompts that open with the same document share a prefi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
@@ -328,7 +329,11 @@ def engine_run(
     workdir = Path(tempfile.mkdtemp(prefix="bench_blend_engine_"))
     env = {**CPU_ENGINE_ENV, "VLLM_LOGGING_LEVEL": "WARNING"}
     from_peer = args.segments_from == "peer"
-    controller = ControllerProcess().start() if from_peer else None
+    stack = contextlib.ExitStack()  # the controller stops whatever happens
+    controller = None
+    if from_peer:
+        controller = ControllerProcess().start()
+        stack.callback(controller.stop)
     command = offline_driver.command(
         path,
         "--max-model-len",
@@ -346,78 +351,86 @@ def engine_run(
         "prompts": len(prompts),
         "prompt_tokens_min_max": [min(lengths), max(lengths)],
     }
-    for method in methods:
-        config: dict = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": args.cpu_gb}
-        if method != "full":
-            ratio, check = (0.0, 0) if method == "naive" else (float(method.split("_")[1]), args.check_layer)
-            config |= {"enable_blending": True, "blend_recompute_ratios": [ratio], "blend_check_layers": [check]}
-        holder = None
-        if controller is not None and method != "full":
-            # Two engines of one mesh: the holder stores the segments, the measured one pulls them.
-            config |= instance_config(method, controller, chunk_size=256, cpu_gb=args.cpu_gb)
-            holder_config = {
-                **config,
-                **instance_config(f"{method}_holder", controller, chunk_size=256, cpu_gb=args.cpu_gb),
-            }
-            holder = InstanceProcess(holder_config, workdir, name=f"{method}_holder", command=command, env=env)
-            holder.start(timeout=300).request("generate", prompt_ids=warmup, max_tokens=1, timeout=300)
-        engine = InstanceProcess(config, workdir, name=method, command=command, env=env).start(timeout=300)
-        try:
-            engine.request("generate", prompt_ids=warmup, max_tokens=1, timeout=300)
-            ttfts, outputs, scores = [], [], []
-            for n, (seed_prompt, measured, gold) in enumerate(prompts):
-                if seed_prompt is not None:
-                    (holder or engine).request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
+    with stack:
+        for method in methods:
+            config: dict = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": args.cpu_gb}
+            if method != "full":
+                ratio, check = (0.0, 0) if method == "naive" else (float(method.split("_")[1]), args.check_layer)
+                config |= {"enable_blending": True, "blend_recompute_ratios": [ratio], "blend_check_layers": [check]}
+            holder = None
+            if controller is not None and method != "full":
+                # Two engines of one mesh: the holder stores the segments, the measured one pulls them.
+                config |= instance_config(method, controller, chunk_size=256, cpu_gb=args.cpu_gb)
+                holder_config = {
+                    **config,
+                    **instance_config(f"{method}_holder", controller, chunk_size=256, cpu_gb=args.cpu_gb),
+                }
+                holder = InstanceProcess(holder_config, workdir, name=f"{method}_holder", command=command, env=env)
+            engine = InstanceProcess(config, workdir, name=method, command=command, env=env)
+            try:
+                for started in (holder, engine):
+                    if started is not None:
+                        started.start(timeout=300).request("generate", prompt_ids=warmup, max_tokens=1, timeout=300)
+                ttfts, outputs, scores = [], [], []
+                for n, (seed_prompt, measured, gold) in enumerate(prompts):
+                    if seed_prompt is not None:
+                        (holder or engine).request("generate", prompt_ids=seed_prompt, max_tokens=1, timeout=300)
+                    if holder is not None:
+                        holder.request("flush", timeout=60)  # its segments reported to the controller
+                        time.sleep(0.3)  # and indexed there
+                    if n % 25 == 24:
+                        print(f"{method}: {n + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
+                    answer = engine.request("generate", prompt_ids=measured, max_tokens=args.new_tokens, timeout=300)
+                    ttfts.append(answer["ttft_s"] * 1e3)
+                    outputs.append(answer["token_ids"])
+                    if gold is not None:
+                        scores.append(answer_scores(decode(answer["token_ids"]), gold))
+                    if holder is not None and controller is not None:  # the next prompt pulls again
+                        engine.request("flush", timeout=60)  # what it stored of this one, then none of it
+                        cleared = controller.http.post(
+                            "/clear", json={"instance_id": method, "location": "LocalCPUBackend"}
+                        )
+                        cleared.raise_for_status()
+                log = engine.log()
+                # Pulls from the holder, the seed's line (one per segment pulled).
+                pulled = len(re.findall(rf"Retrieved \d+ out of total \d+ tokens.*\(from {method}_holder ", log))
+                # The segments the measured prompts had to reuse (all but each prompt's last).
+                segments = sum(int(n) for n in re.findall(r"blend: (\d+) segment\(s\) before the last", log))
+                blended = log.count("cached in")
+                # The rank's own time for each blend (segment loads, re-rotation, recompute, block writes).
+                blend_ms = [
+                    float(ms) for ms in re.findall(r"recomputed past layer \d+ \(ratio [\d.]+\), in ([\d.]+) ms", log)
+                ]
+                phases = blend_phases(log)
+            finally:
+                engine.stop(timeout=60)
                 if holder is not None:
-                    holder.request("flush", timeout=60)  # its segments reported to the controller
-                    time.sleep(0.3)  # and indexed there
-                if n % 25 == 24:
-                    print(f"{method}: {n + 1}/{len(prompts)} prompts", file=sys.stderr, flush=True)
-                answer = engine.request("generate", prompt_ids=measured, max_tokens=args.new_tokens, timeout=300)
-                ttfts.append(answer["ttft_s"] * 1e3)
-                outputs.append(answer["token_ids"])
-                if gold is not None:
-                    scores.append(answer_scores(decode(answer["token_ids"]), gold))
-                if holder is not None and controller is not None:  # the next prompt pulls again
-                    engine.request("flush", timeout=60)  # what it stored of this one, then none of it
-                    controller.http.post("/clear", json={"instance_id": method, "location": "LocalCPUBackend"})
-            log = engine.log()
-            # Pulls from the holder, the seed's line (one per segment pulled).
-            pulled = len(re.findall(rf"Retrieved \d+ out of total \d+ tokens.*\(from {method}_holder ", log))
-            blended = log.count("cached in")
-            # The rank's own time for each blend (segment loads, re-rotation, recompute, block writes).
-            blend_ms = [
-                float(ms) for ms in re.findall(r"recomputed past layer \d+ \(ratio [\d.]+\), in ([\d.]+) ms", log)
-            ]
-            phases = blend_phases(log)
-        finally:
-            engine.stop(timeout=60)
-            if holder is not None:
-                holder.stop(timeout=60)
-        if method == "full":
-            reference = outputs
-        same = [o == r for o, r in zip(outputs, reference, strict=True)]
-        first = [o[:1] == r[:1] for o, r in zip(outputs, reference, strict=True)]
-        line = {
-            "bench": "blend_engine",
-            "method": method,
-            "ttft_ms_mean": round(statistics.fmean(ttfts), 1),
-            "ttft_ms_min_max": [round(min(ttfts), 1), round(max(ttfts), 1)],
-            "ttft_ms_p50_p90": [round(percentile(ttfts, 50), 1), round(percentile(ttfts, 90), 1)],
-            # Does it hold as the run goes on (the tiers filling)? The mean of each quarter.
-            "ttft_ms_by_quarter": [round(statistics.fmean(q), 1) for q in quarters(ttfts)],
-            **shares("greedy_equal", same),
-            **shares("first_token_equal", first),
-            "blended_requests": blended,
-            "peer_pulls": pulled,
-            "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
-            "blend_phases_device_ms_mean": phases,
-            **task_scores(scores),
-        }
-        print(json.dumps(line), flush=True)
-        summary[method] = {k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share", "task_exact_share") if k in line}
-    if controller is not None:
-        controller.stop()
+                    holder.stop(timeout=60)
+            if method == "full":
+                reference = outputs
+            same = [o == r for o, r in zip(outputs, reference, strict=True)]
+            first = [o[:1] == r[:1] for o, r in zip(outputs, reference, strict=True)]
+            line = {
+                "bench": "blend_engine",
+                "method": method,
+                "ttft_ms_mean": round(statistics.fmean(ttfts), 1),
+                "ttft_ms_min_max": [round(min(ttfts), 1), round(max(ttfts), 1)],
+                "ttft_ms_p50_p90": [round(percentile(ttfts, 50), 1), round(percentile(ttfts, 90), 1)],
+                # Does it hold as the run goes on (the tiers filling)? The mean of each quarter.
+                "ttft_ms_by_quarter": [round(statistics.fmean(q), 1) for q in quarters(ttfts)],
+                **shares("greedy_equal", same),
+                **shares("first_token_equal", first),
+                "blended_requests": blended,
+                "segments": segments,
+                "peer_pulls": pulled,
+                "blend_ms_mean": round(statistics.fmean(blend_ms), 1) if blend_ms else None,
+                "blend_phases_device_ms_mean": phases,
+                **task_scores(scores),
+            }
+            print(json.dumps(line), flush=True)
+            summary[method] = {
+                k: line[k] for k in ("ttft_ms_mean", "greedy_equal_share", "task_exact_share") if k in line
+            }
     summary["workdir"] = str(workdir)  # the engines' logs
     summary["args"] = vars(args)
     print(json.dumps(summary), flush=True)
