@@ -28,6 +28,7 @@ The layout's ``key_format`` tells engines with different rules apart (:class:`La
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -216,6 +217,15 @@ def in_parallel(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         if _parallel_pool is None:
             _parallel_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="lmcache-checksum")
     return list(_parallel_pool.map(fn, items))
+
+
+async def hashed(fn: Callable[[T], R], items: Sequence[T], nbytes: float) -> list[R]:
+    """``[fn(x) for x in items]`` for an event loop: in place when they hash ``nbytes`` of at
+    most :data:`INLINE_HASH_BYTES`, else :func:`in_parallel` on a thread (``nbytes`` infinite for
+    work that must not run on the loop, such as a device copy)."""
+    if nbytes <= INLINE_HASH_BYTES:
+        return [fn(x) for x in items]
+    return await asyncio.to_thread(in_parallel, fn, items)
 
 
 class _LayoutV1(msgspec.Struct, frozen=True):

@@ -176,8 +176,8 @@ class EventStream:
         self.stats["pull_socket_reopened"] += 1
         _reopen_log.info(
             self.me.describe(),
-            "%s: the controller refused the pull socket's connection (%.1f s ago it was opened; libzmq does "
-            "not retry a refused one): opened it again (%d time(s); next no sooner than %.0f s after)",
+            "%s: the controller refused the pull socket's connection (%.1f s ago it was opened; libzmq mostly "
+            "gives a refused one up): opened it again (%d time(s); next no sooner than %.0f s after)",
             self.me.describe(),
             age,
             self.stats["pull_socket_reopened"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -25,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from lmcache_p2p import device_checksum
-from lmcache_p2p.keys import INLINE_HASH_BYTES, in_parallel
+from lmcache_p2p.keys import hashed
 from lmcache_p2p.mesh_security import MeshSecurity
 from lmcache_p2p.protocol import (
     ChannelHello,
@@ -226,13 +227,8 @@ class PeerServer:
             return ChunkPullReply(ok=True, served=0), []
         # Known since store for most chunks; the rest are hashed now: here when they are few host
         # pages (a hop to a thread and back costs more in an engine's process), else on threads.
-        unknown = [c for c in pins if not c.checksum_known]
-        if not unknown or (
-            all(c.location != GPU for c in unknown) and sum(c.data.numel() for c in unknown) <= INLINE_HASH_BYTES
-        ):
-            checksums = [c.checksum for c in pins]
-        else:
-            checksums = await asyncio.to_thread(in_parallel, lambda c: c.checksum, pins)
+        to_hash = sum(math.inf if c.location == GPU else c.data.numel() for c in pins if not c.checksum_known)
+        checksums = await hashed(lambda c: c.checksum, pins, to_hash)
         device_sums = await self._device_checksums(request, pins)
         timeout = 0.9 * request.timeout_s
         frames: list = []

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmcache_p2p import device_checksum
-from lmcache_p2p.keys import INLINE_HASH_BYTES, in_parallel, payload_checksum
+from lmcache_p2p.keys import hashed, payload_checksum
 from lmcache_p2p.miss_reasons import CHECKSUM_FAILED, EVICTED, HOLDER_GONE, POOL_FULL, Miss
 from lmcache_p2p.protocol import ChunkPull, ChunkPullReply, pack_hashes, pack_pages, unpack_hashes
 from lmcache_p2p.rpc import RemoteError, RequestFailed
@@ -122,20 +122,11 @@ class PullPages:
             )
             batch.hashes = hashes[: len(batch.pages)]
 
-    def verify(self, pages: list[int], checksums: np.ndarray) -> int:
-        """How many leading pages match their checksums (hashed on several threads)."""
+    async def verify(self, pages: list[int], checksums: np.ndarray) -> int:
+        """How many leading pages match their checksums (a few hashed in place, more on threads)."""
         pool = self.landing.cpu_pool
-        got = in_parallel(lambda page: payload_checksum(pool.page(page).numpy()), pages[: len(checksums)])
-        return self._matching(got, checksums)
-
-    def verify_here(self, pages: list[int], checksums: np.ndarray) -> int:
-        """:meth:`verify` in the calling thread (a few pages: less than a hop to the threads)."""
-        pool = self.landing.cpu_pool
-        got = [payload_checksum(pool.page(page).numpy()) for page in pages[: len(checksums)]]
-        return self._matching(got, checksums)
-
-    @staticmethod
-    def _matching(got: list[int], checksums: np.ndarray) -> int:
+        pages = pages[: len(checksums)]
+        got = await hashed(lambda page: payload_checksum(pool.page(page).numpy()), pages, len(pages) * pool.page_bytes)
         for i, checksum in enumerate(got):
             if checksum != int(checksums[i]):
                 return i
@@ -336,10 +327,7 @@ class BatchFetch:
                 if batch.good and len(expected) >= batch.good:
                     batch.device_checksums = expected[: batch.good].tolist()
             else:
-                if served * self.storage.page_bytes <= INLINE_HASH_BYTES:
-                    batch.good = self.pages.verify_here(batch.pages[:served], batch.checksums)
-                else:
-                    batch.good = await asyncio.to_thread(self.pages.verify, batch.pages[:served], batch.checksums)
+                batch.good = await self.pages.verify(batch.pages[:served], batch.checksums)
         except (TransferError, ValueError) as e:
             batch.good, batch.peer_failed, batch.error = 0, True, str(e)
             batch.miss = Miss(HOLDER_GONE, f"{peer.describe()}: {e}")
