@@ -98,8 +98,11 @@ def test_registered_worker_appears_within_one_refresh_and_expands(chromium, cont
         row = page.locator("tr.instance[data-instance=lmcache_instance_7]")
         row.wait_for(timeout=ONE_REFRESH_MS)
         wait_for(lambda: "CPU 4" in row.inner_text(), what="key count on the row")
+        # Live while it heartbeats. This worker beats only when told: on a loaded host the row was
+        # read after its registration had aged past "live" ("late", 2.0 s ago), so it beats here.
+        wait_for(lambda: (worker.heartbeat(), "live" in row.inner_text())[1], what="the row to say live")
         text = row.inner_text()
-        assert "live" in text and "127.0.0.1" in text and "tiny-llama · float16 · TP 1" in text
+        assert "127.0.0.1" in text and "tiny-llama · float16 · TP 1" in text
         assert page.locator("[data-card=instances] .value").inner_text() == "1"
         # The pickers offer it, and its own locations.
         assert page.locator("#clear-form select[name=instance] option").all_inner_texts() == ["lmcache_instance_7"]
