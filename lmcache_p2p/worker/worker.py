@@ -36,6 +36,7 @@ from lmcache_p2p.storage.manager import StorageManager
 from lmcache_p2p.transfer import TcpTransport, TransferError, Transport, make_transport
 from lmcache_p2p.worker.adapters import ServedAdapters
 from lmcache_p2p.worker.commands import CommandServer
+from lmcache_p2p.worker.cpu_cores import describe_cores, widen_to_engine_cores
 from lmcache_p2p.worker.engine_load import EngineLoadProbe
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.link import ControllerLink
@@ -137,6 +138,17 @@ class Worker:
     # -- the loop thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.device is None or getattr(self.device, "type", None) == "cpu":
+            # Before any thread of ours starts: they inherit this one's cores (worker/cpu_cores.py).
+            widened = widen_to_engine_cores()
+            if widened is not None:
+                logger.info(
+                    "%s: the engine bound this rank to core(s) %s; the worker's threads (peer pulls served "
+                    "and made, the controller link) run on core(s) %s, so they do not wait for its steps",
+                    self.identity.describe(),
+                    describe_cores(widened[0]),
+                    describe_cores(widened[1]),
+                )
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._start())
@@ -205,6 +217,7 @@ class Worker:
                     channel,
                     config.p2p_batch_chunks,
                     config.p2p_pipeline_depth,
+                    config.p2p_pull_timeout_s,
                     policy=PullPolicy(
                         self.counters.prefill,
                         config.chunk_size,
