@@ -493,6 +493,18 @@ class LMCacheConfig:
         group="tuning",
         basis="[BENCHMARKS.md, Pull bandwidth](../BENCHMARKS.md#pull-bandwidth)",
     )
+    p2p_pull_timeout_s: float = _key(
+        _to_float,
+        2.0,
+        "seconds a peer pull request may take, plus its bytes at 0.25 GB/s, before its chunks are a miss and the "
+        "engine recomputes them: what a stalled or dead holder costs a request at most",
+        group="tuning",
+        basis=(
+            "a pull of a cached prefix over a working link takes milliseconds ([BENCHMARKS.md, Pull "
+            "bandwidth](../BENCHMARKS.md#pull-bandwidth)); a stalled holder costs a request about this "
+            "([BENCHMARKS.md, A stalled holder](../BENCHMARKS.md#a-stalled-holder))"
+        ),
+    )
     p2p_prefix_pull_turns: bool = _key(
         _to_bool,
         False,
@@ -753,6 +765,8 @@ class LMCacheConfig:
         for key in ("p2p_batch_chunks", "p2p_pipeline_depth"):
             if getattr(self, key) <= 0:
                 raise self._err(key, "expected a whole number >= 1")
+        if not 0 < self.p2p_pull_timeout_s <= 600:  # also refuses nan and inf
+            raise self._err("p2p_pull_timeout_s", "expected seconds, more than 0 and at most 600")
         if self.nixl_buffer_device not in NIXL_BUFFER_DEVICES:
             raise self._err("nixl_buffer_device", f"expected one of {', '.join(NIXL_BUFFER_DEVICES)}")
         if not 0 <= self.p2p_max_warm_peers <= 1024:  # the controller refuses a Register above 1024

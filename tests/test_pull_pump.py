@@ -485,3 +485,23 @@ def test_a_stalled_holder_does_not_hold_up_a_pull_from_another(controller, spawn
     done_a, done_c = together["done_s"]
     assert done_c < done_a, together
     assert b.retrieve(from_c)["exact"]
+
+
+@pytest.mark.slow
+def test_a_stalled_holder_is_waited_for_as_long_as_p2p_pull_timeout_s(controller, spawn):
+    """With ``p2p_pull_timeout_s: 5`` a pull from a stopped holder ends as a miss after 5 s (plus
+    its bytes' allowance), not at the default 2 s: a user on a slow or busy link can give pulls
+    longer before the engine recomputes."""
+    a, b = _holder_and_requester(controller, spawn, p2p_pull_timeout_s=5)
+    prompt, warm = tokens(2 * CHUNK, seed=80), tokens(CHUNK, seed=81)
+    a.prefill(prompt)
+    a.prefill(warm)
+    _held_by(controller, [prompt, warm])
+    assert b.lookup(warm) == CHUNK  # B's session with A is open
+    a.signal(signal.SIGSTOP)
+    try:
+        together = b.request("lookup_together", prompts=[list(prompt)], timeout=60)
+    finally:
+        a.signal(signal.SIGCONT)
+    assert together["pulled"] == [0] and together["miss"][0] == HOLDER_GONE, together
+    assert 5 <= together["done_s"][0] < 15, together

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -51,6 +53,10 @@ def fleet(tmp_path_factory, tiny_model):
             # under "auto" a rank whose first pull measured its link slow (start-up, two busy
             # cores) recomputed instead, once in make test (test_pull_policy*.py test that choice).
             "p2p_pull_policy": "always",
+            # Whether each rank pulls, not how fast: eight pinned ranks and the other pytest
+            # worker's engines on two cores kept a holder from answering within the default 2 s
+            # (make test-floor, twice).
+            "p2p_pull_timeout_s": 15,
             "enable_async_loading": True,
             "extra_config": {"lookup_backoff_time": 0.001},
         },
@@ -188,6 +194,37 @@ def test_move_moves_both_ranks_chunks(fleet):
     log = fleet.processes["engine2"].log()
     assert len(pulls(log)) == before, "engine 2 pulled instead of loading what was moved to it"
     assert hit_tokens(log, len(tokens))[-1] == full_chunks(tokens)
+
+
+def _cores(pid: int, tid: int) -> str:
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    return next(line.split()[-1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+
+
+def _rank_processes(fleet: ServedFleet, engine: str) -> list[psutil.Process]:
+    parent = psutil.Process(fleet.processes[engine].process.pid)
+    ranks = []
+    for child in parent.children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a child gone meanwhile
+            if "Worker_TP" in child.name():
+                ranks.append(child)
+    return ranks
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores: each rank is bound to one")
+def test_each_rank_serves_peers_from_every_core_its_engine_may_use(fleet):
+    """vLLM binds a rank's thread to its core; the worker's threads (which serve peers' pulls) must
+    not all sit there with it, behind its steps and whatever else the host put on that core."""
+    for engine in ("engine1", "engine2"):
+        ranks = _rank_processes(fleet, engine)
+        assert len(ranks) == 2, f"{engine}: {len(ranks)} rank processes"
+        for rank in ranks:
+            engine_cores = _cores(rank.ppid(), rank.ppid())  # its engine core's main thread: unbound
+            bound = _cores(rank.pid, rank.pid)
+            assert bound != engine_cores, f"{engine} {rank.name()}: vLLM left the rank unbound ({bound})"
+            spread = [t.id for t in rank.threads() if _cores(rank.pid, t.id) == engine_cores]
+            # The worker's loop thread, its ZMQ I/O threads, the tcp data threads...
+            assert len(spread) >= 3, f"{engine} {rank.name()}: {len(spread)} thread(s) on cores {engine_cores}"
 
 
 def test_a_killed_rank_makes_its_instance_a_miss_not_half_a_prompt(fleet):

@@ -48,7 +48,7 @@ from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.p2p_client import P2PClient
 from lmcache_p2p.worker.peer_links import Peer
-from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, SLOWEST_RATE_BPS
+from lmcache_p2p.worker.pull_batch import SLOWEST_RATE_BPS
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class CommandServer:
             in_cpu_before = {int(h) for h in hashes if self.storage.holds(int(h), CPU)}
         try:
             destination = self.peers.lookup_socket(Peer(dest.instance_id, dest.rank, dest.host, init_port, lookup_port))
-            timeout = BASE_TIMEOUT_S + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
+            timeout = self.peers.setup.timeout_s + len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
             source = PeerAddress(
                 instance_id=me.instance_id,
                 rank=me.rank,

@@ -31,7 +31,7 @@ from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.offers import OfferMaker, PeerOffer
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
-from lmcache_p2p.worker.pull_batch import PullPages
+from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, PullPages
 from lmcache_p2p.worker.pull_job import PullJob, PullResult, PullSetup
 from lmcache_p2p.worker.pull_pump import Landed, PullOverlap, PullPump
 from lmcache_p2p.worker.pull_stats import PullStats
@@ -56,6 +56,7 @@ class P2PClient:
         preferred: str,
         batch_chunks: int = 8,
         pipeline_depth: int = 3,
+        pull_timeout_s: float = BASE_TIMEOUT_S,
         policy: PullPolicy | None = None,
         security: MeshSecurity | None = None,
         prefix_pull_turns: bool = False,
@@ -76,6 +77,7 @@ class P2PClient:
             self.stats,
             batch_chunks=batch_chunks,
             pipeline_depth=pipeline_depth,
+            timeout_s=pull_timeout_s,
         )
         # The engine's prefix pulls: a pump per holder (first asked first served, batches across
         # pull boundaries); with prefix_pull_turns, one pull at a time per holder.

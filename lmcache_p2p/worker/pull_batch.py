@@ -31,7 +31,8 @@ from lmcache_p2p.transfer.base import Landing
 from lmcache_p2p.worker.peer_links import Peer, PeerConnection
 from lmcache_p2p.worker.pull_stats import PullStats
 
-# A pull may take this long plus its bytes at this slowest acceptable rate; then it is a miss.
+# A pull may take this long (config p2p_pull_timeout_s) plus its bytes at this slowest acceptable
+# rate; then it is a miss.
 BASE_TIMEOUT_S = 2.0
 SLOWEST_RATE_BPS = 0.25e9
 
@@ -213,6 +214,7 @@ class BatchFetch:
         transport: Transport,
         pages: PullPages,
         pipeline_depth: int,
+        timeout_s: float = BASE_TIMEOUT_S,
         into_gpu_tier: bool = False,
     ):
         self.peer = peer
@@ -222,6 +224,7 @@ class BatchFetch:
         self.storage = pages.storage
         self.stats = pages.stats
         self.pipeline_depth = pipeline_depth  # requests in flight per pull: they queue at the holder
+        self.timeout_s = timeout_s  # a request's before its bytes (p2p_pull_timeout_s)
         self.into_gpu_tier = into_gpu_tier
 
     async def fetch(self, hashes: list[int]) -> Batch:
@@ -236,7 +239,7 @@ class BatchFetch:
         direct = conn.agreed != "tcp"  # the holder writes into our pages (or slots) itself
         # The holder sends a session's requests one after another, so this one may wait behind
         # the others in flight: allow for the whole window's bytes.
-        timeout = BASE_TIMEOUT_S + self.pipeline_depth * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
+        timeout = self.timeout_s + self.pipeline_depth * len(hashes) * self.storage.page_bytes / SLOWEST_RATE_BPS
         pages = list(batch.pages)
         t_slots = time.perf_counter()
         slots = await transport.prepare(pages, conn.staged, timeout, gpu_tier=self.into_gpu_tier)

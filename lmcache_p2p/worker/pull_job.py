@@ -21,7 +21,7 @@ from lmcache_p2p.rpc import RequestFailed
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.peer_links import Peer, PeerConnection, PeerConnections
-from lmcache_p2p.worker.pull_batch import PHASES, Batch, BatchFetch, PullPages, describe_phases
+from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, PHASES, Batch, BatchFetch, PullPages, describe_phases
 from lmcache_p2p.worker.pull_stats import PullStats
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class PullSetup:
     stats: PullStats
     batch_chunks: int = 8  # chunks per request (config p2p_batch_chunks)
     pipeline_depth: int = 3  # requests in flight per pull (p2p_pipeline_depth)
+    timeout_s: float = BASE_TIMEOUT_S  # a request's, before its bytes (p2p_pull_timeout_s)
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:
@@ -84,7 +85,7 @@ async def open_route(setup: PullSetup, peer: Peer, into_gpu_tier: bool) -> PullR
     transport = setup.transports[conn.agreed]
     limit = transport.max_batch(into_gpu_tier and conn.staged)
     batch_chunks = min(setup.batch_chunks, limit or setup.batch_chunks)
-    fetch = BatchFetch(peer, conn, transport, setup.pages, setup.pipeline_depth, into_gpu_tier)
+    fetch = BatchFetch(peer, conn, transport, setup.pages, setup.pipeline_depth, setup.timeout_s, into_gpu_tier)
     return PullRoute(conn, fetch, batch_chunks, conn.describe_channel() or "?")
 
 
