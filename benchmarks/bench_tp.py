@@ -3,7 +3,7 @@
 KV rank by rank. Prints one JSON object.
 
     .venv/bin/python benchmarks/bench_tp.py [--tp 2] [--channel tcp] [--prompts 5] [--words 2500]
-                                            [--torch-compile]
+                                            [--torch-compile] [--busy-threads 4] [--pull-policy always]
     python benchmarks/bench_tp.py --gpu-util 0.4 --model DIR [--dtype bfloat16] --channel nixl   # GPU host
 
 For each of ``--prompts`` distinct documents: engine 1 computes it cold, then engine 2 gets the
@@ -15,7 +15,8 @@ a TP engine also compiles with inductor), cold and peer-hit TTFT (client side, t
 median and every run), each rank's pulls (ms and GB/s from the rank's own log line), and
 whether engine 2's greedy output equals engine 1's. The engines share this host's cores (ranks
 pinned, ``served_fleet.tp_engine_env``), so TTFT here is mostly scheduling on a small host;
-the pull figures are what the mesh adds.
+the pull figures are what the mesh adds. ``--busy-threads N`` keeps N processes spinning on core 0
+(where rank 0's compute is bound) while the prompts run: what a crowded core costs rank 0's pulls.
 
 ``--gpu-util F``: the engines run on CUDA (vLLM's GPU build), each at that memory share, every
 rank of both engines on the host's GPUs (TP=2 on a two-GPU host: rank r of each engine on GPU r);
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -37,6 +40,13 @@ import httpx
 from lmcache_p2p.testing.processes import ASK_GAP_S, peer_pulls, stream_completion, wait_indexed
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import MODEL_NAME, build, sample_text
+
+
+def _spin_on_core_0() -> None:
+    """Busy on core 0, yielding it as often as it can (as a step loop's spin does), until killed."""
+    os.sched_setaffinity(0, {0})
+    while True:
+        os.sched_yield()
 
 
 def main() -> int:
@@ -65,6 +75,19 @@ def main() -> int:
         default=0.5,
         help="each rank's CPU pool: it must hold a prompt's chunks (1 GB: 7,000 tokens of an 8B model at TP=1)",
     )
+    parser.add_argument(
+        "--busy-threads",
+        type=int,
+        default=0,
+        help="processes spinning on core 0 (rank 0's) while the prompts run, as other work on a crowded host: "
+        "what it costs rank 0's pulls",
+    )
+    parser.add_argument(
+        "--pull-policy",
+        default="auto",
+        choices=("auto", "always"),
+        help="engine 2's p2p_pull_policy; always: every prompt is pulled, however slow its pulls measured",
+    )
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_tp_"))
@@ -78,6 +101,7 @@ def main() -> int:
         engine_extra={
             "transfer_channel": args.channel,
             "enable_async_loading": True,
+            "p2p_pull_policy": args.pull_policy,
             "extra_config": {"lookup_backoff_time": 0.001},
         },
         engine_args=engine_args,
@@ -95,8 +119,11 @@ def main() -> int:
         "model": model,
         "dtype": args.dtype or "float32",
         "cpu_gb": args.cpu_gb,
+        "busy_threads_on_core_0": args.busy_threads,
+        "pull_policy": args.pull_policy,
         "workdir": str(workdir),  # the engines' logs
     }
+    busy: list[multiprocessing.Process] = []
     try:
         started = time.monotonic()
         fleet.start(timeout=600)
@@ -105,6 +132,9 @@ def main() -> int:
         first = fleet.first_forward(args.words)  # engine 1's, then engine 2's
         result["first_forward_ttft_ms"] = [round(t * 1e3, 1) for t in first]
         cold, peer, equal = [], [], 0
+        busy = [multiprocessing.Process(target=_spin_on_core_0, daemon=True) for _ in range(args.busy_threads)]
+        for process in busy:
+            process.start()
         for i in range(args.prompts):
             prompt = sample_text(args.words, seed=i)
             time.sleep(args.gap_s)  # engine 2's processes spin for a second after its last answer
@@ -141,6 +171,8 @@ def main() -> int:
     except (RuntimeError, OSError, ValueError) as exc:  # a stalled start, a failed request: say so
         result["error"] = str(exc).splitlines()[0]
     finally:
+        for process in busy:
+            process.kill()
         fleet.stop()
     print(json.dumps(result))
     return 1 if "error" in result else 0

@@ -4,8 +4,7 @@ vLLM's CPU engine binds each rank's thread to that rank's OpenMP cores (``VLLM_C
 and a thread starts with the binding of the thread that started it: the worker's loop thread, its
 ZMQ I/O threads, the tcp data threads and the checksum pool all land on the compute core. A peer's
 pull from this rank then waits for the rank's own steps, and for whatever else the host runs on
-that core (on a 2-vCPU host with two TP engines, a rank-0 pull took 118 ms beside four busy
-threads on core 0, 24 ms once the worker's threads could use core 1 as well).
+that core.
 
 The engine's other processes (its API server, its engine core) are left unbound, so the cores the
 process that started this rank may use are the ones the engine may use: the worker's loop thread
