@@ -113,7 +113,7 @@ def test_engine_2_pulls_rank_by_rank_and_answers_like_engine_1(fleet):
     warm = stream_completion(e2, fleet.model, prompt)
     assert warm["text"] == cold["text"]
     engine2 = fleet.processes["engine2"]
-    wait_peer_pulls(engine2.log, 2)  # each rank logs its own pull
+    wait_peer_pulls(engine2.log, 2, holder_log=fleet.processes["engine1"].log)  # each rank logs its own
     log = engine2.log()
     assert sorted(pulls(log)) == [(0, full_chunks(tokens), "engine1", 0), (1, full_chunks(tokens), "engine1", 1)]
     assert hit_tokens(log, len(tokens))[-1] == full_chunks(tokens)
@@ -159,7 +159,7 @@ def test_when_the_ranks_hold_different_prefixes_only_what_both_hold_is_offered_a
     # Rank 0 of engine 2 could pull every chunk from engine 1's rank 0; it is offered, and pulls,
     # only the two its rank 1 can get too.
     engine2 = fleet.processes["engine2"]
-    wait_peer_pulls(engine2.log, before + 2)  # each rank logs its own pull
+    wait_peer_pulls(engine2.log, before + 2, holder_log=fleet.processes["engine1"].log)
     log = engine2.log()
     assert sorted(pulls(log)[before:]) == [(0, 2 * CHUNK, "engine1", 0), (1, 2 * CHUNK, "engine1", 1)]
     assert hit_tokens(log, len(tokens))[-1] == 2 * CHUNK

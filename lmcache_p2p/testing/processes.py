@@ -237,17 +237,27 @@ def peer_pulls(log: str) -> list[dict]:
     return pulls
 
 
-def wait_peer_pulls(read_log: Callable[[], str], count: int, timeout: float = 30.0) -> list[dict]:
+def wait_peer_pulls(
+    read_log: Callable[[], str],
+    count: int,
+    timeout: float = 30.0,
+    holder_log: Callable[[], str] | None = None,
+) -> list[dict]:
     """:func:`peer_pulls` of ``read_log()`` once it shows at least ``count`` pulls. Each TP rank's
     worker process writes its own pull line, and the request's answer waits for rank 0's step
-    only: another rank's line can reach the log a moment after the answer."""
+    only: another rank's line can reach the log a moment after the answer. On failure the error
+    quotes the failed pulls, and with ``holder_log`` the holder's last warnings (its side of it)."""
     deadline = time.monotonic() + timeout
     while len(pulls := peer_pulls(read_log())) < count:
         if time.monotonic() > deadline:
             failed = [line for line in read_log().splitlines() if "peer pull from" in line]
+            holder = ""
+            if holder_log is not None:
+                warnings = [line for line in holder_log().splitlines() if "LMCache WARNING" in line]
+                holder = f"; the holder's last warnings: {warnings[-5:] or 'none'}"
             raise AssertionError(
                 f"{len(pulls)} peer pull line(s) in the log after {timeout} s, expected {count}; "
-                f"failed pulls: {failed or 'none logged'}"
+                f"failed pulls: {failed or 'none logged'}{holder}"
             )
         time.sleep(0.1)
     return pulls
