@@ -31,7 +31,11 @@ import yaml
 from lmcache_p2p import logs
 from lmcache_p2p.mesh_security import MeshSecretError, check_secret, read_secret_file
 from lmcache_p2p.remote.url import RemoteUrl, parse_remote_url
-from lmcache_p2p.vocab import TRANSFER_CHANNELS
+from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, TRANSFER_CHANNELS
+
+# p2p_pull_timeout_s's upper bound: a pull request's wait must end before the engine's own wait
+# for the chunks does (vocab.PEER_FETCH_TIMEOUT_S), or the engine recomputes while the pull goes on.
+MAX_PULL_TIMEOUT_S = 25.0
 
 logger = logging.getLogger(__name__)
 
@@ -496,8 +500,9 @@ class LMCacheConfig:
     p2p_pull_timeout_s: float = _key(
         _to_float,
         2.0,
-        "seconds a peer pull request may take, plus its bytes at 0.25 GB/s, before its chunks are a miss and the "
-        "engine recomputes them: what a stalled or dead holder costs a request at most",
+        "seconds a peer pull request may wait for its answer (plus the bytes of the requests in flight at 0.25 GB/s) "
+        "before its chunks are a miss and the engine recomputes them: what a stalled holder costs a request; at most "
+        "25 (the engine stops waiting for a peer's chunks at 30 s); the hello and tcp connect keep 3 s",
         group="tuning",
         basis=(
             "a pull of a cached prefix over a working link takes milliseconds ([BENCHMARKS.md, Pull "
@@ -765,8 +770,12 @@ class LMCacheConfig:
         for key in ("p2p_batch_chunks", "p2p_pipeline_depth"):
             if getattr(self, key) <= 0:
                 raise self._err(key, "expected a whole number >= 1")
-        if not 0 < self.p2p_pull_timeout_s <= 600:  # also refuses nan and inf
-            raise self._err("p2p_pull_timeout_s", "expected seconds, more than 0 and at most 600")
+        if not 0 < self.p2p_pull_timeout_s <= MAX_PULL_TIMEOUT_S:  # also refuses nan and inf
+            raise self._err(
+                "p2p_pull_timeout_s",
+                f"expected seconds, more than 0 and at most {MAX_PULL_TIMEOUT_S:g} (the engine stops waiting "
+                f"for a peer's chunks at {PEER_FETCH_TIMEOUT_S:g} s)",
+            )
         if self.nixl_buffer_device not in NIXL_BUFFER_DEVICES:
             raise self._err("nixl_buffer_device", f"expected one of {', '.join(NIXL_BUFFER_DEVICES)}")
         if not 0 <= self.p2p_max_warm_peers <= 1024:  # the controller refuses a Register above 1024

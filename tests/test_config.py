@@ -222,8 +222,8 @@ def test_chunk_size_must_be_positive(value):
         load({"LMCACHE_CHUNK_SIZE": value})
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "601"])
-def test_a_pull_timeout_must_be_seconds_within_ten_minutes(value):
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "26"])
+def test_a_pull_timeout_must_be_seconds_the_engine_still_waits_for(value):
     with pytest.raises(ConfigError, match=r"p2p_pull_timeout_s=.*env LMCACHE_P2P_PULL_TIMEOUT_S\): expected"):
         load({"LMCACHE_P2P_PULL_TIMEOUT_S": value})
     assert load({"LMCACHE_P2P_PULL_TIMEOUT_S": "7.5"}).p2p_pull_timeout_s == 7.5
