@@ -196,8 +196,12 @@ def test_move_moves_both_ranks_chunks(fleet):
     assert hit_tokens(log, len(tokens))[-1] == full_chunks(tokens)
 
 
-def _cores(pid: int, tid: int) -> str:
-    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+def _cores(pid: int, tid: int) -> str | None:
+    """A thread's Cpus_allowed_list; None once it has exited."""
+    try:
+        status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return None
     return next(line.split()[-1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
 
 
@@ -206,7 +210,8 @@ def _rank_processes(fleet: ServedFleet, engine: str) -> list[psutil.Process]:
     ranks = []
     for child in parent.children(recursive=True):
         with contextlib.suppress(psutil.Error):  # a child gone meanwhile
-            if "Worker_TP" in child.name():
+            # The ranks, not a helper a rank started that took its title
+            if "Worker_TP" in child.name() and "Worker_TP" not in psutil.Process(child.ppid()).name():
                 ranks.append(child)
     return ranks
 
