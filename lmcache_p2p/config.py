@@ -31,7 +31,7 @@ import yaml
 from lmcache_p2p import logs
 from lmcache_p2p.mesh_security import MeshSecretError, check_secret, read_secret_file
 from lmcache_p2p.remote.url import RemoteUrl, parse_remote_url
-from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, TRANSFER_CHANNELS
+from lmcache_p2p.vocab import PEER_FETCH_TIMEOUT_S, PULL_REQUEST_TIMEOUT_S, TRANSFER_CHANNELS
 
 # p2p_pull_timeout_s's upper bound: a pull request's wait must end before the engine's own wait
 # for the chunks does (vocab.PEER_FETCH_TIMEOUT_S), or the engine recomputes while the pull goes on.
@@ -499,7 +499,7 @@ class LMCacheConfig:
     )
     p2p_pull_timeout_s: float = _key(
         _to_float,
-        2.0,
+        PULL_REQUEST_TIMEOUT_S,
         "seconds a peer pull request may wait for its answer (plus the bytes of the requests in flight at 0.25 GB/s) "
         "before its chunks are a miss and the engine recomputes them: what a stalled holder costs a request; at most "
         "25 (the engine stops waiting for a peer's chunks at 30 s); the hello and tcp connect keep 3 s",

@@ -39,6 +39,9 @@ GPU = "LocalGPUBackend"
 # Transfer channels for peer pulls (the transfer_channel key).
 TRANSFER_CHANNELS = ("nixl", "tcp")
 
+# A peer pull request's wait for its answer, before its bytes' allowance (config p2p_pull_timeout_s's
+# default); past it the request's chunks are a miss.
+PULL_REQUEST_TIMEOUT_S = 2.0
 # How long an engine's lookup waits for a peer prefix pull before serving what it has, and the
 # deadline of a load that pulls a peer's offer (past it the request recomputes).
 PEER_FETCH_TIMEOUT_S = 30.0
