@@ -222,7 +222,10 @@ class ControllerProcess:
         from prometheus_client.parser import text_string_to_metric_families
 
         out: dict[str, tuple[str, list[tuple[dict[str, str], float]]]] = {}
-        for family in text_string_to_metric_families(self.http.get("/metrics").text):
+        # no-cache: the counters of what the test just did (a scrape may otherwise get a render
+        # from a few milliseconds ago: the controller bounds the loop time /metrics takes)
+        text = self.http.get("/metrics", headers={"Cache-Control": "no-cache"}).text
+        for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 out.setdefault(sample.name, (family.type, []))[1].append((sample.labels, sample.value))
         return out

@@ -90,3 +90,54 @@ def test_the_page_carries_the_cached_dashboard_escaped_for_its_script_element():
     finally:
         worker.close()
         controller.stop()
+
+
+def test_metrics_scraped_back_to_back_share_renders_and_no_cache_gets_a_fresh_one(controller):
+    """Clients scraping /metrics as fast as they can do not make the controller render it for each
+    of them (it takes at most a tenth of the loop); one that sends Cache-Control: no-cache sees
+    what happened just before."""
+    fleet = FakeFleet(controller, RANKS, tp=1)
+    try:
+        assert all(r.ok for r in fleet.register_all(list(range(RANKS))).values())
+        base = controller.http.base_url
+        stop = threading.Event()
+        served = [0]
+        ages: list[float] = []
+        wrong: list[str] = []  # what a scraping thread saw amiss (an assert there would not fail the test)
+
+        def scrape() -> None:
+            with httpx.Client(base_url=base, timeout=30) as http:
+                while not stop.is_set():
+                    r = http.get("/metrics")
+                    if r.status_code != 200 or "X-View-Age-S" not in r.headers:
+                        wrong.append(f"{r.status_code}, headers {dict(r.headers)}")
+                        return
+                    ages.append(float(r.headers["X-View-Age-S"]))
+                    served[0] += 1
+
+        renders = "lmcache_controller_metrics_renders_total"
+        before = controller.metric(renders)
+        clients = [threading.Thread(target=scrape, daemon=True) for _ in range(4)]
+        for t in clients:
+            t.start()
+        time.sleep(3.0)
+        stop.set()
+        for t in clients:
+            t.join(30)
+        rendered = controller.metric(renders) - before - 1  # less the no-cache read of the count
+        assert not wrong, wrong[:3]
+        assert served[0] > 20 and len(ages) == served[0]
+        assert 1 <= rendered <= served[0] / 2, f"{rendered:.0f} renders for {served[0]} scrapes"
+        assert max(ages) < 2.0, max(ages)
+
+        # A counter bumped just now: a plain scrape may have the render from before; no-cache does not.
+        member = FakeWorker(controller, "late")
+        try:
+            member.register()
+            seen_before = controller.metric("lmcache_controller_messages_total", type="Register")
+            member.register()
+            assert controller.metric("lmcache_controller_messages_total", type="Register") == seen_before + 1
+        finally:
+            member.close()
+    finally:
+        fleet.close()
