@@ -82,6 +82,7 @@ class AsyncLoads:
         self._step_tokens = 0
         self._copy_rates = CopyRates()
         self._wakeup = Wakeup()  # a pull landed chunks (for the wait in a step computing nothing)
+        self._reported_last_step = False  # the last finished() reported jobs: the next one does not wait
 
     def job_of(self, req_id: str) -> LoadJob | None:
         job_id = self._by_request.get(req_id)
@@ -332,8 +333,14 @@ class AsyncLoads:
     def finished(self) -> list[LoadJob]:
         """The jobs that ended since the last call (DONE or FAILED, with ``loaded_to``), each once;
         their pins are released and their copies counted."""
-        if self._step_tokens == 0:
+        if self._step_tokens == 0 and not self._reported_last_step:
             self._wait_in_idle_step()
+        elif self._step_tokens == 0:
+            # The step just before reported loads, and vLLM processes a step's report only after
+            # the next step is scheduled and run: a wait here would delay those requests' first
+            # tokens by as much (with async scheduling, this call sits between the report and
+            # the scheduling of its requests).
+            self._advance_pulls()
         else:
             self._advance_pulls()
             self._wait_for_copies_about_to_end()
@@ -350,6 +357,7 @@ class AsyncLoads:
                     del self._by_request[job.req_id]
                 job.timeline.log_reported(job.req_id)
                 ended.append(job)
+        self._reported_last_step = bool(ended)
         return ended
 
     def _check(self, job: LoadJob) -> None:
