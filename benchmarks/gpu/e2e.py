@@ -170,7 +170,13 @@ def cmd_engine(args) -> None:
         else {"gpu_memory_utilization": args.gpu_util, "max_model_len": args.max_model_len}
     )
     engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=args.model, enforce_eager=not args.graphs, kv_transfer_config=CONNECTOR, **extra)
+        AsyncEngineArgs(
+            model=args.model,
+            enforce_eager=not args.graphs,
+            kv_transfer_config=CONNECTOR,
+            **({"async_scheduling": False} if args.no_async_scheduling else {}),
+            **extra,
+        )
     )
     loop = asyncio.new_event_loop()
 
@@ -268,6 +274,8 @@ def cmd_peer(args) -> dict:
             cmd += ["--max-model-len", str(max_model_len)]
             if args.graphs:
                 cmd.append("--graphs")
+            if args.no_async_scheduling:
+                cmd.append("--no-async-scheduling")
             env = {}
             if args.timeline and i == 2:  # its loads' DEBUG timeline lines (engine2_load_timeline_ms)
                 env["LMCACHE_LOG_LEVEL"] = "DEBUG"
@@ -298,6 +306,7 @@ def cmd_peer(args) -> dict:
             "pull_policy": args.pull_policy or "auto",
             "config_set": dict(args.set),
             "cuda_graphs": args.graphs,
+            "async_scheduling": not args.no_async_scheduling,
         }
         for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
             engine.request(
@@ -661,6 +670,15 @@ def add_graphs_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_async_scheduling_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="vLLM's async_scheduling off (on by default where vLLM can): a finished load is then seen by the "
+        "step that reports it rather than the one after",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -693,9 +711,11 @@ def main() -> None:
     )
     add_set_argument(p, "a config key for both engines, VALUE read as YAML (e.g. p2p_batch_chunks=16); repeatable")
     add_graphs_argument(p)
+    add_async_scheduling_argument(p)
     p = sub.add_parser("engine")
     p.add_argument("--max-model-len", type=int, default=16384)
     add_graphs_argument(p)
+    add_async_scheduling_argument(p)
     p.add_argument("--model", required=True)
     p.add_argument("--gpu-util", type=float, default=0.4)
     p.add_argument("--cpu-smoke", action="store_true")
