@@ -101,8 +101,7 @@ def test_metrics_scraped_back_to_back_share_renders_and_no_cache_gets_a_fresh_on
         assert all(r.ok for r in fleet.register_all(list(range(RANKS))).values())
         base = controller.http.base_url
         stop = threading.Event()
-        served = [0]
-        ages: list[float] = []
+        ages: list[float] = []  # one per scrape answered
         wrong: list[str] = []  # what a scraping thread saw amiss (an assert there would not fail the test)
 
         def scrape() -> None:
@@ -113,7 +112,6 @@ def test_metrics_scraped_back_to_back_share_renders_and_no_cache_gets_a_fresh_on
                         wrong.append(f"{r.status_code}, headers {dict(r.headers)}")
                         return
                     ages.append(float(r.headers["X-View-Age-S"]))
-                    served[0] += 1
 
         renders = "lmcache_controller_metrics_renders_total"
         before = controller.metric(renders)
@@ -126,9 +124,9 @@ def test_metrics_scraped_back_to_back_share_renders_and_no_cache_gets_a_fresh_on
             t.join(30)
         rendered = controller.metric(renders) - before - 1  # less the no-cache read of the count
         assert not wrong, wrong[:3]
-        assert served[0] > 20 and len(ages) == served[0]
-        assert 1 <= rendered <= served[0] / 2, f"{rendered:.0f} renders for {served[0]} scrapes"
-        assert max(ages) < 2.0, max(ages)
+        assert len(ages) > 20
+        assert 1 <= rendered <= len(ages) / 2, f"{rendered:.0f} renders for {len(ages)} scrapes"
+        assert max(ages) <= INTERVAL + 0.5, max(ages)  # never older than --view-cache-s allows
 
         # A counter bumped just now: a plain scrape may have the render from before; no-cache does not.
         member = FakeWorker(controller, "late")

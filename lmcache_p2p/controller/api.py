@@ -147,7 +147,8 @@ class _ExplainFastPath(_Identity):
 # A router names the instances it can forward to; more than a fleet has is a mistake.
 MAX_ROUTE_CANDIDATES = 10_000
 
-# The most of the event loop's time GET /metrics renders take, however often it is scraped.
+# The most of the event loop's time GET /metrics renders take, however often it is scraped (unless
+# --view-cache-s allows a render sooner).
 METRICS_LOOP_SHARE = 0.1
 
 InstanceId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -575,43 +576,46 @@ def create_app(controller: Controller) -> FastAPI:
     async def events(limit: int = 100) -> Response:
         return _json({"events": views.recent_events(limit)})
 
-    # /metrics takes at most METRICS_LOOP_SHARE of the loop: a scrape within (1/share - 1) times
-    # the last render's duration of its end gets that render's text (header X-View-Age-S), and
-    # concurrent scrapes share one render. At 10,000 ranks a render is ~50 ms of the loop in turns,
-    # and four clients scraping back to back kept the loop so busy that heartbeats waited whole
-    # iterations for theirs; a small controller renders in a millisecond or two and its text is
-    # that fresh. A client that must see the counters of what it just did sends
-    # "Cache-Control: no-cache" and waits for a render of its own.
+    # /metrics is rendered at most once per (1/METRICS_LOOP_SHARE - 1) times its last render's
+    # duration (as the loop ran it, other work's turns included), and at most once per
+    # view_cache_s where that is sooner (0: a render per scrape, as for the views): scrapes in
+    # between get the last render's text (header X-View-Age-S), and concurrent ones share a render.
+    # At 10,000 ranks a render is ~50 ms of the loop in turns, and four clients scraping back to
+    # back kept the loop so busy that heartbeats waited whole iterations for theirs. A client that
+    # must see the counters of what it just did sends "Cache-Control: no-cache": it gets a render
+    # that started after it asked, waiting for the next one the bound allows.
     rendered: list[tuple[float, float, bytes]] = []  # (when the render started, its seconds, text)
     render_lock = asyncio.Lock()
     controller.metrics.counter(
         "lmcache_controller_metrics_renders_total", "GET /metrics rendered (not the text of a scrape just before)"
     )
 
-    def _recent_metrics() -> tuple[float, float, bytes] | None:
-        if not rendered:
-            return None
-        started, took, text = rendered[0]
-        return rendered[0] if time.monotonic() - (started + took) < took * (1 / METRICS_LOOP_SHARE - 1) else None
+    def _next_render_at() -> float:
+        """When the bound allows the next render (now or earlier: at once)."""
+        if not rendered or settings.view_cache_s <= 0:
+            return 0.0
+        started, took, _ = rendered[0]
+        return started + took + min(took * (1 / METRICS_LOOP_SHARE - 1), settings.view_cache_s)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=reads)
     async def metrics(request: Request) -> Response:
         fresh = "no-cache" in request.headers.get("cache-control", "").lower()
-        hit = None if fresh else _recent_metrics()
-        if hit is None:
-            asked = time.monotonic()
+        asked = time.monotonic()
+        if fresh or asked >= _next_render_at():
             async with render_lock:
-                hit = rendered[0] if rendered and rendered[0][0] >= asked else None  # one started after the ask
-                if hit is None and not fresh:
-                    hit = _recent_metrics()
-                if hit is None:
-                    started = time.monotonic()
-                    text = await controller.metrics.render_async()
-                    hit = (started, time.monotonic() - started, text)
-                    rendered[:] = [hit]
-                    controller.metrics.inc("lmcache_controller_metrics_renders_total")
-        age = time.monotonic() - hit[0]
-        return Response(hit[2], media_type=METRICS_CONTENT_TYPE, headers={"X-View-Age-S": f"{age:.3f}"})
+                if not (rendered and rendered[0][0] >= asked):  # none started since the ask
+                    wait = _next_render_at() - time.monotonic()
+                    if wait > 0 and fresh:
+                        await asyncio.sleep(wait)
+                    if fresh or time.monotonic() >= _next_render_at():
+                        started = time.monotonic()
+                        text = await controller.metrics.render_async()
+                        rendered[:] = [(started, time.monotonic() - started, text)]
+                        controller.metrics.inc("lmcache_controller_metrics_renders_total")
+        started, _, text = rendered[0]
+        return Response(
+            text, media_type=METRICS_CONTENT_TYPE, headers={"X-View-Age-S": f"{time.monotonic() - started:.3f}"}
+        )
 
     @app.get(
         "/controller/dashboard",

@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="S",
         help="build GET /controller/workers and /controller/dashboard at most once per S seconds, "
-        "serving the same bytes meanwhile (default 1; 0: build per request)",
+        "serving the same bytes meanwhile (default 1; 0: build per request); GET /metrics is kept to "
+        "about a tenth of the loop, and at most this long between renders (0: a render per scrape)",
     )
     for name, (default, _, what) in ROUTE_WEIGHTS.items():
         p.add_argument(
