@@ -306,7 +306,7 @@ def cmd_peer(args) -> dict:
             "pull_policy": args.pull_policy or "auto",
             "config_set": dict(args.set),
             "cuda_graphs": args.graphs,
-            "async_scheduling": not args.no_async_scheduling,
+            "async_scheduling": False if args.no_async_scheduling else "vLLM's default",
         }
         for i, engine in enumerate(engines, start=1):  # a short request each first, not timed
             engine.request(

@@ -20,7 +20,7 @@
 #   peer-base    e2e peer, both engines on GPU 0, no GPU tier (12 documents x 3 repeats)
 #   peer-tier    the same with a 16 GB GPU tier on each engine
 #   curve        peer/cold and peer/own-hit at 2K, 8K, 16K and 32K-token documents (4 in flight, as
-#                many documents as fit 128K tokens, at least 4), over NIXL then over tcp, CUDA graphs,
+#                many documents as fit 128K tokens, at most 12 and at least 4), over NIXL then over tcp, CUDA graphs,
 #                0.45 of the card per engine (CURVE_UTIL); CURVE_REPEATS waves per length (default 1)
 #   peer-base-2  / peer-tier-2: one engine per GPU (nvidia-h200-x2)
 #   peer-...@K=V,K=V  a peer step with config keys set on both engines (e2e.py --set), written
