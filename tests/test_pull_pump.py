@@ -23,10 +23,11 @@ from protocol_client import layout, wait_for
 from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.miss_reasons import EVICTED, HOLDER_GONE, Miss
 from lmcache_p2p.storage.manager import StorageManager
+from lmcache_p2p.vocab import PULL_REQUEST_TIMEOUT_S
 from lmcache_p2p.worker import pull_pump
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.peer_links import Peer
-from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, Batch, PullPages
+from lmcache_p2p.worker.pull_batch import Batch, PullPages
 from lmcache_p2p.worker.pull_job import PullRoute, PullSetup
 from lmcache_p2p.worker.pull_pump import PullOverlap, PullPump
 from lmcache_p2p.worker.pull_stats import PullStats
@@ -447,7 +448,7 @@ def test_a_holder_dying_with_pulls_in_flight_fails_only_what_had_not_come(contro
     assert all(got == 0 for got in pulled[cut + 1 :]), pulled
     assert all(m == HOLDER_GONE for m in answer["miss"][cut:]), answer
     # One batch timeout (and the socket's reset) fails the whole queue.
-    assert elapsed < 4 * BASE_TIMEOUT_S, elapsed
+    assert elapsed < 4 * PULL_REQUEST_TIMEOUT_S, elapsed
     assert "the rest is a miss" in b.log()
     for prompt, got in zip(prompts, pulled, strict=True):
         assert b.lookup(prompt, peers=False) == got * CHUNK

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_p2p.testing.stalled_holder import run
-from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S
+from lmcache_p2p.vocab import PULL_REQUEST_TIMEOUT_S
 
 # Serial: it compares the stream's largest gap while the holder is stopped with its largest gap
 # around a cold prompt, single samples that the other xdist worker's engines perturb (make test
@@ -34,7 +34,7 @@ def test_a_stalled_holder_leaves_the_asking_engines_streams_at_their_pace(tiny_m
         pulled = re.findall(r"request (\S+): pulling \d+ chunk\(s\) a peer offered", log)
         assert pulled and len(pulled) == len(set(pulled)), log[-3000:]
         assert "will be recomputed" in log
-        assert figures["stalled_request_s"] < 2 * BASE_TIMEOUT_S + 3 * figures["cold_prompt_s"], figures
+        assert figures["stalled_request_s"] < 2 * PULL_REQUEST_TIMEOUT_S + 3 * figures["cold_prompt_s"], figures
 
     # A client that leaves while its request pulls from the stopped holder: vLLM aborts it, the
     # pull is given up at the next step (not at its timeout), its blocks are freed, and the
@@ -42,4 +42,4 @@ def test_a_stalled_holder_leaves_the_asking_engines_streams_at_their_pace(tiny_m
     assert aborted["abandoned"], aborted
     log = (Path(aborted["logs"]) / "engine2.log").read_text()
     assert "aborted while pulling" in log, log[-3000:]
-    assert aborted["next_request_s"] < BASE_TIMEOUT_S, aborted
+    assert aborted["next_request_s"] < PULL_REQUEST_TIMEOUT_S, aborted

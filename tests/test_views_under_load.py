@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -19,6 +20,24 @@ from protocol_client import ControllerProcess, FakeWorker
 
 RANKS = 300
 INTERVAL = 1.0
+
+
+def poll_back_to_back(controller: ControllerProcess, poll: Callable[[httpx.Client], None], seconds: float) -> None:
+    """Four clients, each on a connection of its own, calling ``poll`` back to back for ``seconds``."""
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(base_url=controller.http.base_url, timeout=30) as http:
+            while not stop.is_set():
+                poll(http)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(30)
 
 
 @pytest.fixture
@@ -33,29 +52,19 @@ def test_polled_views_are_built_once_per_interval_and_show_new_workers(controlle
     try:
         replies = fleet.register_all(list(range(RANKS - 1)))
         assert all(r.ok for r in replies.values())
-        base = controller.http.base_url
-        stop = threading.Event()
         served = [0]
         wrong: list[str] = []  # what a polling thread saw amiss (an assert there would not fail the test)
 
-        def poll() -> None:
-            with httpx.Client(base_url=base, timeout=30) as http:
-                while not stop.is_set():
-                    for path in ("/controller/workers", "/controller/dashboard"):
-                        r = http.get(path)
-                        age = float(r.headers.get("X-View-Age-S", "-1"))
-                        if r.status_code != 200 or not 0 <= age < INTERVAL + 0.5:
-                            wrong.append(f"{path}: {r.status_code}, age {age}")
-                        served[0] += 1
+        def poll(http: httpx.Client) -> None:
+            for path in ("/controller/workers", "/controller/dashboard"):
+                r = http.get(path)
+                age = float(r.headers.get("X-View-Age-S", "-1"))
+                if r.status_code != 200 or not 0 <= age < INTERVAL + 0.5:
+                    wrong.append(f"{path}: {r.status_code}, age {age}")
+                served[0] += 1
 
         before = controller.metric("lmcache_controller_view_builds_total", view="workers")
-        clients = [threading.Thread(target=poll, daemon=True) for _ in range(4)]
-        for t in clients:
-            t.start()
-        time.sleep(4.0)
-        stop.set()
-        for t in clients:
-            t.join(30)
+        poll_back_to_back(controller, poll, seconds=4.0)
         builds = controller.metric("lmcache_controller_view_builds_total", view="workers") - before
         assert not wrong, wrong[:5]
         assert served[0] > 20
@@ -99,34 +108,30 @@ def test_metrics_scraped_back_to_back_share_renders_and_no_cache_gets_a_fresh_on
     fleet = FakeFleet(controller, RANKS, tp=1)
     try:
         assert all(r.ok for r in fleet.register_all(list(range(RANKS))).values())
-        base = controller.http.base_url
-        stop = threading.Event()
         ages: list[float] = []  # one per scrape answered
         wrong: list[str] = []  # what a scraping thread saw amiss (an assert there would not fail the test)
 
-        def scrape() -> None:
-            with httpx.Client(base_url=base, timeout=30) as http:
-                while not stop.is_set():
-                    r = http.get("/metrics")
-                    if r.status_code != 200 or "X-View-Age-S" not in r.headers:
-                        wrong.append(f"{r.status_code}, headers {dict(r.headers)}")
-                        return
-                    ages.append(float(r.headers["X-View-Age-S"]))
+        def scrape(http: httpx.Client) -> None:
+            r = http.get("/metrics")
+            if r.status_code != 200 or "X-View-Age-S" not in r.headers:
+                wrong.append(f"{r.status_code}, headers {dict(r.headers)}")
+            else:
+                ages.append(float(r.headers["X-View-Age-S"]))
 
         renders = "lmcache_controller_metrics_renders_total"
         before = controller.metric(renders)
-        clients = [threading.Thread(target=scrape, daemon=True) for _ in range(4)]
-        for t in clients:
-            t.start()
-        time.sleep(3.0)
-        stop.set()
-        for t in clients:
-            t.join(30)
+        poll_back_to_back(controller, scrape, seconds=3.0)
         rendered = controller.metric(renders) - before - 1  # less the no-cache read of the count
         assert not wrong, wrong[:3]
         assert len(ages) > 20
         assert 1 <= rendered <= len(ages) / 2, f"{rendered:.0f} renders for {len(ages)} scrapes"
         assert max(ages) <= INTERVAL + 0.5, max(ages)  # never older than --view-cache-s allows
+
+        # Right after a render, a plain scrape gets that render; a no-cache one a render of its own.
+        controller.http.get("/metrics", headers={"Cache-Control": "no-cache"})
+        t0 = time.monotonic()
+        fresh = controller.http.get("/metrics", headers={"Cache-Control": "no-cache"})
+        assert float(fresh.headers["X-View-Age-S"]) <= time.monotonic() - t0  # rendered after it asked
 
         # A counter bumped just now: a plain scrape may have the render from before; no-cache does not.
         member = FakeWorker(controller, "late")

@@ -597,21 +597,28 @@ def create_app(controller: Controller) -> FastAPI:
         started, took, _ = rendered[0]
         return started + took + min(took * (1 / METRICS_LOOP_SHARE - 1), settings.view_cache_s)
 
+    async def _render_when_allowed(asked: float, fresh: bool) -> None:
+        """Under render_lock: a render unless one started since ``asked``; a plain scrape renders
+        only if the bound allows it now, a no-cache one waits until it does."""
+        if rendered and rendered[0][0] >= asked:
+            return
+        wait = _next_render_at() - time.monotonic()
+        if wait > 0 and not fresh:
+            return  # another render ended while this scrape waited for the lock: it has that one
+        if wait > 0:
+            await asyncio.sleep(wait)
+        started = time.monotonic()
+        text = await controller.metrics.render_async()
+        rendered[:] = [(started, time.monotonic() - started, text)]
+        controller.metrics.inc("lmcache_controller_metrics_renders_total")
+
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse, dependencies=reads)
     async def metrics(request: Request) -> Response:
         fresh = "no-cache" in request.headers.get("cache-control", "").lower()
         asked = time.monotonic()
         if fresh or asked >= _next_render_at():
             async with render_lock:
-                if not (rendered and rendered[0][0] >= asked):  # none started since the ask
-                    wait = _next_render_at() - time.monotonic()
-                    if wait > 0 and fresh:
-                        await asyncio.sleep(wait)
-                    if fresh or time.monotonic() >= _next_render_at():
-                        started = time.monotonic()
-                        text = await controller.metrics.render_async()
-                        rendered[:] = [(started, time.monotonic() - started, text)]
-                        controller.metrics.inc("lmcache_controller_metrics_renders_total")
+                await _render_when_allowed(asked, fresh)
         started, _, text = rendered[0]
         return Response(
             text, media_type=METRICS_CONTENT_TYPE, headers={"X-View-Age-S": f"{time.monotonic() - started:.3f}"}

@@ -27,11 +27,12 @@ from lmcache_p2p.pull_policy import PullPolicy
 from lmcache_p2p.rpc import RpcClient
 from lmcache_p2p.storage.chunk_store import ChunkStore, PullLanding
 from lmcache_p2p.transfer import Transport
+from lmcache_p2p.vocab import PULL_REQUEST_TIMEOUT_S
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.links import ControllerLinks
 from lmcache_p2p.worker.offers import OfferMaker, PeerOffer
 from lmcache_p2p.worker.peer_links import Peer, PeerConnections
-from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, PullPages
+from lmcache_p2p.worker.pull_batch import PullPages
 from lmcache_p2p.worker.pull_job import PullJob, PullResult, PullSetup
 from lmcache_p2p.worker.pull_pump import Landed, PullOverlap, PullPump
 from lmcache_p2p.worker.pull_stats import PullStats
@@ -56,7 +57,7 @@ class P2PClient:
         preferred: str,
         batch_chunks: int = 8,
         pipeline_depth: int = 3,
-        pull_timeout_s: float = BASE_TIMEOUT_S,
+        pull_timeout_s: float = PULL_REQUEST_TIMEOUT_S,
         policy: PullPolicy | None = None,
         security: MeshSecurity | None = None,
         prefix_pull_turns: bool = False,

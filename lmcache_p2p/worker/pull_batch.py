@@ -28,13 +28,11 @@ from lmcache_p2p.rpc import RemoteError, RequestFailed
 from lmcache_p2p.storage.chunk_store import ChunkStore, PullLanding
 from lmcache_p2p.transfer import TransferError, Transport
 from lmcache_p2p.transfer.base import Landing
-from lmcache_p2p.vocab import PULL_REQUEST_TIMEOUT_S
 from lmcache_p2p.worker.peer_links import Peer, PeerConnection
 from lmcache_p2p.worker.pull_stats import PullStats
 
-# A pull request may take this long by default (config p2p_pull_timeout_s) plus its bytes at this
-# slowest acceptable rate; then it is a miss.
-BASE_TIMEOUT_S = PULL_REQUEST_TIMEOUT_S
+# A pull request may take its p2p_pull_timeout_s (vocab.PULL_REQUEST_TIMEOUT_S by default) plus
+# its bytes at this slowest acceptable rate; then it is a miss.
 SLOWEST_RATE_BPS = 0.25e9
 
 # Where a pull's batches spend their time (see Batch.phases_ms): each phase with the parts of

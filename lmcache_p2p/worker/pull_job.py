@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from lmcache_p2p.miss_reasons import HOLDER_GONE, REFUSED, Miss
 from lmcache_p2p.rpc import RequestFailed
 from lmcache_p2p.transfer import TransferError, Transport
+from lmcache_p2p.vocab import PULL_REQUEST_TIMEOUT_S
 from lmcache_p2p.worker.identity import WorkerIdentity
 from lmcache_p2p.worker.peer_links import Peer, PeerConnection, PeerConnections
-from lmcache_p2p.worker.pull_batch import BASE_TIMEOUT_S, PHASES, Batch, BatchFetch, PullPages, describe_phases
+from lmcache_p2p.worker.pull_batch import PHASES, Batch, BatchFetch, PullPages, describe_phases
 from lmcache_p2p.worker.pull_stats import PullStats
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class PullSetup:
     stats: PullStats
     batch_chunks: int = 8  # chunks per request (config p2p_batch_chunks)
     pipeline_depth: int = 3  # requests in flight per pull (p2p_pipeline_depth)
-    timeout_s: float = BASE_TIMEOUT_S  # a request's, before its bytes (p2p_pull_timeout_s)
+    timeout_s: float = PULL_REQUEST_TIMEOUT_S  # a request's, before its bytes (p2p_pull_timeout_s)
 
 
 def _split(items: list[int], size: int) -> list[list[int]]:

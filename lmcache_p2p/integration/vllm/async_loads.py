@@ -333,17 +333,15 @@ class AsyncLoads:
     def finished(self) -> list[LoadJob]:
         """The jobs that ended since the last call (DONE or FAILED, with ``loaded_to``), each once;
         their pins are released and their copies counted."""
+        # After a step that reported loads, an idle step does not wait: vLLM processes a step's
+        # report only after the next step is scheduled and run (async scheduling), so a wait here
+        # would delay those requests' first tokens by as much.
         if self._step_tokens == 0 and not self._reported_last_step:
             self._wait_in_idle_step()
-        elif self._step_tokens == 0:
-            # The step just before reported loads, and vLLM processes a step's report only after
-            # the next step is scheduled and run: a wait here would delay those requests' first
-            # tokens by as much (with async scheduling, this call sits between the report and
-            # the scheduling of its requests).
-            self._advance_pulls()
         else:
             self._advance_pulls()
-            self._wait_for_copies_about_to_end()
+            if self._step_tokens:
+                self._wait_for_copies_about_to_end()
         ended: list[LoadJob] = []
         for job in list(self.jobs.values()):
             if job.phase is JobPhase.COPYING and job.copies_done():
