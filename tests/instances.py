@@ -15,6 +15,7 @@ import threading
 import yaml
 
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import freeze
 
 
 def config_override(text: str) -> tuple[str, object]:
@@ -159,7 +160,11 @@ class InstanceProcess:
         return self.log_path.read_text()
 
     def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
+        """SIGSTOP returns once the process has stopped (:func:`freeze`)."""
+        if sig == signal.SIGSTOP:
+            freeze(self.proc.pid)
+        else:
+            self.proc.send_signal(sig)
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -29,6 +29,7 @@ import pytest
 import redis
 
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import freeze
 
 START_TIMEOUT_S = 15.0
 # Peers flag a silent node as failing after this long, and a restarted master waits about as long
@@ -124,7 +125,7 @@ class _Process:
     def pause(self) -> None:
         """SIGSTOP: connections are accepted by the kernel but nothing answers."""
         assert self.proc is not None and self.running
-        self.proc.send_signal(signal.SIGSTOP)
+        freeze(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None and self.running

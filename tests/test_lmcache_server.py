@@ -29,6 +29,7 @@ from lmcache_p2p.remote.lm_store import LmServerStore, RemoteRefused
 from lmcache_p2p.remote.store import RemoteUnavailable
 from lmcache_p2p.testing.measure import closed_by_server, idle_connections
 from lmcache_p2p.testing.ports import free_ports
+from lmcache_p2p.testing.processes import freeze
 
 MiB = 1 << 20
 
@@ -238,7 +239,7 @@ def test_a_stalled_or_dead_server_is_unavailable_within_the_timeout_and_a_restar
     store = first.client(timeout_s=1.0)
     store.put([(b"k", b"v1")])
 
-    first.proc.send_signal(signal.SIGSTOP)  # the kernel still takes the request; no reply comes
+    freeze(first.proc.pid)  # the kernel still takes the request; no reply comes
     t0 = time.monotonic()
     stalled_says = f"127.0.0.1:{port}: GET failed: timed out: nothing moved for 1 s"  # our words, not the socket's
     with pytest.raises(RemoteUnavailable, match=stalled_says) as stalled:

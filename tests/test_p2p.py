@@ -14,6 +14,7 @@ import pytest
 from instances import InstanceProcess, instance_config, tokens
 from protocol_client import ControllerProcess, wait_for
 
+from lmcache_p2p.testing.processes import freeze
 from lmcache_p2p.vocab import WAITING_OFFER_TIMEOUT_S
 
 CHUNK = 32
@@ -357,7 +358,7 @@ def test_a_hung_controller_turns_peer_lookups_into_fast_misses(spawn, request):
     held = tokens(4 * CHUNK, seed=13)
     a.prefill(held)
     wait_for(lambda: keys_at(controller, "lmcache_instance_1") == 4, what="A's keys")
-    controller.proc.send_signal(signal.SIGSTOP)  # alive, its ports open, answering nothing
+    freeze(controller.proc.pid)  # alive, its ports open, answering nothing
     try:
         took = []
         for seed in range(5):

@@ -26,6 +26,7 @@ from lmcache_p2p.remote.connect import open_store
 from lmcache_p2p.remote.tier import remote_key
 from lmcache_p2p.remote.url import parse_remote_url
 from lmcache_p2p.storage import StorageManager
+from lmcache_p2p.testing.processes import freeze
 
 CHUNK = 16
 # A small layout: 16 tokens x 2 layers x (2, 16, 4, 64) fp16 blocks = 64 KiB pages.
@@ -266,7 +267,7 @@ def test_a_store_that_stops_answering_during_a_lookup_is_a_miss_without_leaking_
     try:
         store_chunks(writer, hashes(8, 10_000))
         free_before = reader.cpu.pool.free_pages
-        server.proc.send_signal(signal.SIGSTOP)  # the exists round hangs ...
+        freeze(server.proc.pid)  # the exists round hangs ...
         killer = threading.Timer(0.3, server.kill)  # ... until the server dies
         killer.start()
         with caplog.at_level(logging.WARNING):
@@ -311,7 +312,7 @@ def test_a_lookup_offers_what_the_store_holds_the_load_fetches_it_and_a_stopped_
 
         later = hashes(2, 21_000)
         store_chunks(writer, later)
-        server.proc.send_signal(signal.SIGSTOP)
+        freeze(server.proc.pid)
         try:
             t0 = time.monotonic()
             stalled = engine.lookup_async(later)
@@ -371,7 +372,7 @@ def reader_config(url: str) -> LMCacheConfig:
 def test_writes_never_block_the_store_path_a_full_queue_drops_and_counts(lm_server):
     mgr = manager(lm_server.url, remote_write_queue_chunks=2)
     try:
-        lm_server.proc.send_signal(signal.SIGSTOP)  # the writer's round trip hangs until its timeout
+        freeze(lm_server.proc.pid)  # the writer's round trip hangs until its timeout
         try:
             for h in hashes(20, 11_000):
                 assert mgr.put(h, payload(h))  # every chunk is admitted locally, none waits

@@ -52,6 +52,54 @@ def post_json(url: str, body: dict, timeout: float) -> Any:
         return json.loads(response.read())
 
 
+def _thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of each of ``pid``'s threads (empty once it is gone)."""
+    states = []
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                states.append(stat[stat.rindex(")") + 2])  # the name may hold spaces and parentheses
+    return states
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+                    members.append(int(entry))
+    return members
+
+
+def _wait_stopped(pids: list[int], what: str, timeout: float) -> None:
+    # kill() returns once SIGSTOP is queued. The stop spreads to a process's threads only as the
+    # thread that took the signal runs; on a busy host its other threads run on meanwhile (a
+    # stopped worker answering a command sent after the signal is how a test met this).
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [pid for pid in pids if any(s not in "TtZX" for s in _thread_states(pid))]
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: threads of pid {running} still not stopped {timeout:g} s after SIGSTOP")
+        time.sleep(0.002)
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    _wait_stopped([pid], f"pid {pid}", timeout)
+
+
+def freeze_group(pgid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP process group ``pgid`` and return once every thread of its members has stopped."""
+    os.killpg(pgid, signal.SIGSTOP)
+    _wait_stopped(_group_members(pgid), f"process group {pgid}", timeout)
+
+
 # vLLM's worker start-up line, e.g. "... distributed_init_method=tcp://127.0.0.1:57573 backend=gloo".
 _CPU_SHM_INIT_PORT = re.compile(r"distributed_init_method=tcp://\S*:(\d+)(?:\s|$)", re.MULTILINE)
 # vLLM draws its workers' rendezvous port from the kernel's ephemeral range and binds it later; any

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from lmcache_p2p.testing.processes import CPU_ENGINE_ENV, wait_indexed
+from lmcache_p2p.testing.processes import CPU_ENGINE_ENV, freeze_group, wait_indexed
 from lmcache_p2p.testing.served_fleet import ServedFleet
 from lmcache_p2p.testing.tiny_model import sample_text
 
@@ -85,10 +85,13 @@ def run(
                 raise RuntimeError("the controller did not index the holder's chunks")
 
         group = os.getpgid(fleet.processes["engine1"].process.pid)
+
+        def stop_holder(sig: int) -> None:
+            freeze_group(group) if sig == signal.SIGSTOP else os.killpg(group, sig)
+
         runs = []
         for i, mode in enumerate(modes):
             indexed(held[i])
-            stop_holder = lambda sig: os.killpg(group, sig)  # noqa: E731
             figures = _ask_while_stalled(fleet.engine_urls[i + 1], model, held[i], stop_holder, seed + 100 + i)
             same = figures.pop("answer") == expected[i]
             runs.append({"mode": mode, **figures, "same_output": same, "logs": str(workdir)})
@@ -173,7 +176,7 @@ def _abort_while_stalled(asker: str, model: str, held: str, holder_group: int) -
     """The held prompt sent to ``asker`` while the holder is stopped, its client gone after
     ABORT_AFTER_S (vLLM aborts the request mid-pull); then, the holder still stopped, a cold
     prompt: how long it took (the engine must not wait on the aborted pull)."""
-    os.killpg(holder_group, signal.SIGSTOP)
+    freeze_group(holder_group)
     try:
         t0 = time.monotonic()
         body = {"model": model, "prompt": held, "max_tokens": 4, "temperature": 0.0}
