@@ -13,7 +13,7 @@ tokens. Prompts arrive as their chained chunk hashes, computed once per request 
 * ``lookup_async``: what a prompt's lookup can promise without waiting for bytes: the local hit,
   then an offer of what comes after it (a live peer's, through the controller's index; else the
   remote store's, from one bounded ``exists`` round) that the load pulls beside the steps
-  (``pull_offer_async``); ``fetch`` is the same, waited for (blended segments);
+  (``pull_offer_async``);
 * ``plan_load`` / ``run_load`` / ``loaded``: what loading pinned chunks into a request's blocks
   copies (from the GPU tier's copy where there is one: device to device), the copy, and its
   account (the connector's loads beside the steps copy plans through ``layerwise``);
@@ -21,8 +21,8 @@ tokens. Prompts arrive as their chained chunk hashes, computed once per request 
   policy weighs a peer pull against (``lmcache_p2p.pull_policy``).
 
 Nothing here raises into the engine for a cache problem: a failure is a shorter hit. The same
-face, waited for (store, look up, retrieve), is ``lmcache_p2p.testing.sync_engine``'s, for the
-test stand-in and tests.
+face, waited for (store, look up with the fetch, retrieve), is ``lmcache_p2p.testing.sync_engine``'s,
+for the test stand-in and tests.
 """
 
 from __future__ import annotations
@@ -43,14 +43,11 @@ from lmcache_p2p.config import LMCacheConfig
 from lmcache_p2p.durations import RecentDurations
 from lmcache_p2p.keys import ChunkHashes, LayoutFingerprint, hash_list
 from lmcache_p2p.miss_reasons import (
-    HOLDER_GONE,
     NEVER_STORED,
     NOT_HELD,
-    TIMEOUT,
     EvictionMemory,
     Miss,
     MissTally,
-    PulledChunks,
 )
 from lmcache_p2p.peer_service import EngineCounters, Landed, Offer, PeerService
 from lmcache_p2p.pull_policy import PrefillRate
@@ -61,11 +58,9 @@ from lmcache_p2p.vocab import (
     DISK,
     GPU,
     OFFER_TIMEOUT_S,
-    PEER_FETCH_TIMEOUT_S,
     SOURCE_DEVICE,
     SOURCE_DISK,
     SOURCE_HOST,
-    WAITING_OFFER_TIMEOUT_S,
 )
 
 logger = logging.getLogger(__name__)
@@ -250,36 +245,6 @@ class CacheEngine:
             return miss
         here = self.local_miss(hashes[at])
         return Miss(NEVER_STORED, miss.detail) if here.reason == NEVER_STORED and miss.detail else here
-
-    def fetch(self, chunk_hashes: ChunkHashes) -> tuple[int, Miss | None]:
-        """:meth:`lookup_async`'s answer, waited for: a peer's offer pulled (then the remote
-        store asked for the rest), or the remote fetch; the leading chunks now held, and why
-        the next one is not. Counts no lookup: for chunks that are not a prompt's prefix (a
-        blended prompt's segments) and the synchronous stand-in (testing.sync_engine). Peers
-        come first because the controller's index is exact and a peer's pages cross one link
-        with no server between; the remote store serves what no live peer holds (the holder
-        restarted or left)."""
-        hashes = hash_list(chunk_hashes)
-        # Waited for anyway: the store gets as long as any of its round trips.
-        first = self.lookup_async(hashes, WAITING_OFFER_TIMEOUT_S, self.config.remote_timeout_s)
-        miss = first.miss
-        if first.offer is not None:
-            pull = self.pull_offer_async(first.offer)
-            try:
-                pulled: PulledChunks = pull.result(PEER_FETCH_TIMEOUT_S)
-                if pulled.chunks < first.offer.chunks:
-                    miss = pulled.miss
-            except concurrent.futures.TimeoutError:
-                pull.cancel()
-                miss = Miss(TIMEOUT, f"the pull took over {PEER_FETCH_TIMEOUT_S:.0f} s")
-            except Exception as e:
-                logger.exception("a pull of %d offered chunk(s) failed; treating them as a miss", first.offer.chunks)
-                miss = Miss(HOLDER_GONE, f"the pull failed: {e}")
-            remote, hit = self.storage.remote, self.storage.lookup_prefix(hashes).num_chunks
-            if remote is not None and hit < len(hashes) and not isinstance(first.offer, RemoteOffer):
-                remote.fetch_prefix_into(self.storage, hashes[hit:])
-        hit = self.storage.lookup_prefix(hashes).num_chunks
-        return hit, (miss if hit < len(hashes) else None)
 
     def lookup_async(
         self, chunk_hashes: ChunkHashes, offer_timeout: float = OFFER_TIMEOUT_S, exists_timeout: float | None = None
