@@ -373,6 +373,16 @@ class LMCacheConfig:
             "pulled"
         ),
     )
+    pull_before_grant: bool = _key(
+        _to_bool,
+        False,
+        "a peer's (or the remote store's) offer is pulled from the request's first lookup on, while vLLM holds the "
+        "request back (no blocks taken), and loaded in the step once it landed, instead of granted at once and "
+        "loaded beside the steps: the request skips the step or two vLLM takes to hear that a load beside the steps "
+        "ended. At most 16 requests of an engine pull this way at once; the others take the grant",
+        group="tuning",
+        basis="not yet measured on a GPU; off until it wins there",
+    )
     load_staging_mb: float = _key(
         _to_float,
         256.0,

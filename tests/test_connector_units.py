@@ -217,6 +217,82 @@ def test_a_lookup_is_asked_once_and_never_waits_for_bytes(engine_id, caplog):
         server.close()
 
 
+def test_with_pull_before_grant_vllm_asks_again_until_every_rank_said_its_pull_ended(engine_id, monkeypatch, caplog):
+    """pull_before_grant: the first lookup starts the ranks' pulls and vLLM is told to ask again
+    (None: the request takes no blocks); the asks in between reach no rank; once every rank said
+    its pull ended, one more lookup (settle) gives what they hold, loaded in the step. A request
+    past the cap takes the grant beside the steps; one that finishes while pulling is released."""
+    from types import SimpleNamespace
+
+    from lmcache_p2p.integration.vllm import scheduler_side
+
+    asks: list[tuple[int, str, bool, bool]] = []
+
+    def handler(rank):
+        def handle(request):
+            asks.append((rank, request.req_id, request.pull_now, request.settle))
+            if request.settle:  # the pull brought the second chunk: held here now
+                sources = pack_sources(["host", "p2p"])
+                return LookupReply(
+                    seq=request.seq, req_id=request.req_id, hit_tokens=512, fetched=True, chunk_sources=sources
+                )
+            return LookupReply(
+                seq=request.seq,
+                req_id=request.req_id,
+                hit_tokens=512,
+                pull_from=256,
+                fetched=True,
+                chunk_sources=pack_sources(["host", "p2p"]),
+                pulling=request.pull_now,
+            )
+
+        return handle
+
+    servers = [LookupServer(socket_path(engine_id, 0, r), handler(r)) for r in range(2)]
+    scheduler = _scheduler(engine_id, tp_size=2, remote_url="redis://127.0.0.1:1", pull_before_grant=True)
+    ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
+        SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
+    )
+    caplog.set_level(logging.INFO, logger="lmcache_p2p")
+    try:
+        assert ask("a") == (None, False)
+        assert sorted(asks) == [(0, "a", True, False), (1, "a", True, False)]
+        servers[0].pull_ended("a")
+        servers[0].pull_ended("elsewhere")  # a word for no pulling request: ignored
+        time.sleep(0.2)
+        assert [ask("a") for _ in range(3)] == [(None, False)] * 3  # rank 1's pull is still on
+        assert len(asks) == 2  # and no rank was asked meanwhile
+        servers[1].pull_ended("a")
+        assert wait_until(lambda: ask("a") != (None, False), 5)
+        assert ask("a") == (512, False)  # loaded in the step (a CPU engine)
+        assert sorted(asks[2:]) == [(0, "a", False, True), (1, "a", False, True)]
+        assert "pulling tokens [256, 512) from a peer before its grant" in caplog.text
+        assert "pulled before its grant in" in caplog.text
+
+        # Past the cap: no pull before the grant, the grant beside the steps as without the key.
+        monkeypatch.setattr(scheduler_side, "MAX_PULLS_BEFORE_GRANT", 1)
+        assert ask("b") == (None, False)
+        assert ask("c") == (512, True)
+        assert [a[2] for a in asks if a[1] == "c"] == [False, False]
+        # Finished while pulling: released to the ranks with the next step (they give the pull up).
+        assert scheduler.request_finished(SimpleNamespace(request_id="b"), []) == (False, None)
+        assert "b" in scheduler.build_connector_meta(_empty_step()).released
+        assert ask("d") == (None, False)  # its slot is free again
+    finally:
+        scheduler.close()
+        for server in servers:
+            server.close()
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def _step(new_reqs=(), num_scheduled=None):
     from types import SimpleNamespace
 

@@ -220,6 +220,30 @@ def test_c_engine_b_pulls_engine_a_kv_from_the_peer_and_matches_its_cold_output(
         controller.stop()
 
 
+def test_c_with_pull_before_grant_engine_b_pulls_while_vllm_waits_and_matches_the_cold_output(engine, prompt):
+    """pull_before_grant: engine B's scheduler holds the request back while its rank pulls A's
+    chunks, then loads them in the step, with the cold output."""
+    controller = ControllerProcess().start()
+    try:
+        config = dict(chunk_size=CHUNK, cpu_gb=0.25, pull_before_grant=True)
+        a = engine(instance_config("lmcache_instance_1", controller, **config), name="a")
+        b = engine(instance_config("lmcache_instance_2", controller, **config), name="b")
+        cold = a.generate(prompt)
+        a.request("flush")
+        wait_for(lambda: controller.holders(prompt), timeout=10, what="the controller to index engine A's chunks")
+
+        assert b.generate(prompt) == cold
+        assert counters(b)["retrieved_tokens"] == 2 * CHUNK
+        assert b.status()["p2p_client"]["chunks_pulled"] == 2
+        log = b.log()
+        assert "pulling tokens [0, 512) from a peer before its grant" in log
+        assert "pulled 2 of the 2 chunk(s) a peer offered before its grant" in log
+        assert "loading 512 tokens in this step" in log
+        assert "beside the steps after pulling" not in log
+    finally:
+        controller.stop()
+
+
 @pytest.mark.newest_only  # three engines: the reasons are the connector's, not vLLM's
 def test_e_mismatched_engines_miss_with_the_reason_named(engine, prompt, tiny_qwen3):
     """Engines that can never share with the holder: another chunk size (its keys differ: never

@@ -459,6 +459,15 @@ def _peer_wave(args, engines: list, docs: list[list[int]], repeat: int, doc_toke
             ("others", [r for r in scheduled if r[0] % args.inflight]),
         )
     }
+    # pull_before_grant: how long each warmup hit's pull held it back before vLLM granted it.
+    before_grant = [
+        float(m[1]) for m in re.finditer(r"Reqid: e2warmup-\d+(?:-\w+)?, pulled before its grant in ([\d.]+) ms", log2)
+    ]
+    out["engine2_pulled_before_grant_ms"] = (
+        {"requests": len(before_grant), "median": statistics.median(before_grant), "max": max(before_grant)}
+        if before_grant
+        else None
+    )
     # Where each warmup hit's load went on engine 2's rank (--timeline), gap by gap.
     out["engine2_load_timeline_ms"] = timeline_summary(load_timelines(log2, "e2warmup-"), ttfts_ms)
     checks = [(int(m[1]), float(m[2]), float(m[3]), float(m[4]), int(m[5])) for m in DEVICE_CHECK.finditer(log2)]

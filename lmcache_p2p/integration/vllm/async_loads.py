@@ -22,6 +22,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -83,6 +84,9 @@ class AsyncLoads:
         self._copy_rates = CopyRates()
         self._wakeup = Wakeup()  # a pull landed chunks (for the wait in a step computing nothing)
         self._reported_last_step = False  # the last finished() reported jobs: the next one does not wait
+        # The rank's pulls before a grant (pull_before_grant; RankLookups.running_pulls): an idle
+        # step waits for them too, and leaves their thread the interpreter meanwhile.
+        self.lookup_pulls: Callable[[], list[concurrent.futures.Future]] = list
 
     def job_of(self, req_id: str) -> LoadJob | None:
         job_id = self._by_request.get(req_id)
@@ -403,7 +407,8 @@ class AsyncLoads:
 
     def _wait_in_idle_step(self) -> None:
         """In a step that computed nothing (vLLM runs them back to back while requests wait on
-        their loads): wait, up to IDLE_STEP_WAIT_S, until a pull or a copy ends, so that what
+        their loads or their pulls before a grant): wait, up to IDLE_STEP_WAIT_S, until a pull or a
+        copy ends, so that what
         ended is reported by this step rather than the next, and the step loop leaves the
         pulling thread the interpreter meanwhile. A pull that ends has its rest queued at once
         and the wait goes on for that copy (from the GPU tier, ~1 ms)."""
@@ -415,6 +420,7 @@ class AsyncLoads:
             if any(job.phase is not JobPhase.PULLING and job.copies_done() for job in jobs):
                 return
             pulls = [job.pull.future for job in jobs if job.phase is JobPhase.PULLING and job.pull is not None]
+            pulls += self.lookup_pulls()
             copying = any(not job.copies_done() for job in jobs)
             if not pulls and not copying:
                 return

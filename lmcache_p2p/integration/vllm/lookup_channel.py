@@ -12,6 +12,12 @@ an offer of what comes next (a live peer's, through the controller's index and t
 else the remote store's, from one bounded ``exists`` round). The offered part is pulled by the
 load, beside the engine's steps, so the scheduler never waits on bytes and there is nothing to
 poll. A prompt travels as its chunk hashes, computed once by the scheduler.
+
+With ``pull_before_grant`` the rank starts pulling the offer as it answers (``pull_now``) and,
+unasked, sends :class:`PullEnded` once that pull ended; the scheduler drains those words when
+vLLM asks about the request again, then asks once more (``settle``) for what is held now. The
+word travels on this channel, not in vLLM's connector output, which reaches the scheduler a
+step or two after the worker wrote it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import errno
 import hashlib
 import logging
 import os
+import queue
 import socket
 import tempfile
 import threading
@@ -53,6 +60,16 @@ class LookupRequest(msgspec.Struct, tag="lookup"):
     # The request's LoRA adapter, [name, lora_id] (adapter_id.py), on the full request only: the
     # rank reports it to the controller, which keys requests naming the adapter the same way.
     lora: list[str] | None = None
+    # Pull before grant: start pulling what is offered now, and say so (PullEnded) once it ended;
+    # ``settle``: answer what the local tiers hold now, the offer's pull ended or given up.
+    pull_now: bool = False
+    settle: bool = False
+
+
+class PullEnded(msgspec.Struct, tag="pull_ended"):
+    """A rank's word, unasked, that the pull a ``pull_now`` lookup started for ``req_id`` ended."""
+
+    req_id: str
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
@@ -72,6 +89,7 @@ class LookupReply(msgspec.Struct, tag="lookup_reply"):
     # The hit past this token is an offer (a peer's, the remote store's): the load pulls it
     # first, beside the engine's steps (-1: the whole hit is held here).
     pull_from: int = -1
+    pulling: bool = False  # the rank pulls the offer now (pull_now) and sends PullEnded when it ends
 
 
 @dataclass
@@ -119,6 +137,7 @@ class Hit:
     fetched: bool = False
     sources: tuple[str, ...] = ()
     pull_from: int | None = None  # some rank pulls the hit past this token when it loads (an offer)
+    pulling_ranks: int = 0  # ranks that pull their offer now (pull_now): each sends PullEnded
 
 
 def tokens_by_source(sources: tuple[str, ...], start: int, end: int, chunk_size: int) -> dict[str, int]:
@@ -134,7 +153,7 @@ def tokens_by_source(sources: tuple[str, ...], start: int, end: int, chunk_size:
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(LookupRequest)
-_reply_decoder = msgspec.msgpack.Decoder(LookupReply)
+_reply_decoder = msgspec.msgpack.Decoder(LookupReply | PullEnded)
 
 
 def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> str:
@@ -187,15 +206,47 @@ class LookupServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(f"ipc://{path}")
+        # PullEnded words for the scheduler, from any thread; the pipe wakes the server's poll.
+        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._scheduler: bytes | None = None  # the scheduler's socket identity (one per engine)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmcache-lookup-server", daemon=True)
         self._thread.start()
 
+    def pull_ended(self, req_id: str) -> None:
+        """Tell the scheduler, unasked, that the pull a lookup of ``req_id`` started ended (any thread)."""
+        self._ended.put(req_id)
+        with contextlib.suppress(BlockingIOError):  # a full pipe has a wake-up in it already
+            os.write(self._wake_write, b"x")
+
+    def _send_ended(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_read, 4096):
+                pass
+        while True:
+            try:
+                req_id = self._ended.get_nowait()
+            except queue.Empty:
+                return
+            if self._scheduler is None:  # (a pull is started by a lookup, which names its sender)
+                continue
+            try:
+                self._sock.send_multipart([self._scheduler, _encoder.encode(PullEnded(req_id))])
+            except zmq.ZMQError as exc:
+                logger.warning("lookup server: could not say request %s's pull ended: %s", req_id, exc)
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = dict(poller.poll(100))
+            if self._wake_read in ready:
+                self._send_ended()
+            if self._sock not in ready:
                 continue
             try:
                 ident, payload = self._sock.recv_multipart()
@@ -209,6 +260,7 @@ class LookupServer:
             except msgspec.DecodeError as exc:
                 logger.warning("lookup server: dropped a bad lookup request (%d bytes): %s", len(payload), exc)
                 continue
+            self._scheduler = ident
             try:
                 reply = self._handler(request)
             except Exception as exc:  # a lookup problem is a miss, never a dead lookup thread
@@ -223,6 +275,8 @@ class LookupServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(0)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -243,6 +297,24 @@ class LookupClient:
         for sock in self._socks:
             self._poller.register(sock, zmq.POLLIN)
         self._seq = 0
+        # Requests whose lookup asked the ranks to pull now -> the ranks that said the pull ended
+        # (a word for any other request is late: its request finished, or was settled).
+        self._pulls_ended: dict[str, int] = {}
+
+    def pulls_ended(self, req_id: str, ranks: int) -> bool:
+        """Whether ``ranks`` ranks said the pull a ``pull_now`` lookup of ``req_id`` started ended
+        (the words that came since are read here, without waiting)."""
+        for sock in self._socks:
+            while True:
+                try:
+                    payload = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._decode(payload)  # a stale reply (a lookup given up on) is dropped
+        return self._pulls_ended.get(req_id, 0) >= ranks
+
+    def forget_pull(self, req_id: str) -> None:
+        self._pulls_ended.pop(req_id, None)
 
     def lookup(
         self,
@@ -252,12 +324,18 @@ class LookupClient:
         fetch_missing: bool,
         timeout_s: float,
         lora: tuple[str, str] | None = None,
+        pull_now: bool = False,
+        settle: bool = False,
     ) -> Hit:
         """What every rank can load of the prompt ``chunk_hashes`` (uint64) names, its offers
         included. A rank that does not answer within ``timeout_s`` makes it a miss. ``lora``: the
-        request's adapter (name, lora_id), which the ranks report to the controller."""
+        request's adapter (name, lora_id), which the ranks report to the controller.
+        ``pull_now``: the ranks start pulling what is offered (:meth:`pulls_ended` tells when it
+        ended); ``settle``: they answer what they hold now, giving up a pull still running."""
         self._seq += 1
         seq = self._seq
+        if pull_now:  # (a short pull's word may come before the answers)
+            self._pulls_ended.setdefault(req_id, 0)
         payload = _encoder.encode(
             LookupRequest(
                 seq=seq,
@@ -266,6 +344,8 @@ class LookupClient:
                 hashes=pack_hashes(chunk_hashes),
                 num_tokens=num_tokens,
                 lora=list(lora) if lora is not None else None,
+                pull_now=pull_now,
+                settle=settle,
             )
         )
         for sock in self._socks:
@@ -282,6 +362,7 @@ class LookupClient:
                     missing,
                     timeout_s,
                 )
+                self.forget_pull(req_id)
                 return Hit(0)
             for sock, _ in self._poller.poll(left_ms):
                 reply = self._decode(sock.recv())
@@ -293,6 +374,7 @@ class LookupClient:
                 logger.warning(
                     "lookup of request %s: rank %d failed (%s); treating it as a miss", req_id, rank, answer.error
                 )
+                self.forget_pull(req_id)
                 return Hit(0)
         tokens = min(a.hit_tokens for a in answers.values())
         host_until = min(tokens, max(a.host_until for a in answers.values()))
@@ -300,7 +382,10 @@ class LookupClient:
         sources = merge_sources([unpack_sources(a.chunk_sources) for a in answers.values()], chunks)
         pulls = [a.pull_from for a in answers.values() if 0 <= a.pull_from < tokens]
         fetched = any(a.fetched for a in answers.values())
-        return Hit(tokens, host_until, fetched, sources, min(pulls) if pulls else None)
+        pulling = sum(a.pulling for a in answers.values())
+        if not pulling:
+            self.forget_pull(req_id)
+        return Hit(tokens, host_until, fetched, sources, min(pulls) if pulls else None, pulling)
 
     def lookup_segments(
         self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float
@@ -345,13 +430,18 @@ class LookupClient:
                     pulled[i] = pulled[i] or (there and not here)
         return SegmentHits(usable, [u and p for u, p in zip(usable, pulled, strict=True)])
 
-    @staticmethod
-    def _decode(payload: bytes) -> LookupReply | None:
+    def _decode(self, payload: bytes) -> LookupReply | None:
+        """A reply; None for a bad one, and for a rank's PullEnded word (counted here)."""
         try:
-            return _reply_decoder.decode(payload)
+            message = _reply_decoder.decode(payload)
         except msgspec.DecodeError as exc:
             logger.warning("lookup client: dropped a bad reply (%d bytes): %s", len(payload), exc)
             return None
+        if isinstance(message, PullEnded):
+            if message.req_id in self._pulls_ended:
+                self._pulls_ended[message.req_id] += 1
+            return None
+        return message
 
     def close(self) -> None:
         for sock in self._socks:

@@ -7,13 +7,19 @@ offered ones, with where the offer starts. A segment lookup (blending) pins the 
 whole and asks for an offer of each of the others (the blended load pulls those first, beside the
 steps). Pins live until the load takes them, the step releases the request, or
 ``LOOKUP_PIN_TTL_S`` passes unclaimed.
+
+With ``pull_before_grant`` the offer is pulled from the first answer on (``pull_now``): the
+lookup server tells the scheduler when the pull ended, and the scheduler's second ask
+(``settle``) pins what is held then, the pulled chunks with the rest, for a load in the step.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +28,7 @@ import numpy as np
 from lmcache_p2p.cache_engine import CacheEngine, PinnedPrefix, PrefixLookup
 from lmcache_p2p.integration.vllm.load_jobs import pin_whole
 from lmcache_p2p.integration.vllm.lookup_channel import LookupReply, LookupRequest, pack_sources
-from lmcache_p2p.miss_reasons import EVICTED, Miss
+from lmcache_p2p.miss_reasons import EVICTED, HOLDER_GONE, Miss, PulledChunks
 from lmcache_p2p.peer_service import Offer
 from lmcache_p2p.protocol import unpack_hashes
 from lmcache_p2p.remote.offers import RemoteOffer
@@ -48,6 +54,8 @@ class RankLookup:
     offered_at: float | None = None  # when the offer was known
     prefix: PinnedPrefix | None = None
     miss: Miss | None = None  # why the first chunk past the hit and the offer is missed
+    pull: concurrent.futures.Future | None = None  # the offer's pull before the grant (pull_now)
+    pull_started: float = 0.0
 
 
 @dataclass
@@ -78,6 +86,9 @@ class RankLookups:
         self._lookups: dict[str, RankLookup] = {}
         self._segments: dict[str, SegmentLookup] = {}
         self._lock = threading.Lock()
+        # Told (from any thread) that a pull before the grant ended: the lookup server's word to
+        # the scheduler (LookupServer.pull_ended).
+        self.on_pull_ended: Callable[[str], None] = lambda req_id: None
 
     def answer(self, request: LookupRequest) -> LookupReply:
         """The lookup server's handler (its thread): a prefix's hit and offer, or a segment lookup."""
@@ -111,6 +122,10 @@ class RankLookups:
                 state.miss = Miss(EVICTED, "from this rank's tiers while its lookup ran")
             if state.offer is None:  # with an offer, counted once its load pulled it
                 self.engine.count_lookup(state.num_tokens, state.prefix.num_tokens, state.miss)
+        if request.pull_now and state.offer is not None and state.pull is None:
+            self._start_pull(request.req_id, state)
+        elif request.settle:
+            self._settle(request.req_id, state)
         # A GPU rank says how far loading the hit crosses PCIe and whether it fetched part of it
         # (async_kv_loads "auto" decides on both); a CPU rank's loads cross no link.
         host_until = state.prefix.host_until() if self.on_gpu else 0
@@ -125,6 +140,67 @@ class RankLookups:
             fetched=any(source in (SOURCE_P2P, SOURCE_REMOTE) for source in sources),
             chunk_sources=pack_sources(sources),
             pull_from=held if offered else -1,
+            pulling=state.pull is not None,
+        )
+
+    def _start_pull(self, req_id: str, state: RankLookup) -> None:
+        """Pull the offer before the grant; the scheduler hears when it ended. Not the prompt's last
+        token's chunk: vLLM computes that token whatever is held."""
+        assert state.offer is not None and state.prefix is not None
+        needed = -(-(state.num_tokens - 1 - state.prefix.num_tokens) // self.engine.chunk_size)
+        if needed <= 0:
+            return
+        if needed < state.offer.chunks:
+            state.offer = state.offer.first(needed)
+        state.pull_started = time.monotonic()
+        state.pull = self.engine.pull_offer_async(state.offer)
+        state.pull.add_done_callback(lambda _: self.on_pull_ended(req_id))
+
+    def running_pulls(self) -> list[concurrent.futures.Future]:
+        """The pulls before a grant still running (an idle step waits on them)."""
+        with self._lock:
+            pulls = [state.pull for state in self._lookups.values() if state.pull is not None]
+        return [pull for pull in pulls if not pull.done()]
+
+    def _settle(self, req_id: str, state: RankLookup) -> None:
+        """The scheduler's second ask after a pull before the grant: what came is held like any
+        local hit (pinned for the load in the step), and the offer is gone."""
+        pull, offer = state.pull, state.offer
+        state.pull = None
+        if pull is None or offer is None:
+            return
+        if not pull.cancel() and not pull.done():  # (it ends on its own; what lands is stored)
+            logger.warning("request %s: the scheduler stopped waiting for its pull", req_id)
+        miss: Miss | None = None
+        try:
+            outcome: PulledChunks = pull.result(timeout=0)
+            pulled = outcome.chunks
+            if pulled < offer.chunks:
+                miss = outcome.miss
+        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
+            pulled, miss = 0, Miss(HOLDER_GONE, "the pull was given up before its grant")
+        except Exception as e:
+            logger.exception("request %s: pulling the chunks offered failed", req_id)
+            pulled, miss = 0, Miss(HOLDER_GONE, f"the pull failed: {e}")
+        offered_by = SOURCE_REMOTE if isinstance(offer, RemoteOffer) else SOURCE_P2P
+        before = state.prefix
+        state.prefix = self.engine.pin_prefix(state.chunk_hashes)
+        if before is not None:
+            before.release()
+        held = len(state.prefix.chunks)
+        local = min(len(state.local_sources), held)
+        state.local_sources = state.local_sources[:local] + [offered_by] * (held - local)
+        state.offer = None
+        state.miss = miss if held < len(state.chunk_hashes) else None
+        self.engine.count_lookup(state.num_tokens, state.prefix.num_tokens, state.miss)
+        logger.info(
+            "request %s: pulled %d of the %d chunk(s) %s offered before its grant in %.1f ms; %d token(s) held to load",
+            req_id,
+            pulled,
+            offer.chunks,
+            "from the remote store" if offered_by == SOURCE_REMOTE else "a peer",
+            (time.monotonic() - state.pull_started) * 1e3,
+            state.prefix.num_tokens,
         )
 
     def _hit_sources(self, state: RankLookup) -> list[str]:
@@ -207,6 +283,8 @@ class RankLookups:
 
     @staticmethod
     def _release(state: RankLookup) -> None:
+        if state.pull is not None:
+            state.pull.cancel()  # the request went before its pull ended (what landed is stored)
         if state.prefix is not None:
             state.prefix.release()
 

@@ -34,7 +34,7 @@ from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.integration.vllm.model_kinds import check_model
 from lmcache_p2p.keys import chunk_hash_array
 from lmcache_p2p.tenancy import RequestKeys, request_keys
-from lmcache_p2p.vocab import OFFER_TIMEOUT_S, REMOTE_OFFER_TIMEOUT_S, SOURCE_REMOTE
+from lmcache_p2p.vocab import OFFER_TIMEOUT_S, PEER_FETCH_TIMEOUT_S, REMOTE_OFFER_TIMEOUT_S, SOURCE_REMOTE
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 # its tiers and its offers (the controller's holders within OFFER_TIMEOUT_S, the remote store's
 # exists round within REMOTE_OFFER_TIMEOUT_S); past this a rank is stuck, and the lookup a miss.
 LOOKUP_REPLY_TIMEOUT_S = OFFER_TIMEOUT_S + REMOTE_OFFER_TIMEOUT_S + 10.0
+# pull_before_grant: requests of this engine whose offers are pulled before their grant at once (a
+# request past it takes the grant and the load beside the steps); and how long vLLM is told to
+# ask again about one before the ranks are asked what they hold (their pulls end by then).
+MAX_PULLS_BEFORE_GRANT = 16
+PULL_BEFORE_GRANT_TIMEOUT_S = PEER_FETCH_TIMEOUT_S + 5.0
 
 
 @dataclass
@@ -53,6 +58,10 @@ class _Lookup:
     fetched: bool = False  # part of the hit is fetched for this lookup (a pull, the remote store)
     sources: tuple[str, ...] = ()  # each chunk of the hit's source (vocab.HIT_SOURCES)
     pull_from: int | None = None  # past this token the hit is an offer (a peer's, the store's), pulled by the load
+    # pull_before_grant: the ranks pull the offer now (since this time.monotonic()), and this many
+    # of them say when their pull ended; vLLM is told to ask again until then.
+    pull_started: float | None = None
+    pulling_ranks: int = 0
     ms: float = 0.0  # from the request's first sight until every rank answered
     logged_need: int | None = None  # the last "need to load" logged for it
 
@@ -157,6 +166,8 @@ class SchedulerSide:
         self.fetch_missing = config.enable_p2p or config.remote_url is not None
         device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
         self.placement = LoadPlacement(config.async_kv_loads, self.fetch_missing, device)
+        self.pull_before_grant = config.pull_before_grant and self.fetch_missing
+        self._pulling: set[str] = set()  # requests whose offers the ranks pull before the grant
         self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []
@@ -213,7 +224,11 @@ class SchedulerSide:
         elif not len(state.chunk_hashes):
             return 0, False
         else:
-            hit = state.lookup.hit if state.lookup.hit is not None else self._ask(req_id, state)
+            if state.lookup.hit is None:
+                self._ask(req_id, state)
+            if state.lookup.pull_started is not None and not self._pull_settled(req_id, state):
+                return None, False  # vLLM asks again on its next pass; the request holds no blocks
+            hit = state.lookup.hit or 0
         # vLLM must compute at least the prompt's last token to sample from it.
         usable = min(hit, state.num_tokens - 1)
         need = max(0, usable - num_computed_tokens)
@@ -334,15 +349,21 @@ class SchedulerSide:
             self._released.append(req_id)
         return state.lookup.hit
 
-    def _ask(self, req_id: str, state: _Request) -> int:
-        """Ask the ranks: the tokens they can load now or pull beside the steps (``state.lookup.hit``)."""
+    def _ask(self, req_id: str, state: _Request, settle: bool = False) -> int:
+        """Ask the ranks: the tokens they can load now or pull beside the steps (``state.lookup.hit``).
+        With pull_before_grant (and a free slot) they start pulling what is offered now;
+        ``settle``: that pull ended, and they answer what they hold."""
+        fetch = self.fetch_missing and state.may_fetch
+        pull_now = fetch and not settle and self.pull_before_grant and len(self._pulling) < MAX_PULLS_BEFORE_GRANT
         hit = self.client.lookup(
             req_id,
             state.chunk_hashes,
             state.num_tokens,
-            self.fetch_missing and state.may_fetch,
+            fetch,
             LOOKUP_REPLY_TIMEOUT_S,
             lora=state.keys.lora,
+            pull_now=pull_now,
+            settle=settle,
         )
         state.lookup = _Lookup(
             hit.tokens,
@@ -353,12 +374,56 @@ class SchedulerSide:
             ms=(time.monotonic() - state.seen_at) * 1e3,
             logged_need=state.lookup.logged_need,
         )
+        if hit.pulling_ranks and not hit.tokens:
+            self.client.forget_pull(req_id)  # (released below: the ranks give their pulls up)
+        elif hit.pulling_ranks and not settle:
+            state.lookup.pull_started, state.lookup.pulling_ranks = time.monotonic(), hit.pulling_ranks
+            self._pulling.add(req_id)
+            logger.info(
+                "Reqid: %s, Total tokens %d, LMCache hit tokens: %d (lookup %.1f ms): pulling tokens [%d, %d) from %s "
+                "before its grant",
+                req_id,
+                state.num_tokens,
+                hit.tokens,
+                state.lookup.ms,
+                hit.pull_from if hit.pull_from is not None else 0,
+                hit.tokens,
+                self._offered_by(state),
+            )
         if not hit.tokens:
             # Some rank can load none of it (it holds none, failed or did not answer), so the
             # engine loads nothing: what the other ranks pinned goes with the next step, not
             # when the request finishes. (A hit above 0 is released by its load, or below.)
             self._released.append(req_id)
         return hit.tokens
+
+    def _pull_settled(self, req_id: str, state: _Request) -> bool:
+        """Whether the ranks' pull before the grant ended (or was waited for long enough); if so,
+        the ranks are asked what they hold now, and that is the request's hit."""
+        started = state.lookup.pull_started
+        assert started is not None
+        waited = time.monotonic() - started
+        if not self.client.pulls_ended(req_id, state.lookup.pulling_ranks):
+            if waited < PULL_BEFORE_GRANT_TIMEOUT_S:
+                return False
+            logger.warning(
+                "Reqid: %s, its pull before the grant did not end in %.0f s: taking what landed", req_id, waited
+            )
+        self._end_pull(req_id)
+        offered = state.lookup.hit or 0
+        self._ask(req_id, state, settle=True)
+        logger.info(
+            "Reqid: %s, pulled before its grant in %.1f ms: %d of the %d tokens offered held to load",
+            req_id,
+            waited * 1e3,
+            state.lookup.hit or 0,
+            offered,
+        )
+        return True
+
+    def _end_pull(self, req_id: str) -> None:
+        self._pulling.discard(req_id)
+        self.client.forget_pull(req_id)
 
     def hit_sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
         """The ``num_external_tokens`` granted for the request, split by where they came from
@@ -517,6 +582,7 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return False, None
+        self._end_pull(request.request_id)  # (the ranks give a pull before the grant up with the release)
         self._released.append(request.request_id)
         # A load beside the steps still copying into its blocks (an abort): they are freed once
         # the ranks report it done (get_finished's receiving side).

@@ -186,6 +186,8 @@ class WorkerSide:
             self.blender = SegmentBlender(self.vllm_config, self.config, kv_caches, self.engine.storage, self.tp_rank)
         self.lookups = RankLookups(self.engine, first.is_cuda, self.blender)
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self.lookups.answer)
+        self.lookups.on_pull_ended = self.server.pull_ended
+        self.loads.jobs.lookup_pulls = self.lookups.running_pulls
         logger.info(
             "lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
             "on %s; chunk %d tokens = %.2f MiB",
