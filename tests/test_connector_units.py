@@ -22,7 +22,9 @@ from lmcache_p2p.integration.vllm.lookup_channel import (
     LookupClient,
     LookupReply,
     LookupServer,
+    PullEndedSender,
     pack_sources,
+    pull_ended_path,
     socket_path,
     unpack_sources,
 )
@@ -250,6 +252,10 @@ def test_with_pull_before_grant_vllm_asks_again_until_every_rank_said_its_pull_e
 
     servers = [LookupServer(socket_path(engine_id, 0, r), handler(r)) for r in range(2)]
     scheduler = _scheduler(engine_id, tp_size=2, remote_url="redis://127.0.0.1:1", pull_before_grant=True)
+    engine = SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_rank=0), kv_transfer_config=SimpleNamespace(engine_id=engine_id)
+    )
+    ended = PullEndedSender(pull_ended_path(engine))  # both ranks' words come this way
     ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
         SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
     )
@@ -257,12 +263,12 @@ def test_with_pull_before_grant_vllm_asks_again_until_every_rank_said_its_pull_e
     try:
         assert ask("a") == (None, False)
         assert sorted(asks) == [(0, "a", True, False), (1, "a", True, False)]
-        servers[0].pull_ended("a")
-        servers[0].pull_ended("elsewhere")  # a word for no pulling request: ignored
+        ended.send("a")
+        ended.send("elsewhere")  # a word for no pulling request: ignored
         time.sleep(0.2)
         assert [ask("a") for _ in range(3)] == [(None, False)] * 3  # rank 1's pull is still on
         assert len(asks) == 2  # and no rank was asked meanwhile
-        servers[1].pull_ended("a")
+        ended.send("a")
         assert wait_until(lambda: ask("a") != (None, False), 5)
         assert ask("a") == (512, False)  # loaded in the step (a CPU engine)
         assert sorted(asks[2:]) == [(0, "a", False, True), (1, "a", False, True)]
@@ -279,6 +285,7 @@ def test_with_pull_before_grant_vllm_asks_again_until_every_rank_said_its_pull_e
         assert "b" in scheduler.build_connector_meta(_empty_step()).released
         assert ask("d") == (None, False)  # its slot is free again
     finally:
+        ended.close()
         scheduler.close()
         for server in servers:
             server.close()

@@ -14,10 +14,12 @@ load, beside the engine's steps, so the scheduler never waits on bytes and there
 poll. A prompt travels as its chunk hashes, computed once by the scheduler.
 
 With ``pull_before_grant`` the rank starts pulling the offer as it answers (``pull_now``) and,
-unasked, sends :class:`PullEnded` once that pull ended; the scheduler drains those words when
-vLLM asks about the request again, then asks once more (``settle``) for what is held now. The
-word travels on this channel, not in vLLM's connector output, which reaches the scheduler a
-step or two after the worker wrote it.
+unasked, sends :class:`PullEnded` once that pull ended: from the thread that ended the pull, on a
+socket of its own (:class:`PullEndedSender`) to one the scheduler binds beside its lookups, so the
+word waits for no other thread of the rank (on a CPU engine every thread of the rank shares one
+interpreter with the step loop). The scheduler drains those words when vLLM asks about the
+request again, then asks once more (``settle``) for what is held now. The word does not ride
+vLLM's connector output, which reaches the scheduler a step or two after the worker wrote it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import errno
 import hashlib
 import logging
 import os
-import queue
 import socket
 import tempfile
 import threading
@@ -153,7 +154,8 @@ def tokens_by_source(sources: tuple[str, ...], start: int, end: int, chunk_size:
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(LookupRequest)
-_reply_decoder = msgspec.msgpack.Decoder(LookupReply | PullEnded)
+_reply_decoder = msgspec.msgpack.Decoder(LookupReply)
+_ended_decoder = msgspec.msgpack.Decoder(PullEnded)
 
 
 def socket_path(engine_id: str, dp_rank: int, tp_rank: int) -> str:
@@ -167,6 +169,11 @@ def engine_socket_path(vllm_config, tp_rank: int) -> str:
     """The path for ``tp_rank`` of the engine ``vllm_config`` describes (both halves derive it)."""
     dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
     return socket_path(str(vllm_config.kv_transfer_config.engine_id), dp_rank, tp_rank)
+
+
+def pull_ended_path(vllm_config) -> str:
+    """Where the scheduler of the engine ``vllm_config`` describes takes its ranks' PullEnded words."""
+    return engine_socket_path(vllm_config, 0).removesuffix("-tp0.ipc") + "-ended.ipc"
 
 
 def _remove_if_stale(path: str) -> None:
@@ -206,47 +213,15 @@ class LookupServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(f"ipc://{path}")
-        # PullEnded words for the scheduler, from any thread; the pipe wakes the server's poll.
-        self._ended: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
-        self._scheduler: bytes | None = None  # the scheduler's socket identity (one per engine)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lmcache-lookup-server", daemon=True)
         self._thread.start()
 
-    def pull_ended(self, req_id: str) -> None:
-        """Tell the scheduler, unasked, that the pull a lookup of ``req_id`` started ended (any thread)."""
-        self._ended.put(req_id)
-        with contextlib.suppress(BlockingIOError):  # a full pipe has a wake-up in it already
-            os.write(self._wake_write, b"x")
-
-    def _send_ended(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._wake_read, 4096):
-                pass
-        while True:
-            try:
-                req_id = self._ended.get_nowait()
-            except queue.Empty:
-                return
-            if self._scheduler is None:  # (a pull is started by a lookup, which names its sender)
-                continue
-            try:
-                self._sock.send_multipart([self._scheduler, _encoder.encode(PullEnded(req_id))])
-            except zmq.ZMQError as exc:
-                logger.warning("lookup server: could not say request %s's pull ended: %s", req_id, exc)
-
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
         while not self._stop.is_set():
-            ready = dict(poller.poll(100))
-            if self._wake_read in ready:
-                self._send_ended()
-            if self._sock not in ready:
+            if not poller.poll(100):
                 continue
             try:
                 ident, payload = self._sock.recv_multipart()
@@ -260,7 +235,6 @@ class LookupServer:
             except msgspec.DecodeError as exc:
                 logger.warning("lookup server: dropped a bad lookup request (%d bytes): %s", len(payload), exc)
                 continue
-            self._scheduler = ident
             try:
                 reply = self._handler(request)
             except Exception as exc:  # a lookup problem is a miss, never a dead lookup thread
@@ -275,18 +249,48 @@ class LookupServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(0)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+class PullEndedSender:
+    """A rank's PullEnded words to its scheduler, sent from whichever thread ended the pull (a
+    lock keeps one thread on the socket at a time)."""
+
+    def __init__(self, path: str):
+        self._ctx: zmq.Context = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.connect(f"ipc://{path}")
+        self._lock = threading.Lock()
+
+    def send(self, req_id: str) -> None:
+        with self._lock:
+            try:
+                self._sock.send(_encoder.encode(PullEnded(req_id)), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # the scheduler gives up waiting at its deadline
+                logger.warning("could not tell the scheduler that request %s's pull ended: %s", req_id, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(0)
 
 
 class LookupClient:
     """Asks every TP rank of this engine; used by the scheduler-side connector."""
 
-    def __init__(self, paths: list[str], chunk_size: int):
+    def __init__(self, paths: list[str], chunk_size: int, ended_path: str | None = None):
         self.chunk_size = chunk_size  # a reply's chunk_sources name one source per chunk of the hit
         self._ctx: zmq.Context = zmq.Context.instance()
+        # The ranks' PullEnded words (pull_before_grant): bound here, the ranks connect.
+        self._ended: zmq.Socket | None = None
+        self._ended_path = ended_path
+        if ended_path is not None:
+            _remove_if_stale(ended_path)
+            self._ended = self._ctx.socket(zmq.PULL)
+            self._ended.setsockopt(zmq.LINGER, 0)
+            self._ended.bind(f"ipc://{ended_path}")
         self._socks: list[zmq.Socket] = []
         for path in paths:
             sock = self._ctx.socket(zmq.DEALER)
@@ -304,13 +308,18 @@ class LookupClient:
     def pulls_ended(self, req_id: str, ranks: int) -> bool:
         """Whether ``ranks`` ranks said the pull a ``pull_now`` lookup of ``req_id`` started ended
         (the words that came since are read here, without waiting)."""
-        for sock in self._socks:
-            while True:
-                try:
-                    payload = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._decode(payload)  # a stale reply (a lookup given up on) is dropped
+        while self._ended is not None:
+            try:
+                payload = self._ended.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                word = _ended_decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                logger.warning("lookup client: dropped a bad PullEnded word (%d bytes): %s", len(payload), exc)
+                continue
+            if word.req_id in self._pulls_ended:  # (else late: its request finished, or was settled)
+                self._pulls_ended[word.req_id] += 1
         return self._pulls_ended.get(req_id, 0) >= ranks
 
     def forget_pull(self, req_id: str) -> None:
@@ -430,19 +439,19 @@ class LookupClient:
                     pulled[i] = pulled[i] or (there and not here)
         return SegmentHits(usable, [u and p for u, p in zip(usable, pulled, strict=True)])
 
-    def _decode(self, payload: bytes) -> LookupReply | None:
-        """A reply; None for a bad one, and for a rank's PullEnded word (counted here)."""
+    @staticmethod
+    def _decode(payload: bytes) -> LookupReply | None:
         try:
-            message = _reply_decoder.decode(payload)
+            return _reply_decoder.decode(payload)
         except msgspec.DecodeError as exc:
             logger.warning("lookup client: dropped a bad reply (%d bytes): %s", len(payload), exc)
             return None
-        if isinstance(message, PullEnded):
-            if message.req_id in self._pulls_ended:
-                self._pulls_ended[message.req_id] += 1
-            return None
-        return message
 
     def close(self) -> None:
         for sock in self._socks:
             sock.close(0)
+        if self._ended is not None:
+            self._ended.close(0)
+            assert self._ended_path is not None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ended_path)

@@ -29,7 +29,12 @@ from lmcache_p2p.config import AUTO, ConfigError, LMCacheConfig
 from lmcache_p2p.integration.vllm import compat
 from lmcache_p2p.integration.vllm.blending import BlendPlanner, BlendRequest
 from lmcache_p2p.integration.vllm.kv_events import BlockEventMapper, ChunkStorageEvents, kv_events_enabled
-from lmcache_p2p.integration.vllm.lookup_channel import LookupClient, engine_socket_path, tokens_by_source
+from lmcache_p2p.integration.vllm.lookup_channel import (
+    LookupClient,
+    engine_socket_path,
+    pull_ended_path,
+    tokens_by_source,
+)
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata, StoreSpec
 from lmcache_p2p.integration.vllm.model_kinds import check_model
 from lmcache_p2p.keys import chunk_hash_array
@@ -161,13 +166,14 @@ class SchedulerSide:
             )
         check_model(vllm_config.model_config)  # refuses models whose layers keep no KV per token
         paths = [engine_socket_path(vllm_config, r) for r in range(parallel.tensor_parallel_size)]
-        self.client = LookupClient(paths, self.chunk_size)
         # Beyond the local tiers: peers (enable_p2p) and the remote store (remote_url).
         self.fetch_missing = config.enable_p2p or config.remote_url is not None
-        device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
-        self.placement = LoadPlacement(config.async_kv_loads, self.fetch_missing, device)
         self.pull_before_grant = config.pull_before_grant and self.fetch_missing
         self._pulling: set[str] = set()  # requests whose offers the ranks pull before the grant
+        ended = pull_ended_path(vllm_config) if self.pull_before_grant else None
+        self.client = LookupClient(paths, self.chunk_size, ended)
+        device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
+        self.placement = LoadPlacement(config.async_kv_loads, self.fetch_missing, device)
         self._beside_steps: list[str] = []  # granted loads beside the steps, for the next metadata
         self._requests: dict[str, _Request] = {}
         self._released: list[str] = []

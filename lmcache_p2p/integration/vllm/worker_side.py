@@ -33,7 +33,9 @@ from lmcache_p2p.integration.vllm.load_executor import GrantFences, LoadExecutor
 from lmcache_p2p.integration.vllm.load_jobs import LANDED_CHECK_TIMEOUT_S, LoadJob, LoadTimeline
 from lmcache_p2p.integration.vllm.lookup_channel import (
     LookupServer,
+    PullEndedSender,
     engine_socket_path,
+    pull_ended_path,
 )
 from lmcache_p2p.integration.vllm.metadata import LoadSpec, P2PConnectorMetadata
 from lmcache_p2p.integration.vllm.rank_lookups import RankLookups
@@ -103,6 +105,7 @@ class WorkerSide:
         self._fences: GrantFences | None = None  # where loads beside the steps start (register_kv_caches)
         self.server: LookupServer | None = None
         self.lookups: RankLookups | None = None  # answers the lookup server (register_kv_caches)
+        self.pull_ended: PullEndedSender | None = None  # pull_before_grant: its words to the scheduler
         self._saving: set[str] = set()  # requests we stored from (their blocks wait for finished_stores)
         self._finishing: set[str] = set()  # of those, finished in vLLM, store copies maybe in flight
         self._clock: _StepClock | None = None  # times prefill steps (register_kv_caches makes it)
@@ -186,7 +189,9 @@ class WorkerSide:
             self.blender = SegmentBlender(self.vllm_config, self.config, kv_caches, self.engine.storage, self.tp_rank)
         self.lookups = RankLookups(self.engine, first.is_cuda, self.blender)
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self.lookups.answer)
-        self.lookups.on_pull_ended = self.server.pull_ended
+        if self.config.pull_before_grant:
+            self.pull_ended = PullEndedSender(pull_ended_path(self.vllm_config))
+            self.lookups.on_pull_ended = self.pull_ended.send
         self.loads.jobs.lookup_pulls = self.lookups.running_pulls
         logger.info(
             "lmcache-p2p rank %d/%d: %d KV layers as %d block planes of %s %s, %d blocks of %d tokens "
@@ -465,6 +470,9 @@ class WorkerSide:
         if self.lookups is not None:
             self.lookups.close()
             self.lookups = None
+        if self.pull_ended is not None:
+            self.pull_ended.close()
+            self.pull_ended = None
         if self.loads is not None:
             self.loads.close()
             self.loads = None
