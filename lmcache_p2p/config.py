@@ -361,7 +361,8 @@ class LMCacheConfig:
         "a hit is copied into its blocks beside the engine's steps (vLLM's asynchronous KV loads): the request "
         "waits outside the steps until its copy is done, then computes in the next one, so copies from host memory "
         "overlap other requests' steps and vLLM's own host work. A peer's offer is always pulled and loaded "
-        "beside the steps, whatever this key says. For the engine's own tiers, `auto`: a load that crosses PCIe "
+        "beside the steps, whatever this key says (unless `pull_before_grant`). For the engine's own tiers, "
+        "`auto`: a load that crosses PCIe "
         "from what a GPU engine held in host memory (its CPU pool, disk) goes beside the steps; one all in GPU "
         "memory (the GPU tier), a hit fetched from the remote store for its lookup, or on a CPU engine stays in "
         "the step; `True`/`False`: every such load / none; a blend runs in the step (segments a peer or the remote "
@@ -377,7 +378,8 @@ class LMCacheConfig:
         _to_bool,
         False,
         "a peer's (or the remote store's) offer is pulled from the request's first lookup on, while vLLM holds the "
-        "request back (no blocks taken), and loaded in the step once it landed, instead of granted at once and "
+        "request back (no blocks taken), and loaded in the step once it landed (whatever `async_kv_loads` says), "
+        "instead of granted at once and "
         "loaded beside the steps: the request skips the step or two vLLM takes to hear that a load beside the steps "
         "ended. At most 16 requests of an engine pull this way at once; the others take the grant",
         group="tuning",

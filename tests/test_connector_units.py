@@ -255,7 +255,7 @@ def test_with_pull_before_grant_vllm_asks_again_until_every_rank_said_its_pull_e
     engine = SimpleNamespace(
         parallel_config=SimpleNamespace(data_parallel_rank=0), kv_transfer_config=SimpleNamespace(engine_id=engine_id)
     )
-    ended = PullEndedSender(pull_ended_path(engine))  # both ranks' words come this way
+    ended = [PullEndedSender(pull_ended_path(engine), tp_rank=r) for r in range(2)]
     ask = lambda rid: scheduler.get_num_new_matched_tokens(  # noqa: E731
         SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), 0
     )
@@ -263,12 +263,13 @@ def test_with_pull_before_grant_vllm_asks_again_until_every_rank_said_its_pull_e
     try:
         assert ask("a") == (None, False)
         assert sorted(asks) == [(0, "a", True, False), (1, "a", True, False)]
-        ended.send("a")
-        ended.send("elsewhere")  # a word for no pulling request: ignored
+        ended[0].send("a")
+        ended[0].send("elsewhere")  # a word for no pulling request: ignored
         time.sleep(0.2)
         assert [ask("a") for _ in range(3)] == [(None, False)] * 3  # rank 1's pull is still on
         assert len(asks) == 2  # and no rank was asked meanwhile
-        ended.send("a")
+        ended[0].send("a")  # said twice: still one rank
+        ended[1].send("a")
         assert wait_until(lambda: ask("a") != (None, False), 5)
         assert ask("a") == (512, False)  # loaded in the step (a CPU engine)
         assert sorted(asks[2:]) == [(0, "a", False, True), (1, "a", False, True)]
@@ -284,6 +285,63 @@ def test_with_pull_before_grant_vllm_asks_again_until_every_rank_said_its_pull_e
         assert scheduler.request_finished(SimpleNamespace(request_id="b"), []) == (False, None)
         assert "b" in scheduler.build_connector_meta(_empty_step()).released
         assert ask("d") == (None, False)  # its slot is free again
+    finally:
+        for sender in ended:
+            sender.close()
+        scheduler.close()
+        for server in servers:
+            server.close()
+
+
+def test_pull_before_grant_waits_only_for_pulls_that_add_to_the_grant(engine_id):
+    """A rank pulling past what another rank holds, or an offer vLLM's own prefix cache covers,
+    holds nothing back: vLLM gets its answer at once. A settled pull loads in the step even with
+    async_kv_loads True (beside the steps its end would reach vLLM a step or two late)."""
+    from types import SimpleNamespace
+
+    holds = {0: (512, 256), 1: (256, -1)}  # rank -> (hit tokens, where its offer starts)
+
+    def handler(rank):
+        def handle(request):
+            hit, pull_from = holds[rank]
+            if request.settle:
+                hit, pull_from = 512, -1
+            return LookupReply(
+                seq=request.seq,
+                req_id=request.req_id,
+                hit_tokens=hit,
+                pull_from=pull_from,
+                pulling=request.pull_now and pull_from >= 0,
+            )
+
+        return handle
+
+    servers = [LookupServer(socket_path(engine_id, 0, r), handler(r)) for r in range(2)]
+    scheduler = _scheduler(
+        engine_id, tp_size=2, remote_url="redis://127.0.0.1:1", pull_before_grant=True, async_kv_loads=True
+    )
+    engine = SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_rank=0), kv_transfer_config=SimpleNamespace(engine_id=engine_id)
+    )
+    ended = PullEndedSender(pull_ended_path(engine), tp_rank=0)
+    ask = lambda rid, computed=0: scheduler.get_num_new_matched_tokens(  # noqa: E731
+        SimpleNamespace(request_id=rid, prompt_token_ids=list(range(600))), computed
+    )
+    try:
+        # Rank 1 holds the first chunk only: rank 0's pull of the second adds nothing.
+        assert ask("a") == (256, True)  # (async_kv_loads True: a local hit beside the steps)
+        holds[1] = (512, 256)  # now rank 1 is offered the second chunk too: both pulls count
+        # vLLM's own prefix cache holds both chunks: the pull adds nothing.
+        assert ask("b", computed=512) == (0, False)
+        assert ask("c") == (None, False)
+        ended.send("c")
+        time.sleep(0.2)
+        assert ask("c") == (None, False)  # rank 1's pull is still on
+        other = PullEndedSender(pull_ended_path(engine), tp_rank=1)
+        other.send("c")
+        assert wait_until(lambda: ask("c") != (None, False), 5)
+        assert ask("c") == (512, False)  # in the step
+        other.close()
     finally:
         ended.close()
         scheduler.close()

@@ -71,6 +71,7 @@ class PullEnded(msgspec.Struct, tag="pull_ended"):
     """A rank's word, unasked, that the pull a ``pull_now`` lookup started for ``req_id`` ended."""
 
     req_id: str
+    tp_rank: int
 
 
 class LookupReply(msgspec.Struct, tag="lookup_reply"):
@@ -138,7 +139,8 @@ class Hit:
     fetched: bool = False
     sources: tuple[str, ...] = ()
     pull_from: int | None = None  # some rank pulls the hit past this token when it loads (an offer)
-    pulling_ranks: int = 0  # ranks that pull their offer now (pull_now): each sends PullEnded
+    # The ranks pulling now (pull_now) what the hit counts (past pull_from): each sends PullEnded.
+    pulling_ranks: frozenset[int] = frozenset()
 
 
 def tokens_by_source(sources: tuple[str, ...], start: int, end: int, chunk_size: int) -> dict[str, int]:
@@ -257,7 +259,8 @@ class PullEndedSender:
     """A rank's PullEnded words to its scheduler, sent from whichever thread ended the pull (a
     lock keeps one thread on the socket at a time)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, tp_rank: int):
+        self.tp_rank = tp_rank
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -268,7 +271,7 @@ class PullEndedSender:
     def send(self, req_id: str) -> None:
         with self._lock:
             try:
-                self._sock.send(_encoder.encode(PullEnded(req_id)), zmq.NOBLOCK)
+                self._sock.send(_encoder.encode(PullEnded(req_id, self.tp_rank)), zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # the scheduler gives up waiting at its deadline
                 logger.warning("could not tell the scheduler that request %s's pull ended: %s", req_id, exc)
 
@@ -303,11 +306,11 @@ class LookupClient:
         self._seq = 0
         # Requests whose lookup asked the ranks to pull now -> the ranks that said the pull ended
         # (a word for any other request is late: its request finished, or was settled).
-        self._pulls_ended: dict[str, int] = {}
+        self._pulls_ended: dict[str, set[int]] = {}
 
-    def pulls_ended(self, req_id: str, ranks: int) -> bool:
-        """Whether ``ranks`` ranks said the pull a ``pull_now`` lookup of ``req_id`` started ended
-        (the words that came since are read here, without waiting)."""
+    def pulls_ended(self, req_id: str, ranks: frozenset[int]) -> bool:
+        """Whether every one of ``ranks`` said the pull a ``pull_now`` lookup of ``req_id`` started
+        ended (the words that came since are read here, without waiting)."""
         while self._ended is not None:
             try:
                 payload = self._ended.recv(zmq.NOBLOCK)
@@ -319,8 +322,8 @@ class LookupClient:
                 logger.warning("lookup client: dropped a bad PullEnded word (%d bytes): %s", len(payload), exc)
                 continue
             if word.req_id in self._pulls_ended:  # (else late: its request finished, or was settled)
-                self._pulls_ended[word.req_id] += 1
-        return self._pulls_ended.get(req_id, 0) >= ranks
+                self._pulls_ended[word.req_id].add(word.tp_rank)
+        return ranks <= self._pulls_ended.get(req_id, set())
 
     def forget_pull(self, req_id: str) -> None:
         self._pulls_ended.pop(req_id, None)
@@ -344,7 +347,7 @@ class LookupClient:
         self._seq += 1
         seq = self._seq
         if pull_now:  # (a short pull's word may come before the answers)
-            self._pulls_ended.setdefault(req_id, 0)
+            self._pulls_ended.setdefault(req_id, set())
         payload = _encoder.encode(
             LookupRequest(
                 seq=seq,
@@ -391,10 +394,12 @@ class LookupClient:
         sources = merge_sources([unpack_sources(a.chunk_sources) for a in answers.values()], chunks)
         pulls = [a.pull_from for a in answers.values() if 0 <= a.pull_from < tokens]
         fetched = any(a.fetched for a in answers.values())
-        pulling = sum(a.pulling for a in answers.values())
+        pull_from = min(pulls) if pulls else None
+        # A rank pulling only past the hit (another rank holds less) adds nothing to wait for.
+        pulling = frozenset(r for r, a in answers.items() if a.pulling and 0 <= a.pull_from < tokens)
         if not pulling:
             self.forget_pull(req_id)
-        return Hit(tokens, host_until, fetched, sources, min(pulls) if pulls else None, pulling)
+        return Hit(tokens, host_until, fetched, sources, pull_from, pulling)
 
     def lookup_segments(
         self, req_id: str, segments: list[np.ndarray], fetch_missing: bool, timeout_s: float

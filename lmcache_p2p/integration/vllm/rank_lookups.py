@@ -9,8 +9,9 @@ steps). Pins live until the load takes them, the step releases the request, or
 ``LOOKUP_PIN_TTL_S`` passes unclaimed.
 
 With ``pull_before_grant`` the offer is pulled from the first answer on (``pull_now``): the
-lookup server tells the scheduler when the pull ended, and the scheduler's second ask
-(``settle``) pins what is held then, the pulled chunks with the rest, for a load in the step.
+thread that ends the pull tells the scheduler (``on_pull_ended``: the rank's
+``lookup_channel.PullEndedSender``), and the scheduler's second ask (``settle``) pins what is
+held then, the pulled chunks with the rest, for a load in the step.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ class RankLookups:
         self._lookups: dict[str, RankLookup] = {}
         self._segments: dict[str, SegmentLookup] = {}
         self._lock = threading.Lock()
-        # Told (from any thread) that a pull before the grant ended: the lookup server's word to
-        # the scheduler (LookupServer.pull_ended).
+        # Told (from the thread that ended it) that a pull before the grant ended: the rank's word
+        # to the scheduler (PullEndedSender.send).
         self.on_pull_ended: Callable[[str], None] = lambda req_id: None
 
     def answer(self, request: LookupRequest) -> LookupReply:
@@ -169,8 +170,13 @@ class RankLookups:
         state.pull = None
         if pull is None or offer is None:
             return
-        if not pull.cancel() and not pull.done():  # (it ends on its own; what lands is stored)
-            logger.warning("request %s: the scheduler stopped waiting for its pull", req_id)
+        if not pull.done():  # the scheduler stopped waiting (its deadline): the pull is given up
+            pull.cancel()
+            logger.warning(
+                "request %s: its pull before the grant given up after %.1f s",
+                req_id,
+                time.monotonic() - state.pull_started,
+            )
         miss: Miss | None = None
         try:
             outcome: PulledChunks = pull.result(timeout=0)
@@ -187,6 +193,11 @@ class RankLookups:
         state.prefix = self.engine.pin_prefix(state.chunk_hashes)
         if before is not None:
             before.release()
+        with self._lock:
+            kept = self._lookups.get(req_id) is state
+        if not kept:  # dropped meanwhile (the scheduler gave this answer up): nothing will release it
+            state.prefix.release()
+            return
         held = len(state.prefix.chunks)
         local = min(len(state.local_sources), held)
         state.local_sources = state.local_sources[:local] + [offered_by] * (held - local)

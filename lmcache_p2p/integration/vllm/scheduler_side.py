@@ -66,7 +66,8 @@ class _Lookup:
     # pull_before_grant: the ranks pull the offer now (since this time.monotonic()), and this many
     # of them say when their pull ended; vLLM is told to ask again until then.
     pull_started: float | None = None
-    pulling_ranks: int = 0
+    pulling_ranks: frozenset[int] = frozenset()
+    settled: bool = False  # the hit is what such a pull landed: loaded in the step, whatever async_kv_loads says
     ms: float = 0.0  # from the request's first sight until every rank answered
     logged_need: int | None = None  # the last "need to load" logged for it
 
@@ -232,6 +233,9 @@ class SchedulerSide:
         else:
             if state.lookup.hit is None:
                 self._ask(req_id, state)
+                if state.lookup.pull_started is not None and not self._pull_adds(state, num_computed_tokens):
+                    self._end_pull(req_id)  # granted now: the ranks' pulls end on their own, unwaited for
+                    state.lookup.pull_started = None
             if state.lookup.pull_started is not None and not self._pull_settled(req_id, state):
                 return None, False  # vLLM asks again on its next pass; the request holds no blocks
             hit = state.lookup.hit or 0
@@ -245,8 +249,10 @@ class SchedulerSide:
         # on those bytes).
         pulls = state.lookup.pull_from is not None and state.lookup.pull_from < usable
         pulls = pulls or (state.blend is not None and state.blend.pulls)
-        beside = need > 0 and (
-            pulls or self.placement.beside_steps(state.blend is not None, from_host, state.lookup.fetched)
+        beside = (
+            need > 0
+            and not state.lookup.settled
+            and (pulls or self.placement.beside_steps(state.blend is not None, from_host, state.lookup.fetched))
         )
         state.grant.local_tokens, state.grant.beside_steps = num_computed_tokens, beside
         if need != state.lookup.logged_need:
@@ -289,7 +295,7 @@ class SchedulerSide:
         if not self.loads or compat.skips_external_kv(request):
             return False
         state = self._requests.get(request.request_id)
-        if state is not None and state.lookup.hit is not None:
+        if state is not None and state.lookup.hit is not None and state.lookup.pull_started is None:
             return state.grant.beside_steps
         return self.placement.possible
 
@@ -380,6 +386,7 @@ class SchedulerSide:
             ms=(time.monotonic() - state.seen_at) * 1e3,
             logged_need=state.lookup.logged_need,
         )
+        state.lookup.settled = settle
         if hit.pulling_ranks and not hit.tokens:
             self.client.forget_pull(req_id)  # (released below: the ranks give their pulls up)
         elif hit.pulling_ranks and not settle:
@@ -402,6 +409,14 @@ class SchedulerSide:
             # when the request finishes. (A hit above 0 is released by its load, or below.)
             self._released.append(req_id)
         return hit.tokens
+
+    @staticmethod
+    def _pull_adds(state: _Request, num_computed_tokens: int) -> bool:
+        """Whether what the ranks pull before the grant adds to what vLLM would load: part of the
+        offer lies before the prompt's last token and past vLLM's own prefix-cache hit."""
+        usable = min(state.lookup.hit or 0, state.num_tokens - 1)
+        pull_from = state.lookup.pull_from
+        return pull_from is not None and pull_from < usable and num_computed_tokens < usable
 
     def _pull_settled(self, req_id: str, state: _Request) -> bool:
         """Whether the ranks' pull before the grant ended (or was waited for long enough); if so,

@@ -189,8 +189,9 @@ class WorkerSide:
             self.blender = SegmentBlender(self.vllm_config, self.config, kv_caches, self.engine.storage, self.tp_rank)
         self.lookups = RankLookups(self.engine, first.is_cuda, self.blender)
         self.server = LookupServer(engine_socket_path(self.vllm_config, self.tp_rank), self.lookups.answer)
-        if self.config.pull_before_grant:
-            self.pull_ended = PullEndedSender(pull_ended_path(self.vllm_config))
+        # (as the scheduler side decides: with something to pull from, peers or the remote store)
+        if self.config.pull_before_grant and (self.config.enable_p2p or self.config.remote_url is not None):
+            self.pull_ended = PullEndedSender(pull_ended_path(self.vllm_config), self.tp_rank)
             self.lookups.on_pull_ended = self.pull_ended.send
         self.loads.jobs.lookup_pulls = self.lookups.running_pulls
         logger.info(
