@@ -696,6 +696,75 @@ def test_a_rank_answers_its_local_hit_and_an_offer_past_it_at_once(engine_id, mo
         side.close()
 
 
+def test_a_rank_pulls_before_the_grant_says_when_it_ended_and_settles_on_what_landed(engine_id, monkeypatch):
+    """pull_before_grant on a rank: the offer's pull starts with the answer and idle steps wait on
+    it; its end is told; the settle pins what landed with the local hit (the lookup counted once,
+    the offered chunks as the peer's). A pull that failed settles on the local hit; a request
+    dropped mid-pull gives the pull up and its pins back."""
+    import concurrent.futures
+
+    from lmcache_p2p.integration.vllm.lookup_channel import LookupRequest
+    from lmcache_p2p.miss_reasons import PulledChunks
+    from lmcache_p2p.protocol import pack_hashes
+
+    side = _cpu_worker_side(engine_id)
+    prompt = list(range(100))  # three full chunks and a tail
+    hashes = chunk_hash_array(prompt, 32)
+    ended: list[str] = []
+    side.lookups.on_pull_ended = ended.append
+    pulls: list[concurrent.futures.Future] = []
+
+    class OneChunk:
+        chunks = 1
+
+        def first(self, chunks):
+            return self
+
+    def pull(_offer):
+        pulls.append(concurrent.futures.Future())
+        return pulls[-1]
+
+    monkeypatch.setattr(side.engine, "lookup_async", lambda _: PrefixLookup(["host", "host"], offer=OneChunk()))
+    monkeypatch.setattr(side.engine, "pull_offer_async", pull)
+    cpu = side.engine.storage.cpu
+
+    def ask(req_id, **fields):
+        return side.lookups.answer(LookupRequest(seq=1, req_id=req_id, fetch_missing=True, **fields))
+
+    try:
+        assert store(side.engine, hashes[:2], side.planes, list(range(8))) == 64
+        first = ask("p", hashes=pack_hashes(hashes), num_tokens=100, pull_now=True)
+        assert (first.hit_tokens, first.pull_from, first.pulling) == (96, 64, True)
+        assert side.lookups.running_pulls() == pulls and ended == []
+        lookups_before = side.engine.counters.lookups
+        # The chunk lands (stored here as a pull would), and the pull ends: the scheduler is told.
+        store(side.engine, hashes[:3], side.planes, list(range(8)))
+        pulls[0].set_result(PulledChunks(1))
+        assert ended == ["p"] and side.lookups.running_pulls() == []
+        settled = ask("p", settle=True)
+        assert (settled.hit_tokens, settled.pull_from, settled.pulling, settled.fetched) == (96, -1, False, True)
+        assert unpack_sources(settled.chunk_sources) == ("host", "host", "p2p")
+        assert side.engine.counters.lookups == lookups_before + 1
+        assert cpu.pins_held == 3  # the settled hit, for its load
+        side.lookups.drop("p")
+        assert cpu.pins_held == 0
+
+        # A pull that failed: the settle holds the local hit only, and says why no more.
+        ask("q", hashes=pack_hashes(hashes[:2].tolist() + [12345]), num_tokens=100, pull_now=True)
+        pulls[1].set_exception(RuntimeError("the holder went away"))
+        failed = ask("q", settle=True)
+        assert (failed.hit_tokens, failed.pulling) == (64, False)
+        side.lookups.drop("q")
+
+        # Dropped while pulling (the request finished): the pull is given up, the pins go back.
+        ask("d", hashes=pack_hashes(hashes[:2].tolist() + [54321]), num_tokens=100, pull_now=True)
+        assert cpu.pins_held == 2
+        side.lookups.drop("d")
+        assert pulls[2].cancelled() and cpu.pins_held == 0
+    finally:
+        side.close()
+
+
 def test_the_scheduler_tells_the_ranks_how_many_tokens_a_step_computes_and_how_many_are_prefill(engine_id):
     from types import SimpleNamespace
 
